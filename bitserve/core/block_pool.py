@@ -1,0 +1,137 @@
+"""BlockPool: the KV blocks of one cache, their ref counts, the LRU free queue and the prefix-cache map.
+
+Bookkeeping only: block ids index the runner's K/V pages, which this module never touches.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from bitserve.core.block_hash import BlockHash
+
+# NOTE: block 0 is reserved as the null block: never allocated, never freed, never cached. The
+# runner pads block tables with 0 and may point padding slots (e.g. CUDA-graph padding) at it, so
+# stray writes land in a page no request reads.
+NULL_BLOCK_ID = 0
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    """One block of `block_size` token slots.
+
+    Invariant: ref_count >= 0, and a block is free (ref_count == 0, in the free queue) or in use
+    (ref_count > 0, not in the free queue), never both. A free block may still hold `block_hash`:
+    it stays findable for prefix hits until the allocator reuses it.
+    """
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """All blocks of one KV cache.
+
+    The free queue is in LRU order: freed blocks join the tail, allocation takes from the head, so
+    the cached blocks freed longest ago are evicted first. `touch` pulls a free cached block out of
+    the middle of the queue in O(1) (an insertion-ordered dict serves as the linked list).
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._cached_blocks: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, cached or not (a free cached block is evicted when allocated)."""
+        return len(self._free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use, 0..1."""
+        return 1.0 - len(self._free_queue) / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        """The block holding the KV of the prefix `block_hash` names, in use or free; None on a miss."""
+        return self._cached_blocks.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference to each block (prefix hits); a free block leaves the free queue."""
+        for block in blocks:
+            assert block.block_id != NULL_BLOCK_ID, "the null block is never referenced"
+            if block.ref_count == 0:
+                del self._free_queue[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` blocks from the head of the free queue, evicting their cached hashes.
+
+        The caller checks `num_free_blocks` first; asking for more is a bug.
+        """
+        if num_blocks > len(self._free_queue):
+            raise RuntimeError(f"allocate({num_blocks}) with only {len(self._free_queue)} free blocks")
+        allocated = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            assert block.ref_count == 0, f"block {block_id} in the free queue has refs"
+            self._evict(block)
+            block.ref_count = 1
+            allocated.append(block)
+        return allocated
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference to each block, in the given order; blocks reaching 0 join the tail.
+
+        Callers pass a sequence's blocks tail first, so its last (least shared) blocks are evicted
+        before its prefix.
+        """
+        for block in blocks:
+            assert block.ref_count > 0, f"block {block.block_id} freed with ref_count {block.ref_count}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_queue[block.block_id] = None
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a full, computed block under `block_hash` so later requests can hit it.
+
+        If another block already holds this hash (two requests computed the same prefix at once),
+        the first stays registered and `block` remains an ordinary block.
+        """
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return
+        assert block.ref_count > 0, "only blocks in use hold freshly computed KV"
+        if block_hash in self._cached_blocks:
+            return
+        block.block_hash = block_hash
+        self._cached_blocks[block_hash] = block
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free_queue
+
+    def free_block_ids(self) -> list[int]:
+        """Free block ids in eviction order (head first). For tests and debugging."""
+        return list(self._free_queue)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self._cached_blocks.get(block.block_hash) is block:
+            del self._cached_blocks[block.block_hash]
+        block.block_hash = None

@@ -1,0 +1,82 @@
+"""SchedulerConfig and CacheConfig: the scheduling and KV-cache knobs, each default written once.
+
+`bitserve/config.py` re-exports these; they live here so `core/` depends on nothing above it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How one engine replica batches requests. Invalid combinations raise ValueError."""
+
+    max_num_seqs: int = field(
+        default=256, metadata={"help": "Most requests running (holding KV blocks) at once."}
+    )
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "Token budget of one step: decodes plus prefill chunks."}
+    )
+    max_model_len: int = field(
+        default=4096,
+        metadata={
+            "help": "Most tokens (prompt + output) in one sequence; the engine caps it at the model's."
+        },
+    )
+    long_prefill_token_threshold: int = field(
+        default=0,
+        metadata={"help": "Largest prefill chunk one request gets per step (0 = only the budget caps it)."},
+    )
+    aging_interval_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "Seconds of waiting that raise a request one priority class (inf = strict priority)."
+        },
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "Split long prompts across steps so decodes never stall."}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2 (a prompt token plus one output token)")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if not self.aging_interval_s > 0 or math.isnan(self.aging_interval_s):
+            raise ValueError(f"aging_interval_s must be > 0, got {self.aging_interval_s}")
+        # Every running request must be able to take its decode token in the same step.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running decode fits in one step"
+            )
+        # Without chunking a whole sequence (a recomputed one included) must fit in one step.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "with enable_chunked_prefill=False, max_num_batched_tokens must be >= max_model_len"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Shape and policy of the paged KV cache."""
+
+    block_size: int = field(default=16, metadata={"help": "Token slots per KV block."})
+    num_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV blocks per replica, including the reserved null block (None = from memory)."},
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "Reuse the KV of identical prompt prefixes across requests."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")

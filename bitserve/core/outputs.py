@@ -1,0 +1,50 @@
+"""What the scheduler reports each step: one EngineOutput per changed request, and StepStats.
+
+Frozen, picklable, no tensors; `engine/messages.py` re-exports them as part of the engine seam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bitserve.core.request import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """New tokens of one request in one step, and its finish if it finished.
+
+    Emitted once per step for every request that produced tokens or finished; a finished request
+    (abort and deadline included) gets exactly one output with `finish_reason` set, then no more.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    # One entry per new token, in the runner's logprob format; None when not requested.
+    new_logprobs: list[Any] | None
+    finish_reason: FinishReason | None
+    # Prompt tokens served from the prefix cache at first schedule.
+    num_cached_tokens: int
+    # The stop_token_ids entry that ended the request (None for EOS and other reasons).
+    stop_token_id: int | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """Scheduler state after one step, for metrics and the device router."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    kv_usage: float  # fraction of usable KV blocks in use, 0..1
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefix_hit_tokens: int
+    num_prefix_query_tokens: int
+    step_time_s: float = 0.0  # filled by the engine (dataclasses.replace)

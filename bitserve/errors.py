@@ -1,0 +1,92 @@
+"""bitserve's exception hierarchy. Knows nothing about HTTP: `server/errors.py` maps these to statuses.
+
+Every error carries a message, the `param` at fault (if any) and a `hint` telling the caller what to do.
+"""
+
+from __future__ import annotations
+
+
+class BitserveError(Exception):
+    """Base of every error bitserve raises on purpose."""
+
+    def __init__(self, message: str, *, param: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.hint = hint
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.hint:
+            text += f" (hint: {self.hint})"
+        return text
+
+
+class InvalidRequest(BitserveError, ValueError):
+    """A request or parameter is malformed or out of range."""
+
+
+class PayloadTooLarge(BitserveError):
+    """A request body exceeds the configured limit."""
+
+
+class QueueFull(BitserveError):
+    """Admission refused: the waiting queue is full. `retry_after_s` says when to try again."""
+
+    def __init__(self, message: str, *, retry_after_s: float, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or "retry after the number of seconds in Retry-After")
+        self.retry_after_s = retry_after_s
+
+
+class ModelNotFound(BitserveError):
+    """The named model is not known to the catalog or the model roots."""
+
+
+class ModelUnavailable(BitserveError):
+    """The model exists but cannot serve now (loading, draining, missing weights file)."""
+
+
+class InvalidModelFile(BitserveError):
+    """A GGUF file is malformed, hostile or unsupported.
+
+    `offset` is the file offset where the problem was found (None when it is not about one place).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        offset: int | None = None,
+        expected: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        where = []
+        if path is not None:
+            where.append(str(path))
+        if offset is not None:
+            where.append(f"offset {offset}")
+        prefix = f"{': '.join(where)}: " if where else ""
+        text = prefix + message
+        if expected is not None:
+            text += f"; expected {expected}"
+        super().__init__(text, hint=hint)
+        self.path = path
+        self.offset = offset
+        self.expected = expected
+
+
+class UnsupportedModel(InvalidModelFile):
+    """The file is well formed but uses an architecture or format bitserve does not support."""
+
+
+class ModelLoadError(BitserveError):
+    """Loading a model failed for a reason other than the file itself (memory, smoke test)."""
+
+
+class RequestFailed(BitserveError):
+    """One request failed inside the engine; other requests are unaffected."""
+
+
+class EngineDead(BitserveError):
+    """An exception escaped the engine step; the replica is no longer trustworthy."""

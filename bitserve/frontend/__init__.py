@@ -1,0 +1,1 @@
+"""The asyncio-side of an engine (and the shared output processing used by the offline LLM)."""

@@ -1,0 +1,110 @@
+"""OutputProcessor: the one loop over engine step outputs.
+
+Token ids -> text deltas (UTF-8 safe), stop strings with hold-back (a match truncates the text,
+finishes the choice and asks for an engine abort), logprobs passed through. Used by the offline LLM
+and the async frontend alike; holds per-request state keyed by the engine request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bitserve.core.outputs import EngineOutput
+from bitserve.frontend.stop_strings import StopStringMatcher
+from bitserve.sampling_params import SamplingParams
+from bitserve.tokenizer.base import Tokenizer
+from bitserve.tokenizer.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one engine request (one choice of a client request) produced in one step."""
+
+    parent_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    wants_logprobs: bool
+    text: str = ""  # all decoded text so far (before truncation at a stop string)
+    num_emitted_chars: int = 0
+    finished: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _ChoiceState] = {}
+
+    def add_request(self, request_id: str, parent_id: str, index: int, params: SamplingParams) -> None:
+        self._states[request_id] = _ChoiceState(
+            parent_id=parent_id,
+            index=index,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, skip_special=params.skip_special_tokens),
+            matcher=StopStringMatcher(params.stop),
+            wants_logprobs=params.logprobs is not None,
+        )
+
+    def drop_request(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
+
+    def process(self, outputs: Sequence[EngineOutput]) -> tuple[list[ChoiceDelta], list[str]]:
+        """Deltas for every known request in `outputs`, and engine request ids to abort (stop string hit)."""
+        deltas: list[ChoiceDelta] = []
+        abort_ids: list[str] = []
+        for output in outputs:
+            state = self._states.get(output.request_id)
+            if state is None or state.finished:
+                continue
+            delta = self._advance(state, output)
+            if delta.finish_reason is not None:
+                state.finished = True
+                del self._states[output.request_id]
+                if output.finish_reason is None:
+                    abort_ids.append(output.request_id)
+            deltas.append(delta)
+        return deltas, abort_ids
+
+    def _advance(self, state: _ChoiceState, output: EngineOutput) -> ChoiceDelta:
+        num_checked = len(state.text)
+        state.text += state.detokenizer.add_tokens(output.new_token_ids)
+        finish_reason = output.finish_reason.value if output.finish_reason is not None else None
+        stop_reason: str | int | None = output.stop_token_id
+        match = state.matcher.find(state.text, num_checked)
+        if match is not None:
+            state.text = state.text[: match[0]]
+            finish_reason, stop_reason = "stop", match[1]
+            end = len(state.text)
+        elif finish_reason is not None:
+            state.text += state.detokenizer.finish()
+            end = len(state.text)
+        else:
+            end = state.matcher.safe_length(state.text)
+        text_delta = state.text[state.num_emitted_chars : end]
+        state.num_emitted_chars = max(state.num_emitted_chars, end)
+        return ChoiceDelta(
+            parent_id=state.parent_id,
+            index=state.index,
+            text=text_delta,
+            token_ids=list(output.new_token_ids),
+            logprobs=list(output.new_logprobs) if state.wants_logprobs and output.new_logprobs else None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=output.num_cached_tokens,
+        )

@@ -1,0 +1,78 @@
+"""PackedWeight: a weight matrix in one named byte layout. Data, not behaviour.
+
+The loader produces PackedWeights in *file* layouts (exactly the GGUF bytes); a KernelBackend turns
+them once, at load, into its *runtime* layout. Only `kernels/` branches on `layout`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Layout(enum.Enum):
+    # file layouts: `data` is the tensor's raw bytes, uint8 [nbytes]
+    F32 = "F32"
+    F16 = "F16"
+    BF16 = "BF16"
+    Q8_0 = "Q8_0"
+    Q4_0 = "Q4_0"
+    Q4_1 = "Q4_1"
+    Q5_0 = "Q5_0"
+    Q4_K = "Q4_K"
+    Q6_K = "Q6_K"
+    TQ1_0 = "TQ1_0"
+    TQ2_0 = "TQ2_0"
+    I2_S = "I2_S"
+    TL1 = "TL1"
+    TL2 = "TL2"
+    # runtime layouts
+    DENSE = "dense"  # data: float tensor [out, in]
+    TERNARY_I8 = "ternary-i8"  # data: int8 [out, in] in {-1,0,1}; scales: see TernaryWeight
+    TERNARY_2BIT = "ternary-2bit"  # data: uint8 [out, in/4], code t+1, 4 per byte LSB-first along K
+
+
+TERNARY_FILE_LAYOUTS = frozenset({Layout.TQ1_0, Layout.TQ2_0, Layout.I2_S, Layout.TL1, Layout.TL2})
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """One weight matrix.
+
+    `shape` is (out_features, in_features) = (M, K), the PyTorch convention; GGUF's ne is (K, M).
+    `params` holds layout options that the bytes do not record (I2_S packing variant, TL tile config).
+    """
+
+    data: torch.Tensor
+    shape: tuple[int, int]
+    layout: Layout
+    source_type: str
+    scales: torch.Tensor | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_ternary(self) -> bool:
+        return self.layout in TERNARY_FILE_LAYOUTS or self.layout in (
+            Layout.TERNARY_I8,
+            Layout.TERNARY_2BIT,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TernaryCodes:
+    """A decoded ternary matrix: the common form every ternary file layout decodes to.
+
+    values: int8 [M, K] in {-1, 0, +1}.
+    scale:  f32 scalar tensor (one scale per tensor: I2_S, TL1, TL2, or TQ whose blocks share one d),
+            or f32 [M, K // 256] per-block scales (TQ with differing block scales).
+    """
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def is_per_tensor(self) -> bool:
+        return self.scale.dim() == 0

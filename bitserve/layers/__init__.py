@@ -1,0 +1,1 @@
+"""Model building blocks (nn.Modules) and the batched sampler; kernels are reached only through a KernelBackend."""

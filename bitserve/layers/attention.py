@@ -1,0 +1,103 @@
+"""Causal self-attention over a paged KV cache (and a plain full-sequence path for golden tests).
+
+The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; a
+sequence's tokens live in the blocks its block table lists, token p at slot
+`block_table[p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the cache, and which cached tokens each sequence attends to.
+
+    Tokens of sequence s are rows query_start_loc[s]:query_start_loc[s+1] of the flat batch and sit
+    at the last positions of its context, which is seq_lens[s] tokens long after this step.
+    Host-side lists mirror the small tensors so the attention loop needs no device sync.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_table: torch.Tensor  # [num_seqs, max_num_blocks] int64
+    seq_lens: list[int]  # [num_seqs]
+    query_start_loc: list[int]  # [num_seqs + 1]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class PagedAttention(nn.Module):
+    """Multi-head attention with grouped KV heads; q/k/v arrive already projected and rotated."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim].
+
+        With metadata None the batch is one sequence starting at position 0 and nothing is cached
+        (the plain full-sequence forward used as the golden reference).
+        """
+        num_tokens = q.shape[0]
+        if metadata is None or kv_cache is None:
+            out = self._attend(q, k, v, num_context=num_tokens)
+            return out.reshape(num_tokens, -1)
+        self._write_kv(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        key_pages, value_pages = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
+        for seq_idx, seq_len in enumerate(metadata.seq_lens):
+            start, end = metadata.query_start_loc[seq_idx], metadata.query_start_loc[seq_idx + 1]
+            num_blocks = -(-seq_len // metadata.block_size)
+            block_ids = metadata.block_table[seq_idx, :num_blocks]
+            keys = key_pages[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
+            values = value_pages[block_ids].flatten(0, 1)[:seq_len]
+            out[start:end] = self._attend(q[start:end], keys, values, num_context=seq_len)
+        return out.reshape(num_tokens, -1)
+
+    @staticmethod
+    def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # view the pages as a flat slot array: [num_blocks * block_size, kv_heads, head_dim]
+        kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_context: int) -> torch.Tensor:
+        """Queries are the last q.shape[0] positions of a context of num_context tokens (causal)."""
+        num_queries = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = keys.to(torch.float32)
+        values = values.to(torch.float32)
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)  # [num_context, num_heads, head_dim]
+            values = values.repeat_interleave(group, dim=1)
+        q_t, k_t, v_t = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # [heads, len, dim]
+        if num_queries == 1:
+            out = F.scaled_dot_product_attention(q_t, k_t, v_t, scale=self.scale)
+        elif num_queries == num_context:
+            out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=self.scale)
+        else:
+            query_pos = torch.arange(num_context - num_queries, num_context).unsqueeze(1)
+            mask = torch.arange(num_context).unsqueeze(0) <= query_pos  # [num_queries, num_context]
+            out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1)  # [num_queries, num_heads, head_dim]

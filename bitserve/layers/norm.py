@@ -1,0 +1,25 @@
+"""RMSNorm in float32, the norm of every supported architecture (attn/ffn norms and BitNet sub-norms)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
+
+    NOTE: ggml accumulates the sum of squares in double; we do the same so that logits stay as
+    close to llama.cpp as the rest of the graph allows (cheap: one reduction per row).
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.to(torch.float32).reshape(-1), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, width]
+        mean_square = x.to(torch.float64).square().mean(dim=-1, keepdim=True)
+        inv_rms = torch.rsqrt(mean_square.to(torch.float32) + self.eps)
+        return x * inv_rms * self.weight

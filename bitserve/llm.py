@@ -1,0 +1,111 @@
+"""LLM: synchronous offline generation over one Engine (no server, no threads).
+
+    from bitserve import LLM, SamplingParams
+    llm = LLM("smollm2-135m-instruct")
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bitserve.catalog import DEFAULT_MODEL
+from bitserve.config import EngineConfig, ModelConfig
+from bitserve.engine.messages import EngineRequest
+from bitserve.errors import InvalidRequest
+from bitserve.frontend.output_processor import ChoiceDelta, OutputProcessor
+from bitserve.model_instance import ModelInstance
+from bitserve.outputs import CompletionOutput, RequestOutput
+from bitserve.sampling_params import SamplingParams
+from bitserve.tokenizer.chat_template import encode_chat
+
+Prompt = str | Sequence[int]
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of choice `index` of an n-choice request: distinct seeds keep choices distinct."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (2**63))
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **model_options: Any) -> None:
+        if config is None:
+            config = EngineConfig(model=ModelConfig(model=model, **model_options))
+        self.instance = ModelInstance.load(config)
+        self.tokenizer = self.instance.tokenizer
+        self._num_requests = 0
+
+    @property
+    def engine(self):  # noqa: ANN201 - the Engine, for tests and benchmarks
+        return self.instance.engine
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special=True, parse_special=True)
+        return [int(token_id) for token_id in prompt]
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return encode_chat(self.tokenizer, self.instance.chat_template.render(messages))
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run([self.encode(p) for p in prompts], sampling_params or SamplingParams())
+
+    def chat(
+        self, conversations: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate."""
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompt_ids = [self.encode_chat(messages) for messages in conversations]  # type: ignore[arg-type]
+        return self._run(prompt_ids, sampling_params or SamplingParams())
+
+    def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        params.validate_for_vocab(self.tokenizer.vocab_size)
+        engine = self.instance.engine
+        processor = OutputProcessor(self.tokenizer)
+        results: dict[str, RequestOutput] = {}
+        for ids in prompt_ids:
+            if not ids:
+                raise InvalidRequest("the prompt is empty", param="prompt", hint="give at least one token")
+            parent_id = f"offline-{self._num_requests}"
+            self._num_requests += 1
+            results[parent_id] = RequestOutput(parent_id, ids, [CompletionOutput(i, "", []) for i in range(params.n)], False)
+            for index in range(params.n):
+                request_id = f"{parent_id}-{index}"
+                choice = child_params(params, index)
+                engine.add_request(EngineRequest(request_id, tuple(ids), choice, self.tokenizer.eos_token_ids))
+                processor.add_request(request_id, parent_id, index, choice)
+        while engine.has_unfinished_requests():
+            step = engine.step()
+            deltas, abort_ids = processor.process(step.outputs)
+            if abort_ids:
+                engine.abort_requests(abort_ids)
+            for delta in deltas:
+                _accumulate(results[delta.parent_id], delta)
+        for result in results.values():
+            result.finished = all(output.finish_reason is not None for output in result.outputs)
+        return list(results.values())
+
+    def close(self) -> None:
+        self.instance.close()
+
+
+def _accumulate(result: RequestOutput, delta: ChoiceDelta) -> None:
+    output = result.outputs[delta.index]
+    output.text += delta.text
+    output.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        output.logprobs = (output.logprobs or []) + delta.logprobs
+    if delta.finish_reason is not None:
+        output.finish_reason, output.stop_reason = delta.finish_reason, delta.stop_reason
+    result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)

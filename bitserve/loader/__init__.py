@@ -1,0 +1,1 @@
+"""GGUF loading: own parser, structure validation, decoding, model spec and weight loading."""

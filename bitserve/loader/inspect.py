@@ -1,0 +1,68 @@
+"""A readable summary of a GGUF file for `bitserve inspect`: architecture, hyperparameters,
+tokenizer, tensor types with counts and bytes, format dialect, file size."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bitserve.errors import BitserveError
+from bitserve.loader.gguf_reader import GGUFFile
+from bitserve.loader.model_spec import spec_from_metadata
+
+TOKENIZER_KEYS = ("model", "pre", "bos_token_id", "eos_token_id", "eot_token_id", "add_bos_token")
+
+
+def summarize(gguf: GGUFFile) -> dict[str, Any]:
+    """A JSON-ready dict; the spec part is omitted (with the reason) when the arch is unsupported."""
+    metadata = gguf.metadata
+    type_counts: Counter[str] = Counter()
+    type_bytes: Counter[str] = Counter()
+    for info in gguf.tensors.values():
+        type_counts[info.ggml_type.name] += 1
+        type_bytes[info.ggml_type.name] += info.nbytes
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    summary: dict[str, Any] = {
+        "path": str(gguf.path),
+        "file_size": gguf.file_size,
+        "gguf_version": gguf.version,
+        "dialect": gguf.dialect.value,
+        "alignment": gguf.alignment,
+        "architecture": metadata.get("general.architecture"),
+        "name": metadata.get("general.name"),
+        "file_type": metadata.get("general.file_type"),
+        "num_tensors": len(gguf.tensors),
+        "num_parameters": sum(info.num_elements for info in gguf.tensors.values()),
+        "tensor_types": {
+            name: {"count": type_counts[name], "bytes": type_bytes[name]} for name in sorted(type_counts)
+        },
+        "tokenizer": {key: metadata.get(f"tokenizer.ggml.{key}") for key in TOKENIZER_KEYS}
+        | {"vocab_size": len(tokens) if tokens is not None else None,
+           "has_chat_template": "tokenizer.chat_template" in metadata},
+    }
+    try:
+        spec = spec_from_metadata(metadata, tensor_names=set(gguf.tensors), path=str(gguf.path))
+        summary["hyperparameters"] = {
+            field: getattr(spec, field).value if hasattr(getattr(spec, field), "value") else getattr(spec, field)
+            for field in spec.__dataclass_fields__
+        }
+    except (BitserveError, ValueError, TypeError) as exc:  # inspect reports the spec problem, not fails
+        summary["hyperparameters"] = {"error": str(exc)}
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        f"file          {Path(summary['path']).name}  ({summary['file_size'] / 1e6:.1f} MB, GGUF v{summary['gguf_version']}, {summary['dialect']} dialect, alignment {summary['alignment']})",
+        f"architecture  {summary['architecture']}  name={summary['name']}  file_type={summary['file_type']}",
+        f"parameters    {summary['num_parameters']:,} in {summary['num_tensors']} tensors",
+        "hyperparameters",
+    ]
+    lines += [f"  {key:22s}{value}" for key, value in summary["hyperparameters"].items()]
+    lines.append("tokenizer")
+    lines += [f"  {key:22s}{value}" for key, value in summary["tokenizer"].items()]
+    lines.append("tensor types")
+    for name, entry in summary["tensor_types"].items():
+        lines.append(f"  {name:8s}{entry['count']:6d} tensors {entry['bytes'] / 1e6:12.2f} MB")
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""Build a model from a GGUF file: parse, derive the spec, decode each tensor once into the
+backend's runtime layout, and report which tensors were never used (a sign of a wrong name map)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bitserve.errors import InvalidModelFile
+from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
+from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
+from bitserve.kernels.reference.dequant import dequantize, unpack_ternary
+from bitserve.loader.decode import DecodeOptions, make_packed_weight
+from bitserve.loader.gguf_reader import GGUFFile, read_gguf
+from bitserve.loader.model_spec import ModelSpec, spec_from_metadata
+from bitserve.loader.tl_config import TLConfigTable, load_kernel_config_ini, preset, sidecar_path
+from bitserve.models.decoder import DecoderModel
+from bitserve.models.registry import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+# an F16/BF16 LM head bigger than this stays half precision (upcast per chunk at run time)
+MAX_FLOAT32_HEAD_BYTES = 512 * 1024 * 1024
+FLOAT_LAYOUTS = frozenset({Layout.F32, Layout.F16, Layout.BF16})
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    backend: KernelBackend
+    linear_mode: LinearMode = LinearMode.BITNET
+    i2s_variant: str = "A"
+    tl_config: str | None = None  # path to a kernel_config.ini, or "preset:<name>"
+
+
+@dataclass
+class GGUFWeightSource:
+    """WeightSource over one open GGUFFile; remembers which tensors the model consumed."""
+
+    gguf: GGUFFile
+    backend: KernelBackend
+    linear_mode: LinearMode
+    decode_options: DecodeOptions
+    used: set[str] = field(default_factory=set)
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def mark_used(self, name: str) -> None:
+        self.used.add(name)
+
+    def packed(self, name: str) -> PackedWeight:
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise InvalidModelFile(f"missing tensor {name!r}", path=self.gguf.path, hint="the file does not match its architecture's tensor layout")
+        self.used.add(name)
+        return make_packed_weight(info, self.gguf.tensor_data(name), options=self.decode_options)
+
+    def vector(self, name: str) -> torch.Tensor:
+        return dequantize(self.packed(name)).reshape(-1)
+
+    def dense(self, name: str) -> torch.Tensor:
+        weight = self.packed(name)
+        is_half = weight.layout in (Layout.F16, Layout.BF16)
+        num_rows, num_cols = weight.shape
+        if is_half and num_rows * num_cols * 4 > MAX_FLOAT32_HEAD_BYTES:
+            dtype = torch.float16 if weight.layout is Layout.F16 else torch.bfloat16
+            return weight.data.view(dtype).reshape(num_rows, num_cols)  # zero-copy over the mmap
+        return dequantize(weight)
+
+    def linear(self, name: str, *, may_be_ternary: bool) -> PreparedLinear:
+        weight = self.packed(name)
+        if weight.layout in TERNARY_FILE_LAYOUTS:
+            return self.backend.prepare_ternary(unpack_ternary(weight), mode=self.linear_mode)
+        dense = dequantize(weight)
+        if may_be_ternary and weight.layout in FLOAT_LAYOUTS:
+            codes = ternary_codes_of(dense)
+            if codes is not None:
+                return self.backend.prepare_ternary(codes, mode=self.linear_mode)
+        return self.backend.prepare_dense(dense)
+
+
+def ternary_codes_of(dense: torch.Tensor) -> TernaryCodes | None:
+    """If every value of dense [M, K] is in {-s, 0, +s} for one s > 0, return those codes and s."""
+    scale = dense.abs().max()
+    if not torch.isfinite(scale) or scale <= 0:
+        return None
+    values = torch.sign(dense).to(torch.int8)
+    if not torch.equal(values.to(torch.float32) * scale, dense):
+        return None
+    return TernaryCodes(values=values, scale=scale.to(torch.float32))
+
+
+def tl_configs_for(path: Path, option: str | None, gguf: GGUFFile) -> TLConfigTable | None:
+    """The TL tile table: explicit option, else the `<model>.kernel_config.ini` sidecar, else none."""
+    if option is not None and option.startswith("preset:"):
+        kinds = {info.ggml_type.name.lower() for info in gguf.tensors.values()} & {"tl1", "tl2"}
+        return preset(option.removeprefix("preset:"), "tl1" if "tl1" in kinds else "tl2")
+    if option is not None:
+        return load_kernel_config_ini(option)
+    sidecar = sidecar_path(path)
+    return load_kernel_config_ini(sidecar) if sidecar.exists() else None
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    gguf: GGUFFile
+    spec: ModelSpec
+    model: DecoderModel
+    backend: KernelBackend
+    linear_mode: LinearMode
+    load_seconds: float
+    unused_tensors: list[str]
+
+    def close(self) -> None:
+        self.gguf.close()
+
+
+def load_model(path: str | Path, options: LoadOptions) -> LoadedModel:
+    """Parse and validate `path`, build its model on `options.backend`. Raises InvalidModelFile."""
+    start = time.perf_counter()
+    path = Path(path)
+    gguf = read_gguf(path)
+    try:
+        spec = spec_from_metadata(gguf.metadata, tensor_names=set(gguf.tensors), path=str(path))
+        decode_options = DecodeOptions(
+            i2s_variant=options.i2s_variant, tl_configs=tl_configs_for(path, options.tl_config, gguf)
+        )
+        source = GGUFWeightSource(gguf, options.backend, options.linear_mode, decode_options)
+        with torch.inference_mode():
+            model = MODEL_REGISTRY[spec.architecture](spec, source)
+        model.eval()
+    except BaseException:
+        gguf.close()
+        raise
+    unused = sorted(set(gguf.tensors) - source.used)
+    if unused:
+        logger.warning("%s: %d tensors not used by the %s model: %s", path.name, len(unused), spec.architecture, unused[:8])
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %d layers) in %.2f s on backend %s", path.name, spec.architecture, spec.num_layers, seconds, options.backend.name)
+    return LoadedModel(path, gguf, spec, model, options.backend, options.linear_mode, seconds, unused)

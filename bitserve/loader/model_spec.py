@@ -1,0 +1,114 @@
+"""GGUF metadata -> ModelSpec: the load-time facts every other part reads. Derived once, frozen.
+
+An unsupported architecture fails here with the list of supported ones (the registry's keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bitserve.errors import InvalidModelFile, UnsupportedModel
+from bitserve.layers.rotary import RopeStyle
+
+# Per architecture: rope style, whether sub-norms exist, default FFN activation (spec 4.1).
+ARCHITECTURE_TRAITS: dict[str, tuple[RopeStyle, bool, str]] = {
+    "llama": (RopeStyle.NORM, False, "silu"),
+    "bitnet-b1.58": (RopeStyle.NEOX, True, "relu2"),
+    "bitnet-25": (RopeStyle.NEOX, True, "relu2"),
+    "bitnet": (RopeStyle.NEOX, True, "silu"),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_TRAITS)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    architecture: str
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    rope_dim: int
+    rope_theta: float
+    rope_style: RopeStyle
+    rope_position_scale: float
+    rms_norm_eps: float
+    activation: str
+    has_sub_norms: bool
+    tie_word_embeddings: bool
+
+
+def _require(metadata: Mapping[str, Any], key: str, path: str | None) -> Any:
+    if key not in metadata:
+        raise InvalidModelFile(f"missing metadata key {key!r}", path=path, hint="the file was not written by a complete GGUF converter")
+    return metadata[key]
+
+
+def _positive_int(metadata: Mapping[str, Any], key: str, path: str | None, default: int | None = None) -> int:
+    value = metadata.get(key, default) if default is not None else _require(metadata, key, path)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidModelFile(f"metadata {key!r} = {value!r}", path=path, expected="a positive integer")
+    return value
+
+
+def _activation(metadata: Mapping[str, Any], arch: str, default: str) -> str:
+    for key in (f"{arch}.hidden_act", f"{arch}.hidden_activation"):
+        value = metadata.get(key)
+        if isinstance(value, str):
+            return value.lower()
+    return default
+
+
+def _rope_position_scale(metadata: Mapping[str, Any], arch: str, path: str | None) -> float:
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear", 1.0)))
+    if scaling in ("none", "linear") and factor > 0:
+        return 1.0 / factor if scaling == "linear" else 1.0
+    raise UnsupportedModel(f"rope scaling {scaling!r} (factor {factor}) is not supported", path=path, hint="supported: none, linear")
+
+
+def spec_from_metadata(metadata: Mapping[str, Any], *, tensor_names: set[str], path: str | None = None) -> ModelSpec:
+    """Build a ModelSpec from GGUF metadata. `tensor_names` decides tied embeddings (no output.weight)."""
+    arch = _require(metadata, "general.architecture", path)
+    if arch not in ARCHITECTURE_TRAITS:
+        raise UnsupportedModel(
+            f"unsupported architecture {arch!r}",
+            path=path,
+            hint=f"bitserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    rope_style, has_sub_norms, default_activation = ARCHITECTURE_TRAITS[arch]
+    hidden_size = _positive_int(metadata, f"{arch}.embedding_length", path)
+    num_heads = _positive_int(metadata, f"{arch}.attention.head_count", path)
+    num_kv_heads = _positive_int(metadata, f"{arch}.attention.head_count_kv", path, default=num_heads)
+    head_dim = _positive_int(metadata, f"{arch}.attention.key_length", path, default=hidden_size // num_heads)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab_default = len(tokens) if tokens is not None else None
+    activation = _activation(metadata, arch, default_activation)
+    if num_heads % num_kv_heads:
+        raise InvalidModelFile(f"head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}", path=path)
+    return ModelSpec(
+        architecture=arch,
+        name=str(metadata.get("general.name", arch)),
+        num_layers=_positive_int(metadata, f"{arch}.block_count", path),
+        hidden_size=hidden_size,
+        intermediate_size=_positive_int(metadata, f"{arch}.feed_forward_length", path),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=_positive_int(metadata, f"{arch}.vocab_size", path, default=vocab_default),
+        max_model_len=_positive_int(metadata, f"{arch}.context_length", path, default=4096),
+        rope_dim=_positive_int(metadata, f"{arch}.rope.dimension_count", path, default=head_dim),
+        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_style=rope_style,
+        rope_position_scale=_rope_position_scale(metadata, arch, path),
+        rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        activation=activation,
+        has_sub_norms=has_sub_norms,
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )

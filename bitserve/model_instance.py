@@ -1,0 +1,98 @@
+"""ModelInstance: one loaded model with everything needed to serve it — weights on a backend,
+tokenizer, chat template, and an Engine over a paged KV cache. Built by the offline LLM and by the
+server's model manager from the same EngineConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bitserve.catalog import resolve_model
+from bitserve.config import EngineConfig
+from bitserve.engine.engine import Engine
+from bitserve.errors import InvalidRequest
+from bitserve.kernels.backend import LinearMode, select_backend
+from bitserve.loader.model_loader import LoadedModel, LoadOptions, load_model
+from bitserve.runner.kv_cache import plan_cache
+from bitserve.runner.model_runner import ModelRunner
+from bitserve.tokenizer.chat_template import ChatTemplate
+from bitserve.tokenizer.gguf_vocab import GGUFTokenizer, tokenizer_from_gguf
+
+logger = logging.getLogger(__name__)
+
+
+def parse_linear_mode(name: str) -> LinearMode:
+    try:
+        return LinearMode(name)
+    except ValueError:
+        choices = ", ".join(mode.value for mode in LinearMode)
+        raise InvalidRequest(f"unknown linear mode {name!r}", param="linear_mode", hint=f"one of {choices}") from None
+
+
+@dataclass
+class ModelInstance:
+    name: str
+    path: Path
+    loaded: LoadedModel
+    tokenizer: GGUFTokenizer
+    chat_template: ChatTemplate
+    engine: Engine
+    config: EngineConfig
+    max_model_len: int
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelInstance:
+        model_config = config.model
+        if model_config.num_threads is not None:
+            torch.set_num_threads(model_config.num_threads)
+        path = resolve_model(model_config.model)
+        options = LoadOptions(
+            backend=select_backend(model_config.backend),
+            linear_mode=parse_linear_mode(model_config.linear_mode),
+            i2s_variant=model_config.i2s_variant,
+            tl_config=model_config.tl_config,
+        )
+        loaded = load_model(path, options)
+        try:
+            return cls._assemble(config, path, loaded)
+        except BaseException:
+            loaded.close()
+            raise
+
+    @classmethod
+    def _assemble(cls, config: EngineConfig, path: Path, loaded: LoadedModel) -> ModelInstance:
+        metadata = loaded.gguf.metadata
+        tokenizer = tokenizer_from_gguf(metadata, pre_policy=config.model.tokenizer_pre)
+        chat_template = ChatTemplate(
+            metadata.get("tokenizer.chat_template"),
+            bos_token=tokenizer.id_to_piece(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else "",
+            eos_token=tokenizer.id_to_piece(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else "",
+            architecture=loaded.spec.architecture,
+        )
+        max_model_len = min(
+            loaded.spec.max_model_len,
+            config.model.max_model_len or loaded.spec.max_model_len,
+            config.scheduler.max_model_len,
+        )
+        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        layout = plan_cache(
+            loaded.spec,
+            block_size=config.cache.block_size,
+            memory_bytes=config.kv_cache_memory_bytes,
+            dtype_name=config.model.kv_cache_dtype,
+            num_blocks=config.cache.num_blocks,
+        )
+        runner = ModelRunner(loaded.model, layout)
+        engine = Engine.build(runner, scheduler_config, config.cache)
+        logger.info(
+            "model %s ready: max_model_len %d, %d KV blocks of %d tokens (%.1f MB)",
+            path.name, max_model_len, layout.num_blocks, layout.block_size, layout.total_bytes / 1e6,
+        )
+        return cls(config.model.model, path, loaded, tokenizer, chat_template, engine, config, max_model_len)
+
+    def close(self) -> None:
+        self.loaded.close()

@@ -1,0 +1,61 @@
+"""SchedulerOutput -> BatchInputs: the flat token batch, positions and paged-attention metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.layers.attention import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    sample_indices: torch.Tensor  # [num_sampled] int64: rows of the batch whose logits are sampled
+    sampled_request_ids: list[str]  # [num_sampled], same order
+
+
+def build_batch_inputs(requests: Sequence[ScheduledRequest], block_size: int) -> BatchInputs:
+    """Lay out each scheduled request's tokens back to back (prefill chunks and decodes mixed)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    query_start_loc = [0]
+    sample_indices: list[int] = []
+    sampled_request_ids: list[str] = []
+    max_num_blocks = max((len(r.block_ids) for r in requests), default=0)
+    block_table = torch.zeros((len(requests), max(max_num_blocks, 1)), dtype=torch.int64)
+    for row, request in enumerate(requests):
+        num_new = len(request.token_ids)
+        start = request.start_position
+        input_ids.extend(request.token_ids)
+        for position in range(start, start + num_new):
+            positions.append(position)
+            slots.append(request.block_ids[position // block_size] * block_size + position % block_size)
+        seq_lens.append(start + num_new)
+        query_start_loc.append(query_start_loc[-1] + num_new)
+        if request.block_ids:
+            block_table[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int64)
+        if request.sample:
+            sample_indices.append(query_start_loc[-1] - 1)
+            sampled_request_ids.append(request.request_id)
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_table=block_table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        block_size=block_size,
+    )
+    return BatchInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        attn=attn,
+        sample_indices=torch.tensor(sample_indices, dtype=torch.int64),
+        sampled_request_ids=sampled_request_ids,
+    )

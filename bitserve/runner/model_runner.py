@@ -1,0 +1,76 @@
+"""ModelRunner: SchedulerOutput -> one forward pass over the paged KV cache -> sampled token ids.
+
+Owns the model, the per-layer KV tensors, the sampler and each request's seeded generator. Called
+from the engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from bitserve.layers.sampler import Sampler, SamplingRequestState, make_generator
+from bitserve.models.decoder import DecoderModel
+from bitserve.runner.input_batch import build_batch_inputs
+from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, layout: CacheLayout) -> None:
+        self.model = model
+        self.layout = layout
+        self.kv_caches = allocate_kv_caches(layout)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run the scheduled tokens; return one sampled token per request whose `sample` is set.
+
+        Preconditions (kept by the scheduler): every position written has a slot in the request's
+        block table, and cached positions below start_position already hold this request's KV.
+        """
+        # preempted requests keep their generator: a resumed seeded request continues its stream
+        self.free_request_state(scheduler_output.finished_request_ids)
+        requests = scheduler_output.requests
+        if not requests:
+            return RunnerOutput(sampled_token_ids={}, logprobs=None)
+        batch = build_batch_inputs(requests, self.layout.block_size)
+        hidden_states = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if not batch.sampled_request_ids:
+            return RunnerOutput(sampled_token_ids={}, logprobs=None)
+        logits = self.model.compute_logits(hidden_states[batch.sample_indices])  # [num_sampled, vocab]
+        rows = self._sampling_rows([r for r in requests if r.sample])
+        sampled = self.sampler(logits, rows)
+        token_ids = {rid: [tok] for rid, tok in zip(batch.sampled_request_ids, sampled.token_ids)}
+        logprobs = None
+        if sampled.logprobs is not None:
+            logprobs = {
+                rid: [entry] for rid, entry in zip(batch.sampled_request_ids, sampled.logprobs) if entry is not None
+            }
+        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+
+    def _sampling_rows(self, requests: Sequence[ScheduledRequest]) -> list[SamplingRequestState]:
+        rows = []
+        for request in requests:
+            if request.request_id not in self._generators:
+                self._generators[request.request_id] = make_generator(request.params.seed)
+            rows.append(
+                SamplingRequestState(
+                    params=request.params,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    generator=self._generators[request.request_id],
+                    eos_token_ids=tuple(request.eos_token_ids),
+                )
+            )
+        return rows
+
+    def free_request_state(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)

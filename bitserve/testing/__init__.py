@@ -1,0 +1,1 @@
+"""Tools that write synthetic models for tests, fixtures and benchmarks (never used when serving)."""

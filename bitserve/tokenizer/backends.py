@@ -1,0 +1,177 @@
+"""HF `tokenizers` models that reproduce llama.cpp's BPE and SPM tokenization of raw text.
+
+Pre-tokenizer regexes are llama.cpp's (src/llama-vocab.cpp, llm_tokenizer_bpe). Special tokens are
+not registered here: gguf_vocab.py splits them out first, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from tokenizers import Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from bitserve.errors import InvalidModelFile, UnsupportedModel
+
+logger = logging.getLogger(__name__)
+
+# GPT-2's pre-tokenizer regex. llama.cpp lists it without the final `|\s+` but its hand-written
+# matcher does match a lone whitespace run; with "isolated" splitting both give the same pieces.
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Llama-3 (tiktoken) regex in llama.cpp's adapted form: ASCII-only case folding of contractions.
+LLAMA3_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizerSpec:
+    """One llama.cpp pre-tokenizer: regexes applied in turn, each splitting the previous pieces.
+
+    ignore_merges: a piece that is itself a vocabulary entry is taken whole (tiktoken behaviour).
+    default_add_bos: llama.cpp's BOS default for this type when `add_bos_token` is absent.
+    """
+
+    name: str
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False
+    default_add_bos: bool = False
+
+
+_DEFAULT = PreTokenizerSpec("default", (r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", "[0-9][0-9][0-9]"))
+_LLAMA3 = PreTokenizerSpec("llama-bpe", (LLAMA3_REGEX,), ignore_merges=True, default_add_bos=True)
+_LLAMA3_REGEX_ONLY = PreTokenizerSpec("dbrx", (LLAMA3_REGEX,))
+_SMOLLM = PreTokenizerSpec("smollm", (r"\p{N}", GPT2_REGEX))
+_GPT2 = PreTokenizerSpec("gpt-2", (GPT2_REGEX,))
+
+# `tokenizer.ggml.pre` value -> spec. Only names whose llama.cpp behaviour (regexes, ignore_merges,
+# BOS default) is exactly one of the specs above; `gpt2` is our own alias for `gpt-2`.
+_PRE_TOKENIZERS: Mapping[str, PreTokenizerSpec] = MappingProxyType(
+    {
+        "default": _DEFAULT,
+        **dict.fromkeys(
+            ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+            _LLAMA3,
+        ),
+        **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_REGEX_ONLY),
+        **dict.fromkeys(
+            ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+            _SMOLLM,
+        ),
+        **dict.fromkeys(
+            ("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling"), _GPT2
+        ),
+    }
+)
+SUPPORTED_PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(_PRE_TOKENIZERS))
+
+
+def pre_tokenizer_spec(name: str) -> PreTokenizerSpec:
+    """The spec for a `tokenizer.ggml.pre` value; an unknown name is an UnsupportedModel error."""
+    spec = _PRE_TOKENIZERS.get(name)
+    if spec is None:
+        raise UnsupportedModel(
+            f"unsupported pre-tokenizer tokenizer.ggml.pre={name!r}",
+            expected=f"one of {', '.join(SUPPORTED_PRE_TOKENIZERS)}",
+            hint="bitserve reproduces llama.cpp's splitting only for these pre-tokenizer types",
+        )
+    return spec
+
+
+def gpt2_byte_to_unicode() -> tuple[str, ...]:
+    """GPT-2's reversible byte -> printable character map (index = byte value)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    num_shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + num_shifted)
+            num_shifted += 1
+    return tuple(table[b] for b in range(256))
+
+
+def _parse_merges(merges: Sequence[str], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """`"left right"` strings -> pairs, in rank order, keeping the first of duplicates (llama.cpp).
+
+    HF's BPE refuses a merge whose parts or result are not in the vocabulary; llama.cpp would merge
+    and then fall back to bytes. Such merges cannot change real files' output, so they are dropped.
+    """
+    pairs: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    num_dropped = 0
+    for index, merge in enumerate(merges):
+        if not isinstance(merge, str):
+            raise InvalidModelFile(
+                f"tokenizer.ggml.merges[{index}] is {type(merge).__name__}", expected="a string"
+            )
+        split_at = merge.find(" ", 1)  # the first space after position 0, as llama.cpp splits
+        left, right = merge[:split_at], merge[split_at + 1 :]
+        pair = (left, right)
+        if (
+            split_at < 0
+            or pair in seen
+            or left not in vocab
+            or right not in vocab
+            or left + right not in vocab
+        ):
+            num_dropped += 1
+            continue
+        seen.add(pair)
+        pairs.append(pair)
+    if num_dropped:
+        logger.warning(
+            "dropped %d of %d BPE merges (malformed, duplicate or out of vocabulary)",
+            num_dropped,
+            len(merges),
+        )
+    return pairs
+
+
+def build_byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], spec: PreTokenizerSpec) -> HFTokenizer:
+    """Byte-level BPE over `tokens` (GPT-2 byte form) with llama.cpp's regex pre-splitting."""
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    model = models.BPE(vocab=vocab, merges=_parse_merges(merges, vocab), ignore_merges=spec.ignore_merges)
+    backend = HFTokenizer(model)
+    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in spec.regexes]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    return backend
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Merges equivalent to llama.cpp's SPM tokenizer: every split of a token into two tokens.
+
+    llama.cpp repeatedly joins the adjacent pair whose concatenation is the highest-scoring token
+    (leftmost on ties). Ranking each split by its token's score (higher first) gives HF's BPE the
+    same order; splits of one token never compete, so their relative order is irrelevant. Two
+    *different* tokens with equal scores are ordered by id here, by position in llama.cpp.
+    """
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    ranked: list[tuple[float, int, int]] = []
+    for token_id, token in enumerate(tokens):
+        for split_at in range(1, len(token)):
+            if token[:split_at] in vocab and token[split_at:] in vocab:
+                ranked.append((-scores[token_id], token_id, split_at))
+    ranked.sort()
+    return [(tokens[token_id][:split_at], tokens[token_id][split_at:]) for _, token_id, split_at in ranked]
+
+
+def build_spm_bpe(tokens: Sequence[str], scores: Sequence[float], unk_token: str | None) -> HFTokenizer:
+    """SentencePiece-style BPE: input must already have spaces escaped to U+2581; no pre-splitting.
+
+    Characters missing from the vocabulary fall back to `<0xNN>` byte tokens, as in llama.cpp.
+    """
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    model = models.BPE(
+        vocab=vocab,
+        merges=_spm_merges(tokens, scores),
+        unk_token=unk_token,
+        byte_fallback=True,
+        fuse_unk=False,
+    )
+    return HFTokenizer(model)
