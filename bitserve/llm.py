@@ -19,7 +19,6 @@ from bitserve.frontend.output_processor import ChoiceDelta, OutputProcessor
 from bitserve.model_instance import ModelInstance
 from bitserve.outputs import CompletionOutput, RequestOutput
 from bitserve.sampling_params import SamplingParams
-from bitserve.tokenizer.chat_template import encode_chat
 
 Prompt = str | Sequence[int]
 
@@ -49,7 +48,7 @@ class LLM:
         return [int(token_id) for token_id in prompt]
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return encode_chat(self.tokenizer, self.instance.chat_template.render(messages))
+        return self.instance.encode_chat(messages)
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,7 +21,7 @@ from bitserve.kernels.backend import LinearMode, select_backend
 from bitserve.loader.model_loader import LoadedModel, LoadOptions, load_model
 from bitserve.runner.kv_cache import plan_cache
 from bitserve.runner.model_runner import ModelRunner
-from bitserve.tokenizer.chat_template import ChatTemplate
+from bitserve.tokenizer.chat_template import ChatTemplate, encode_chat
 from bitserve.tokenizer.gguf_vocab import GGUFTokenizer, tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ class ModelInstance:
     path: Path
     loaded: LoadedModel
     tokenizer: GGUFTokenizer
-    chat_template: ChatTemplate
+    chat_template: ChatTemplate | InvalidRequest
     engine: Engine
     config: EngineConfig
     max_model_len: int
@@ -67,12 +69,15 @@ class ModelInstance:
     def _assemble(cls, config: EngineConfig, path: Path, loaded: LoadedModel) -> ModelInstance:
         metadata = loaded.gguf.metadata
         tokenizer = tokenizer_from_gguf(metadata, pre_policy=config.model.tokenizer_pre)
-        chat_template = ChatTemplate(
-            metadata.get("tokenizer.chat_template"),
-            bos_token=tokenizer.id_to_piece(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else "",
-            eos_token=tokenizer.id_to_piece(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else "",
-            architecture=loaded.spec.architecture,
-        )
+        try:
+            chat_template: ChatTemplate | InvalidRequest = ChatTemplate(
+                metadata.get("tokenizer.chat_template"),
+                bos_token=tokenizer.id_to_piece(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else "",
+                eos_token=tokenizer.id_to_piece(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else "",
+                architecture=loaded.spec.architecture,
+            )
+        except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
+            chat_template = exc
         max_model_len = min(
             loaded.spec.max_model_len,
             config.model.max_model_len or loaded.spec.max_model_len,
@@ -93,6 +98,12 @@ class ModelInstance:
             path.name, max_model_len, layout.num_blocks, layout.block_size, layout.total_bytes / 1e6,
         )
         return cls(config.model.model, path, loaded, tokenizer, chat_template, engine, config, max_model_len)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Render `messages` with the model's chat template and tokenize. Raises InvalidRequest."""
+        if isinstance(self.chat_template, InvalidRequest):
+            raise self.chat_template
+        return encode_chat(self.tokenizer, self.chat_template.render(messages))
 
     def close(self) -> None:
         self.loaded.close()

@@ -243,7 +243,7 @@ def _token_to_piece(llama_cpp: Any, vocab: Any, token_id: int) -> bytes:
         size = -num_bytes
 
 
-def _llama_cpp_record(path: Path, strings: Sequence[str]) -> dict[str, Any]:
+def llama_cpp_record_for(path: Path, strings: Sequence[str]) -> dict[str, Any]:
     """llama.cpp's view of a vocabulary: special ids, EOG set, piece hash, and each string's ids."""
     import llama_cpp
 
@@ -293,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             record = {
                 "variant": name,
                 "tokenizer_kwargs": tokenizer_kwargs,
-                **_llama_cpp_record(path, STRINGS),
+                **llama_cpp_record_for(path, STRINGS),
             }
             out = args.out / f"{name}.json"
             out.write_text(json.dumps(record, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")

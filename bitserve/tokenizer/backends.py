@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from tokenizers import Regex, models, pre_tokenizers
@@ -71,7 +71,8 @@ SUPPORTED_PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(_PRE_TOKENIZERS))
 
 
 def pre_tokenizer_spec(name: str) -> PreTokenizerSpec:
-    """The spec for a `tokenizer.ggml.pre` value; an unknown name is an UnsupportedModel error."""
+    """The spec for a `tokenizer.ggml.pre` value, carrying that name; an unknown name is an
+    UnsupportedModel error listing the supported ones."""
     spec = _PRE_TOKENIZERS.get(name)
     if spec is None:
         raise UnsupportedModel(
@@ -79,7 +80,7 @@ def pre_tokenizer_spec(name: str) -> PreTokenizerSpec:
             expected=f"one of {', '.join(SUPPORTED_PRE_TOKENIZERS)}",
             hint="bitserve reproduces llama.cpp's splitting only for these pre-tokenizer types",
         )
-    return spec
+    return replace(spec, name=name)
 
 
 def gpt2_byte_to_unicode() -> tuple[str, ...]:
@@ -146,19 +147,21 @@ def build_byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], spec: Pre
 def _spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
     """Merges equivalent to llama.cpp's SPM tokenizer: every split of a token into two tokens.
 
-    llama.cpp repeatedly joins the adjacent pair whose concatenation is the highest-scoring token
-    (leftmost on ties). Ranking each split by its token's score (higher first) gives HF's BPE the
-    same order; splits of one token never compete, so their relative order is irrelevant. Two
-    *different* tokens with equal scores are ordered by id here, by position in llama.cpp.
+    llama.cpp repeatedly joins the adjacent pair whose concatenation is the highest-scoring token,
+    leftmost first on ties. Ranking each split by its token's score (higher first) gives HF's BPE
+    the same order. Equal scores are ranked by (token id, split point) here instead of by position;
+    that can change the result only when equal-score merges overlap and feed each other (rare;
+    not seen on the test vocabularies, whose scores are distinct).
     """
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    ranked: list[tuple[float, int, int]] = []
-    for token_id, token in enumerate(tokens):
+    merges: list[tuple[str, str]] = []
+    for token_id in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+        token = tokens[token_id]
         for split_at in range(1, len(token)):
-            if token[:split_at] in vocab and token[split_at:] in vocab:
-                ranked.append((-scores[token_id], token_id, split_at))
-    ranked.sort()
-    return [(tokens[token_id][:split_at], tokens[token_id][split_at:]) for _, token_id, split_at in ranked]
+            left, right = token[:split_at], token[split_at:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
 
 
 def build_spm_bpe(tokens: Sequence[str], scores: Sequence[float], unk_token: str | None) -> HFTokenizer:

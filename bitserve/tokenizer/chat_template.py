@@ -128,8 +128,11 @@ class ChatTemplate:
         self._compiled: jinja2.Template | None = None
         if name is not None:
             if name not in NAMED_TEMPLATES:
-                raise InvalidRequest(f"unknown chat template name {name!r}", param="chat_template",
-                                     hint=f"one of {', '.join(NAMED_TEMPLATES)}")  # fmt: skip
+                raise InvalidRequest(
+                    f"unknown chat template name {name!r}",
+                    param="chat_template",
+                    hint=f"one of {', '.join(NAMED_TEMPLATES)}",
+                )
             self.name = name
         elif source is None:
             raise _no_template_error(architecture)
@@ -148,6 +151,27 @@ class ChatTemplate:
                     f"tokenizer.chat_template is not valid Jinja: {exc.message} (line {exc.lineno})",
                     hint=f"configure a named chat template instead ({', '.join(NAMED_TEMPLATES)})",
                 ) from exc
+
+    @classmethod
+    def for_tokenizer(
+        cls,
+        tokenizer: Tokenizer,
+        source: str | None,
+        *,
+        name: str | None = None,
+        architecture: str | None = None,
+        bitnet_segmentwise: bool = True,
+    ) -> ChatTemplate:
+        """The template with `bos_token` / `eos_token` taken from the tokenizer's vocabulary."""
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        return cls(
+            source,
+            name=name,
+            bos_token="" if bos is None else tokenizer.id_to_piece(bos),
+            eos_token="" if eos is None else tokenizer.id_to_piece(eos),
+            architecture=architecture,
+            bitnet_segmentwise=bitnet_segmentwise,
+        )
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True

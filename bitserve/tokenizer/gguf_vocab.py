@@ -183,8 +183,10 @@ class GGUFTokenizer:
 
     def token_type(self, token_id: int) -> TokenType:
         self._check_id(token_id)
-        value = self._token_types[token_id]
-        return TokenType(value) if value in TokenType._value2member_map_ else TokenType.UNDEFINED
+        try:
+            return TokenType(self._token_types[token_id])
+        except ValueError:  # llama.cpp reads unknown type values as undefined
+            return TokenType.UNDEFINED
 
     def is_special(self, token_id: int) -> bool:
         self._check_id(token_id)

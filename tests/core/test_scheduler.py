@@ -235,3 +235,26 @@ def test_waiting_head_blocks_the_queue_when_it_does_not_fit(make_scheduler, make
     output, _ = run_step(scheduler)
     # FCFS: the small request does not overtake the big one (that could starve big requests).
     assert [r.request_id for r in output.requests] == ["a"]
+
+
+def test_preempting_an_already_scheduled_decode_unschedules_it(
+    make_scheduler, make_request, run_step, invariants
+) -> None:
+    # 11 usable blocks of 4. A HIGH 40-token prompt prefills 8 tokens a step while a LOW request
+    # decodes; at the fifth step the prefill needs blocks only the (already scheduled) decode holds.
+    scheduler = make_scheduler(block_size=4, num_blocks=12, max_model_len=64, long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("high", range(100, 140), priority=Priority.HIGH, max_tokens=1))
+    scheduler.add_request(make_request("low", [1, 2, 3, 4], priority=Priority.LOW, max_tokens=20))
+    for _ in range(4):
+        output, _ = run_step(scheduler)
+        assert {r.request_id for r in output.requests} == {"high", "low"}
+    scheduler.add_request(make_request("tiny", [9], priority=Priority.HIGH, max_tokens=1))
+    output, _ = run_step(scheduler)
+    invariants(scheduler, output)
+    assert output.preempted_request_ids == ["low"]
+    # The decode scheduled earlier in this step is gone, its token back in the budget; and after a
+    # preemption no waiting request is admitted in the same step (memory is tight).
+    assert [(r.request_id, len(r.token_ids)) for r in output.requests] == [("high", 8)]
+    assert output.num_scheduled_tokens == 8
+    output, _ = run_step(scheduler)
+    assert [r.request_id for r in output.requests] == ["tiny", "low"]

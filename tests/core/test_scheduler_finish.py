@@ -145,17 +145,33 @@ def test_deadline_of_a_waiting_request(make_scheduler, make_request, run_step, c
     no_leak(scheduler)
 
 
-def test_deadline_of_a_running_request_keeps_its_last_token(
-    make_scheduler, make_request, run_step, clock
-) -> None:
+def test_deadline_of_a_running_request_keeps_its_last_token(make_scheduler, make_request, clock) -> None:
     scheduler = make_scheduler(clock=clock)
     scheduler.add_request(make_request("a", [1, 2], max_tokens=50, deadline=clock.now + 2.5))
     outputs = []
-    for _ in range(10):
-        outputs += run_step(scheduler)[1]
-        clock.advance(1.0)
-    assert _tokens(outputs) == [7, 7, 7] and outputs[-1].finish_reason == FinishReason.DEADLINE
-    assert [o.finish_reason for o in outputs].count(FinishReason.DEADLINE) == 1
+    for _ in range(3):
+        output = scheduler.schedule()
+        clock.advance(1.0)  # the step itself takes a second
+        outputs += scheduler.update(output, RunnerOutput({"a": [7]}))
+    # Expired during the third step: its token is delivered together with the finish.
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ([7], None),
+        ([7], None),
+        ([7], FinishReason.DEADLINE),
+    ]
+    assert not scheduler.has_unfinished_requests() and scheduler.kv.usage == 0.0
+
+
+def test_deadline_expiring_between_steps_finishes_at_schedule(
+    make_scheduler, make_request, run_step, clock
+) -> None:
+    scheduler = make_scheduler(clock=clock)
+    scheduler.add_request(make_request("a", [1, 2], max_tokens=50, deadline=clock.now + 1.5))
+    assert run_step(scheduler)[1][0].finish_reason is None
+    clock.advance(2.0)
+    output, outputs = run_step(scheduler)
+    assert output.requests == [] and output.finished_request_ids == ["a"]
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([], FinishReason.DEADLINE)]
 
 
 def test_impossible_requests_are_rejected_at_add(make_scheduler, make_request) -> None:

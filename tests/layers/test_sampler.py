@@ -43,7 +43,9 @@ def chi_square(counts: Counter[int], probs: torch.Tensor, num_samples: int) -> f
     """Pearson's statistic over the tokens of nonzero probability; fails on any other token."""
     support = {int(i) for i in torch.nonzero(probs > 0).flatten()}
     assert set(counts) <= support, f"sampled outside the support: {set(counts) - support}"
-    return sum((counts[i] - num_samples * float(probs[i])) ** 2 / (num_samples * float(probs[i])) for i in support)
+    return sum(
+        (counts[i] - num_samples * float(probs[i])) ** 2 / (num_samples * float(probs[i])) for i in support
+    )
 
 
 def seeded_draws(logits: torch.Tensor, params: SamplingParams, num_samples: int) -> Counter[int]:

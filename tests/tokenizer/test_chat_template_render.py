@@ -35,6 +35,12 @@ def test_smollm2_template_renders_chatml_with_its_default_system_prompt(
     assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> / <|im_end|> as single tokens
 
 
+def test_template_for_tokenizer_uses_the_vocabulary_bos_and_eos(smollm2_tokenizer: GGUFTokenizer) -> None:
+    source = "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"
+    template = ChatTemplate.for_tokenizer(smollm2_tokenizer, source)
+    assert template.render(HI).text == "<|im_start|>Hi<|im_end|>"
+
+
 def test_generation_prompt_is_optional() -> None:
     prompt = render_chat(None, HI, template_name="chatml", add_generation_prompt=False)
     assert prompt.text == "<|im_start|>user\nHi<|im_end|>\n"

@@ -1,0 +1,85 @@
+"""`bitserve` command line: generate | inspect | verify | crossval (serve and bench come with the server)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from bitserve.catalog import DEFAULT_MODEL
+from bitserve.console import emit_error
+from bitserve.errors import BitserveError
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    from bitserve.config import ModelConfig
+
+    fields = ModelConfig.__dataclass_fields__
+    parser.add_argument("--backend", default=fields["backend"].default, help=fields["backend"].metadata["help"])
+    parser.add_argument("--linear-mode", default=fields["linear_mode"].default, help=fields["linear_mode"].metadata["help"])
+    parser.add_argument("--i2s-variant", default=fields["i2s_variant"].default, choices=["A", "B", "C"], help=fields["i2s_variant"].metadata["help"])
+    parser.add_argument("--tl-config", default=None, help=fields["tl_config"].metadata["help"])
+    parser.add_argument("--tokenizer-pre", default=None, help=fields["tokenizer_pre"].metadata["help"])
+    parser.add_argument("--threads", type=int, default=None, help=fields["num_threads"].metadata["help"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bitserve", description="Serve and run ternary (BitNet b1.58) and GGUF LLMs")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    generate = sub.add_parser("generate", help="generate text offline")
+    generate.add_argument("--model", default=DEFAULT_MODEL, help="catalog name or GGUF path")
+    generate.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--system", default=None, help="system message (with --chat)")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--repetition-penalty", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_model_options(generate)
+
+    inspect = sub.add_parser("inspect", help="summarize a GGUF file")
+    inspect.add_argument("model", help="catalog name or GGUF path")
+    inspect.add_argument("--json", action="store_true")
+
+    verify = sub.add_parser("verify", help="validate a GGUF file fully and check that it generates")
+    verify.add_argument("model", help="catalog name or GGUF path")
+    verify.add_argument("--json", action="store_true")
+    verify.add_argument("--num-tokens", type=int, default=8, help="greedy tokens in the generation check")
+    _add_model_options(verify)
+
+    crossval = sub.add_parser("crossval", help="live comparison against llama.cpp (needs llama-cpp-python)")
+    crossval.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from bitserve import commands
+
+    handlers = {
+        "generate": commands.run_generate,
+        "inspect": commands.run_inspect,
+        "verify": commands.run_verify,
+        "crossval": commands.run_crossval,
+    }
+    try:
+        return handlers[args.command](args)
+    except BitserveError as exc:
+        emit_error(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

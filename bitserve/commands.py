@@ -1,0 +1,92 @@
+"""The CLI's subcommands (argparse.Namespace in, exit code out). Output goes through console.py."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bitserve.catalog import resolve_model
+from bitserve.config import EngineConfig, ModelConfig
+from bitserve.console import emit, emit_json
+from bitserve.sampling_params import SamplingParams
+
+
+def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
+    return ModelConfig(
+        model=model,
+        backend=args.backend,
+        linear_mode=args.linear_mode,
+        i2s_variant=args.i2s_variant,
+        tl_config=args.tl_config,
+        tokenizer_pre=args.tokenizer_pre,
+        num_threads=args.threads,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from bitserve.llm import LLM
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    llm = LLM(config=EngineConfig(model=model_config_from_args(args, args.model)))
+    try:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": args.prompt}
+            ]
+            prompt_ids = llm.encode_chat(messages)
+        else:
+            prompt_ids = llm.encode(args.prompt)
+        start = time.perf_counter()
+        result = llm.generate([prompt_ids], params)[0]
+        seconds = time.perf_counter() - start
+    finally:
+        llm.close()
+    output = result.outputs[0]
+    if args.json:
+        emit_json({
+            "model": args.model, "text": output.text, "prompt_token_ids": result.prompt_token_ids,
+            "token_ids": output.token_ids, "finish_reason": output.finish_reason,
+            "num_prompt_tokens": result.num_prompt_tokens, "num_output_tokens": len(output.token_ids),
+            "seconds": round(seconds, 4),
+        })  # fmt: skip
+    else:
+        emit(output.text)
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from bitserve.loader.gguf_reader import read_gguf
+    from bitserve.loader.inspect import format_summary, summarize
+
+    with read_gguf(resolve_model(args.model, fetch=False)) as gguf:
+        summary = summarize(gguf)
+    if args.json:
+        emit_json(summary)
+    else:
+        emit(format_summary(summary))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from bitserve.verify import verify_model
+
+    report = verify_model(resolve_model(args.model, fetch=False), model_config_from_args(args, args.model), num_tokens=args.num_tokens)
+    if args.json:
+        emit_json(report.as_dict())
+    else:
+        emit(report.format())
+    return 0 if report.ok else 1
+
+
+def run_crossval(args: argparse.Namespace) -> int:
+    """Rerun the live llama.cpp comparisons (tests marked `crossval`)."""
+    tests = Path(__file__).resolve().parent.parent / "tests"
+    command = [sys.executable, "-m", "pytest", str(tests), "-m", "crossval", "-p", "no:cacheprovider", *args.pytest_args]
+    return subprocess.call(command)

@@ -1,0 +1,217 @@
+"""numba kernels for 2-bit packed ternary linears on CPU (spec section 3 semantics, bit-exact).
+
+Weights stay packed (Layout.TERNARY_2BIT: code t+1, 4 per byte LSB-first along K, K padded to a multiple
+of 128). Activations are permuted instead, so each 2-bit field of a byte stream lines up with a
+contiguous activation stream: inside a 128-column group, byte m's field s is column 4m + s, and it sits
+at permuted position 32s + m. All kernels release the GIL; parallel ones split output rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+GROUP_COLS = 128  # columns per 32-byte group of packed weights
+GROUP_BYTES = GROUP_COLS // 4
+ROWS_PER_TASK = 16  # rows per prange task: one decode buffer allocation per task
+NUM_TQ_LANES = 8
+QK_K = 256
+
+
+def padded_in_features(k: int) -> int:
+    """K rounded up to a whole number of 128-column groups."""
+    return -(-k // GROUP_COLS) * GROUP_COLS
+
+
+def pack_ternary(values: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] in {-1, 0, 1} -> uint8 [M, Kp / 4]: code t+1, 4 per byte, LSB first along K.
+
+    Padding columns get code 1 (t = 0), so they add nothing to any dot product.
+    """
+    m, k = values.shape
+    kp = padded_in_features(k)
+    codes = torch.ones(m, kp, dtype=torch.uint8)
+    codes[:, :k] = (values.to(torch.int16) + 1).to(torch.uint8)
+    fields = codes.view(m, kp // 4, 4)  # [M, Kp/4, 4]: the 4 fields of each byte
+    packed = fields[..., 0] | (fields[..., 1] << 2) | (fields[..., 2] << 4) | (fields[..., 3] << 6)
+    return packed.contiguous()
+
+
+# ---------------------------------------------------------------- activations
+
+
+@njit(nogil=True, cache=True)
+def quantize_permute(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spec section 3 step 1 for each row, written straight into the permuted int16 layout.
+
+    x f32 [T, K] -> (qp int16 [T, Kp] permuted and zero-padded, s_act f32 [T], q_sum int32 [T]).
+    amax in f64 with the 1e-5 floor; s_act = f32(127 / amax) divided in f64; q = clamp(rne(f32 product)).
+    """
+    num_tokens, k = x.shape
+    qp = np.zeros((num_tokens, kp), dtype=np.int16)
+    s_act = np.empty(num_tokens, dtype=np.float32)
+    q_sum = np.zeros(num_tokens, dtype=np.int32)
+    for t in range(num_tokens):
+        amax = 1e-5
+        for j in range(k):
+            a = abs(np.float64(x[t, j]))
+            if a > amax:
+                amax = a
+        s = np.float32(127.0 / amax)
+        s_act[t] = s
+        total = 0
+        for j in range(k):
+            v = np.round(x[t, j] * s)  # f32 product, round half to even
+            v = min(max(v, np.float32(-128.0)), np.float32(127.0))
+            qi = np.int16(v)
+            group, col = divmod(j, GROUP_COLS)
+            byte, field = divmod(col, 4)
+            qp[t, group * GROUP_COLS + field * GROUP_BYTES + byte] = qi
+            total += qi
+        q_sum[t] = total
+    return qp, s_act, q_sum
+
+
+def permute_columns(a: torch.Tensor, kp: int) -> torch.Tensor:
+    """[T, K] -> [T, Kp] in the kernels' permuted column order, zero-padded (any dtype)."""
+    num_tokens, k = a.shape
+    padded = torch.zeros(num_tokens, kp, dtype=a.dtype)
+    padded[:, :k] = a
+    # [T, groups, byte, field] -> [T, groups, field, byte]
+    return padded.view(num_tokens, kp // GROUP_COLS, GROUP_BYTES, 4).transpose(2, 3).reshape(num_tokens, kp)
+
+
+# ---------------------------------------------------------------- decode + integer dots
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _decode_codes(w: np.ndarray, r: int, buf: np.ndarray) -> None:
+    """Row r of packed weights -> codes (t + 1, 0..2) in permuted column order. buf [Kp]."""
+    for g in range(w.shape[1] // GROUP_BYTES):
+        for m in range(GROUP_BYTES):
+            b = w[r, g * GROUP_BYTES + m]
+            base = g * GROUP_COLS + m
+            buf[base] = b & 3
+            buf[base + GROUP_BYTES] = (b >> 2) & 3
+            buf[base + 2 * GROUP_BYTES] = (b >> 4) & 3
+            buf[base + 3 * GROUP_BYTES] = b >> 6
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dot(codes: np.ndarray, q: np.ndarray, start: int, stop: int) -> np.int32:
+    """sum(codes[start:stop] * q[start:stop]) in int32.
+
+    NOTE: the explicit int32 truncation each step keeps LLVM in 32-bit lanes (vpmaddwd); numba would
+    otherwise widen to int64. No overflow: |sum| <= 2 * 128 * Kp < 2^31.
+    """
+    acc = np.int32(0)
+    for k in range(start, stop):
+        acc = np.int32(acc + np.int32(codes[k]) * np.int32(q[k]))
+    return acc
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def bitnet_linear_kernel(
+    w: np.ndarray, qp: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+) -> None:
+    """Per-tensor scale. w uint8 [M, Kp/4], qp int16 [T, Kp], q_sum int32 [T], s_act f32 [T] -> out f32 [T, M].
+
+    D = sum(code * q) - sum(q) exactly; y = f32(f32(f32(D) / s_act) * w_scale), one rounding per op.
+    """
+    m, kb = w.shape
+    num_tokens, kp = qp.shape
+    for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        buf = np.empty(kp, dtype=np.int16)
+        for r in range(task * ROWS_PER_TASK, min(m, (task + 1) * ROWS_PER_TASK)):
+            _decode_codes(w, r, buf)
+            for t in range(num_tokens):
+                d = _dot(buf, qp[t], 0, kp) - q_sum[t]
+                out[t, r] = (np.float32(d) / s_act[t]) * w_scale
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def bitnet_block_linear_kernel(
+    w: np.ndarray, qp: np.ndarray, block_q_sum: np.ndarray, s_act: np.ndarray, scale: np.ndarray, out: np.ndarray
+) -> None:
+    """Per-block scales. block_q_sum int32 [T, nb], scale f32 [M, nb] -> out f32 [T, M].
+
+    y = sum over blocks b in increasing order of f32(f32(f32(D_b) / s_act) * d_b), starting from +0.0,
+    rounding after every add (the reference's order). A block spans Kp / nb permuted columns, which are
+    the same columns as in natural order because the permutation stays inside 128-column groups.
+    """
+    m, kb = w.shape
+    num_tokens, kp = qp.shape
+    num_blocks = scale.shape[1]
+    block_cols = kp // num_blocks
+    for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        buf = np.empty(kp, dtype=np.int16)
+        for r in range(task * ROWS_PER_TASK, min(m, (task + 1) * ROWS_PER_TASK)):
+            _decode_codes(w, r, buf)
+            for t in range(num_tokens):
+                qt = qp[t]
+                y = np.float32(0.0)
+                for b in range(num_blocks):
+                    d = _dot(buf, qt, b * block_cols, (b + 1) * block_cols) - block_q_sum[t, b]
+                    y = y + (np.float32(d) / s_act[t]) * scale[r, b]
+                out[t, r] = y
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def decode_values_f32(w: np.ndarray, r0: int, scale: np.ndarray, buf: np.ndarray) -> None:
+    """Rows r0 .. r0 + len(buf) of packed weights -> f32 t * scale, permuted order. buf f32 [rows, Kp].
+
+    scale f32 [M or 1, nb] (row 0 is used for every row when it has one row); a block spans Kp / nb
+    columns. With scale 1 this gives exact t values for the exact f32 GEMM path.
+    """
+    kp = buf.shape[1]
+    num_blocks = scale.shape[1]
+    block_cols = kp // num_blocks
+    for i in prange(buf.shape[0]):
+        r = r0 + i
+        sr = r if scale.shape[0] > 1 else 0
+        for g in range(w.shape[1] // GROUP_BYTES):
+            s = scale[sr, (g * GROUP_COLS) // block_cols]
+            for m in range(GROUP_BYTES):
+                b = np.int32(w[r, g * GROUP_BYTES + m])
+                base = g * GROUP_COLS + m
+                buf[i, base] = np.float32((b & 3) - 1) * s
+                buf[i, base + GROUP_BYTES] = np.float32(((b >> 2) & 3) - 1) * s
+                buf[i, base + 2 * GROUP_BYTES] = np.float32(((b >> 4) & 3) - 1) * s
+                buf[i, base + 3 * GROUP_BYTES] = np.float32((b >> 6) - 1) * s
+
+
+# ---------------------------------------------------------------- llamacpp-tq emulation
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def tq_linear_kernel(
+    w: np.ndarray, q8p: np.ndarray, bsum_lanes: np.ndarray, d_x: np.ndarray, d_w: np.ndarray, out: np.ndarray
+) -> None:
+    """ggml_vec_dot_tq2_0_q8_K (AVX2) emulation; see kernels/reference/ternary.py for the order.
+
+    q8p int16 [T, Kp] permuted Q8_K values, bsum_lanes int32 [T, nb, 8] (sum of q over 32 natural
+    columns per lane), d_x f32 [T, nb], d_w f32 [M, nb] -> out f32 [T, M]. In permuted order, lane L of
+    a block is the positions p with p % 8 == L (byte m of a group feeds int32 lane m % 8).
+    """
+    m, kb = w.shape
+    num_tokens, kp = q8p.shape
+    num_blocks = kp // QK_K
+    for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        buf = np.empty(kp, dtype=np.int16)
+        acc = np.empty(NUM_TQ_LANES, dtype=np.float32)
+        for r in range(task * ROWS_PER_TASK, min(m, (task + 1) * ROWS_PER_TASK)):
+            _decode_codes(w, r, buf)
+            for t in range(num_tokens):
+                acc[:] = 0.0
+                for b in range(num_blocks):
+                    d = d_x[t, b] * d_w[r, b]
+                    for lane in range(NUM_TQ_LANES):
+                        s = np.int32(0)
+                        for p in range(b * QK_K + lane, (b + 1) * QK_K, NUM_TQ_LANES):
+                            s = np.int32(s + np.int32(buf[p]) * np.int32(q8p[t, p]))
+                        v = s - bsum_lanes[t, b, lane]
+                        acc[lane] = acc[lane] + np.float32(v) * d
+                lo = (acc[0] + acc[4]) + (acc[2] + acc[6])
+                hi = (acc[1] + acc[5]) + (acc[3] + acc[7])
+                out[t, r] = lo + hi
