@@ -112,6 +112,15 @@ def test_quantize_matches_scalar_reference(seed: int) -> None:
         assert np.array_equal(q[row].numpy().astype(np.int64), q_np)
 
 
+def test_s_act_is_correctly_rounded_on_many_rows() -> None:
+    # s_act = fl32(127 / amax) with one rounding. (torch's `scalar / tensor` multiplies by a reciprocal
+    # and is off by one ulp on some rows, so an implementation must not use it.)
+    x = random_x(4096, 64, seed=5)
+    _, s_act = ternary.quantize_activations(x)
+    amax = np.maximum(np.abs(x.numpy()).max(axis=1).astype(np.float64), 1e-5)
+    assert np.array_equal(s_act.numpy(), (127.0 / amax).astype(np.float32))
+
+
 def test_all_zero_and_tiny_rows_use_the_floor() -> None:
     x = torch.zeros(2, 64)
     x[1, 3] = 1e-7  # below the 1e-5 floor: s_act = fl32(127 / 1e-5), q = rne(1.27) = 1

@@ -184,33 +184,50 @@ def decode_values_f32(w: np.ndarray, r0: int, scale: np.ndarray, buf: np.ndarray
 # ---------------------------------------------------------------- llamacpp-tq emulation
 
 
+def tq_lane_order(k: int) -> torch.Tensor:
+    """Natural column of each lane-major position: int64 [K].
+
+    Lane-major order puts, per 256-block, the 32 columns of ggml's int32 lane L (columns 32c + 4L + r,
+    c < 8, r < 4; see kernels/reference/ternary.py) at positions 32L .. 32L + 31.
+    """
+    return torch.arange(k).view(k // QK_K, 8, 8, 4).permute(0, 2, 1, 3).reshape(k)
+
+
+def tq_weight_columns(k: int) -> torch.Tensor:
+    """Column gather for llamacpp-tq weights: pack values[:, idx] and `_decode_codes` yields lane-major
+    order. int64 [K] (K % 256 == 0, so K needs no padding)."""
+    decoded_from = permute_columns(torch.arange(k).view(1, k), k).view(k)  # slot read at each position
+    slot_of_position = torch.argsort(decoded_from)  # inverse: decode position of each packed slot
+    return tq_lane_order(k)[slot_of_position]
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def tq_linear_kernel(
-    w: np.ndarray, q8p: np.ndarray, bsum_lanes: np.ndarray, d_x: np.ndarray, d_w: np.ndarray, out: np.ndarray
+    w: np.ndarray, q8l: np.ndarray, bsum_lanes: np.ndarray, d_x: np.ndarray, d_w: np.ndarray, out: np.ndarray
 ) -> None:
     """ggml_vec_dot_tq2_0_q8_K (AVX2) emulation; see kernels/reference/ternary.py for the order.
 
-    q8p int16 [T, Kp] permuted Q8_K values, bsum_lanes int32 [T, nb, 8] (sum of q over 32 natural
-    columns per lane), d_x f32 [T, nb], d_w f32 [M, nb] -> out f32 [T, M]. In permuted order, lane L of
-    a block is the positions p with p % 8 == L (byte m of a group feeds int32 lane m % 8).
+    w packed from lane-major columns (`tq_weight_columns`), q8l int16 [T, K] Q8_K values in lane-major
+    order, bsum_lanes int32 [T, nb, 8] (sum of q over natural columns 32L .. 32L + 31 of each block),
+    d_x f32 [T, nb], d_w f32 [M, nb] -> out f32 [T, M].
     """
     m, kb = w.shape
-    num_tokens, kp = q8p.shape
-    num_blocks = kp // QK_K
+    num_tokens, k = q8l.shape
+    num_blocks = k // QK_K
+    lane_cols = QK_K // NUM_TQ_LANES
     for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        buf = np.empty(kp, dtype=np.int16)
+        buf = np.empty(k, dtype=np.int16)
         acc = np.empty(NUM_TQ_LANES, dtype=np.float32)
         for r in range(task * ROWS_PER_TASK, min(m, (task + 1) * ROWS_PER_TASK)):
             _decode_codes(w, r, buf)
             for t in range(num_tokens):
+                qt = q8l[t]
                 acc[:] = 0.0
                 for b in range(num_blocks):
                     d = d_x[t, b] * d_w[r, b]
                     for lane in range(NUM_TQ_LANES):
-                        s = np.int32(0)
-                        for p in range(b * QK_K + lane, (b + 1) * QK_K, NUM_TQ_LANES):
-                            s = np.int32(s + np.int32(buf[p]) * np.int32(q8p[t, p]))
-                        v = s - bsum_lanes[t, b, lane]
+                        start = b * QK_K + lane * lane_cols
+                        v = _dot(buf, qt, start, start + lane_cols) - bsum_lanes[t, b, lane]
                         acc[lane] = acc[lane] + np.float32(v) * d
                 lo = (acc[0] + acc[4]) + (acc[2] + acc[6])
                 hi = (acc[1] + acc[5]) + (acc[3] + acc[7])

@@ -26,7 +26,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     127/amax divided in f64 and rounded once to f32, q = clamp(rne(fl32(x * s_act)), -128, 127).
     """
     amax = x.abs().amax(dim=1).to(torch.float64).clamp_min(AMAX_FLOOR)  # [T]
-    s_act = (127.0 / amax).to(torch.float32)  # [T]
+    # NOTE: tensor / tensor; torch's `scalar / tensor` multiplies by a reciprocal (two roundings)
+    s_act = (torch.full_like(amax, 127.0) / amax).to(torch.float32)  # [T]
     # f32 product (one rounding), then round-half-to-even: torch.round is RNE
     q = torch.round(x * s_act[:, None]).clamp_(-128, 127).to(torch.int8)  # [T, K]
     return q, s_act
@@ -173,10 +174,11 @@ def quantize_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     signed_max = torch.gather(xb, 2, first)  # [T, nb, 1]
     is_zero = amax == 0
     safe_max = torch.where(is_zero, torch.ones_like(signed_max), signed_max)
-    iscale = torch.tensor(-127.0, dtype=torch.float32, device=x.device) / safe_max  # [T, nb, 1]
+    iscale = torch.full_like(safe_max, -127.0) / safe_max  # [T, nb, 1], true f32 division
     q = torch.round(iscale * xb).clamp_(max=127)  # ggml: MIN(127, nearest_int(iscale * x))
     q = torch.where(is_zero, torch.zeros_like(q), q).to(torch.int8).view(num_tokens, k)
-    d = torch.where(is_zero, torch.zeros_like(iscale), 1.0 / iscale).view(num_tokens, k // QK_K)
+    d = torch.where(is_zero, torch.zeros_like(iscale), torch.ones_like(iscale) / iscale)
+    d = d.view(num_tokens, k // QK_K)  # [T, nb]
     return q, d
 
 

@@ -1,0 +1,189 @@
+"""CpuBackend: ternary linears on packed 2-bit weights with numba kernels; dense linears via torch.
+
+Runtime layout of every ternary weight: Layout.TERNARY_2BIT (uint8 [M, pad128(K) / 4], ~2 bits per
+weight). bitnet mode is bit-exact with the reference backend for every batch size:
+- small batches (decode): numba kernel, per row: unpack to int16 codes once, int32 dot per token;
+- T >= gemm_min_tokens (prefill): rows are unpacked in chunks to f32 t values and multiplied with the
+  int8 activations (as f32) by torch's sgemm. Exact: every product and partial sum is an integer of
+  magnitude <= 128 * K < 2^24, so fp32 adds and FMAs never round (hence K <= MAX_EXACT_F32_K).
+float mode always uses the chunked sgemm (decoded t * scale); llamacpp-tq mode a numba emulation of
+ggml's AVX2 TQ2_0 dot product. Dense weights use torch.nn.functional.linear (MKL/oneDNN sgemm).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import MappingProxyType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bitserve.errors import UnsupportedModel
+from bitserve.kernels.backend import LinearMode, PreparedLinear, check_linear_input
+from bitserve.kernels.cpu import ternary as kernels
+from bitserve.kernels.packed import Layout, TernaryCodes
+from bitserve.kernels.reference import ternary as reference
+from bitserve.kernels.reference.dense import check_dense_weight
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the chunked sgemm
+MAX_EXACT_F32_K = 65536  # 128 * K stays below 2^24: the exact-f32 sgemm path is valid
+CHUNK_BYTES = 1 << 22  # f32 bytes of decoded weights per sgemm chunk (fewer, larger calls measured faster)
+
+
+def is_available() -> bool:
+    """True: this module imported, so numba is importable (kernels compile on first use, cache=True)."""
+    return True
+
+
+class _Activations:
+    """Per-call activation forms, computed at most once per linear_group (quantize once)."""
+
+    def __init__(self, x: torch.Tensor, kp: int) -> None:
+        self.x = x  # f32 [T, K], contiguous, CPU
+        self.kp = kp
+        self._bitnet: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._q8k: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._permuted_x: torch.Tensor | None = None
+
+    def bitnet(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(qp int16 [T, Kp] permuted, s_act f32 [T], q_sum int32 [T])."""
+        if self._bitnet is None:
+            self._bitnet = kernels.quantize_permute(self.x.numpy(), self.kp)
+        return self._bitnet
+
+    def q8k(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q8l int16 [T, K] lane-major, bsum_lanes int32 [T, nb, 8], d_x f32 [T, nb])."""
+        if self._q8k is None:
+            q8, d_x = reference.quantize_q8k(self.x)
+            num_tokens, k = q8.shape
+            lanes = q8.view(num_tokens, k // kernels.QK_K, kernels.NUM_TQ_LANES, 32).sum(dim=3)
+            q8l = q8.to(torch.int16)[:, kernels.tq_lane_order(k)]  # [T, K] lane-major
+            self._q8k = (q8l.numpy(), lanes.to(torch.int32).numpy(), d_x.contiguous().numpy())
+        return self._q8k
+
+    def permuted_x(self) -> torch.Tensor:
+        """x in the kernels' permuted column order, zero-padded: f32 [T, Kp]."""
+        if self._permuted_x is None:
+            self._permuted_x = kernels.permute_columns(self.x, self.kp)
+        return self._permuted_x
+
+
+class CpuBackend:
+    """numba CPU kernels over packed ternary weights (see module docstring)."""
+
+    name = "cpu"
+
+    def __init__(self, *, gemm_min_tokens: int = DEFAULT_GEMM_MIN_TOKENS) -> None:
+        self.gemm_min_tokens = gemm_min_tokens
+
+    # ------------------------------------------------------------ load time
+
+    def prepare_ternary(self, codes: TernaryCodes, *, mode: LinearMode) -> PreparedLinear:
+        """Pack to Layout.TERNARY_2BIT. Raises UnsupportedModel for a shape the mode cannot run:
+        llamacpp-tq needs K % 256 == 0; per-block scales need blocks of a multiple of 128 columns."""
+        m, k = reference.check_ternary_codes(codes)
+        if mode is LinearMode.BITNET:
+            codes = reference.collapse_block_scales(codes)
+        if not codes.is_per_tensor:
+            block = k // codes.scale.shape[1]
+            if block % kernels.GROUP_COLS != 0:
+                raise UnsupportedModel(
+                    f"cpu backend needs per-block scales over a multiple of {kernels.GROUP_COLS} columns, "
+                    f"got blocks of {block}",
+                    hint="use the reference backend for this model",
+                )
+        extras: dict[str, torch.Tensor] = {}
+        if mode is LinearMode.LLAMACPP_TQ:
+            if k % kernels.QK_K != 0:
+                raise UnsupportedModel(
+                    f"llamacpp-tq mode needs in_features to be a multiple of {kernels.QK_K}, got {k}",
+                    hint="use the bitnet or float linear mode for this model",
+                )
+            extras["d_w"] = reference.f16_block_scales(codes)  # [M, K // 256]
+            codes = TernaryCodes(values=codes.values[:, kernels.tq_weight_columns(k)], scale=codes.scale)
+        elif mode is LinearMode.FLOAT:
+            scale = codes.scale.reshape(1, 1) if codes.is_per_tensor else codes.scale
+            extras["decode_scale"] = scale.contiguous()  # [1, 1] or [M, nb]
+        elif mode is not LinearMode.BITNET:
+            raise ValueError(f"unknown linear mode {mode!r}")
+        packed = kernels.pack_ternary(codes.values)  # [M, Kp / 4]
+        return PreparedLinear(
+            m, k, Layout.TERNARY_2BIT, mode, packed, codes.scale.clone(), self.name, MappingProxyType(extras)
+        )
+
+    def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
+        """Dense f32 [M, K] weights run through torch.nn.functional.linear (MKL / oneDNN)."""
+        m, k = check_dense_weight(weight)
+        return PreparedLinear(m, k, Layout.DENSE, None, weight.contiguous(), None, self.name)
+
+    # ------------------------------------------------------------ per step
+
+    def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
+        """x f32 [T, K] -> f32 [T, M]."""
+        return self.linear_group(x, [weight])[0]
+
+    def linear_group(self, x: torch.Tensor, weights: Sequence[PreparedLinear]) -> list[torch.Tensor]:
+        """One f32 [T, M_i] per weight; activations are quantized once per group."""
+        if x.device.type != "cpu":
+            raise ValueError(f"the cpu backend runs on CPU tensors, got {x.device}")
+        x = x.detach().contiguous()
+        acts: _Activations | None = None
+        outputs = []
+        for weight in weights:
+            check_linear_input(x, weight)
+            if weight.backend != self.name:
+                raise ValueError(f"weight prepared by {weight.backend!r} given to the {self.name!r} backend")
+            if weight.mode is None:
+                outputs.append(F.linear(x, weight.data))
+                continue
+            if x.shape[0] == 0:
+                outputs.append(x.new_zeros(0, weight.out_features))
+                continue
+            if acts is None:
+                acts = _Activations(x, kernels.padded_in_features(weight.in_features))
+            outputs.append(self._ternary(acts, weight))
+        return outputs
+
+    def _ternary(self, acts: _Activations, weight: PreparedLinear) -> torch.Tensor:
+        assert weight.scale is not None  # invariant: ternary weights carry a scale
+        num_tokens, m = acts.x.shape[0], weight.out_features
+        w = weight.data.numpy()
+        if weight.mode is LinearMode.FLOAT:
+            scale = weight.extras["decode_scale"].numpy()
+            return self._chunked_matmul(acts.permuted_x(), w, scale, m)
+        if weight.mode is LinearMode.LLAMACPP_TQ:
+            q8l, bsum_lanes, d_x = acts.q8k()
+            out = np.empty((num_tokens, m), dtype=np.float32)
+            kernels.tq_linear_kernel(w, q8l, bsum_lanes, d_x, weight.extras["d_w"].numpy(), out)
+            return torch.from_numpy(out)
+        qp, s_act, q_sum = acts.bitnet()
+        if weight.scale.dim() == 2:
+            num_blocks = weight.scale.shape[1]
+            block_q_sum = qp.reshape(num_tokens, num_blocks, -1).sum(axis=2, dtype=np.int32)  # [T, nb]
+            out = np.empty((num_tokens, m), dtype=np.float32)
+            kernels.bitnet_block_linear_kernel(w, qp, block_q_sum, s_act, weight.scale.numpy(), out)
+            return torch.from_numpy(out)
+        if num_tokens >= self.gemm_min_tokens and weight.in_features <= MAX_EXACT_F32_K:
+            ones = np.ones((1, 1), dtype=np.float32)
+            d = self._chunked_matmul(torch.from_numpy(qp.astype(np.float32)), w, ones, m)  # exact D
+            return reference.bitnet_epilogue(d, torch.from_numpy(s_act), weight.scale)
+        out = np.empty((num_tokens, m), dtype=np.float32)
+        kernels.bitnet_linear_kernel(w, qp, q_sum, s_act, np.float32(weight.scale.item()), out)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def _chunked_matmul(a: torch.Tensor, w: np.ndarray, scale: np.ndarray, m: int) -> torch.Tensor:
+        """a f32 [T, Kp] (permuted) @ (decoded t * scale)^T -> f32 [T, M], decoding CHUNK_BYTES at a time."""
+        kp = a.shape[1]
+        rows = max(16, CHUNK_BYTES // (4 * kp))
+        buf = torch.empty(min(rows, m), kp, dtype=torch.float32)
+        out_t = torch.empty(m, a.shape[0], dtype=torch.float32)  # [M, T]: row chunks are contiguous
+        for r0 in range(0, m, rows):
+            chunk = buf[: min(rows, m - r0)]
+            kernels.decode_values_f32(w, r0, scale, chunk.numpy())
+            torch.mm(chunk, a.t(), out=out_t[r0 : r0 + chunk.shape[0]])
+        return out_t.t().contiguous()

@@ -1,0 +1,57 @@
+"""Shared fixtures: the embedded SmolLM2 file, synthetic BitNet models in every format (written with
+the `gguf` writer and bitserve's own builder into a session temp dir; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from bitserve.catalog import CATALOG, DEFAULT_MODEL
+
+SMOLLM2_ENTRY = CATALOG[DEFAULT_MODEL]
+
+
+def smollm2_file() -> Path | None:
+    spec = importlib.util.find_spec(SMOLLM2_ENTRY.module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_ENTRY.filename
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = smollm2_file()
+    if path is None:
+        pytest.skip(f"SmolLM2 is not installed ({SMOLLM2_ENTRY.install_command})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def synthetic_config():  # noqa: ANN201
+    from bitserve.testing.synthetic import SyntheticConfig
+
+    return SyntheticConfig()
+
+
+@pytest.fixture(scope="session")
+def synthetic_weights(smollm2_path: Path, synthetic_config):  # noqa: ANN001, ANN201
+    from bitserve.testing.synthetic import make_weights, tokenizer_metadata
+
+    tokenizer = tokenizer_metadata(smollm2_path)
+    return tokenizer, make_weights(synthetic_config, len(tokenizer["tokenizer.ggml.tokens"][1]))
+
+
+@pytest.fixture(scope="session")
+def synthetic_models(tmp_path_factory: pytest.TempPathFactory, synthetic_config, synthetic_weights) -> dict[str, Path]:  # noqa: ANN001
+    """The same random ternary BitNet model stored as F32, TQ1_0, TQ2_0, I2_S, TL1 and TL2."""
+    from bitserve.testing.synthetic import FORMATS, write_synthetic_model
+
+    folder = tmp_path_factory.mktemp("synthetic")
+    tokenizer, weights = synthetic_weights
+    return {
+        fmt: write_synthetic_model(folder / f"bitnet-{fmt}.gguf", fmt, config=synthetic_config, weights=weights, tokenizer=tokenizer)
+        for fmt in FORMATS
+    }

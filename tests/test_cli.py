@@ -1,0 +1,80 @@
+"""The `bitserve` CLI: generate --json, inspect, verify (exit codes and output shapes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bitserve.cli import main
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(list(args))
+    return code, capsys.readouterr().out
+
+
+def test_generate_json_on_synthetic_model(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
+    code, out = run_cli(capsys, "generate", "--model", str(synthetic_models["I2_S"]), "--prompt", "Hello",
+                        "--max-tokens", "5", "--ignore-eos", "--json", "--backend", "reference")  # fmt: skip
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["token_ids"]) == 5
+    assert result["prompt_token_ids"] and isinstance(result["text"], str)
+    assert result["finish_reason"] == "length"
+
+
+def test_generate_chat_needs_a_template(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
+    code = main(["generate", "--model", str(synthetic_models["F32"]), "--prompt", "Hi", "--chat", "--backend", "reference"])
+    assert code == 2
+    assert "chat template" in capsys.readouterr().err
+
+
+def test_inspect_json_smollm2(capsys, smollm2_path: Path) -> None:  # noqa: ANN001
+    code, out = run_cli(capsys, "inspect", str(smollm2_path), "--json")
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["architecture"] == "llama"
+    assert summary["tensor_types"]["Q4_1"]["count"] == 210
+    assert summary["tensor_types"]["Q8_0"]["count"] == 1
+    assert summary["tokenizer"]["vocab_size"] == 49152
+    assert summary["hyperparameters"]["num_layers"] == 30
+    assert summary["dialect"] == "upstream"
+
+
+def test_inspect_text_names_the_dialect(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
+    code, out = run_cli(capsys, "inspect", str(synthetic_models["TL2"]))
+    assert code == 0
+    assert "bitnet.cpp dialect" in out and "TL2" in out
+
+
+def test_verify_passes_on_a_good_file(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
+    code, out = run_cli(capsys, "verify", str(synthetic_models["TQ2_0"]), "--json", "--num-tokens", "4")
+    report = json.loads(out)
+    assert code == 0, report
+    assert report["ok"] and {c["check"] for c in report["checks"]} >= {"structure", "kernels", "generate", "logits"}
+
+
+def test_verify_fails_on_a_truncated_file(capsys, tmp_path: Path, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
+    data = synthetic_models["I2_S"].read_bytes()
+    broken = tmp_path / "truncated.gguf"
+    broken.write_bytes(data[: len(data) // 2])
+    code, out = run_cli(capsys, "verify", str(broken), "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert not report["ok"]
+    assert report["checks"][0]["check"] == "load" and "past the end of the data section" in report["checks"][0]["detail"]
+
+
+def test_unknown_model_name_is_a_clear_error(capsys) -> None:  # noqa: ANN001
+    assert main(["inspect", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "smollm2-135m-instruct" in err
+
+
+def test_console_script_is_installed() -> None:
+    result = subprocess.run([sys.executable, "-m", "bitserve.cli", "--help"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "generate" in result.stdout
