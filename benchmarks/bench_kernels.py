@@ -7,20 +7,28 @@ each (backend, mode, path) includes numba compilation, or loading it from numba'
 
     python benchmarks/bench_kernels.py                      # cpu backend, bitnet mode, 2 threads
     python benchmarks/bench_kernels.py --backends reference cpu --mode float --tokens 1 64
+
+OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads libgomp): with libgomp's default
+spin-waiting, a machine whose cores are busy with other work makes each parallel kernel call wait for
+scheduler slices (~8 ms per call measured on a loaded 2-vCPU box). Pass OMP_WAIT_POLICY=ACTIVE to compare.
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from collections.abc import Callable
+import os
 
-import torch
-import torch.nn.functional as F
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / numba load libgomp
 
-from bitserve.kernels.backend import LinearMode, available_backends, select_backend
-from bitserve.kernels.packed import TernaryCodes
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bitserve.kernels.backend import LinearMode, available_backends, select_backend  # noqa: E402
+from bitserve.kernels.packed import TernaryCodes  # noqa: E402
 
 DEFAULT_SHAPES = ["2560x2560", "640x2560", "6912x2560", "2560x6912"]
 
@@ -47,7 +55,9 @@ def set_threads(num_threads: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backends", nargs="+", default=None, help="default: every available but reference")
     parser.add_argument("--mode", default="bitnet", choices=[m.value for m in LinearMode])
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="MxK (out x in)")
@@ -60,7 +70,8 @@ def main() -> None:
     set_threads(args.threads)
     names = args.backends or [n for n in available_backends() if n != "reference"] or ["reference"]
     mode = LinearMode(args.mode)
-    print(f"torch {torch.__version__}, {args.threads} threads, mode {mode.value}")
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    print(f"torch {torch.__version__}, {args.threads} threads, mode {mode.value}, OMP_WAIT_POLICY={policy}")
     print(f"{'backend':10} {'shape':>10} {'T':>3} {'ms':>8} {'GB/s':>7} {'fp32 ms':>8} {'vs fp32':>8}")
     gen = torch.Generator().manual_seed(0)
     for shape in args.shapes:

@@ -31,8 +31,10 @@ class LinearMode(enum.Enum):
         across backends.
     FLOAT: no activation quantization: `x @ (t * scale)^T` in fp32 (parity with llama.cpp F32 files);
         equal across backends only within fp32 summation-order tolerance.
-    LLAMACPP_TQ: upstream llama.cpp's TQ1_0/TQ2_0 dot product: Q8_K activations per 256 values and
-        f16 block scales (emulation; see kernels/reference/ternary.py for the accumulation order).
+    LLAMACPP_TQ: upstream llama.cpp's TQ dot product: Q8_K activations per 256 values, f16 block
+        scales, and the lane-wise f32 accumulation (with FMA) of ggml's x86 AVX2 TQ2_0 kernel as GCC
+        builds it: bit-exact against llama-cpp-python's libggml-cpu (kernels/reference/ternary.py).
+        TQ1_0's kernel splits lanes differently, so TQ1_0 files may differ in the last bits.
     """
 
     BITNET = "bitnet"
@@ -116,7 +118,7 @@ def check_linear_input(x: torch.Tensor, weight: PreparedLinear) -> None:
 
 
 def _numba_works() -> bool:
-    """True if the numba CPU backend imports and runs (compiles) its kernels here."""
+    """True if the numba CPU backend imports and numba compiles and runs a trivial kernel here."""
     try:
         from bitserve.kernels.cpu import backend as cpu_backend
     except ImportError as exc:

@@ -60,8 +60,9 @@ def reference() -> KernelBackend:
 def test_bitnet_mode_is_bit_exact(name: str, m: int, k: int, reference: KernelBackend) -> None:
     backend = select_backend(name)
     codes = make_codes(m, k, seed=m * 7 + k)
-    fast, oracle = backend.prepare_ternary(codes, mode=LinearMode.BITNET), reference.prepare_ternary(
-        codes, mode=LinearMode.BITNET
+    fast, oracle = (
+        backend.prepare_ternary(codes, mode=LinearMode.BITNET),
+        reference.prepare_ternary(codes, mode=LinearMode.BITNET),
     )
     for t in NUM_TOKENS:
         x = make_x(t, k, seed=t)
@@ -178,3 +179,58 @@ def test_weights_of_another_backend_are_refused(name: str, reference: KernelBack
     weight = reference.prepare_ternary(make_codes(8, 128, seed=0), mode=LinearMode.BITNET)
     with pytest.raises(ValueError, match="prepared by 'reference'"):
         select_backend(name).linear(torch.randn(1, 128), weight)
+
+
+def test_cpu_thread_count_does_not_change_bits() -> None:
+    if "cpu" not in BACKENDS:
+        pytest.skip("numba not available")
+    import numba
+
+    from bitserve.kernels.cpu.backend import CpuBackend
+
+    codes = make_codes(100, 512, seed=4)
+    x = make_x(3, 512, seed=4)
+    one, default = CpuBackend(num_threads=1), CpuBackend()
+    expected = default.linear(x, default.prepare_ternary(codes, mode=LinearMode.BITNET))
+    try:
+        y_one = one.linear(x, one.prepare_ternary(codes, mode=LinearMode.BITNET))
+        assert numba.get_num_threads() == 1
+    finally:  # numba's thread count is per calling thread: restore it for later tests
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert torch.equal(y_one, expected)
+    with pytest.raises(ValueError, match="num_threads"):
+        CpuBackend(num_threads=0)
+
+
+def test_cpu_quantizer_matches_reference_on_edge_rows() -> None:
+    if "cpu" not in BACKENDS:
+        pytest.skip("numba not available")
+    from bitserve.kernels.cpu import ternary as cpu_kernels
+    from bitserve.kernels.reference import ternary as reference_ternary
+
+    x = make_x(5, 300, seed=8)
+    x[1] = 0.0  # all-zero row: the 1e-5 floor
+    x[2] *= 1e-7  # every |x| below the floor
+    x[3, :7] = torch.tensor([127.0, 2.5, 3.5, -0.5, -1.5, 0.5, 126.5]) / 64  # exact halves
+    x[3, 7:] = 0.0
+    qp, s_act, q_sum = cpu_kernels.quantize_permute(x.numpy(), cpu_kernels.padded_in_features(300))
+    q, s_ref = reference_ternary.quantize_activations(x)
+    assert torch.equal(torch.from_numpy(s_act), s_ref)
+    expected = cpu_kernels.permute_columns(q.to(torch.int16), cpu_kernels.padded_in_features(300))
+    assert torch.equal(torch.from_numpy(qp), expected)
+    assert torch.equal(torch.from_numpy(q_sum), q.sum(dim=1, dtype=torch.int32))
+    assert q[3, :7].tolist() == [127, 2, 4, 0, -2, 0, 126]
+
+
+def test_cpu_fma_is_fused() -> None:
+    if "cpu" not in BACKENDS:
+        pytest.skip("numba not available")
+    import numba
+    import numpy as np
+
+    from bitserve.kernels.cpu import ternary as cpu_kernels
+
+    fma = numba.njit(lambda a, b, c: cpu_kernels._fma_f32(a, b, c))
+    a, b = np.float32(1 + 2.0**-12), np.float32(2.0**-24 * (1 - 2.0**-12 + 2.0**-24))
+    assert fma(a, b, np.float32(1.0)) == np.float32(1 + 2.0**-23)  # separate mul + add gives 1.0
+    assert np.float32(a * b) + np.float32(1.0) == np.float32(1.0)

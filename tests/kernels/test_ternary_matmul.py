@@ -6,6 +6,12 @@ numpy float32 arithmetic step by step, int64 integer sums.
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import os
+import platform
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -57,12 +63,23 @@ def np_quantize_q8k_block(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
     return q, np.float32(1.0) / iscale
 
 
+def exact_fma_f32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """fl32(a * b + c) with one round-half-to-even, computed with exact rationals."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    guess = np.float32(float(exact))  # may be off by one ulp (double rounding)
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    errors = [abs(Fraction(float(v)) - exact) for v in candidates]
+    best = min(errors)
+    ties = [v for v, err in zip(candidates, errors, strict=True) if err == best]
+    return min(ties, key=lambda v: int(np.array(v, dtype=np.float32).view(np.int32)) & 1)  # even mantissa
+
+
 def np_tq2_avx2_dot(codes_row: np.ndarray, x: np.ndarray, d_w: np.ndarray) -> np.float32:
-    """ggml_vec_dot_tq2_0_q8_K (AVX2) for one weight row, emulated register by register.
+    """ggml_vec_dot_tq2_0_q8_K (AVX2, GCC build: mul + add fused into FMA) for one weight row.
 
     codes_row: t + 1 per element, in natural order [K]; d_w: f32 [K // 256].
     """
-    sumf = np.zeros(8, dtype=np.float32)
+    sumf = [np.float32(0)] * 8
     for b in range(x.shape[0] // 256):
         qy, dy = np_quantize_q8k_block(x[b * 256 : (b + 1) * 256])
         codes = codes_row[b * 256 : (b + 1) * 256].astype(np.int64)
@@ -76,10 +93,9 @@ def np_tq2_avx2_dot(codes_row: np.ndarray, x: np.ndarray, d_w: np.ndarray) -> np
         sumi16 -= bsums
         sumi32 = sumi16[0::2] + sumi16[1::2]  # madd_epi16 with ones
         d = np.float32(dy * np.float32(d_w[b]))
-        sumf = (sumi32.astype(np.float32) * d).astype(np.float32) + sumf
-    hi_lo = sumf[4:] + sumf[:4]
-    pair = np.array([hi_lo[0] + hi_lo[2], hi_lo[1] + hi_lo[3]], dtype=np.float32)
-    return np.float32(pair[0] + pair[1])
+        sumf = [exact_fma_f32(np.float32(v), d, acc) for v, acc in zip(sumi32, sumf, strict=True)]
+    hi_lo = [np.float32(sumf[i + 4] + sumf[i]) for i in range(4)]
+    return np.float32(np.float32(hi_lo[0] + hi_lo[2]) + np.float32(hi_lo[1] + hi_lo[3]))
 
 
 # ---------------------------------------------------------------- helpers
@@ -192,7 +208,9 @@ def test_batch_invariance() -> None:
 
 def test_linear_group_equals_separate_linears() -> None:
     backend = ReferenceBackend()
-    weights = [backend.prepare_ternary(random_codes(m, 256, seed=m), mode=LinearMode.BITNET) for m in (64, 16)]
+    weights = [
+        backend.prepare_ternary(random_codes(m, 256, seed=m), mode=LinearMode.BITNET) for m in (64, 16)
+    ]
     x = random_x(5, 256, seed=9)
     grouped = backend.linear_group(x, weights)
     for w, y in zip(weights, grouped, strict=True):
@@ -288,3 +306,73 @@ def test_llamacpp_tq_rejects_k_off_the_block_size() -> None:
 
     with pytest.raises(UnsupportedModel, match="multiple of 256"):
         ReferenceBackend().prepare_ternary(random_codes(4, 384, seed=0), mode=LinearMode.LLAMACPP_TQ)
+
+
+def test_fma_f32_matches_exact_rounding() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-3000, 3000, (2000,), generator=gen).float()
+    b = torch.rand(2000, generator=gen) * 1e-3
+    c = torch.randn(2000, generator=gen) * 0.5
+    # Constructed cases around the f32 midpoint 1 + 2^-24 (between 1 and 1 + 2^-23), c = 1:
+    # [0] a * b = 2^-24 + 2^-60: f64 rounds the sum onto the midpoint; the exact value rounds up.
+    # [1] a * b = 2^-24 - 2^-60: onto the midpoint from below; rounds down. [2] an exact tie (to even).
+    c[:4] = 1.0
+    a[:4] = torch.tensor([1 + 2.0**-12, 1 + 2.0**-18, 1.0, 3.0])
+    b[:4] = torch.tensor(
+        [2.0**-24 * (1 - 2.0**-12 + 2.0**-24), 2.0**-24 * (1 - 2.0**-18), 2.0**-24, 2.0**-24]
+    )
+    got = ternary.fma_f32(a, b, c)
+    for i in range(2000):
+        assert got[i].item() == exact_fma_f32(np.float32(a[i]), np.float32(b[i]), np.float32(c[i])), i
+    assert got[:4].tolist() == [1.0 + 2.0**-23, 1.0, 1.0, 1.0 + 2.0**-22]
+    naive = (a[:1].double() * b[:1].double() + 1.0).float()  # f64 then f32: double rounding
+    assert naive.item() == 1.0  # so case [0] really tells a true FMA from the naive emulation
+
+
+def _ggml_cpu_library() -> ctypes.CDLL:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        pytest.skip("llama-cpp-python is not installed")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the emulated kernel is ggml's x86 AVX2 one")
+    lib_dir = os.path.join(os.path.dirname(spec.origin), "lib")
+    if not os.path.isfile(os.path.join(lib_dir, "libggml-cpu.so")):
+        pytest.skip("llama-cpp-python has no libggml-cpu.so (not a Linux shared-library build)")
+    ctypes.CDLL(os.path.join(lib_dir, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(os.path.join(lib_dir, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    lib.ggml_cpu_init()
+    lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.ggml_vec_dot_tq2_0_q8_K.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    lib.ggml_vec_dot_tq2_0_q8_K.argtypes += [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.ggml_vec_dot_tq2_0_q8_K.argtypes += [ctypes.c_size_t, ctypes.c_int]
+    return lib
+
+
+@pytest.mark.crossval
+def test_llamacpp_tq_matches_ggml_library() -> None:
+    """Q8_K quantization and the TQ2_0 dot product, bit for bit against the installed ggml (x86)."""
+    import gguf
+
+    lib = _ggml_cpu_library()
+    block_q8k = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])
+    m, k, t = 24, 1024, 6
+    codes = random_codes(m, k, seed=41, scale=0.0371)
+    tq2 = gguf.quants.quantize(codes.values.numpy() * np.float32(0.0371), gguf.GGMLQuantizationType.TQ2_0)
+    x = random_x(t, k, seed=42)
+    x[1, :256] = 0.0  # an all-zero Q8_K block
+    backend = ReferenceBackend()
+    y = backend.linear(x, backend.prepare_ternary(codes, mode=LinearMode.LLAMACPP_TQ))
+    q8, d_x = ternary.quantize_q8k(x)
+    for row in range(t):
+        x_row = np.ascontiguousarray(x[row].numpy())
+        blocks = np.zeros(k // 256, dtype=block_q8k)
+        lib.quantize_row_q8_K(x_row.ctypes.data, blocks.ctypes.data, k)
+        assert np.array_equal(blocks["qs"].reshape(-1), q8[row].numpy())
+        assert np.array_equal(blocks["d"], d_x[row].numpy())
+        for r in range(m):
+            out = np.zeros(1, dtype=np.float32)
+            weight_row = np.ascontiguousarray(tq2[r])
+            lib.ggml_vec_dot_tq2_0_q8_K(
+                k, out.ctypes.data, 0, weight_row.ctypes.data, 0, blocks.ctypes.data, 0, 1
+            )
+            assert out[0].view(np.int32) == y[row, r].numpy().view(np.int32), (row, r)

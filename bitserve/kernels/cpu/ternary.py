@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 GROUP_COLS = 128  # columns per 32-byte group of packed weights
 GROUP_BYTES = GROUP_COLS // 4
@@ -38,6 +39,15 @@ def pack_ternary(values: torch.Tensor) -> torch.Tensor:
     return packed.contiguous()
 
 
+@njit(nogil=True, cache=True)
+def smoke_test(a: np.ndarray) -> int:
+    """Sum of an int16 array: proves numba compiles and runs here."""
+    total = 0
+    for v in a:
+        total += v
+    return total
+
+
 # ---------------------------------------------------------------- activations
 
 
@@ -47,6 +57,7 @@ def quantize_permute(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np
 
     x f32 [T, K] -> (qp int16 [T, Kp] permuted and zero-padded, s_act f32 [T], q_sum int32 [T]).
     amax in f64 with the 1e-5 floor; s_act = f32(127 / amax) divided in f64; q = clamp(rne(f32 product)).
+    Rows holding NaN give unspecified values (as in the reference).
     """
     num_tokens, k = x.shape
     qp = np.zeros((num_tokens, kp), dtype=np.int16)
@@ -61,14 +72,15 @@ def quantize_permute(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np
         s = np.float32(127.0 / amax)
         s_act[t] = s
         total = 0
-        for j in range(k):
-            v = np.round(x[t, j] * s)  # f32 product, round half to even
-            v = min(max(v, np.float32(-128.0)), np.float32(127.0))
-            qi = np.int16(v)
-            group, col = divmod(j, GROUP_COLS)
-            byte, field = divmod(col, 4)
-            qp[t, group * GROUP_COLS + field * GROUP_BYTES + byte] = qi
-            total += qi
+        for g in range(kp // GROUP_COLS):  # natural column j = 128g + 4m + f -> position 128g + 32f + m
+            for m in range(GROUP_BYTES):
+                for f in range(4):
+                    j = g * GROUP_COLS + 4 * m + f
+                    if j < k:
+                        v = np.round(x[t, j] * s)  # f32 product, round half to even
+                        qi = np.int16(min(max(v, np.float32(-128.0)), np.float32(127.0)))
+                        qp[t, g * GROUP_COLS + f * GROUP_BYTES + m] = qi
+                        total += qi
         q_sum[t] = total
     return qp, s_act, q_sum
 
@@ -132,7 +144,12 @@ def bitnet_linear_kernel(
 
 @njit(parallel=True, nogil=True, cache=True)
 def bitnet_block_linear_kernel(
-    w: np.ndarray, qp: np.ndarray, block_q_sum: np.ndarray, s_act: np.ndarray, scale: np.ndarray, out: np.ndarray
+    w: np.ndarray,
+    qp: np.ndarray,
+    block_q_sum: np.ndarray,
+    s_act: np.ndarray,
+    scale: np.ndarray,
+    out: np.ndarray,
 ) -> None:
     """Per-block scales. block_q_sum int32 [T, nb], scale f32 [M, nb] -> out f32 [T, M].
 
@@ -184,6 +201,17 @@ def decode_values_f32(w: np.ndarray, r0: int, scale: np.ndarray, buf: np.ndarray
 # ---------------------------------------------------------------- llamacpp-tq emulation
 
 
+@intrinsic
+def _fma_f32(typingctx: object, a: types.Type, b: types.Type, c: types.Type) -> tuple:
+    """llvm.fma.f32: a * b + c with one rounding (hardware FMA, or libm fmaf where there is none)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context: object, builder: object, signature: object, args: tuple) -> object:
+        return builder.fma(*args)
+
+    return sig, codegen
+
+
 def tq_lane_order(k: int) -> torch.Tensor:
     """Natural column of each lane-major position: int64 [K].
 
@@ -197,8 +225,8 @@ def tq_weight_columns(k: int) -> torch.Tensor:
     """Column gather for llamacpp-tq weights: pack values[:, idx] and `_decode_codes` yields lane-major
     order. int64 [K] (K % 256 == 0, so K needs no padding)."""
     decoded_from = permute_columns(torch.arange(k).view(1, k), k).view(k)  # slot read at each position
-    slot_of_position = torch.argsort(decoded_from)  # inverse: decode position of each packed slot
-    return tq_lane_order(k)[slot_of_position]
+    position_of_slot = torch.argsort(decoded_from)  # the inverse permutation
+    return tq_lane_order(k)[position_of_slot]
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -228,7 +256,7 @@ def tq_linear_kernel(
                     for lane in range(NUM_TQ_LANES):
                         start = b * QK_K + lane * lane_cols
                         v = _dot(buf, qt, start, start + lane_cols) - bsum_lanes[t, b, lane]
-                        acc[lane] = acc[lane] + np.float32(v) * d
+                        acc[lane] = _fma_f32(np.float32(v), d, acc[lane])  # ggml's GCC build fuses
                 lo = (acc[0] + acc[4]) + (acc[2] + acc[6])
                 hi = (acc[1] + acc[5]) + (acc[3] + acc[7])
                 out[t, r] = lo + hi

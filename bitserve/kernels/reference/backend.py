@@ -55,21 +55,25 @@ class ReferenceBackend:
         return self.linear_group(x, [weight])[0]
 
     def linear_group(self, x: torch.Tensor, weights: Sequence[PreparedLinear]) -> list[torch.Tensor]:
-        """One f32 [T, M_i] per weight; int8 (bitnet) activations are quantized once for the group."""
-        quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        """One f32 [T, M_i] per weight; activations are quantized once for the group (per mode)."""
+        int8_acts: tuple[torch.Tensor, torch.Tensor] | None = None  # (q [T, K], s_act [T])
+        q8k_acts: tuple[torch.Tensor, torch.Tensor] | None = None  # (q8 [T, K], d_x [T, K // 256])
         outputs = []
         for weight in weights:
             check_linear_input(x, weight)
             if weight.backend != self.name:
                 raise ValueError(f"weight prepared by {weight.backend!r} given to the {self.name!r} backend")
             if weight.mode is LinearMode.BITNET:
-                if quantized is None:
-                    quantized = ternary.quantize_activations(x)
-                q, s_act = quantized
+                if int8_acts is None:
+                    int8_acts = ternary.quantize_activations(x)
                 assert weight.scale is not None  # invariant: ternary weights carry a scale
-                outputs.append(ternary.bitnet_linear_quantized(q, s_act, weight.data, weight.scale))
+                outputs.append(ternary.bitnet_linear_quantized(*int8_acts, weight.data, weight.scale))
             elif weight.mode is LinearMode.LLAMACPP_TQ:
-                outputs.append(ternary.llamacpp_tq_linear(x, weight.data, weight.extras["d_w"]))
+                if q8k_acts is None:
+                    q8k_acts = ternary.quantize_q8k(x)
+                q8, d_x = q8k_acts
+                lanes = ternary.tq_lane_sums(q8, weight.data)  # [T, M, nb, 8]
+                outputs.append(ternary.tq_epilogue(lanes, d_x, weight.extras["d_w"]))
             else:  # dense weights and float mode: both are f32 [M, K]
                 outputs.append(dense_linear(x, weight.data))
         return outputs

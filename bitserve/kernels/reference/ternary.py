@@ -210,19 +210,42 @@ def tq_lane_sums(q8: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return (dot + correction[:, None]).to(torch.int32)
 
 
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """IEEE fusedMultiplyAdd in f32: fl32(a * b + c) with one rounding, for f32 tensors (broadcast).
+
+    a * b is exact in f64 (24 + 24 significand bits); TwoSum gives s + e == a * b + c exactly. Rounding s
+    to f32 is then correct unless s lies exactly halfway between two f32 values and e != 0, in which
+    case e decides the direction (the double-rounding case).
+    """
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    virtual = s - p
+    e = (p - (s - virtual)) + (c64 - virtual)  # TwoSum error term
+    r = s.float()
+    r64 = r.double()
+    toward = torch.where(s > r64, torch.inf, -torch.inf).float()
+    neighbour = torch.nextafter(r, toward)  # the other f32 candidate around s
+    is_tie = (s != r64) & ((s - r64) * 2 == neighbour.double() - r64)
+    directed = torch.where(e > 0, torch.maximum(r, neighbour), torch.minimum(r, neighbour))
+    return torch.where(is_tie & (e != 0), directed, r)
+
+
 def tq_epilogue(lanes: torch.Tensor, d_x: torch.Tensor, d_w: torch.Tensor) -> torch.Tensor:
     """ggml's float accumulation of the TQ2_0 AVX2 dot product.
 
     lanes int32 [T, M, nb, 8], d_x f32 [T, nb] (Q8_K d), d_w f32 [M, nb] (f16 block scale) -> f32 [T, M].
-    Per block b in order: d = fl32(d_x * d_w); acc_L = fl32(acc_L + fl32(fl32(lane_L) * d)) with a
-    separate multiply and add (NOTE: a build that contracts these into FMA differs in the last bit).
+    Per block b in order: d = fl32(d_x * d_w); acc_L = fma(fl32(lane_L), d, acc_L). NOTE: the fused
+    multiply-add is what GCC makes of ggml's `_mm256_add_ps(_mm256_mul_ps(...), sumf)` (it contracts
+    across the intrinsics; llama-cpp-python's x86-64 build does). Builds that do not contract (clang,
+    MSVC) round the product separately and can differ in the last bit.
     Then hsum_float_8: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
     """
     num_tokens, m, num_blocks, _ = lanes.shape
     acc = torch.zeros(num_tokens, m, NUM_TQ_LANES, dtype=torch.float32, device=lanes.device)
     for b in range(num_blocks):
         d = d_x[:, None, b] * d_w[None, :, b]  # [T, M]
-        acc = acc + lanes[:, :, b, :].to(torch.float32) * d[:, :, None]
+        acc = fma_f32(lanes[:, :, b, :].to(torch.float32), d[:, :, None], acc)
     r = acc[..., 4:] + acc[..., :4]  # [T, M, 4]: lanes (4+i) + i
     return (r[..., 0] + r[..., 2]) + (r[..., 1] + r[..., 3])
 
