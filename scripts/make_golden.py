@@ -3,9 +3,15 @@
     python scripts/make_golden.py            # needs llama-cpp-python (pip install '.[crossval]')
 
 Writes tests/fixtures/golden/:
-  smollm2.json        prompts (chat and plain, non-ASCII), llama.cpp prompt token ids, 64 greedy tokens
-                      and the per-position argmax of the prompt logits
-  smollm2_logits.npz  llama.cpp's full prompt logits (float16) for the first prompts
+  smollm2.json        prompts (chat and plain, non-ASCII) and, per reference, llama.cpp's prompt token
+                      ids, 64 greedy tokens with llama.cpp's top-2 margin at each step, and the argmax of
+                      every prompt position. Two references:
+                      "f32":    llama.cpp on SmolLM2's Q4_1 weights dequantized (by gguf-py) into an F32
+                                GGUF, with an F32 KV cache: the same weights bitserve computes with, and
+                                llama.cpp's graph without its activation quantization;
+                      "native": llama.cpp on the Q4_1 file itself (Q8_1 activations, F16 KV cache),
+                                whose ulp-sensitive rounding makes exact agreement impossible (see tests).
+  smollm2_logits.npz  llama.cpp's full prompt logits (float16) for the first prompts, both references
   synthetic.json      greedy tokens of the synthetic BitNet model stored as F32 and TQ2_0, plus the
                       sha256 of each file so a changed writer is caught instead of silently compared
   synthetic_last_logits.npz  llama.cpp's logits (float16) at the last prompt position of each case
@@ -54,36 +60,83 @@ SMOLLM2_PROMPTS: list[dict[str, str]] = [
 SYNTHETIC_PROMPTS = ["Hello world, this is", "1 2 3 4 5 6", "Ternary émigré 東京 🙂"]
 
 
-def open_llama(path: Path):  # noqa: ANN201 - llama_cpp.Llama
+GGML_TYPE_F32 = 0
+
+
+def open_llama(path: Path, *, f32_kv: bool = False):  # noqa: ANN201 - llama_cpp.Llama
     from llama_cpp import Llama
 
-    return Llama(model_path=str(path), n_ctx=1024, n_threads=2, n_batch=512, logits_all=True, verbose=False, seed=0)
+    kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_kv else {}
+    return Llama(model_path=str(path), n_ctx=1024, n_threads=2, n_batch=512, logits_all=True, verbose=False, seed=0, **kv)
 
 
-def greedy(llm, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], np.ndarray]:  # noqa: ANN001
-    """llama.cpp greedy continuation (EOS ignored, exactly num_tokens) and the prompt logits."""
+def top2_margin(logits: np.ndarray) -> float:
+    top = np.partition(logits, -2)[-2:]
+    return float(abs(top[1] - top[0]))
+
+
+def greedy(llm, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[float], np.ndarray]:  # noqa: ANN001
+    """llama.cpp greedy continuation (EOS ignored, exactly num_tokens), its top-2 margin at each step,
+    and the prompt logits."""
     llm.reset()
     llm.eval(prompt_ids)
     prompt_logits = np.array(llm.scores[: llm.n_tokens], dtype=np.float32)
     tokens: list[int] = []
+    margins: list[float] = []
     for _ in range(num_tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        tokens.append(token)
-        llm.eval([token])
-    return tokens, prompt_logits
+        step_logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        tokens.append(int(np.argmax(step_logits)))
+        margins.append(round(top2_margin(step_logits), 5))
+        llm.eval([tokens[-1]])
+    return tokens, margins, prompt_logits
+
+
+def write_dequantized_f32(source: Path, target: Path) -> None:
+    """SmolLM2 with every tensor dequantized to F32 by gguf-py (independent of bitserve's decoder)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        value_type = field.types[0]
+        if value_type == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), value_type, field.types[-1])
+        else:
+            writer.add_key_value(field.name, field.contents(), value_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, values.reshape(tuple(int(d) for d in reversed(tensor.shape))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def smollm2_reference(llm, logits: dict[str, np.ndarray], key: str) -> list[dict]:  # noqa: ANN001
+    cases = []
+    for index, prompt in enumerate(SMOLLM2_PROMPTS):
+        ids = llm.tokenize(prompt["text"].encode("utf-8"), add_bos=False, special=True)
+        tokens, margins, prompt_logits = greedy(llm, ids, SMOLLM2_NUM_TOKENS)
+        cases.append({"prompt_token_ids": ids, "greedy_token_ids": tokens, "greedy_margins": margins,
+                      "prompt_argmax": prompt_logits.argmax(axis=1).tolist()})  # fmt: skip
+        if index < NUM_LOGIT_PROMPTS:
+            logits[f"{key}_prompt{index}"] = prompt_logits.astype(np.float16)
+    return cases
 
 
 def make_smollm2() -> None:
-    llm = open_llama(resolve_model("smollm2-135m-instruct", fetch=False))
-    cases, logits = [], {}
-    for index, prompt in enumerate(SMOLLM2_PROMPTS):
-        ids = llm.tokenize(prompt["text"].encode("utf-8"), add_bos=False, special=True)
-        tokens, prompt_logits = greedy(llm, ids, SMOLLM2_NUM_TOKENS)
-        cases.append(prompt | {"prompt_token_ids": ids, "greedy_token_ids": tokens,
-                               "prompt_argmax": prompt_logits.argmax(axis=1).tolist()})  # fmt: skip
-        if index < NUM_LOGIT_PROMPTS:
-            logits[f"prompt{index}"] = prompt_logits.astype(np.float16)
-    (FIXTURES / "smollm2.json").write_text(json.dumps({"num_tokens": SMOLLM2_NUM_TOKENS, "cases": cases}, ensure_ascii=False, indent=1))
+    source = resolve_model("smollm2-135m-instruct", fetch=False)
+    logits: dict[str, np.ndarray] = {}
+    references = {"native": smollm2_reference(open_llama(source), logits, "native")}
+    with tempfile.TemporaryDirectory() as tmp:
+        f32_path = Path(tmp) / "smollm2-f32.gguf"
+        write_dequantized_f32(source, f32_path)
+        references["f32"] = smollm2_reference(open_llama(f32_path, f32_kv=True), logits, "f32")
+    fixture = {"num_tokens": SMOLLM2_NUM_TOKENS, "prompts": SMOLLM2_PROMPTS, "references": references}
+    (FIXTURES / "smollm2.json").write_text(json.dumps(fixture, ensure_ascii=False, indent=1))
     np.savez_compressed(FIXTURES / "smollm2_logits.npz", **logits)
 
 
@@ -100,8 +153,8 @@ def make_synthetic() -> None:
             cases = []
             for text in SYNTHETIC_PROMPTS:
                 ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-                tokens, prompt_logits = greedy(llm, ids, SYNTHETIC_NUM_TOKENS)
-                cases.append({"text": text, "prompt_token_ids": ids, "greedy_token_ids": tokens})
+                tokens, margins, prompt_logits = greedy(llm, ids, SYNTHETIC_NUM_TOKENS)
+                cases.append({"text": text, "prompt_token_ids": ids, "greedy_token_ids": tokens, "greedy_margins": margins})
                 logits[f"{fmt}_{len(cases) - 1}"] = prompt_logits[-1].astype(np.float16)
             result[fmt] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "cases": cases}
             del llm

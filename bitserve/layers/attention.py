@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -92,12 +91,12 @@ class PagedAttention(nn.Module):
             keys = keys.repeat_interleave(group, dim=1)  # [num_context, num_heads, head_dim]
             values = values.repeat_interleave(group, dim=1)
         q_t, k_t, v_t = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # [heads, len, dim]
-        if num_queries == 1:
-            out = F.scaled_dot_product_attention(q_t, k_t, v_t, scale=self.scale)
-        elif num_queries == num_context:
-            out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=self.scale)
-        else:
+        # NOTE: explicit matmul + softmax, not F.scaled_dot_product_attention: on CPU, SDPA costs
+        # ~6 ms per call at decode shapes (9 heads x 1 query x 10 keys) against ~0.5 ms for this.
+        scores = torch.matmul(q_t, k_t.transpose(1, 2)) * self.scale  # [heads, num_queries, num_context]
+        if num_queries > 1:
             query_pos = torch.arange(num_context - num_queries, num_context).unsqueeze(1)
-            mask = torch.arange(num_context).unsqueeze(0) <= query_pos  # [num_queries, num_context]
-            out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=self.scale)
+            future = torch.arange(num_context).unsqueeze(0) > query_pos  # [num_queries, num_context]
+            scores = scores.masked_fill(future, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v_t)
         return out.transpose(0, 1)  # [num_queries, num_heads, head_dim]

@@ -1,0 +1,1 @@
+"""Metrics: plain stats records (stats.py, importable anywhere) and the Prometheus sink (prometheus.py)."""

@@ -1,0 +1,153 @@
+"""PrometheusStatsSink: the production StatsSink, rendered on GET /metrics. The only module in bitserve
+that imports prometheus_client; each sink owns its CollectorRegistry, so apps and tests never collide.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from bitserve.core.outputs import StepStats
+from bitserve.metrics.stats import RequestStats
+
+logger = logging.getLogger(__name__)
+
+# Buckets are sized for CPU serving of small models: a cold prefill of a long prompt on 2 cores can
+# take tens of seconds, while a decode step of a 135M model is a few milliseconds.
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+# HTTP error reasons come from the server's error table (a bounded set); past this many distinct
+# values, new ones are folded into "other" so a bug upstream cannot explode the series count.
+MAX_NUM_HTTP_ERROR_REASONS = 64
+
+
+class PrometheusStatsSink:
+    """StatsSink that keeps Prometheus metrics in its own registry.
+
+    Called on the event loop (AsyncEngine callbacks, HTTP handlers); prometheus_client's metric
+    objects are thread-safe, and the small preemption bookkeeping here is only touched there too.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._last_preempted_total: dict[str, int] = {}  # model -> last StepStats.num_preempted_total
+        self._http_error_reasons: set[str] = set()
+        self._build_request_metrics()
+        self._build_step_metrics()
+        self._build_edge_metrics()
+
+    # ----------------------------------------------------------------- metric definitions
+
+    def _build_request_metrics(self) -> None:
+        reg, model = self.registry, ["model"]
+        self.ttft = Histogram("bitserve_time_to_first_token_seconds", "Time from arrival to the first output token.",
+                              model, buckets=TTFT_BUCKETS_S, registry=reg)  # fmt: skip
+        self.itl = Histogram("bitserve_inter_token_latency_seconds", "Mean gap between output tokens, one sample per request.",
+                             model, buckets=ITL_BUCKETS_S, registry=reg)  # fmt: skip
+        self.e2e = Histogram("bitserve_request_duration_seconds", "End-to-end request latency, arrival to finish.",
+                             model, buckets=E2E_BUCKETS_S, registry=reg)  # fmt: skip
+        self.queue = Histogram("bitserve_request_queue_seconds", "Time a request waited before its first schedule.",
+                               model, buckets=QUEUE_BUCKETS_S, registry=reg)  # fmt: skip
+        self.prompt_tokens = Counter("bitserve_prompt_tokens_total", "Prompt tokens of finished requests.", model, registry=reg)
+        self.generation_tokens = Counter("bitserve_generation_tokens_total", "Output tokens of finished requests.",
+                                         model, registry=reg)  # fmt: skip
+        self.requests = Counter("bitserve_requests_total", "Finished requests by finish reason.",
+                                ["model", "finish_reason"], registry=reg)  # fmt: skip
+
+    def _build_step_metrics(self) -> None:
+        reg, model = self.registry, ["model"]
+        self.num_running = Gauge("bitserve_num_requests_running", "Requests in the running batch.", model, registry=reg)
+        self.num_waiting = Gauge("bitserve_num_requests_waiting", "Requests waiting to be scheduled.", model, registry=reg)
+        self.kv_usage = Gauge("bitserve_kv_cache_usage_ratio", "Fraction of usable KV-cache blocks in use (0..1).",
+                              model, registry=reg)  # fmt: skip
+        self.prefix_queries = Counter("bitserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                                      model, registry=reg)  # fmt: skip
+        self.prefix_hits = Counter("bitserve_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+                                   model, registry=reg)  # fmt: skip
+        self.preemptions = Counter("bitserve_preemptions_total", "Requests preempted (KV blocks reclaimed, recomputed later).",
+                                   model, registry=reg)  # fmt: skip
+        self.batched_tokens = Histogram("bitserve_batched_tokens_per_step", "Tokens (prefill + decode) computed in one step.",
+                                        model, buckets=BATCHED_TOKENS_BUCKETS, registry=reg)  # fmt: skip
+        self.step_time = Histogram("bitserve_step_duration_seconds", "Wall time of one engine step.",
+                                   model, buckets=STEP_BUCKETS_S, registry=reg)  # fmt: skip
+
+    def _build_edge_metrics(self) -> None:
+        reg = self.registry
+        self.rejected = Counter("bitserve_requests_rejected_total", "Requests refused at admission, by reason.",
+                                ["reason"], registry=reg)  # fmt: skip
+        self.aborted = Counter("bitserve_requests_aborted_total", "Requests aborted before finishing, by reason.",
+                               ["reason"], registry=reg)  # fmt: skip
+        self.http_errors = Counter("bitserve_http_errors_total", "HTTP error responses, by status and error type.",
+                                   ["status", "reason"], registry=reg)  # fmt: skip
+
+    # ----------------------------------------------------------------- StatsSink
+
+    def record_step(self, model: str, stats: StepStats) -> None:
+        """One engine step of `model`: gauges take the latest values, counters the step's increments."""
+        self.num_running.labels(model).set(stats.num_running)
+        self.num_waiting.labels(model).set(stats.num_waiting)
+        self.kv_usage.labels(model).set(stats.kv_usage)
+        if stats.num_prefix_query_tokens > 0:
+            self.prefix_queries.labels(model).inc(stats.num_prefix_query_tokens)
+        if stats.num_prefix_hit_tokens > 0:
+            self.prefix_hits.labels(model).inc(stats.num_prefix_hit_tokens)
+        # num_preempted_total is cumulative per engine; a drop means a fresh engine (swap, restart),
+        # whose whole count is new.
+        last = self._last_preempted_total.get(model, 0)
+        delta = stats.num_preempted_total - last if stats.num_preempted_total >= last else stats.num_preempted_total
+        self._last_preempted_total[model] = stats.num_preempted_total
+        self.preemptions.labels(model)  # the series exists (at 0) from a model's first step
+        if delta > 0:
+            self.preemptions.labels(model).inc(delta)
+        if stats.num_batched_tokens > 0:
+            self.batched_tokens.labels(model).observe(stats.num_batched_tokens)
+        if stats.step_time_s > 0:
+            self.step_time.labels(model).observe(stats.step_time_s)
+
+    def record_request(self, stats: RequestStats) -> None:
+        """One finished client request; latencies that are unknown (None) are not observed."""
+        model = stats.model
+        self.requests.labels(model, stats.finish_reason).inc()
+        self.prompt_tokens.labels(model).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(model).inc(stats.num_output_tokens)
+        self.e2e.labels(model).observe(stats.e2e_s)
+        if stats.ttft_s is not None:
+            self.ttft.labels(model).observe(stats.ttft_s)
+        if stats.mean_itl_s is not None:
+            self.itl.labels(model).observe(stats.mean_itl_s)
+        if stats.queue_s is not None:
+            self.queue.labels(model).observe(stats.queue_s)
+
+    def record_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def record_aborted(self, reason: str) -> None:
+        self.aborted.labels(reason).inc()
+
+    # ----------------------------------------------------------------- server edge
+
+    def record_http_error(self, status: int, reason: str) -> None:
+        """One HTTP error response. `reason` should be the error type from the server's error table."""
+        if reason not in self._http_error_reasons:
+            if len(self._http_error_reasons) >= MAX_NUM_HTTP_ERROR_REASONS:
+                logger.warning("more than %d HTTP error reasons; %r is counted as 'other'", MAX_NUM_HTTP_ERROR_REASONS, reason)
+                reason = "other"
+            self._http_error_reasons.add(reason)
+        self.http_errors.labels(str(int(status)), reason).inc()
+
+    def forget_model(self, model: str) -> None:
+        """Drop `model`'s gauge series (after an unload), so a gone model does not report stale load."""
+        for gauge in (self.num_running, self.num_waiting, self.kv_usage):
+            gauge.remove(model)  # a no-op when the series does not exist
+        self._last_preempted_total.pop(model, None)
+
+    def render(self) -> tuple[bytes, str]:
+        """The body and content type for GET /metrics (Prometheus text exposition format)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

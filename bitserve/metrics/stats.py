@@ -1,0 +1,50 @@
+"""Stats records and the StatsSink protocol. Plain dataclasses; anyone may import this module.
+
+The production sink is `metrics/prometheus.py` (only the server app imports it); tests and the
+offline LLM use NullStatsSink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from bitserve.core.outputs import StepStats
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """One finished client request (all its choices), recorded by the AsyncEngine."""
+
+    model: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    e2e_s: float
+    ttft_s: float | None
+    mean_itl_s: float | None
+    queue_s: float | None = None
+
+
+class StatsSink(Protocol):
+    def record_step(self, model: str, stats: StepStats) -> None: ...
+
+    def record_request(self, stats: RequestStats) -> None: ...
+
+    def record_rejected(self, reason: str) -> None: ...
+
+    def record_aborted(self, reason: str) -> None: ...
+
+
+class NullStatsSink:
+    def record_step(self, model: str, stats: StepStats) -> None:
+        return None
+
+    def record_request(self, stats: RequestStats) -> None:
+        return None
+
+    def record_rejected(self, reason: str) -> None:
+        return None
+
+    def record_aborted(self, reason: str) -> None:
+        return None

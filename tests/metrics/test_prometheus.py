@@ -1,0 +1,121 @@
+"""PrometheusStatsSink: stats in, exposition text out, parsed back with prometheus_client's own parser."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from bitserve.core.outputs import StepStats
+from bitserve.metrics.prometheus import TTFT_BUCKETS_S, PrometheusStatsSink
+from bitserve.metrics.stats import RequestStats, StatsSink
+
+
+def samples(sink: PrometheusStatsSink) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of render()'s output, keyed by (sample name, labels)."""
+    body, content_type = sink.render()
+    assert content_type.startswith("text/plain")
+    values = {}
+    for family in text_string_to_metric_families(body.decode("utf-8")):
+        for sample in family.samples:
+            values[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return values
+
+
+def value(values: dict, name: str, **labels: str) -> float:
+    return values[(name, frozenset(labels.items()))]
+
+
+def step(**overrides: float) -> StepStats:
+    fields = dict(num_running=2, num_waiting=3, num_preempted_total=0, kv_usage=0.25, num_batched_tokens=40,
+                  num_prefill_tokens=38, num_decode_tokens=2, num_prefix_hit_tokens=16, num_prefix_query_tokens=48,
+                  step_time_s=0.02)  # fmt: skip
+    fields.update(overrides)
+    return StepStats(**fields)  # type: ignore[arg-type]
+
+
+def test_sink_satisfies_the_protocol() -> None:
+    sink: StatsSink = PrometheusStatsSink()
+    assert callable(sink.record_step) and callable(sink.record_request)
+
+
+def test_request_stats_become_histograms_and_counters() -> None:
+    sink = PrometheusStatsSink()
+    sink.record_request(RequestStats("m1", "length", 10, 5, e2e_s=1.5, ttft_s=0.3, mean_itl_s=0.02, queue_s=0.1))
+    sink.record_request(RequestStats("m1", "stop", 7, 3, e2e_s=0.9, ttft_s=0.4, mean_itl_s=None))
+    sink.record_request(RequestStats("m2", "abort", 4, 0, e2e_s=0.2, ttft_s=None, mean_itl_s=None))
+    values = samples(sink)
+    assert value(values, "bitserve_requests_total", model="m1", finish_reason="length") == 1
+    assert value(values, "bitserve_requests_total", model="m1", finish_reason="stop") == 1
+    assert value(values, "bitserve_requests_total", model="m2", finish_reason="abort") == 1
+    assert value(values, "bitserve_prompt_tokens_total", model="m1") == 17
+    assert value(values, "bitserve_generation_tokens_total", model="m1") == 8
+    assert value(values, "bitserve_generation_tokens_total", model="m2") == 0
+    assert value(values, "bitserve_request_duration_seconds_count", model="m1") == 2
+    assert abs(value(values, "bitserve_request_duration_seconds_sum", model="m1") - 2.4) < 1e-9
+    # TTFT: 0.3 and 0.4 fall in the 0.5 bucket, not in 0.25; m2 had no first token, so no sample
+    assert value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", le="0.25") == 0
+    assert value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", le="0.5") == 2
+    assert value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", le="60.0") == 2
+    assert ("bitserve_time_to_first_token_seconds_count", frozenset({("model", "m2")})) not in values
+    assert value(values, "bitserve_inter_token_latency_seconds_count", model="m1") == 1
+    assert value(values, "bitserve_request_queue_seconds_count", model="m1") == 1
+    assert max(TTFT_BUCKETS_S) == 60.0
+
+
+def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
+    sink = PrometheusStatsSink()
+    sink.record_step("m", step())
+    sink.record_step("m", step(num_running=1, num_waiting=0, kv_usage=0.5, num_preempted_total=2,
+                               num_prefix_hit_tokens=0, num_prefix_query_tokens=8, num_batched_tokens=1))  # fmt: skip
+    sink.record_step("m", step(num_preempted_total=5, num_prefix_hit_tokens=0, num_prefix_query_tokens=0))
+    values = samples(sink)
+    # gauges hold the last step's values
+    assert value(values, "bitserve_num_requests_running", model="m") == 2
+    assert value(values, "bitserve_num_requests_waiting", model="m") == 3
+    assert value(values, "bitserve_kv_cache_usage_ratio", model="m") == 0.25
+    assert value(values, "bitserve_prefix_cache_queries_total", model="m") == 48 + 8
+    assert value(values, "bitserve_prefix_cache_hits_total", model="m") == 16
+    assert value(values, "bitserve_preemptions_total", model="m") == 5  # deltas 0, 2, 3
+    assert value(values, "bitserve_batched_tokens_per_step_count", model="m") == 3
+    assert value(values, "bitserve_batched_tokens_per_step_bucket", model="m", le="1.0") == 1
+    assert value(values, "bitserve_step_duration_seconds_count", model="m") == 3
+    # a fresh engine restarts its cumulative count: the whole new count is new preemptions
+    sink.record_step("m", step(num_preempted_total=1))
+    assert value(samples(sink), "bitserve_preemptions_total", model="m") == 6
+
+
+def test_rejections_aborts_and_http_errors_by_label() -> None:
+    sink = PrometheusStatsSink()
+    sink.record_rejected("queue_full")
+    sink.record_rejected("queue_full")
+    sink.record_aborted("client_disconnect")
+    sink.record_http_error(429, "rate_limit_exceeded")
+    sink.record_http_error(500, "internal_error")
+    sink.record_http_error(500, "internal_error")
+    values = samples(sink)
+    assert value(values, "bitserve_requests_rejected_total", reason="queue_full") == 2
+    assert value(values, "bitserve_requests_aborted_total", reason="client_disconnect") == 1
+    assert value(values, "bitserve_http_errors_total", status="429", reason="rate_limit_exceeded") == 1
+    assert value(values, "bitserve_http_errors_total", status="500", reason="internal_error") == 2
+
+
+def test_http_error_reasons_are_bounded() -> None:
+    sink = PrometheusStatsSink()
+    for index in range(100):
+        sink.record_http_error(400, f"reason-{index}")
+    values = samples(sink)
+    reasons = {dict(labels)["reason"] for name, labels in values if name == "bitserve_http_errors_total"}
+    assert len(reasons) == 65 and "other" in reasons
+    assert value(values, "bitserve_http_errors_total", status="400", reason="other") == 36
+
+
+def test_registries_are_independent_and_forget_model_drops_gauges() -> None:
+    first, second = PrometheusStatsSink(), PrometheusStatsSink()
+    first.record_step("a", step())
+    first.record_step("b", step(num_running=7))
+    assert not any(name == "bitserve_num_requests_running" for name, _ in samples(second))
+    first.forget_model("a")
+    values = samples(first)
+    assert ("bitserve_num_requests_running", frozenset({("model", "a")})) not in values
+    assert value(values, "bitserve_num_requests_running", model="b") == 7
+    # counters of a forgotten model stay (they are totals, and Prometheus expects them monotonic)
+    assert value(values, "bitserve_prefix_cache_hits_total", model="a") == 16
