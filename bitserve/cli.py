@@ -1,4 +1,4 @@
-"""`bitserve` command line: generate | inspect | verify | crossval (serve and bench come with the server)."""
+"""`bitserve` command line: generate | inspect | verify | crossval | bench (serve comes with the server)."""
 
 from __future__ import annotations
 
@@ -58,15 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     crossval = sub.add_parser("crossval", help="live comparison against llama.cpp (needs llama-cpp-python)")
     crossval.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
+
+    from bitserve.bench_command import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from bitserve import commands
+    from bitserve import bench_command, commands
 
     handlers = {
+        "bench": bench_command.run_bench,
         "generate": commands.run_generate,
         "inspect": commands.run_inspect,
         "verify": commands.run_verify,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from bitserve.catalog import DEFAULT_MODEL
 from bitserve.core.config import CacheConfig, SchedulerConfig
 
-__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig"]
+__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "ServerConfig"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -43,3 +43,61 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache_memory_bytes: int = field(default=512 * 1024 * 1024, metadata=_help("memory for the paged KV cache"))
+
+
+LOG_FORMATS = ("json", "text")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP edge: bind address, request limits, timeouts, admission and drain. Invalid values raise ValueError."""
+
+    host: str = field(default="127.0.0.1", metadata=_help("address to bind (0.0.0.0 for all interfaces)"))
+    port: int = field(default=8000, metadata=_help("TCP port to listen on"))
+    served_model_name: str | None = field(
+        default=None, metadata=_help("model id clients send and /v1/models lists (default: catalog name or file stem)")
+    )
+    max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_help("largest request body; larger gets 413"))
+    body_read_timeout_s: float = field(
+        default=30.0, metadata=_help("seconds to receive a whole request body; slower gets 408 and the connection closed")
+    )
+    header_read_timeout_s: float = field(
+        default=10.0, metadata=_help("seconds to receive a request's headers once a connection is open or busy (slowloris)")
+    )
+    max_header_bytes: int = field(default=16 * 1024, metadata=_help("largest request line plus headers; larger gets 400"))
+    keep_alive_timeout_s: int = field(default=5, metadata=_help("seconds an idle keep-alive connection stays open"))
+    max_num_waiting: int = field(
+        default=256, metadata=_help("unfinished requests admitted at once; more get 429 with Retry-After")
+    )
+    max_num_queued_tokens: int = field(
+        default=262_144, metadata=_help("prompt tokens of unfinished requests admitted at once; more get 429")
+    )
+    drain_timeout_s: float = field(
+        default=30.0, metadata=_help("on SIGTERM, seconds in-flight requests get to finish before streams are ended")
+    )
+    sse_keepalive_s: float = field(default=15.0, metadata=_help("seconds between ': ping' comments on an idle stream"))
+    liveness_stall_s: float = field(
+        default=120.0, metadata=_help("/health/live fails when work is pending and the engine made no step for this long")
+    )
+    warmup: bool = field(default=True, metadata=_help("run one short generation before reporting ready"))
+    access_log: bool = field(default=True, metadata=_help("log one line per HTTP request"))
+    log_format: str = field(default="json", metadata=_help("log format: json (one object per line) or text"))
+    log_level: str = field(default="INFO", metadata=_help("log level of the server (DEBUG, INFO, WARNING, ...)"))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        for name in ("body_read_timeout_s", "header_read_timeout_s", "sse_keepalive_s", "liveness_stall_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        for name in ("keep_alive_timeout_s", "max_num_waiting", "max_num_queued_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")

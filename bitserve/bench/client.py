@@ -53,10 +53,22 @@ def is_loopback_host(host: str) -> bool:
 
 
 def build_body(
-    endpoint: str, model: str, prompt: str, *, max_tokens: int, temperature: float, ignore_eos: bool, include_usage: bool
+    endpoint: str,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    temperature: float,
+    ignore_eos: bool,
+    include_usage: bool,
 ) -> dict[str, Any]:
     """The JSON body of one streaming request; `ignore_eos` is a vLLM / llama.cpp extension field."""
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+    }
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -79,7 +91,8 @@ class RequestResult:
     num_chunks: int = 0  # chunks carrying non-empty content
     num_usage_tokens: int | None = None  # completion_tokens from the usage chunk, when sent
     num_prompt_tokens: int | None = None
-    error_kind: str | None = None  # http_<status> | timeout | connect_error | truncated | stream_error | bad_payload
+    # http_<status> | timeout | connect_error | truncated | stream_error | bad_payload
+    error_kind: str | None = None
     error_detail: str | None = None
     is_done: bool = False  # saw `data: [DONE]`
     last_chunk_at: float | None = None
@@ -164,7 +177,9 @@ class OpenAIClient:
                 detail += chunk
                 if len(detail) >= MAX_ERROR_DETAIL_BYTES:
                     break
-            result.fail(f"http_{response.status_code}", detail[:MAX_ERROR_DETAIL_BYTES].decode("utf-8", "replace"))
+            result.fail(
+                f"http_{response.status_code}", detail[:MAX_ERROR_DETAIL_BYTES].decode("utf-8", "replace")
+            )
             return
         parser = SSEParser()
         async for chunk in response.aiter_bytes():

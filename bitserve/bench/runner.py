@@ -38,7 +38,7 @@ class BenchConfig:
     url: str
     endpoint: str = "completions"
     model: str | None = None  # None: the first id of GET /v1/models
-    concurrency_levels: tuple[int, ...] = (1,)
+    concurrency_levels: tuple[int, ...] = (1, 4, 16)
     num_requests: int | None = None  # per level; None: 4 x concurrency, at most MAX_DEFAULT_NUM_REQUESTS
     max_tokens: int = 100
     prompt: str | None = None
@@ -100,7 +100,7 @@ def default_num_requests(concurrency: int) -> int:
 
 def synthetic_prompt(index: int, num_words: int) -> str:
     """About `num_words` words, distinct per request index, identical across runs (and servers)."""
-    rng = random.Random(index)
+    rng = random.Random(f"bitserve-bench-{index}")  # a str seed: random.Random(-1) would equal Random(1)
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
@@ -118,14 +118,20 @@ async def run_bench_async(config: BenchConfig) -> BenchRun:
         if model is None:
             model_ids = await client.list_models()
             if not model_ids:
-                raise InvalidRequest(f"{client.url}/v1/models lists no model", param="model", hint="pass --model")
+                raise InvalidRequest(
+                    f"{client.url}/v1/models lists no model", param="model", hint="pass --model"
+                )
             model = model_ids[0]
         await _warm_up(client, config, model)
-        levels = []
+        levels: list[LevelRun] = []
         for concurrency in config.concurrency_levels:
             logger.info("bench: concurrency %d against %s (%s)", concurrency, client.url, model)
-            levels.append(await run_level(client, config, model, concurrency))
-    return BenchRun(check_url(config.url, allow_remote=config.allow_remote), config.endpoint, model, config, levels)
+            # prompt indices continue across levels, so no level finds an earlier level's prompts cached
+            first_index = sum(len(level.results) for level in levels)
+            levels.append(await run_level(client, config, model, concurrency, first_index=first_index))
+    return BenchRun(
+        check_url(config.url, allow_remote=config.allow_remote), config.endpoint, model, config, levels
+    )
 
 
 async def _warm_up(client: OpenAIClient, config: BenchConfig, model: str) -> None:
@@ -142,7 +148,9 @@ def _body(config: BenchConfig, model: str, index: int) -> dict[str, object]:
                       include_usage=config.include_usage)  # fmt: skip
 
 
-async def run_level(client: OpenAIClient, config: BenchConfig, model: str, concurrency: int) -> LevelRun:
+async def run_level(
+    client: OpenAIClient, config: BenchConfig, model: str, concurrency: int, *, first_index: int = 0
+) -> LevelRun:
     """`concurrency` workers each send one request at a time until the level's count or time is spent.
 
     Ends by itself: at most num_requests requests start, none after duration_s, and each is bounded
@@ -163,7 +171,7 @@ async def run_level(client: OpenAIClient, config: BenchConfig, model: str, concu
             if time.perf_counter() >= deadline:
                 is_cut = True
                 return
-            results.append(await client.stream(config.endpoint, _body(config, model, index)))
+            results.append(await client.stream(config.endpoint, _body(config, model, first_index + index)))
 
     tasks = [asyncio.ensure_future(worker()) for _ in range(min(concurrency, num_requests))]
     try:
@@ -173,5 +181,7 @@ async def run_level(client: OpenAIClient, config: BenchConfig, model: str, concu
             task.cancel()
     wall_s = time.perf_counter() - start
     if is_cut:
-        logger.warning("bench: concurrency %d stopped at --duration-s after %d requests", concurrency, len(results))
+        logger.warning(
+            "bench: concurrency %d stopped at --duration-s after %d requests", concurrency, len(results)
+        )
     return LevelRun(concurrency, results, wall_s, is_cut)

@@ -16,9 +16,9 @@ logger = logging.getLogger(__name__)
 
 # Buckets are sized for CPU serving of small models: a cold prefill of a long prompt on 2 cores can
 # take tens of seconds, while a decode step of a 135M model is a few milliseconds.
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
-ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)  # fmt: skip
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)  # fmt: skip
 QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -55,7 +55,9 @@ class PrometheusStatsSink:
                              model, buckets=E2E_BUCKETS_S, registry=reg)  # fmt: skip
         self.queue = Histogram("bitserve_request_queue_seconds", "Time a request waited before its first schedule.",
                                model, buckets=QUEUE_BUCKETS_S, registry=reg)  # fmt: skip
-        self.prompt_tokens = Counter("bitserve_prompt_tokens_total", "Prompt tokens of finished requests.", model, registry=reg)
+        self.prompt_tokens = Counter(
+            "bitserve_prompt_tokens_total", "Prompt tokens of finished requests.", model, registry=reg
+        )
         self.generation_tokens = Counter("bitserve_generation_tokens_total", "Output tokens of finished requests.",
                                          model, registry=reg)  # fmt: skip
         self.requests = Counter("bitserve_requests_total", "Finished requests by finish reason.",
@@ -63,8 +65,12 @@ class PrometheusStatsSink:
 
     def _build_step_metrics(self) -> None:
         reg, model = self.registry, ["model"]
-        self.num_running = Gauge("bitserve_num_requests_running", "Requests in the running batch.", model, registry=reg)
-        self.num_waiting = Gauge("bitserve_num_requests_waiting", "Requests waiting to be scheduled.", model, registry=reg)
+        self.num_running = Gauge(
+            "bitserve_num_requests_running", "Requests in the running batch.", model, registry=reg
+        )
+        self.num_waiting = Gauge(
+            "bitserve_num_requests_waiting", "Requests waiting to be scheduled.", model, registry=reg
+        )
         self.kv_usage = Gauge("bitserve_kv_cache_usage_ratio", "Fraction of usable KV-cache blocks in use (0..1).",
                               model, registry=reg)  # fmt: skip
         self.prefix_queries = Counter("bitserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
@@ -101,7 +107,11 @@ class PrometheusStatsSink:
         # num_preempted_total is cumulative per engine; a drop means a fresh engine (swap, restart),
         # whose whole count is new.
         last = self._last_preempted_total.get(model, 0)
-        delta = stats.num_preempted_total - last if stats.num_preempted_total >= last else stats.num_preempted_total
+        delta = (
+            stats.num_preempted_total - last
+            if stats.num_preempted_total >= last
+            else stats.num_preempted_total
+        )
         self._last_preempted_total[model] = stats.num_preempted_total
         self.preemptions.labels(model)  # the series exists (at 0) from a model's first step
         if delta > 0:
@@ -137,7 +147,11 @@ class PrometheusStatsSink:
         """One HTTP error response. `reason` should be the error type from the server's error table."""
         if reason not in self._http_error_reasons:
             if len(self._http_error_reasons) >= MAX_NUM_HTTP_ERROR_REASONS:
-                logger.warning("more than %d HTTP error reasons; %r is counted as 'other'", MAX_NUM_HTTP_ERROR_REASONS, reason)
+                logger.warning(
+                    "more than %d HTTP error reasons; %r is counted as 'other'",
+                    MAX_NUM_HTTP_ERROR_REASONS,
+                    reason,
+                )
                 reason = "other"
             self._http_error_reasons.add(reason)
         self.http_errors.labels(str(int(status)), reason).inc()

@@ -44,6 +44,8 @@ class SyntheticConfig:
     embedding_std: float = 0.02
     projection_scale: float = 0.05
     architecture: str = "bitnet"
+    # F32 keeps llama.cpp's LM head free of activation quantization (a Q8_0 head quantizes its input)
+    embedding_type: str = "F32"
 
     def projection_shape(self, name: str) -> tuple[int, int]:
         """(out, in) of a projection."""
@@ -62,10 +64,11 @@ class SyntheticConfig:
 
 @dataclass
 class SyntheticWeights:
-    """Float weights: embedding [vocab, hidden] (already Q8_0-rounded), ternary int8 projections, norms."""
+    """Float weights: embedding [vocab, hidden] (exactly as stored), ternary int8 projections, norms."""
 
     embedding: np.ndarray
-    embedding_q8_0: np.ndarray  # raw Q8_0 bytes of the embedding
+    embedding_bytes: bytes  # the stored token_embd (F32 or Q8_0)
+    embedding_type: GGMLType
     ternary: dict[str, np.ndarray]  # "blk.N.attn_q" -> int8 [out, in]
     scales: dict[str, float]  # "blk.N.attn_q" -> projection output multiplier
     norms: dict[str, np.ndarray]  # tensor name -> f32 vector
@@ -88,8 +91,15 @@ def make_weights(config: SyntheticConfig, vocab_size: int) -> SyntheticWeights:
 
     rng = np.random.default_rng(config.seed)
     raw = rng.normal(0.0, config.embedding_std, size=(vocab_size, config.hidden_size)).astype(np.float32)
-    embedding_q8_0 = gguf.quants.quantize(raw, gguf.GGMLQuantizationType.Q8_0)
-    embedding = gguf.quants.dequantize(embedding_q8_0, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
+    embedding_type = GGMLType[config.embedding_type]
+    if embedding_type is GGMLType.F32:
+        embedding, embedding_bytes = raw, raw.tobytes()
+    elif embedding_type is GGMLType.Q8_0:
+        packed = gguf.quants.quantize(raw, gguf.GGMLQuantizationType.Q8_0)
+        embedding = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
+        embedding_bytes = packed.tobytes()
+    else:
+        raise ValueError(f"embedding_type must be F32 or Q8_0, got {config.embedding_type!r}")
     ternary, scales, norms = {}, {}, {}
     for layer in range(config.num_layers):
         for name in PROJECTIONS:
@@ -100,7 +110,7 @@ def make_weights(config: SyntheticConfig, vocab_size: int) -> SyntheticWeights:
                             ("attn_sub_norm", config.hidden_size), ("ffn_sub_norm", config.intermediate_size)):
             norms[f"blk.{layer}.{name}.weight"] = np.ones(width, dtype=np.float32)
     norms["output_norm.weight"] = np.ones(config.hidden_size, dtype=np.float32)
-    return SyntheticWeights(embedding, embedding_q8_0, ternary, scales, norms)
+    return SyntheticWeights(embedding, embedding_bytes, embedding_type, ternary, scales, norms)
 
 
 def model_metadata(config: SyntheticConfig, vocab_size: int) -> dict[str, tuple[GGUFValueType, Any, GGUFValueType | None]]:
@@ -127,7 +137,7 @@ def _tensors(weights: SyntheticWeights, fmt: str, tl_tiles: Mapping[tuple[int, i
     import gguf
 
     vocab, hidden = weights.embedding.shape
-    yield "token_embd.weight", (hidden, vocab), int(GGMLType.Q8_0), weights.embedding_q8_0.tobytes()
+    yield "token_embd.weight", (hidden, vocab), int(weights.embedding_type), weights.embedding_bytes
     for name, vector in weights.norms.items():
         yield name, (vector.size,), int(GGMLType.F32), vector.tobytes()
     for key, values in weights.ternary.items():

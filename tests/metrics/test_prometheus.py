@@ -39,7 +39,9 @@ def test_sink_satisfies_the_protocol() -> None:
 
 def test_request_stats_become_histograms_and_counters() -> None:
     sink = PrometheusStatsSink()
-    sink.record_request(RequestStats("m1", "length", 10, 5, e2e_s=1.5, ttft_s=0.3, mean_itl_s=0.02, queue_s=0.1))
+    sink.record_request(
+        RequestStats("m1", "length", 10, 5, e2e_s=1.5, ttft_s=0.3, mean_itl_s=0.02, queue_s=0.1)
+    )
     sink.record_request(RequestStats("m1", "stop", 7, 3, e2e_s=0.9, ttft_s=0.4, mean_itl_s=None))
     sink.record_request(RequestStats("m2", "abort", 4, 0, e2e_s=0.2, ttft_s=None, mean_itl_s=None))
     values = samples(sink)

@@ -8,7 +8,11 @@ SmolLM2-135M-Instruct Q4_1, two references (see the script):
   rounds attention inputs to F16. Those roundings are ulp-sensitive (changing only rsqrt to 1/sqrt in
   RMSNorm moves llama.cpp-style logits by up to 0.7), so exact agreement is not a meaningful goal; we
   check closeness and that every greedy divergence starts at a near-tie of llama.cpp's own logits.
-Synthetic BitNet (`bitnet` arch, tiny) stored as F32 and TQ2_0: greedy tokens equal llama.cpp's.
+Synthetic BitNet (`bitnet` arch, tiny) stored as F32 and TQ2_0 against llama.cpp with an F32 KV cache:
+greedy tokens equal llama.cpp's in the modes that share its semantics: `float` on the F32 file, and
+`llamacpp-tq` (Q8_K activations, bit-exact with ggml's TQ2_0 dot product) on the TQ2_0 file. The
+default `bitnet` mode quantizes activations per token as bitnet.cpp does, not per 256-block as
+llama.cpp's TQ kernels do, so on TQ2_0 it is compared by logit closeness only.
 """
 
 from __future__ import annotations
@@ -115,8 +119,10 @@ def synthetic_golden() -> dict:
     return load_fixture("synthetic.json")
 
 
-@pytest.mark.parametrize("fmt, linear_mode", [("F32", "float"), ("TQ2_0", "bitnet"), ("TQ2_0", "llamacpp-tq")])
-def test_synthetic_bitnet_greedy_equals_llamacpp(synthetic_models: dict[str, Path], synthetic_golden: dict, fmt: str, linear_mode: str) -> None:
+@pytest.mark.parametrize("fmt, linear_mode, exact", [("F32", "float", True), ("TQ2_0", "llamacpp-tq", True), ("TQ2_0", "bitnet", False)])
+def test_synthetic_bitnet_matches_llamacpp(
+    synthetic_models: dict[str, Path], synthetic_golden: dict, fmt: str, linear_mode: str, exact: bool
+) -> None:
     golden = synthetic_golden["formats"][fmt]
     digest = hashlib.sha256(synthetic_models[fmt].read_bytes()).hexdigest()
     assert digest == golden["sha256"], "the synthetic writer changed: rerun scripts/make_golden.py"
@@ -127,9 +133,10 @@ def test_synthetic_bitnet_greedy_equals_llamacpp(synthetic_models: dict[str, Pat
         logits_fixture = np.load(FIXTURES / "synthetic_last_logits.npz")
         for index, (case, output) in enumerate(zip(golden["cases"], outputs)):
             assert llm.encode(case["text"]) == case["prompt_token_ids"]
-            assert output.outputs[0].token_ids == case["greedy_token_ids"], f"{fmt}/{linear_mode} prompt {index}"
+            if exact:
+                assert output.outputs[0].token_ids == case["greedy_token_ids"], f"{fmt}/{linear_mode} prompt {index}"
             reference = torch.from_numpy(logits_fixture[f"{fmt}_{index}"].astype(np.float32))
             ours = prompt_logits(llm, case["prompt_token_ids"])[-1]
-            assert F.cosine_similarity(reference, ours, dim=0) >= 0.99
+            assert F.cosine_similarity(reference, ours, dim=0) >= (0.9999 if exact else 0.99)
     finally:
         llm.close()

@@ -1,0 +1,192 @@
+"""THE error table: exception type -> HTTP status, OpenAI error `type` and `code`; and the one place
+that renders an error as a JSON body, an SSE error event or a raw ASGI response. No other module
+knows status codes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
+
+from bitserve.errors import (
+    BitserveError,
+    EngineDead,
+    InvalidModelFile,
+    InvalidRequest,
+    ModelLoadError,
+    ModelNotFound,
+    ModelUnavailable,
+    PayloadTooLarge,
+    QueueFull,
+    RequestFailed,
+)
+from bitserve.log import REQUEST_ID
+
+logger = logging.getLogger(__name__)
+
+# Retry-After bounds when the engine gives no estimate (model loading, no engine yet).
+DEFAULT_RETRY_AFTER_S = 5.0
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus max_tokens) does not fit the model's context."""
+
+
+class UnsupportedParameter(InvalidRequest):
+    """A known OpenAI field whose behaviour bitserve does not implement (tools, response_format, ...)."""
+
+
+class RequestTimeout(BitserveError):
+    """The client sent its request body (or headers) too slowly."""
+
+
+class ServerShuttingDown(ModelUnavailable):
+    """The drain deadline passed while the request was still running."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorSpec:
+    status: int
+    type: str  # OpenAI error "type"
+    code: str
+    has_retry_after: bool = False
+
+
+# Most specific first: the first entry the exception is an instance of wins.
+ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
+    (ContextLengthExceeded, ErrorSpec(400, "invalid_request_error", "context_length_exceeded")),
+    (UnsupportedParameter, ErrorSpec(400, "invalid_request_error", "unsupported_parameter")),
+    (InvalidRequest, ErrorSpec(400, "invalid_request_error", "invalid_value")),
+    (RequestTimeout, ErrorSpec(408, "invalid_request_error", "request_timeout")),
+    (PayloadTooLarge, ErrorSpec(413, "invalid_request_error", "payload_too_large")),
+    (ModelNotFound, ErrorSpec(404, "invalid_request_error", "model_not_found")),
+    (QueueFull, ErrorSpec(429, "rate_limit_error", "queue_full", has_retry_after=True)),
+    (ServerShuttingDown, ErrorSpec(503, "service_unavailable", "server_shutting_down", has_retry_after=True)),
+    (ModelUnavailable, ErrorSpec(503, "service_unavailable", "model_unavailable", has_retry_after=True)),
+    (EngineDead, ErrorSpec(503, "server_error", "engine_dead", has_retry_after=True)),
+    (RequestFailed, ErrorSpec(500, "server_error", "request_failed")),
+    (InvalidModelFile, ErrorSpec(500, "server_error", "model_load_error")),
+    (ModelLoadError, ErrorSpec(500, "server_error", "model_load_error")),
+)
+INTERNAL_ERROR = ErrorSpec(500, "server_error", "internal_error")
+# Errors Starlette raises itself (no route, wrong method), keyed by status.
+HTTP_STATUS_SPECS: dict[int, ErrorSpec] = {
+    404: ErrorSpec(404, "invalid_request_error", "not_found"),
+    405: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
+}
+
+
+def lookup(exc: BaseException) -> ErrorSpec:
+    for exc_type, spec in ERROR_TABLE:
+        if isinstance(exc, exc_type):
+            return spec
+    return INTERNAL_ERROR
+
+
+def error_payload(exc: BaseException, spec: ErrorSpec | None = None) -> dict[str, Any]:
+    """`{"error": {message, type, param, code, hint}}`. Unknown exceptions never leak their text."""
+    spec = spec or lookup(exc)
+    if isinstance(exc, BitserveError):
+        message, param, hint = exc.message, exc.param, exc.hint
+    else:
+        message, param, hint = "internal server error", None, "retry; if it persists, report the X-Request-Id"
+    return {"error": {"message": message, "type": spec.type, "param": param, "code": spec.code, "hint": hint}}
+
+
+def retry_after_value(seconds: float | None) -> str:
+    """Integer seconds, at least 1 (RFC 9110 delay-seconds)."""
+    if seconds is None or not math.isfinite(seconds):
+        seconds = DEFAULT_RETRY_AFTER_S
+    return str(max(1, math.ceil(seconds)))
+
+
+def error_headers(exc: BaseException, spec: ErrorSpec, retry_after_s: float | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if spec.has_retry_after:
+        hinted = exc.retry_after_s if isinstance(exc, QueueFull) else retry_after_s
+        headers["Retry-After"] = retry_after_value(hinted)
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    return headers
+
+
+def sse_error_event(exc: BaseException) -> bytes:
+    """The SSE frame that ends a stream that already began: `data: {"error": {...}}`."""
+    return b"data: " + json.dumps(error_payload(exc)).encode() + b"\n\n"
+
+
+async def send_error(send: Send, exc: BaseException, *, close: bool = False, retry_after_s: float | None = None) -> None:
+    """Answer with a JSON error from raw ASGI (middleware, before any response started)."""
+    spec = lookup(exc)
+    body = json.dumps(error_payload(exc, spec)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc, spec, retry_after_s).items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": spec.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def validation_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """A pydantic/FastAPI error location as `messages[0].content`, without `body` and union tags."""
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif isinstance(item, str) and item.isidentifier() and item not in ("body", "query", "path"):
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or None
+
+
+def invalid_request_from_errors(errors: list[Any]) -> InvalidRequest:
+    """The first of pydantic's errors as an InvalidRequest naming the field (the rest are counted)."""
+    first = errors[0]
+    param = validation_param(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    text = f"{param}: {message}" if param else message
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return InvalidRequest(text, param=param)
+
+
+def install_error_handlers(
+    app: FastAPI, retry_after_s: Callable[[], float | None], on_error: Callable[[int, str], None]
+) -> None:
+    """Route every handled exception through the table. `on_error(status, type)` counts it."""
+
+    def respond(exc: BaseException, spec: ErrorSpec) -> JSONResponse:
+        on_error(spec.status, spec.code)
+        if spec.status >= 500:
+            logger.error("request failed: %s %s", spec.code, exc)
+        return JSONResponse(error_payload(exc, spec), status_code=spec.status,
+                            headers=error_headers(exc, spec, retry_after_s()))  # fmt: skip
+
+    async def on_bitserve_error(request: Request, exc: Exception) -> JSONResponse:
+        return respond(exc, lookup(exc))
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+        error = invalid_request_from_errors(errors) if errors else InvalidRequest("invalid request")
+        return respond(error, lookup(error))
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
+        spec = HTTP_STATUS_SPECS.get(status, ErrorSpec(status, "invalid_request_error", "http_error"))
+        detail = exc.detail if isinstance(exc, StarletteHTTPException) else "error"
+        message = f"no route for {request.method} {request.url.path[:200]}" if status in (404, 405) else str(detail)
+        return respond(BitserveError(message, hint="see GET /docs for the routes"), spec)
+
+    app.add_exception_handler(BitserveError, on_bitserve_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)

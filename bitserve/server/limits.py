@@ -1,0 +1,155 @@
+"""Request size and time limits that uvicorn does not enforce.
+
+- `BodyLimitMiddleware` (ASGI): bodies over `max_body_bytes` get 413 (from Content-Length before
+  reading, or as the bytes arrive); a body not fully received within `body_read_timeout_s` gets
+  408 and `Connection: close`. The app then sees the whole body at once.
+- `HeaderTimeoutH11Protocol` (uvicorn's h11 protocol plus a timer): a connection that opens, or
+  starts a request, and has not delivered complete headers within `header_read_timeout_s` gets a
+  408 and is closed (slowloris). Header size is capped by h11's `max_incomplete_event_size`
+  (uvicorn's `h11_max_incomplete_event_size`, our `max_header_bytes`: 400 when exceeded), and idle
+  keep-alive connections by uvicorn's `timeout_keep_alive`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import h11
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from bitserve.errors import InvalidRequest, PayloadTooLarge
+from bitserve.server.errors import RequestTimeout, error_payload, send_error
+
+logger = logging.getLogger(__name__)
+
+
+
+def _header_timeout_response() -> bytes:
+    """A complete raw HTTP/1.1 408 (written to the socket: h11 cannot answer a request it never parsed)."""
+    body = json.dumps(error_payload(RequestTimeout("the request headers were not received in time"))).encode()
+    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+class BodyLimitMiddleware:
+    """Reads each request body up front under a size cap and a deadline, then replays it."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_s: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._check_content_length(scope)
+            body, disconnected = await self._read_body(receive)
+        except (PayloadTooLarge, RequestTimeout, InvalidRequest) as exc:
+            logger.warning("request refused before the app: %s", exc.message)
+            await send_error(send, exc, close=True)
+            return
+        if disconnected:
+            return  # the client left while sending; nobody to answer
+        await self.app(scope, _replay(body, receive), send)
+
+    def _check_content_length(self, scope: Scope) -> None:
+        for name, value in scope["headers"]:
+            if name != b"content-length":
+                continue
+            if not value.isdigit() or len(value) > 18:
+                raise InvalidRequest("the Content-Length header is not a valid length")
+            if int(value) > self.max_body_bytes:
+                raise PayloadTooLarge(
+                    f"the request body of {int(value)} bytes exceeds the limit of {self.max_body_bytes} bytes",
+                    hint="send a smaller request",
+                )
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, bool]:
+        """(body, client disconnected). Raises PayloadTooLarge / RequestTimeout."""
+        chunks: list[bytes] = []
+        num_bytes = 0
+        deadline = time.monotonic() + self.body_read_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise RequestTimeout(
+                    f"the request body was not received within {self.body_read_timeout_s:g} s",
+                    hint="send the whole body promptly",
+                ) from None
+            if message["type"] == "http.disconnect":
+                return b"", True
+            chunk = message.get("body", b"")
+            num_bytes += len(chunk)
+            if num_bytes > self.max_body_bytes:
+                raise PayloadTooLarge(f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                                      hint="send a smaller request")  # fmt: skip
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that yields the buffered body once, then defers to the real one (disconnects)."""
+    is_sent = False
+
+    async def replay() -> Message:
+        nonlocal is_sent
+        if not is_sent:
+            is_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on receiving request headers."""
+
+    header_read_timeout_s = 10.0  # replaced per server by `header_timeout_protocol()`
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # a new request on a kept-alive connection
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._cancel_header_timer()  # headers are complete
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_read_timeout_s, self._on_header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            logger.warning("closing a connection that sent no complete request headers in %g s", self.header_read_timeout_s)
+            self.transport.write(_header_timeout_response())
+            self.transport.close()
+
+
+def header_timeout_protocol(header_read_timeout_s: float) -> type[Any]:
+    """A HeaderTimeoutH11Protocol subclass bound to this timeout (uvicorn's `http=` takes a class)."""
+    return type("BoundHeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_read_timeout_s": header_read_timeout_s})

@@ -1,0 +1,411 @@
+"""Pydantic models of the request bodies (OpenAI chat / completions, native inference, tokenize):
+every field bounded, unknown fields tolerated with a warning, known-but-unimplemented fields
+refused with 400. `to_sampling_params()` is the only road from a request to the engine; no pydantic
+object goes past the serving modules.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from bitserve.core.request import Priority
+from bitserve.errors import InvalidRequest
+from bitserve.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_MAX_TOKENS,
+    MAX_N,
+    MAX_NUM_LOGIT_BIAS,
+    MAX_NUM_STOP,
+    MAX_NUM_STOP_TOKEN_IDS,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    SamplingParams,
+)
+from bitserve.server.errors import UnsupportedParameter, invalid_request_from_errors
+from bitserve.tokenizer.base import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_MODEL_NAME_CHARS = 256
+MAX_NUM_MESSAGES = 512
+MAX_CONTENT_CHARS = 1_048_576  # one message; the body limit (4 MiB by default) caps the total
+MAX_NUM_CONTENT_PARTS = 64
+MAX_NAME_CHARS = 64
+MAX_USER_CHARS = 256
+MAX_PROMPT_CHARS = 4 * 1024 * 1024
+MAX_PROMPT_TOKEN_IDS = 1_048_576
+MAX_TOP_K = 1_000_000
+MAX_LOGIT_BIAS_KEY_DIGITS = 10
+LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
+MAX_LOGGED_UNKNOWN_FIELDS = 20
+
+PRIORITIES = {"high": Priority.HIGH, "normal": Priority.NORMAL, "low": Priority.LOW}
+RequestT = TypeVar("RequestT", bound="StrictModel")
+
+
+# ----------------------------------------------------------------- body parsing
+
+
+def _reject_constant(name: str) -> float:
+    raise InvalidRequest(f"{name} is not valid JSON (numbers must be finite)", hint="send finite numbers")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidRequest(f"the number {text[:40]} is out of range (numbers must be finite)")
+    return value
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Strict UTF-8, strict JSON (no NaN / Infinity / overflow), a top-level object. Raises InvalidRequest."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start})", hint="encode the body as UTF-8") from None
+    if not text.strip():
+        raise InvalidRequest("the request body is empty", hint="send a JSON object")
+    try:
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of > 4300 digits
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest("the request body is not acceptable JSON (nested too deeply or a number too long)") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_request(body: bytes, model_cls: type[RequestT]) -> RequestT:
+    """Body bytes -> validated request model. Unknown fields are logged and otherwise ignored."""
+    data = parse_json_object(body)
+    try:
+        request = model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_request_from_errors(exc.errors()) from None
+    extra = sorted(request.model_extra or {})
+    if extra:
+        names = ", ".join(name[:64] for name in extra[:MAX_LOGGED_UNKNOWN_FIELDS])
+        logger.warning("ignoring %d unknown request field(s): %s", len(extra), names)
+    request.check_supported()
+    return request
+
+
+# ----------------------------------------------------------------- shared pieces
+
+
+class StrictModel(BaseModel):
+    # strict: no "5" -> 5 coercion; extra="allow": unknown fields are kept aside and logged.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    def check_supported(self) -> None:
+        """Refuse fields bitserve knows but does not implement (UnsupportedParameter)."""
+
+
+def _unsupported(param: str, value: Any, allowed: Callable[[Any], bool], what: str) -> None:
+    if not allowed(value):
+        raise UnsupportedParameter(f"{param} is not supported by bitserve ({what})", param=param,
+                                   hint=f"remove {param} from the request")  # fmt: skip
+
+
+class TextPart(StrictModel):
+    type: str = Field(max_length=64)
+    text: str | None = Field(None, max_length=MAX_CONTENT_CHARS)
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: (
+        Annotated[str, Field(max_length=MAX_CONTENT_CHARS)]
+        | Annotated[list[TextPart], Field(max_length=MAX_NUM_CONTENT_PARTS)]
+        | None
+    ) = None
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    tool_calls: Any = None
+    tool_call_id: Any = None
+
+    def text(self, index: int) -> str:
+        """The message's text; non-text parts and tool messages are refused (UnsupportedParameter)."""
+        where = f"messages[{index}]"
+        if self.role == "tool" or self.tool_calls is not None or self.tool_call_id is not None:
+            raise UnsupportedParameter(f"{where}: tool messages and tool calls are not supported by bitserve",
+                                       param=where, hint="send only system, user and assistant text messages")  # fmt: skip
+        if self.content is None:
+            if self.role != "assistant":
+                raise InvalidRequest(f"{where}.content is required for role {self.role}", param=f"{where}.content")
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise UnsupportedParameter(f"{where}.content[{j}]: content of type {part.type[:40]!r} is not supported by bitserve",
+                                           param=f"{where}.content[{j}].type", hint="send text parts only")  # fmt: skip
+            texts.append(part.text)
+        return "".join(texts)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Plain dicts for the chat template ("developer" is OpenAI's newer name for "system")."""
+    rendered = []
+    for index, message in enumerate(messages):
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": message.text(index)}
+        if message.name is not None:
+            entry["name"] = message.name
+        rendered.append(entry)
+    return rendered
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+def _check_stop(value: Any) -> Any:
+    items = [value] if isinstance(value, str) else value
+    if items is None:
+        return None
+    if not isinstance(items, list):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(items) > MAX_NUM_STOP:
+        raise ValueError(f"at most {MAX_NUM_STOP} stop strings, got {len(items)}")
+    for item in items:
+        if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
+            raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
+    return items
+
+
+def _check_logit_bias(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    if len(value) > MAX_NUM_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_NUM_LOGIT_BIAS} entries, got {len(value)}")
+    for key in value:
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_LOGIT_BIAS_KEY_DIGITS):
+            raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}")
+    return value
+
+
+class SamplingFields(StrictModel):
+    """Sampling fields shared by every generation endpoint (None = SamplingParams' default)."""
+
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_NUM_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_MAX_TOKENS)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    skip_special_tokens: bool = True
+    priority: Literal["high", "normal", "low"] = "normal"
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
+
+    _check_stop = field_validator("stop", mode="before")(_check_stop)
+    _check_logit_bias = field_validator("logit_bias", mode="before")(_check_logit_bias)
+
+    @property
+    def priority_class(self) -> Priority:
+        return PRIORITIES[self.priority]
+
+    def to_sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; unset fields keep SamplingParams' defaults (one source)."""
+        kwargs: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
+                                  "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+                                  "skip_special_tokens": self.skip_special_tokens}  # fmt: skip
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        if self.top_k is not None:
+            kwargs["top_k"] = max(0, self.top_k)  # -1 (vLLM's "off") and 0 both disable top-k
+        if self.stop is not None:
+            kwargs["stop"] = tuple([self.stop] if isinstance(self.stop, str) else self.stop)
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(key): bias for key, bias in self.logit_bias.items()}
+        return SamplingParams(**kwargs)
+
+
+# ----------------------------------------------------------------- OpenAI chat / completions
+
+_NO_TOOLS = "tool and function calling are not implemented"
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_NUM_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Known OpenAI fields without an implementation: anything but their no-op value gets 400.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    store: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+
+    def check_supported(self) -> None:
+        _unsupported("tools", self.tools, lambda v: v in (None, []), _NO_TOOLS)
+        _unsupported("tool_choice", self.tool_choice, lambda v: v in (None, "none"), _NO_TOOLS)
+        _unsupported("functions", self.functions, lambda v: v in (None, []), _NO_TOOLS)
+        _unsupported("function_call", self.function_call, lambda v: v in (None, "none"), _NO_TOOLS)
+        _unsupported("response_format", self.response_format, lambda v: v is None or v == {"type": "text"},
+                     'only {"type": "text"} is implemented; JSON modes and schemas are not')  # fmt: skip
+        _unsupported("audio", self.audio, lambda v: v is None, "text only")
+        _unsupported("modalities", self.modalities, lambda v: v in (None, ["text"]), "text only")
+        _unsupported("prediction", self.prediction, lambda v: v is None, "predicted outputs are not implemented")
+        _unsupported("store", self.store, lambda v: v in (None, False), "completions are never stored")
+        _unsupported("web_search_options", self.web_search_options, lambda v: v is None, "no web search")
+        _unsupported("reasoning_effort", self.reasoning_effort, lambda v: v is None, "not a reasoning model")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or the number of alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _check_prompt(value: Any) -> Any:
+    """str | [int, ...] | [str] | [[int, ...]]: one prompt, as text or token ids."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(item, list) for item in value):
+        return value
+    if isinstance(value, list) and all(isinstance(item, str) for item in value) and value:
+        return value
+    if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        return value
+    raise ValueError("prompt must be a string, a list of token ids, or a list holding one of those")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    _check_prompt = field_validator("prompt", mode="before")(_check_prompt)
+
+    def check_supported(self) -> None:
+        _unsupported("suffix", self.suffix, lambda v: v in (None, ""), "insertion (fill-in-the-middle) is not implemented")
+        if self.best_of is not None and self.best_of > self.n:
+            raise UnsupportedParameter(f"best_of={self.best_of} > n={self.n} is not supported by bitserve",
+                                       param="best_of", hint="set best_of equal to n or leave it out")  # fmt: skip
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedParameter("echo with logprobs is not supported by bitserve (no prompt logprobs)",
+                                       param="echo", hint="use echo or logprobs, not both")  # fmt: skip
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise UnsupportedParameter(f"a batch of {len(self.prompt)} prompts is not supported by bitserve",
+                                           param="prompt", hint="send one prompt per request")  # fmt: skip
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# ----------------------------------------------------------------- native API and tokenizer
+
+
+class InferenceRequest(SamplingFields):
+    """POST /v1/inference[/stream]: exactly one of `prompt` (text or token ids) or `messages`."""
+
+    prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_NUM_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("send exactly one of prompt or messages", param="prompt")
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_NUM_MESSAGES)
+    add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("send exactly one of prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_PROMPT_TOKEN_IDS)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """Token ids from a client must index the vocabulary (an out-of-range id would crash the engine)."""
+    if not token_ids:
+        raise InvalidRequest(f"{param} holds no tokens", param=param)
+    if len(token_ids) > MAX_PROMPT_TOKEN_IDS:
+        raise InvalidRequest(f"{param} holds more than {MAX_PROMPT_TOKEN_IDS} token ids", param=param)
+    bad = next((token_id for token_id in token_ids if not 0 <= token_id < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{param} contains token id {bad}, outside this model's vocabulary (0..{vocab_size - 1})",
+                             param=param, hint="use ids from this model's /tokenize")  # fmt: skip
+
+
+# ----------------------------------------------------------------- response helpers
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """The text of one token (a partial UTF-8 sequence shows as U+FFFD; `bytes` has the exact value)."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
