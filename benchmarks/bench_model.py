@@ -281,7 +281,7 @@ def profile_categories() -> list[tuple[str, Any]]:
     return [
         ("engine step (total)", Engine.step),
         ("LM head (LMHead.forward)", LMHead.forward),
-        ("ternary linears (CpuBackend.linear_group)", CpuBackend.linear_group),
+        ("linears (CpuBackend.linear_group)", CpuBackend.linear_group),
         ("  numba GEMV kernel (bitnet_linear_kernel)", ternary.bitnet_linear_kernel),
         ("  activation quantize (quantize_permute)", ternary.quantize_permute),
         ("attention (PagedAttention.forward)", PagedAttention.forward),

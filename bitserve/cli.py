@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from bitserve.catalog import DEFAULT_MODEL
 from bitserve.console import emit_error
 from bitserve.errors import BitserveError
+from bitserve.serve_command import add_serve_parser, run_serve
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bitserve.bench_command import add_bench_parser
 
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -76,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inspect": commands.run_inspect,
         "verify": commands.run_verify,
         "crossval": commands.run_crossval,
+        "serve": run_serve,
     }
     try:
         return handlers[args.command](args)

@@ -33,7 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bitserve.catalog import resolve_model  # noqa: E402
-from bitserve.testing.synthetic import SyntheticConfig, make_weights, tokenizer_metadata, write_synthetic_model  # noqa: E402
+from bitserve.testing.synthetic import (  # noqa: E402
+    SyntheticConfig,
+    make_weights,
+    tokenizer_metadata,
+    write_synthetic_model,
+)
 
 FIXTURES = ROOT / "tests" / "fixtures" / "golden"
 SMOLLM2_NUM_TOKENS = 64

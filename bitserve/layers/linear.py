@@ -34,7 +34,7 @@ class LinearGroup(nn.Module):
             outputs = [self.backend.linear(x, self.weights[0])]
         else:
             outputs = self.backend.linear_group(x, self.weights)
-        return [out if scale is None else out * scale for out, scale in zip(outputs, self.output_scales)]
+        return [out if scale is None else out * scale for out, scale in zip(outputs, self.output_scales, strict=True)]
 
 
 class Linear(LinearGroup):

@@ -30,12 +30,14 @@ from bitserve.errors import (
     QueueFull,
     RequestFailed,
 )
-from bitserve.log import REQUEST_ID
 
 logger = logging.getLogger(__name__)
 
-# Retry-After bounds when the engine gives no estimate (model loading, no engine yet).
+# Retry-After when the engine gives no estimate (model loading, no engine yet).
 DEFAULT_RETRY_AFTER_S = 5.0
+# Health probes: pass / fail (fail carries Retry-After).
+PROBE_PASS_STATUS = 200
+PROBE_FAIL_STATUS = 503
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -115,10 +117,7 @@ def error_headers(exc: BaseException, spec: ErrorSpec, retry_after_s: float | No
     if spec.has_retry_after:
         hinted = exc.retry_after_s if isinstance(exc, QueueFull) else retry_after_s
         headers["Retry-After"] = retry_after_value(hinted)
-    request_id = REQUEST_ID.get()
-    if request_id is not None:
-        headers["X-Request-Id"] = request_id
-    return headers
+    return headers  # X-Request-Id is added to every response by the request-context middleware
 
 
 def sse_error_event(exc: BaseException) -> bytes:

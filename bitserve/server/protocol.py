@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -409,3 +410,17 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 def finite_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def usage_payload(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def new_request_id(prefix: str) -> str:
+    """Unique engine / response id (client X-Request-Ids may repeat, so they are never reused here)."""
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -134,6 +134,13 @@ class AppState:
             raise EngineDead("the model's engine has failed", hint="the server must be restarted")
         return self.engine
 
+    def require_instance(self) -> ModelInstance:
+        """The loaded model for work that needs no engine step (tokenize), draining or not."""
+        if self.engine is None:
+            self.require_engine()  # raises the loading / failed error
+        assert self.engine is not None
+        return self.engine.instance
+
     def check_model(self, name: str | None) -> None:
         """A request's `model` must be the served id (or absent)."""
         if name is None or (self.model is not None and name == self.model.id):

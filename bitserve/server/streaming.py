@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 DONE_FRAME = b"data: [DONE]\n\n"
 PING_FRAME = b": ping\n\n"
+CLIENT_CLOSED_STATUS = 499  # the client left before its answer; only the access log sees it
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 T = TypeVar("T")
 
@@ -82,6 +83,7 @@ class GenerationStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
         self._registry = registry
         self._task: asyncio.Task[None] | None = None
+        self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
 
     async def start(self) -> None:
@@ -202,7 +204,12 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
-        super().__init__(content=None, status_code=200, headers={**SSE_HEADERS, **(headers or {})})
+        # NOTE: Response.__init__ is bypassed: it would add "content-length: 0" to a bodiless response.
+        self.status_code = 200
+        self.background = None
+        self.body = b""
+        merged = {"content-type": "text/event-stream; charset=utf-8", **SSE_HEADERS, **(headers or {})}
+        self.raw_headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in merged.items()]
         self.frames = frames
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -72,12 +72,12 @@ def test_fixture_prompts_are_varied(smollm2_golden: dict) -> None:
 
 
 def test_prompt_tokens_equal_llamacpp(smollm2: LLM, smollm2_golden: dict) -> None:
-    for prompt, case in zip(smollm2_golden["prompts"], smollm2_golden["references"]["f32"]):
+    for prompt, case in zip(smollm2_golden["prompts"], smollm2_golden["references"]["f32"], strict=True):
         assert smollm2.encode(prompt["text"]) == case["prompt_token_ids"], prompt["text"]
 
 
 def test_greedy_64_tokens_equal_llamacpp_on_equal_weights(smollm2_golden: dict, smollm2_greedy: list[list[int]]) -> None:
-    for prompt, case, ours in zip(smollm2_golden["prompts"], smollm2_golden["references"]["f32"], smollm2_greedy):
+    for prompt, case, ours in zip(smollm2_golden["prompts"], smollm2_golden["references"]["f32"], smollm2_greedy, strict=True):
         assert ours == case["greedy_token_ids"], prompt["text"]
 
 
@@ -98,14 +98,14 @@ def test_native_q4_1_llamacpp_is_close_and_diverges_only_at_near_ties(
 ) -> None:
     logits_fixture = np.load(FIXTURES / "smollm2_logits.npz")
     agreeing = total = 0
-    for index, (case, ours) in enumerate(zip(smollm2_golden["references"]["native"], smollm2_greedy)):
+    for index, (case, ours) in enumerate(zip(smollm2_golden["references"]["native"], smollm2_greedy, strict=True)):
         reference_tokens = case["greedy_token_ids"]
-        first = next((i for i, (a, b) in enumerate(zip(ours, reference_tokens)) if a != b), None)
+        first = next((i for i, (a, b) in enumerate(zip(ours, reference_tokens, strict=True)) if a != b), None)
         if first is not None:
             assert case["greedy_margins"][first] < NATIVE_NEAR_TIE, f"prompt {index} diverges at a clear choice"
         logits = prompt_logits(smollm2, case["prompt_token_ids"])
         argmax = logits.argmax(dim=1).tolist()
-        agreeing += sum(a == b for a, b in zip(argmax, case["prompt_argmax"]))
+        agreeing += sum(a == b for a, b in zip(argmax, case["prompt_argmax"], strict=True))
         total += len(argmax)
         key = f"native_prompt{index}"
         if key in logits_fixture:
@@ -131,7 +131,7 @@ def test_synthetic_bitnet_matches_llamacpp(
         params = SamplingParams(max_tokens=synthetic_golden["num_tokens"], temperature=0.0, ignore_eos=True)
         outputs = llm.generate([case["prompt_token_ids"] for case in golden["cases"]], params)
         logits_fixture = np.load(FIXTURES / "synthetic_last_logits.npz")
-        for index, (case, output) in enumerate(zip(golden["cases"], outputs)):
+        for index, (case, output) in enumerate(zip(golden["cases"], outputs, strict=True)):
             assert llm.encode(case["text"]) == case["prompt_token_ids"]
             if exact:
                 assert output.outputs[0].token_ids == case["greedy_token_ids"], f"{fmt}/{linear_mode} prompt {index}"
