@@ -1,0 +1,89 @@
+"""Helpers for the server tests: a `bitserve serve` subprocess on a free port, and SSE parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m bitserve.cli serve` on 127.0.0.1:<free port>; its log goes to `log_path`."""
+
+    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "bitserve.cli", "serve", "--port", str(self.port), "--log-format", "text", *args]
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})  # fmt: skip
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health/ready", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def terminate(self) -> None:
+        """SIGTERM (the graceful drain), to this process only."""
+        self.process.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout_s: float) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+
+
+def sse_data(lines: list[str]) -> list[str]:
+    """The `data:` payloads of an SSE body, checking every line is data, a comment or blank."""
+    payloads = []
+    for line in lines:
+        if line.startswith("data: "):
+            payloads.append(line[len("data: "):])
+        else:
+            assert line == "" or line.startswith(":"), f"unexpected SSE line {line!r}"
+    return payloads
+
+
+def parse_stream(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
+    """(JSON chunks, ended with [DONE]); every payload but the final [DONE] must be JSON."""
+    payloads = sse_data(lines)
+    is_done = bool(payloads) and payloads[-1] == "[DONE]"
+    chunks = [json.loads(payload) for payload in (payloads[:-1] if is_done else payloads)]
+    return chunks, is_done
