@@ -64,7 +64,7 @@ class ServerConfig:
     header_read_timeout_s: float = field(
         default=10.0, metadata=_help("seconds to receive a request's headers once a connection is open or busy (slowloris)")
     )
-    max_header_bytes: int = field(default=16 * 1024, metadata=_help("largest request line plus headers; larger gets 400"))
+    max_header_bytes: int = field(default=16 * 1024, metadata=_help("largest request line plus headers; larger gets 431 (or 400 while still arriving)"))
     keep_alive_timeout_s: int = field(default=5, metadata=_help("seconds an idle keep-alive connection stays open"))
     max_num_waiting: int = field(
         default=256, metadata=_help("unfinished requests admitted at once; more get 429 with Retry-After")

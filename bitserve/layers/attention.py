@@ -28,10 +28,36 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_seqs]
     query_start_loc: list[int]  # [num_seqs + 1]
     block_size: int
+    # Sequences with one query token (decodes) attend together in one padded batch:
+    decode: DecodeBatch | None = None
+    other_seq_ids: tuple[int, ...] | None = None  # the remaining sequences (prefill chunks); None = all
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """Decode rows gathered once per step, reused by every layer."""
+
+    token_rows: torch.Tensor  # [num_decodes] int64: rows of the flat batch
+    block_table: torch.Tensor  # [num_decodes, max_num_blocks] int64
+    key_mask: torch.Tensor  # [num_decodes, max_num_blocks * block_size] bool: True where a key exists
+
+
+def make_decode_batch(seq_ids: list[int], metadata_block_table: torch.Tensor, seq_lens: list[int],
+                      query_start_loc: list[int], block_size: int) -> DecodeBatch:  # fmt: skip
+    """Precompute the padded gather indices and key mask of the decode sequences `seq_ids`."""
+    max_len = max(seq_lens[i] for i in seq_ids)
+    num_blocks = -(-max_len // block_size)
+    positions = torch.arange(num_blocks * block_size).unsqueeze(0)  # [1, max_keys]
+    lengths = torch.tensor([seq_lens[i] for i in seq_ids]).unsqueeze(1)  # [num_decodes, 1]
+    return DecodeBatch(
+        token_rows=torch.tensor([query_start_loc[i] for i in seq_ids], dtype=torch.int64),
+        block_table=metadata_block_table[seq_ids, :num_blocks],
+        key_mask=positions < lengths,
+    )
 
 
 class PagedAttention(nn.Module):
@@ -66,7 +92,11 @@ class PagedAttention(nn.Module):
         self._write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         key_pages, value_pages = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
-        for seq_idx, seq_len in enumerate(metadata.seq_lens):
+        if metadata.decode is not None:
+            out[metadata.decode.token_rows] = self._attend_decodes(q, key_pages, value_pages, metadata.decode)
+        seq_ids = metadata.other_seq_ids if metadata.other_seq_ids is not None else range(metadata.num_seqs)
+        for seq_idx in seq_ids:
+            seq_len = metadata.seq_lens[seq_idx]
             start, end = metadata.query_start_loc[seq_idx], metadata.query_start_loc[seq_idx + 1]
             num_blocks = -(-seq_len // metadata.block_size)
             block_ids = metadata.block_table[seq_idx, :num_blocks]
@@ -74,6 +104,19 @@ class PagedAttention(nn.Module):
             values = value_pages[block_ids].flatten(0, 1)[:seq_len]
             out[start:end] = self._attend(q[start:end], keys, values, num_context=seq_len)
         return out.reshape(num_tokens, -1)
+
+    def _attend_decodes(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One query per sequence, all decodes at once -> [num_decodes, num_heads, head_dim]."""
+        num_decodes = batch.token_rows.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        # [num_decodes, max_keys, kv_heads, head_dim], padded past each sequence's length
+        keys = key_pages[batch.block_table].flatten(1, 2).to(torch.float32)
+        values = value_pages[batch.block_table].flatten(1, 2).to(torch.float32)
+        queries = q[batch.token_rows].view(num_decodes, self.num_kv_heads, group, self.head_dim)
+        scores = torch.einsum("nkgd,nlkd->nkgl", queries, keys) * self.scale  # [n, kv_heads, group, max_keys]
+        scores = scores.masked_fill(~batch.key_mask[:, None, None, :], float("-inf"))
+        out = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(scores, dim=-1), values)
+        return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
     @staticmethod
     def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -151,6 +151,7 @@ def build_app(server_config: ServerConfig | None = None, engine_config: EngineCo
     install_error_handlers(app, state.retry_after_s, state.stats.record_http_error)
     # add_middleware wraps: the last added is outermost.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=server_config.max_body_bytes,
-                       body_read_timeout_s=server_config.body_read_timeout_s)  # fmt: skip
+                       body_read_timeout_s=server_config.body_read_timeout_s,
+                       max_header_bytes=server_config.max_header_bytes)  # fmt: skip
     app.add_middleware(RequestContextMiddleware, on_error=state.stats.record_http_error)
     return app

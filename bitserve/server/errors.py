@@ -52,6 +52,10 @@ class RequestTimeout(BitserveError):
     """The client sent its request body (or headers) too slowly."""
 
 
+class HeadersTooLarge(BitserveError):
+    """The request line plus headers exceed `max_header_bytes`."""
+
+
 class ServerShuttingDown(ModelUnavailable):
     """The drain deadline passed while the request was still running."""
 
@@ -71,6 +75,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     (InvalidRequest, ErrorSpec(400, "invalid_request_error", "invalid_value")),
     (RequestTimeout, ErrorSpec(408, "invalid_request_error", "request_timeout")),
     (PayloadTooLarge, ErrorSpec(413, "invalid_request_error", "payload_too_large")),
+    (HeadersTooLarge, ErrorSpec(431, "invalid_request_error", "headers_too_large")),
     (ModelNotFound, ErrorSpec(404, "invalid_request_error", "model_not_found")),
     (QueueFull, ErrorSpec(429, "rate_limit_error", "queue_full", has_retry_after=True)),
     (ServerShuttingDown, ErrorSpec(503, "service_unavailable", "server_shutting_down", has_retry_after=True)),

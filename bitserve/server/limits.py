@@ -1,13 +1,15 @@
 """Request size and time limits that uvicorn does not enforce.
 
-- `BodyLimitMiddleware` (ASGI): bodies over `max_body_bytes` get 413 (from Content-Length before
-  reading, or as the bytes arrive); a body not fully received within `body_read_timeout_s` gets
-  408 and `Connection: close`. The app then sees the whole body at once.
+- `BodyLimitMiddleware` (ASGI): headers over `max_header_bytes` get 431; bodies over
+  `max_body_bytes` get 413 (from Content-Length before reading, or as the bytes arrive); a body not
+  fully received within `body_read_timeout_s` gets 408 and `Connection: close`. The app then sees
+  the whole body at once.
 - `HeaderTimeoutH11Protocol` (uvicorn's h11 protocol plus a timer): a connection that opens, or
   starts a request, and has not delivered complete headers within `header_read_timeout_s` gets a
-  408 and is closed (slowloris). Header size is capped by h11's `max_incomplete_event_size`
-  (uvicorn's `h11_max_incomplete_event_size`, our `max_header_bytes`: 400 when exceeded), and idle
-  keep-alive connections by uvicorn's `timeout_keep_alive`.
+  408 and is closed (slowloris). Headers still arriving are capped by h11's
+  `max_incomplete_event_size` (uvicorn's `h11_max_incomplete_event_size` = `max_header_bytes`: 400);
+  headers that arrive whole are measured by the middleware (431). Idle keep-alive connections are
+  closed by uvicorn's `timeout_keep_alive`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from bitserve.errors import InvalidRequest, PayloadTooLarge
-from bitserve.server.errors import RequestTimeout, error_payload, send_error
+from bitserve.server.errors import HeadersTooLarge, RequestTimeout, error_payload, send_error
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +42,20 @@ def _header_timeout_response() -> bytes:
 class BodyLimitMiddleware:
     """Reads each request body up front under a size cap and a deadline, then replays it."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_s: float, max_header_bytes: int) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         try:
-            self._check_content_length(scope)
+            self._check_headers(scope)
             body, disconnected = await self._read_body(receive)
-        except (PayloadTooLarge, RequestTimeout, InvalidRequest) as exc:
+        except (PayloadTooLarge, RequestTimeout, InvalidRequest, HeadersTooLarge) as exc:
             logger.warning("request refused before the app: %s", exc.message)
             await send_error(send, exc, close=True)
             return
@@ -60,7 +63,12 @@ class BodyLimitMiddleware:
             return  # the client left while sending; nobody to answer
         await self.app(scope, _replay(body, receive), send)
 
-    def _check_content_length(self, scope: Scope) -> None:
+    def _check_headers(self, scope: Scope) -> None:
+        num_bytes = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+        num_bytes += sum(len(name) + len(value) + 4 for name, value in scope["headers"])  # ": " and CRLF
+        if num_bytes > self.max_header_bytes:
+            raise HeadersTooLarge(f"the request headers ({num_bytes} bytes) exceed the limit of {self.max_header_bytes} bytes",
+                                  hint="send fewer or shorter headers")  # fmt: skip
         for name, value in scope["headers"]:
             if name != b"content-length":
                 continue

@@ -96,10 +96,12 @@ def _field_definitions() -> dict[str, Any]:
     return {name: (Optional[field.value_type], None) for name, field in setting_fields().items()}  # noqa: UP045
 
 
-def _error_text(exc: ValidationError, prefix: str) -> InvalidRequest:
+def _error_text(exc: ValidationError, where: str) -> InvalidRequest:
+    """`where` formats the setting name: "BITSERVE_{NAME}" or "file.toml [prod] {name}"."""
     first = exc.errors()[0]
     name = ".".join(str(part) for part in first.get("loc", ()))
-    return InvalidRequest(f"{prefix}{name}: {first.get('msg', 'invalid value')}", param=name or None)
+    label = where.format(name=name, NAME=name.upper())
+    return InvalidRequest(f"{label}: {first.get('msg', 'invalid value')}", param=name or None)
 
 
 def read_env() -> dict[str, Any]:
@@ -121,7 +123,7 @@ def read_env() -> dict[str, Any]:
     try:
         values = env_model()
     except ValidationError as exc:
-        raise _error_text(exc, ENV_PREFIX) from None
+        raise _error_text(exc, ENV_PREFIX + "{NAME}") from None
     return values.model_dump(exclude_none=True)
 
 
@@ -144,7 +146,7 @@ def read_toml(path: str, profile: str | None) -> dict[str, Any]:
         try:
             merged.update(toml_model.model_validate(layer).model_dump(exclude_none=True))
         except ValidationError as exc:
-            raise _error_text(exc, f"{path} {where}") from None
+            raise _error_text(exc, f"{path} {where}{{name}}") from None
     return merged
 
 
