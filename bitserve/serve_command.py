@@ -36,8 +36,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over HTTP. Each flag may also be set as BITSERVE_<NAME> or in a TOML file.",
     )  # fmt: skip
-    parser.add_argument("--config", default=None, help="TOML settings file (top-level keys and [dev]/[staging]/[prod] tables)")
-    parser.add_argument("--profile", default=None, choices=PROFILES, help="profile table of the config file to apply")
+    parser.add_argument(
+        "--config", default=None, help="TOML settings file (top-level keys and [dev]/[staging]/[prod] tables)"
+    )
+    parser.add_argument(
+        "--profile", default=None, choices=PROFILES, help="profile table of the config file to apply"
+    )
     for name, field in setting_fields().items():
         flags = (f"--{name.replace('_', '-')}", *FLAG_ALIASES.get(name, ()))
         options: dict[str, Any] = {"dest": DEST_PREFIX + name, "default": None, "help": field.help}
@@ -120,5 +124,10 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = load_settings(cli_values(args), config_path=args.config, profile=args.profile)
     configure_logging(settings.server.log_level, settings.server.log_format)
     set_values = {name: source for name, source in sorted(settings.sources.items())}
-    logger.info("starting bitserve on %s:%d; settings given: %s", settings.server.host, settings.server.port, set_values or "none")
+    logger.info(
+        "starting bitserve on %s:%d; settings given: %s",
+        settings.server.host,
+        settings.server.port,
+        set_values or "none",
+    )
     return serve(settings)

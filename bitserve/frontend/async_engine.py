@@ -69,6 +69,7 @@ class AsyncEngine:
         self.is_draining = False
         self.last_stats: StepStats | None = None
         self._tokens_per_s = 0.0  # moving average of batched tokens per second, for Retry-After
+        self._busy_since = 0.0  # when the engine last went from idle to having work (liveness)
         self._ids = itertools.count()
 
     # ----------------------------------------------------------------- lifecycle
@@ -92,10 +93,11 @@ class AsyncEngine:
 
     @property
     def seconds_since_progress(self) -> float:
-        """0 when idle; else the time since the engine last finished a step (a wedged engine grows it)."""
+        """0 when idle; else the time since the engine last finished a step or, if later, since work
+        arrived at an idle engine (a wedged engine grows it; a long idle spell does not)."""
         if self._client is None or not self._streams:
             return 0.0
-        return time.monotonic() - self._client.last_progress
+        return time.monotonic() - max(self._client.last_progress, self._busy_since)
 
     def expected_wait_s(self) -> float:
         rate = self._tokens_per_s if self._tokens_per_s > 0 else 50.0
@@ -138,6 +140,8 @@ class AsyncEngine:
         assert self._client is not None, "AsyncEngine.start() was not called"
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(request_id, list(prompt_token_ids), params.n)
+        if not self._streams:
+            self._busy_since = time.monotonic()
         self._streams[request_id] = stream
         self._queued_tokens += len(prompt_token_ids)
         for index in range(params.n):

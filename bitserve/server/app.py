@@ -61,7 +61,10 @@ class RequestContextMiddleware:
             nonlocal is_started
             if message["type"] == "http.response.start":
                 is_started = True
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())],
+                }
             await send(message)
 
         try:
@@ -76,14 +79,18 @@ class RequestContextMiddleware:
 async def _warm_up(engine: AsyncEngine) -> None:
     """One short greedy generation so the first client does not pay for lazy initialisation."""
     prompt_ids = engine.instance.tokenizer.encode(WARMUP_PROMPT) or [0]
-    async for _ in engine.generate(prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"):
+    async for _ in engine.generate(
+        prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"
+    ):
         pass
 
 
 async def activate(state: AppState, instance: ModelInstance) -> None:
     """Start an engine over `instance`, warm it, then publish it (readiness turns green)."""
     config = state.server_config
-    limits = AdmissionLimits(max_num_waiting=config.max_num_waiting, max_num_queued_tokens=config.max_num_queued_tokens)
+    limits = AdmissionLimits(
+        max_num_waiting=config.max_num_waiting, max_num_queued_tokens=config.max_num_queued_tokens
+    )
     engine = AsyncEngine(instance, limits=limits, stats=state.stats)
     engine.start()
     try:
@@ -152,6 +159,6 @@ def build_app(server_config: ServerConfig | None = None, engine_config: EngineCo
     # add_middleware wraps: the last added is outermost.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=server_config.max_body_bytes,
                        body_read_timeout_s=server_config.body_read_timeout_s,
-                       max_header_bytes=server_config.max_header_bytes)  # fmt: skip
+                       max_header_bytes=server_config.max_header_bytes, on_error=state.stats.record_http_error)  # fmt: skip
     app.add_middleware(RequestContextMiddleware, on_error=state.stats.record_http_error)
     return app

@@ -130,7 +130,9 @@ def sse_error_event(exc: BaseException) -> bytes:
     return b"data: " + json.dumps(error_payload(exc)).encode() + b"\n\n"
 
 
-async def send_error(send: Send, exc: BaseException, *, close: bool = False, retry_after_s: float | None = None) -> None:
+async def send_error(
+    send: Send, exc: BaseException, *, close: bool = False, retry_after_s: float | None = None
+) -> None:
     """Answer with a JSON error from raw ASGI (middleware, before any response started)."""
     spec = lookup(exc)
     body = json.dumps(error_payload(exc, spec)).encode()
@@ -171,8 +173,13 @@ def install_error_handlers(
 
     def respond(exc: BaseException, spec: ErrorSpec) -> JSONResponse:
         on_error(spec.status, spec.code)
-        if spec.status >= 500:
-            logger.error("request failed: %s %s", spec.code, exc)
+        if spec.status >= 500:  # 503s (loading, draining, overload) are expected; other 5xx are failures
+            logger.log(
+                logging.WARNING if spec.status == 503 else logging.ERROR,
+                "request failed: %s %s",
+                spec.code,
+                exc,
+            )
         return JSONResponse(error_payload(exc, spec), status_code=spec.status,
                             headers=error_headers(exc, spec, retry_after_s()))  # fmt: skip
 
@@ -188,7 +195,9 @@ def install_error_handlers(
         status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
         spec = HTTP_STATUS_SPECS.get(status, ErrorSpec(status, "invalid_request_error", "http_error"))
         detail = exc.detail if isinstance(exc, StarletteHTTPException) else "error"
-        message = f"no route for {request.method} {request.url.path[:200]}" if status in (404, 405) else str(detail)
+        message = (
+            f"no route for {request.method} {request.url.path[:200]}" if status in (404, 405) else str(detail)
+        )
         return respond(BitserveError(message, hint="see GET /docs for the routes"), spec)
 
     app.add_exception_handler(BitserveError, on_bitserve_error)

@@ -31,7 +31,10 @@ async def live(request: Request) -> Response:
         "engine_alive": engine is None or engine.is_alive,
         "engine_progressing": stall_s <= state.server_config.liveness_stall_s,
     }
-    details = {"seconds_since_progress": round(stall_s, 3), "max_stall_s": state.server_config.liveness_stall_s}
+    details = {
+        "seconds_since_progress": round(stall_s, 3),
+        "max_stall_s": state.server_config.liveness_stall_s,
+    }
     return _probe(checks, details, None)
 
 
@@ -43,7 +46,8 @@ async def ready(request: Request) -> Response:
         "model_ready": engine is not None,
         "engine_alive": engine is not None and engine.is_alive,
         "not_draining": not state.is_draining,
-        "queue_not_saturated": engine is not None and engine.num_active_requests < state.server_config.max_num_waiting,
+        "queue_not_saturated": engine is not None
+        and engine.num_active_requests < state.server_config.max_num_waiting,
     }
     return _probe(checks, {"phase": state.phase}, state.retry_after_s())
 

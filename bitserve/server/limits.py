@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -25,10 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from bitserve.errors import InvalidRequest, PayloadTooLarge
-from bitserve.server.errors import HeadersTooLarge, RequestTimeout, error_payload, send_error
+from bitserve.server.errors import HeadersTooLarge, RequestTimeout, error_payload, lookup, send_error
 
 logger = logging.getLogger(__name__)
-
 
 
 def _header_timeout_response() -> bytes:
@@ -42,8 +42,10 @@ def _header_timeout_response() -> bytes:
 class BodyLimitMiddleware:
     """Reads each request body up front under a size cap and a deadline, then replays it."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_s: float, max_header_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_s: float, max_header_bytes: int,
+                 on_error: Callable[[int, str], None] | None = None) -> None:  # fmt: skip
         self.app = app
+        self.on_error = on_error
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
         self.max_header_bytes = max_header_bytes
@@ -57,6 +59,9 @@ class BodyLimitMiddleware:
             body, disconnected = await self._read_body(receive)
         except (PayloadTooLarge, RequestTimeout, InvalidRequest, HeadersTooLarge) as exc:
             logger.warning("request refused before the app: %s", exc.message)
+            if self.on_error is not None:
+                spec = lookup(exc)
+                self.on_error(spec.status, spec.code)
             await send_error(send, exc, close=True)
             return
         if disconnected:
@@ -153,11 +158,18 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def _on_header_timeout(self) -> None:
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            logger.warning("closing a connection that sent no complete request headers in %g s", self.header_read_timeout_s)
+            logger.warning(
+                "closing a connection that sent no complete request headers in %g s",
+                self.header_read_timeout_s,
+            )
             self.transport.write(_header_timeout_response())
             self.transport.close()
 
 
 def header_timeout_protocol(header_read_timeout_s: float) -> type[Any]:
     """A HeaderTimeoutH11Protocol subclass bound to this timeout (uvicorn's `http=` takes a class)."""
-    return type("BoundHeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_read_timeout_s": header_read_timeout_s})
+    return type(
+        "BoundHeaderTimeoutH11Protocol",
+        (HeaderTimeoutH11Protocol,),
+        {"header_read_timeout_s": header_read_timeout_s},
+    )

@@ -25,7 +25,9 @@ async def _run(num_chars: int, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn)
 
 
-async def encode_text(instance: ModelInstance, text: str, *, add_special: bool = True, allow_empty: bool = False) -> list[int]:
+async def encode_text(
+    instance: ModelInstance, text: str, *, add_special: bool = True, allow_empty: bool = False
+) -> list[int]:
     token_ids = await _run(len(text), lambda: instance.tokenizer.encode(text, add_special=add_special))
     if not token_ids and not allow_empty:
         raise InvalidRequest("the prompt is empty (it has no tokens)", param="prompt", hint="send some text")

@@ -6,14 +6,13 @@ object goes past the serving modules.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bitserve.core.request import Priority
 from bitserve.errors import InvalidRequest
@@ -29,7 +28,7 @@ from bitserve.sampling_params import (
     MAX_STOP_CHARS,
     SamplingParams,
 )
-from bitserve.server.errors import UnsupportedParameter, invalid_request_from_errors
+from bitserve.server.errors import UnsupportedParameter
 from bitserve.tokenizer.base import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -45,60 +44,8 @@ MAX_PROMPT_TOKEN_IDS = 1_048_576
 MAX_TOP_K = 1_000_000
 MAX_LOGIT_BIAS_KEY_DIGITS = 10
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
-MAX_LOGGED_UNKNOWN_FIELDS = 20
 
 PRIORITIES = {"high": Priority.HIGH, "normal": Priority.NORMAL, "low": Priority.LOW}
-RequestT = TypeVar("RequestT", bound="StrictModel")
-
-
-# ----------------------------------------------------------------- body parsing
-
-
-def _reject_constant(name: str) -> float:
-    raise InvalidRequest(f"{name} is not valid JSON (numbers must be finite)", hint="send finite numbers")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise InvalidRequest(f"the number {text[:40]} is out of range (numbers must be finite)")
-    return value
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    """Strict UTF-8, strict JSON (no NaN / Infinity / overflow), a top-level object. Raises InvalidRequest."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start})", hint="encode the body as UTF-8") from None
-    if not text.strip():
-        raise InvalidRequest("the request body is empty", hint="send a JSON object")
-    try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of > 4300 digits
-        if isinstance(exc, InvalidRequest):
-            raise
-        raise InvalidRequest("the request body is not acceptable JSON (nested too deeply or a number too long)") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {type(data).__name__}")
-    return data
-
-
-def parse_request(body: bytes, model_cls: type[RequestT]) -> RequestT:
-    """Body bytes -> validated request model. Unknown fields are logged and otherwise ignored."""
-    data = parse_json_object(body)
-    try:
-        request = model_cls.model_validate(data)
-    except ValidationError as exc:
-        raise invalid_request_from_errors(exc.errors()) from None
-    extra = sorted(request.model_extra or {})
-    if extra:
-        names = ", ".join(name[:64] for name in extra[:MAX_LOGGED_UNKNOWN_FIELDS])
-        logger.warning("ignoring %d unknown request field(s): %s", len(extra), names)
-    request.check_supported()
-    return request
 
 
 # ----------------------------------------------------------------- shared pieces
@@ -142,7 +89,9 @@ class ChatMessage(StrictModel):
                                        param=where, hint="send only system, user and assistant text messages")  # fmt: skip
         if self.content is None:
             if self.role != "assistant":
-                raise InvalidRequest(f"{where}.content is required for role {self.role}", param=f"{where}.content")
+                raise InvalidRequest(
+                    f"{where}.content is required for role {self.role}", param=f"{where}.content"
+                )
             return ""
         if isinstance(self.content, str):
             return self.content
@@ -159,7 +108,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Plain dicts for the chat template ("developer" is OpenAI's newer name for "system")."""
     rendered = []
     for index, message in enumerate(messages):
-        entry = {"role": "system" if message.role == "developer" else message.role, "content": message.text(index)}
+        entry = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": message.text(index),
+        }
         if message.name is not None:
             entry["name"] = message.name
         rendered.append(entry)
@@ -231,7 +183,15 @@ class SamplingFields(StrictModel):
         kwargs: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
                                   "ignore_eos": self.ignore_eos, "logprobs": logprobs,
                                   "skip_special_tokens": self.skip_special_tokens}  # fmt: skip
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+        ):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -281,7 +241,9 @@ class ChatCompletionRequest(SamplingFields):
                      'only {"type": "text"} is implemented; JSON modes and schemas are not')  # fmt: skip
         _unsupported("audio", self.audio, lambda v: v is None, "text only")
         _unsupported("modalities", self.modalities, lambda v: v in (None, ["text"]), "text only")
-        _unsupported("prediction", self.prediction, lambda v: v is None, "predicted outputs are not implemented")
+        _unsupported(
+            "prediction", self.prediction, lambda v: v is None, "predicted outputs are not implemented"
+        )
         _unsupported("store", self.store, lambda v: v in (None, False), "completions are never stored")
         _unsupported("web_search_options", self.web_search_options, lambda v: v is None, "no web search")
         _unsupported("reasoning_effort", self.reasoning_effort, lambda v: v is None, "not a reasoning model")
@@ -312,7 +274,9 @@ def _check_prompt(value: Any) -> Any:
         return value
     if isinstance(value, list) and all(isinstance(item, str) for item in value) and value:
         return value
-    if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+    if isinstance(value, list) and all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
         return value
     raise ValueError("prompt must be a string, a list of token ids, or a list holding one of those")
 
@@ -330,7 +294,12 @@ class CompletionRequest(SamplingFields):
     _check_prompt = field_validator("prompt", mode="before")(_check_prompt)
 
     def check_supported(self) -> None:
-        _unsupported("suffix", self.suffix, lambda v: v in (None, ""), "insertion (fill-in-the-middle) is not implemented")
+        _unsupported(
+            "suffix",
+            self.suffix,
+            lambda v: v in (None, ""),
+            "insertion (fill-in-the-middle) is not implemented",
+        )
         if self.best_of is not None and self.best_of > self.n:
             raise UnsupportedParameter(f"best_of={self.best_of} > n={self.n} is not supported by bitserve",
                                        param="best_of", hint="set best_of equal to n or leave it out")  # fmt: skip
@@ -412,7 +381,9 @@ def finite_logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
-def usage_payload(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+def usage_payload(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+) -> dict[str, Any]:
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI
+from pydantic import BaseModel
 
 from bitserve.server import health, serving_admin, serving_chat, serving_completions, serving_native
+from bitserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    InferenceRequest,
+    TokenizeRequest,
+)
 
 Scope = Literal["inference", "admin", "ops"]
 
@@ -20,15 +28,22 @@ class Route:
     path: str
     handler: Callable[..., Any]
     scope: Scope
+    body: type[BaseModel] | None = None  # the JSON body the handler parses itself (shown in /docs)
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("POST", "/v1/chat/completions", serving_chat.create_chat_completion, "inference"),
-    Route("POST", "/v1/completions", serving_completions.create_completion, "inference"),
-    Route("POST", "/v1/inference", serving_native.inference, "inference"),
-    Route("POST", "/v1/inference/stream", serving_native.inference_stream, "inference"),
-    Route("POST", "/tokenize", serving_native.tokenize, "inference"),
-    Route("POST", "/detokenize", serving_native.detokenize, "inference"),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        serving_chat.create_chat_completion,
+        "inference",
+        ChatCompletionRequest,
+    ),
+    Route("POST", "/v1/completions", serving_completions.create_completion, "inference", CompletionRequest),
+    Route("POST", "/v1/inference", serving_native.inference, "inference", InferenceRequest),
+    Route("POST", "/v1/inference/stream", serving_native.inference_stream, "inference", InferenceRequest),
+    Route("POST", "/tokenize", serving_native.tokenize, "inference", TokenizeRequest),
+    Route("POST", "/detokenize", serving_native.detokenize, "inference", DetokenizeRequest),
     Route("GET", "/v1/models", serving_admin.list_models, "inference"),
     Route("GET", "/v1/models/{model_id:path}", serving_admin.get_model, "inference"),
     Route("GET", "/v1/stats", serving_native.stats, "ops"),
@@ -39,6 +54,30 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
+def _body_schema(model: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(schema, nested definitions), with references pointing at the OpenAPI components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return schema, schema.pop("$defs", {})
+
+
 def register_routes(app: FastAPI) -> None:
+    """Add every route; bodies the handlers parse themselves are described in /openapi.json."""
+    definitions: dict[str, Any] = {}
     for route in ROUTES:
-        app.add_api_route(route.path, route.handler, methods=[route.method], tags=[route.scope], name=route.handler.__name__)
+        extra = None
+        if route.body is not None:
+            schema, nested = _body_schema(route.body)
+            definitions.update(nested)
+            extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+        app.add_api_route(
+            route.path, route.handler, methods=[route.method], tags=[route.scope],
+            name=route.handler.__name__, openapi_extra=extra,
+        )  # fmt: skip
+    build_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = build_openapi()
+        document.setdefault("components", {}).setdefault("schemas", {}).update(definitions)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -12,12 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 from bitserve.layers.sampler import TokenLogprobs
 from bitserve.outputs import RequestOutput
+from bitserve.server.body import parse_request
 from bitserve.server.prompts import encode_messages, resolve_max_tokens
 from bitserve.server.protocol import (
     ChatCompletionRequest,
     finite_logprob,
     new_request_id,
-    parse_request,
     token_text,
     usage_payload,
 )
@@ -66,8 +66,15 @@ async def create_chat_completion(request: Request) -> Response:
     await stream.start()
     model_id = state.model.id if state.model else ""
     if body.stream:
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_id}
-        return SSEResponse(_stream_frames(stream, base, body, instance.tokenizer, state.server_config.sse_keepalive_s))
+        base = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model_id,
+        }
+        return SSEResponse(
+            _stream_frames(stream, base, body, instance.tokenizer, state.server_config.sse_keepalive_s)
+        )
     try:
         result = await until_disconnect(request.receive, collect(stream, body.n))
     except ClientDisconnected:

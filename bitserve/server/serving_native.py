@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from bitserve.layers.sampler import TokenLogprobs
 from bitserve.outputs import RequestOutput
 from bitserve.sampling_params import SamplingParams
+from bitserve.server.body import parse_request
 from bitserve.server.prompts import encode_messages, encode_text, prompt_from_ids, resolve_max_tokens
 from bitserve.server.protocol import (
     DetokenizeRequest,
@@ -35,7 +36,6 @@ from bitserve.server.protocol import (
     check_token_ids,
     finite_logprob,
     new_request_id,
-    parse_request,
     token_text,
     usage_payload,
 )
@@ -115,7 +115,11 @@ async def inference_stream(request: Request) -> Response:
         choices = []
         for delta in output.outputs:
             counts["completion"] += len(delta.token_ids)
-            logprobs = native_logprobs(tokenizer, delta.logprobs or ()) if body.logprobs is not None and tokenizer else None
+            logprobs = (
+                native_logprobs(tokenizer, delta.logprobs or ())
+                if body.logprobs is not None and tokenizer
+                else None
+            )
             choices.append({"index": delta.index, "text": delta.text, "token_ids": delta.token_ids,
                             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, "logprobs": logprobs})  # fmt: skip
         return [{"id": stream.request_id, "choices": choices}]
@@ -176,8 +180,12 @@ async def tokenize(request: Request) -> Response:
     if body.messages is not None:
         token_ids = await encode_messages(instance, body.messages)
     else:
-        token_ids = await encode_text(instance, body.prompt or "", add_special=body.add_special_tokens, allow_empty=True)
-    return JSONResponse({"tokens": token_ids, "count": len(token_ids), "max_model_len": instance.max_model_len})
+        token_ids = await encode_text(
+            instance, body.prompt or "", add_special=body.add_special_tokens, allow_empty=True
+        )
+    return JSONResponse(
+        {"tokens": token_ids, "count": len(token_ids), "max_model_len": instance.max_model_len}
+    )
 
 
 async def detokenize(request: Request) -> Response:

@@ -85,10 +85,16 @@ def setting_fields() -> dict[str, SettingField]:
             previous = found.get(field.name)
             if previous is not None:
                 if previous.value_type is not value_type:
-                    raise TypeError(f"setting {field.name} has two types: {previous.value_type} and {value_type}")
-                found[field.name] = dataclasses.replace(previous, targets=(*previous.targets, (section, field.name)))
+                    raise TypeError(
+                        f"setting {field.name} has two types: {previous.value_type} and {value_type}"
+                    )
+                found[field.name] = dataclasses.replace(
+                    previous, targets=(*previous.targets, (section, field.name))
+                )
             else:
-                found[field.name] = SettingField(field.name, value_type, field.metadata.get("help", ""), ((section, field.name),))
+                found[field.name] = SettingField(
+                    field.name, value_type, field.metadata.get("help", ""), ((section, field.name),)
+                )
     return found
 
 
@@ -140,7 +146,9 @@ def read_toml(path: str, profile: str | None) -> dict[str, Any]:
     tables = {name: data.pop(name) for name in PROFILES if isinstance(data.get(name), dict)}
     if profile is not None and profile not in tables:
         raise InvalidRequest(f"the config file {path} has no [{profile}] table", param="profile")
-    toml_model = create_model("BitserveToml", __config__=ConfigDict(extra="forbid", strict=True), **_field_definitions())
+    toml_model = create_model(
+        "BitserveToml", __config__=ConfigDict(extra="forbid", strict=True), **_field_definitions()
+    )
     merged: dict[str, Any] = {}
     for layer, where in ((data, ""), (tables.get(profile or "", {}), f"[{profile}] ")):
         try:
@@ -150,7 +158,9 @@ def read_toml(path: str, profile: str | None) -> dict[str, Any]:
     return merged
 
 
-def load_settings(cli_values: Mapping[str, Any], *, config_path: str | None = None, profile: str | None = None) -> Settings:
+def load_settings(
+    cli_values: Mapping[str, Any], *, config_path: str | None = None, profile: str | None = None
+) -> Settings:
     """Merge CLI values (None = not given), the environment and the TOML file into configs."""
     env = read_env()
     config_path = config_path or env.pop("config", None)
@@ -158,7 +168,9 @@ def load_settings(cli_values: Mapping[str, Any], *, config_path: str | None = No
     env.pop("config", None)
     env.pop("profile", None)
     if profile is not None and profile not in PROFILES:
-        raise InvalidRequest(f"unknown profile {profile!r}", param="profile", hint=f"one of {', '.join(PROFILES)}")
+        raise InvalidRequest(
+            f"unknown profile {profile!r}", param="profile", hint=f"one of {', '.join(PROFILES)}"
+        )
     if profile is not None and config_path is None:
         raise InvalidRequest("a profile needs a config file", param="profile", hint="pass --config path.toml")
     layers = (("toml", read_toml(config_path, profile) if config_path else {}), ("env", env),

@@ -53,7 +53,9 @@ def read_build_info() -> BuildInfo:
     """Read once at startup; the git sha is "unknown" outside a checkout or without git."""
     repo = Path(bitserve.__file__).resolve().parent.parent
     try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5, check=False)
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5, check=False
+        )
         sha = result.stdout.strip() if result.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         sha = "unknown"
@@ -124,9 +126,13 @@ class AppState:
     def require_engine(self) -> AsyncEngine:
         """The engine, or the error a new request gets now (503 while loading, draining or dead)."""
         if self.load_error is not None:
-            raise ModelUnavailable("the model failed to load", hint="see the server log; the server needs a restart")
+            raise ModelUnavailable(
+                "the model failed to load", hint="see the server log; the server needs a restart"
+            )
         if self.engine is None:
-            raise ModelUnavailable("the model is still loading", hint="retry after the number of seconds in Retry-After")
+            raise ModelUnavailable(
+                "the model is still loading", hint="retry after the number of seconds in Retry-After"
+            )
         if self.is_draining:
             raise ServerShuttingDown("the server is shutting down and accepts no new requests",
                                      hint="retry on another replica")  # fmt: skip

@@ -43,7 +43,12 @@ class ClientDisconnected(Exception):
 
 
 def sse_frame(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    # allow_nan=False: a NaN would make invalid JSON; the ValueError becomes an error event instead.
+    return (
+        b"data: "
+        + json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        + b"\n\n"
+    )
 
 
 class StreamRegistry:
@@ -92,10 +97,11 @@ class GenerationStream:
         # step before resuming us, so after one yield an admission error has already ended the pump.
         await asyncio.sleep(0)
         if self._task.done():
-            item = self._queue.get_nowait()
-            if isinstance(item, BaseException):
-                raise item
-            self._queue.put_nowait(item)  # cannot happen before a step; keep it for next()
+            items = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+            if items and isinstance(items[0], BaseException):
+                raise items[0]
+            for item in items:  # finished without an error (cannot happen before a step): keep them
+                self._queue.put_nowait(item)
         self._registry.add(self._queue)
 
     async def _pump(self) -> None:
@@ -209,7 +215,9 @@ class SSEResponse(Response):
         self.background = None
         self.body = b""
         merged = {"content-type": "text/event-stream; charset=utf-8", **SSE_HEADERS, **(headers or {})}
-        self.raw_headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in merged.items()]
+        self.raw_headers = [
+            (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in merged.items()
+        ]
         self.frames = frames
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -31,7 +31,17 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "bitserve.cli", "serve", "--port", str(self.port), "--log-format", "text", *args]
+        command = [
+            sys.executable,
+            "-m",
+            "bitserve.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-format",
+            "text",
+            *args,
+        ]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})})  # fmt: skip
@@ -75,7 +85,7 @@ def sse_data(lines: list[str]) -> list[str]:
     payloads = []
     for line in lines:
         if line.startswith("data: "):
-            payloads.append(line[len("data: "):])
+            payloads.append(line[len("data: ") :])
         else:
             assert line == "" or line.startswith(":"), f"unexpected SSE line {line!r}"
     return payloads

@@ -36,7 +36,9 @@ def error_of(response: object, status: int) -> dict[str, object]:
     b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",  # nesting deeper than the parser allows
 ], ids=lambda body: repr(body[:24]))  # fmt: skip
 def test_malformed_bodies_get_400(client: TestClient, body: bytes) -> None:
-    error = error_of(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400)
+    error = error_of(
+        client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400
+    )
     assert error["type"] == "invalid_request_error"
 
 
@@ -139,7 +141,9 @@ def exchange(server: ServerProcess, data: bytes, *, pause_s: float = 0.0, more: 
 
 def test_slow_headers_are_cut_off(blackbox: ServerProcess) -> None:
     start = time.monotonic()
-    reply = exchange(blackbox, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+    reply = exchange(
+        blackbox, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    )
     assert reply.startswith(b"HTTP/1.1 408")
     assert time.monotonic() - start < SOCKET_TIMEOUT_S  # closed by the server, not by our read timeout
     assert exchange(blackbox, b"").startswith(b"HTTP/1.1 408")  # a connection that sends nothing at all
@@ -167,7 +171,11 @@ def test_huge_headers_are_refused(blackbox: ServerProcess) -> None:
 
 
 def test_raw_dot_segments_never_reach_files(blackbox: ServerProcess) -> None:
-    for target in (b"/v1/models/../../../../etc/passwd", b"/v1/models/..%2f..%2fetc%2fpasswd", b"/../../etc/passwd"):
+    for target in (
+        b"/v1/models/../../../../etc/passwd",
+        b"/v1/models/..%2f..%2fetc%2fpasswd",
+        b"/../../etc/passwd",
+    ):
         reply = exchange(blackbox, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert reply.startswith(b"HTTP/1.1 404"), reply[:200]
         assert b"root:" not in reply

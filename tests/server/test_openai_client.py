@@ -53,7 +53,9 @@ def test_chat_stream_matches_the_whole_answer(client: openai.OpenAI) -> None:
     assert all(chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id for chunk in chunks)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert text == whole.choices[0].message.content
-    finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    finishes = [
+        chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason
+    ]
     assert finishes == [whole.choices[0].finish_reason]
     usage_chunk = chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
@@ -62,7 +64,10 @@ def test_chat_stream_matches_the_whole_answer(client: openai.OpenAI) -> None:
 
 
 def test_raw_sse_frames(blackbox: ServerProcess) -> None:
-    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "Once upon a time"})):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/completions", {"prompt": "Once upon a time"}),
+    ):
         lines = stream_lines(blackbox, path, {**body, "max_tokens": 6, "stream": True})
         chunks, is_done = parse_stream(lines)  # every data frame is JSON, the last is [DONE]
         assert is_done and chunks
@@ -73,26 +78,40 @@ def test_raw_sse_frames(blackbox: ServerProcess) -> None:
 
 
 def test_completion_with_n_and_echo(client: openai.OpenAI) -> None:
-    response = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=6, n=2, temperature=0.8, seed=7, echo=True)
+    response = client.completions.create(
+        model=MODEL, prompt="The sea is", max_tokens=6, n=2, temperature=0.8, seed=7, echo=True
+    )
     assert sorted(choice.index for choice in response.choices) == [0, 1]
     assert all(choice.text.startswith("The sea is") for choice in response.choices)
     assert response.usage.completion_tokens <= 12
 
 
 def test_stop_strings_never_appear(client: openai.OpenAI) -> None:
-    free = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0).choices[0].text
+    free = (
+        client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
     assert " 7" in free, free  # the model counts on; stop at " 7"
-    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"])
+    stopped = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"]
+    )
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop"
     assert " 7" not in choice.text and free.startswith(choice.text)
-    chunks = list(client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"], stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0, stop=[" 7"], stream=True
+        )
+    )
     assert "".join(chunk.choices[0].text for chunk in chunks) == choice.text
 
 
 def test_seed_reproducibility(client: openai.OpenAI) -> None:
     def sample() -> str:
-        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0.8, seed=1234)
+        response = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0.8, seed=1234
+        )
         return response.choices[0].message.content or ""
 
     assert sample() == sample()
@@ -109,7 +128,11 @@ def test_logprobs_with_top_logprobs(client: openai.OpenAI) -> None:
         alternatives = [alt.logprob for alt in entry.top_logprobs]
         assert alternatives == sorted(alternatives, reverse=True)
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely token
-    legacy = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2).choices[0].logprobs
+    legacy = (
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+        .choices[0]
+        .logprobs
+    )
     assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 3
     assert legacy.text_offset == [0, len(legacy.tokens[0]), len(legacy.tokens[0]) + len(legacy.tokens[1])]
 
@@ -122,7 +145,9 @@ def test_logprobs_with_top_logprobs(client: openai.OpenAI) -> None:
     (lambda api: api.completions.create(model=MODEL, prompt="hi " * 5000), openai.BadRequestError, 400, "context_length_exceeded"),
     (lambda api: api.completions.create(model=MODEL, prompt="hi", max_tokens=5000), openai.BadRequestError, 400, "context_length_exceeded"),
 ])  # fmt: skip
-def test_error_classes(client: openai.OpenAI, call: Any, error_type: type[openai.APIStatusError], status: int, code: str) -> None:
+def test_error_classes(
+    client: openai.OpenAI, call: Any, error_type: type[openai.APIStatusError], status: int, code: str
+) -> None:
     with pytest.raises(error_type) as caught:
         call(client)
     assert caught.value.status_code == status
@@ -142,7 +167,9 @@ def test_tokenize_round_trip(blackbox: ServerProcess) -> None:
     text = "Ternary weights: -1, 0 and +1 — café ☕"
     tokens = httpx.post(f"{blackbox.url}/tokenize", json={"prompt": text}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
-    assert httpx.post(f"{blackbox.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
+    assert (
+        httpx.post(f"{blackbox.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
+    )
 
 
 def test_health_and_metrics(blackbox: ServerProcess) -> None:
@@ -165,7 +192,11 @@ async def _one_stream(http: httpx.AsyncClient, index: int) -> tuple[int, bool, s
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = [line async for line in response.aiter_lines()]
     chunks, is_done = parse_stream(lines) if response.status_code == 200 else ([], False)
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+    finishes = [
+        c["choices"][0]["finish_reason"]
+        for c in chunks
+        if c.get("choices") and c["choices"][0]["finish_reason"]
+    ]
     return response.status_code, is_done, finishes[-1] if finishes else None
 
 
@@ -194,8 +225,8 @@ def wait_until_idle(server: ServerProcess, timeout_s: float = 30.0) -> dict[str,
 def test_killed_stream_frees_its_blocks(blackbox: ServerProcess) -> None:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{blackbox.url}/v1/chat/completions", json=body, timeout=60.0) as response:
-        lines = response.iter_lines()
-        num_chunks = sum(1 for line, _ in zip(lines, range(8)) if line.startswith("data: "))
+        lines = response.iter_lines()  # NOTE: keep the iterator alive; dropping it closes the response
+        num_chunks = sum(1 for _ in range(8) if next(lines).startswith("data: "))
         assert num_chunks >= 3
         stats = httpx.get(f"{blackbox.url}/v1/stats").json()
         assert stats["requests"]["num_active"] == 1 and stats["kv_cache"]["usage"] > 0

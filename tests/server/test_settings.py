@@ -87,7 +87,9 @@ def test_max_model_len_sets_model_and_scheduler(monkeypatch: pytest.MonkeyPatch)
     ({"profile": "prod"}, "needs a config file"),
     ({"env": {"BITSERVE_PROFILE": "qa"}}, "unknown profile"),
 ])  # fmt: skip
-def test_bad_settings_are_clear_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setup: dict, message: str) -> None:
+def test_bad_settings_are_clear_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setup: dict, message: str
+) -> None:
     for name, value in setup.get("env", {}).items():
         monkeypatch.setenv(name, value)
     config_path = None
@@ -107,5 +109,9 @@ def test_serve_flags_are_generated_from_the_fields(config_file: Path) -> None:
     assert values["port"] == 9400 and values["num_threads"] == 2 and values["enable_prefix_caching"] is False
     assert values["host"] is None  # not given: lower layers decide
     settings = load_settings(values, config_path=args.config, profile=args.profile)
-    assert (settings.server.port, settings.server.host, settings.server.drain_timeout_s) == (9400, "0.0.0.0", 1.5)
+    assert (settings.server.port, settings.server.host, settings.server.drain_timeout_s) == (
+        9400,
+        "0.0.0.0",
+        1.5,
+    )
     assert settings.engine.scheduler.max_num_seqs == 8 and settings.engine.model.num_threads == 2

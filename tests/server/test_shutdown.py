@@ -121,7 +121,7 @@ def test_drain_deadline_ends_streams_with_an_error_event(tmp_path: Path, smollm2
         assert reader.first_chunk.wait(60)
         server.terminate()
         reader.join(EXIT_TIMEOUT_S)
-        payloads = [line[len("data: "):] for line in reader.lines if line.startswith("data: ")]
+        payloads = [line[len("data: ") :] for line in reader.lines if line.startswith("data: ")]
         assert payloads[-1] == "[DONE]"
         error = json.loads(payloads[-2])["error"]
         assert error["code"] == "server_shutting_down" and "drain" in error["message"]
