@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from bitserve.errors import ModelLoadError
@@ -47,6 +48,12 @@ def plan_cache(spec: ModelSpec, *, block_size: int, memory_bytes: int, dtype_nam
 
 
 def allocate_kv_caches(layout: CacheLayout) -> list[torch.Tensor]:
-    """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+    """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zeroed lazily (calloc through numpy): untouched pages cost no resident memory, so a cache sized for
+    long contexts does not occupy RAM until sequences fill it. Zeros, not garbage, because padded key
+    slots are read (then masked) by batched decode attention, and NaN * 0 would poison the output.
+    """
     shape = (2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+    numpy_dtype = np.float32 if layout.dtype == torch.float32 else np.float16
+    return [torch.from_numpy(np.zeros(shape, dtype=numpy_dtype)) for _ in range(layout.num_layers)]
