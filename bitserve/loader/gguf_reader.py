@@ -421,6 +421,20 @@ class GGUFFile:
                                    "was converted for another architecture")
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.file_offset)
 
+    def release_pages(self, name: str) -> None:
+        """Drop the resident pages of a tensor the caller copied out and will not read again.
+
+        The mapping stays valid (a later read faults the pages back in); only whole pages inside the
+        tensor are released, so neighbouring tensors that are still in use keep theirs.
+        """
+        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.tensors[name]
+        start = -(-info.file_offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (info.file_offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str) or not arch:

@@ -75,7 +75,10 @@ class GGUFWeightSource:
     def linear(self, name: str, *, may_be_ternary: bool) -> PreparedLinear:
         weight = self.packed(name)
         if weight.layout in TERNARY_FILE_LAYOUTS:
-            return self.backend.prepare_ternary(unpack_ternary(weight), mode=self.linear_mode)
+            prepared = self.backend.prepare_ternary(unpack_ternary(weight), mode=self.linear_mode)
+            # the backend holds its own runtime copy: the file's bytes need not stay resident
+            self.gguf.release_pages(name)
+            return prepared
         dense = dequantize(weight)
         if may_be_ternary and weight.layout in FLOAT_LAYOUTS:
             codes = ternary_codes_of(dense)
