@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from bitserve.config import ServerConfig
 from bitserve.core.request import Priority
 from bitserve.engine.messages import EngineRequest, StepResult, StepStats
 from bitserve.errors import BitserveError, EngineDead, InvalidRequest, ModelUnavailable, QueueFull
@@ -33,8 +34,15 @@ MAX_RETRY_AFTER_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
-    max_num_waiting: int = 256  # requests queued (not yet finished) beyond which new ones get 429
-    max_num_queued_tokens: int = 262_144  # prompt tokens of unfinished requests beyond which 429
+    """When new requests get 429: unfinished requests, or their prompt tokens, at these counts.
+    The defaults live in ServerConfig (config.py), the one home of defaults."""
+
+    max_num_waiting: int
+    max_num_queued_tokens: int
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> AdmissionLimits:
+        return cls(max_num_waiting=config.max_num_waiting, max_num_queued_tokens=config.max_num_queued_tokens)
 
 
 @dataclass(slots=True)
@@ -58,7 +66,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, instance: ModelInstance, *, limits: AdmissionLimits | None = None, stats: StatsSink | None = None) -> None:
         self.instance = instance
-        self.limits = limits or AdmissionLimits()
+        self.limits = limits or AdmissionLimits.from_config(ServerConfig())
         self.stats = stats or NullStatsSink()
         self.processor = OutputProcessor(instance.tokenizer)
         self._streams: dict[str, _Stream] = {}

@@ -88,10 +88,7 @@ async def _warm_up(engine: AsyncEngine) -> None:
 async def activate(state: AppState, instance: ModelInstance) -> None:
     """Start an engine over `instance`, warm it, then publish it (readiness turns green)."""
     config = state.server_config
-    limits = AdmissionLimits(
-        max_num_waiting=config.max_num_waiting, max_num_queued_tokens=config.max_num_queued_tokens
-    )
-    engine = AsyncEngine(instance, limits=limits, stats=state.stats)
+    engine = AsyncEngine(instance, limits=AdmissionLimits.from_config(config), stats=state.stats)
     engine.start()
     try:
         if config.warmup:
