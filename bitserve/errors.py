@@ -38,6 +38,10 @@ class QueueFull(BitserveError):
         self.retry_after_s = retry_after_s
 
 
+class Forbidden(BitserveError):
+    """The caller may not do this (e.g. load a file outside the configured model roots)."""
+
+
 class ModelNotFound(BitserveError):
     """The named model is not known to the catalog or the model roots."""
 

@@ -1,0 +1,80 @@
+"""Model roots: names and sidecars resolve; every path trick that leaves a root is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bitserve.errors import Forbidden, InvalidModelFile, ModelNotFound
+from bitserve.frontend.model_registry import ModelRegistry
+
+
+@pytest.fixture()
+def layout(tmp_path: Path) -> dict[str, Path]:
+    root = tmp_path / "models"
+    (root / "team").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "tiny.gguf").write_bytes(b"GGUF-tiny")
+    (root / "team" / "other.gguf").write_bytes(b"GGUF-other")
+    (outside / "secret.gguf").write_bytes(b"GGUF-secret")
+    digest = hashlib.sha256(b"GGUF-tiny").hexdigest()
+    (root / "tiny.gguf.json").write_text(json.dumps({"alias": "tiny-v1", "sha256": digest, "default_params": {"temperature": 0.2}}))
+    os.symlink(outside / "secret.gguf", root / "escape.gguf")
+    os.symlink(outside, root / "linked-dir")
+    return {"root": root, "outside": outside}
+
+
+def test_names_and_sidecars_resolve(layout: dict[str, Path]) -> None:
+    registry = ModelRegistry([layout["root"]])
+    model = registry.resolve("tiny-v1")
+    assert model.path == (layout["root"] / "tiny.gguf").resolve()
+    assert model.default_params == {"temperature": 0.2} and len(model.version) == 12
+    registry.verify_sha256(model)
+    assert registry.resolve("other").path.name == "other.gguf"
+    assert "escape" not in registry.names and "secret" not in registry.names
+    assert "smollm2-135m-instruct" in registry.names
+
+
+def test_paths_inside_a_root_resolve(layout: dict[str, Path]) -> None:
+    registry = ModelRegistry([layout["root"]])
+    assert registry.resolve("team/other.gguf").name == "other"
+    assert registry.resolve(str(layout["root"] / "tiny.gguf")).name == "tiny-v1"
+    assert registry.resolve("team/../tiny.gguf").name == "tiny-v1"  # stays inside: allowed
+
+
+@pytest.mark.parametrize("reference", [
+    "../outside/secret.gguf",
+    "team/../../outside/secret.gguf",
+    "escape.gguf",  # symlink to a file outside
+    "linked-dir/secret.gguf",  # symlinked folder outside
+    "%2e%2e/outside/secret.gguf",
+    "%252e%252e%252foutside%252fsecret.gguf",  # double-encoded
+    "..%2Foutside%2Fsecret.gguf",
+    "/etc/passwd",
+])  # fmt: skip
+def test_path_tricks_are_refused(layout: dict[str, Path], reference: str) -> None:
+    registry = ModelRegistry([layout["root"]])
+    with pytest.raises(Forbidden):
+        registry.resolve(reference)
+
+
+def test_absolute_path_outside_is_refused(layout: dict[str, Path]) -> None:
+    with pytest.raises(Forbidden):
+        ModelRegistry([layout["root"]]).resolve(str(layout["outside"] / "secret.gguf"))
+
+
+def test_unknown_names_and_bad_sidecars(layout: dict[str, Path]) -> None:
+    registry = ModelRegistry([layout["root"]])
+    with pytest.raises(ModelNotFound, match="tiny-v1"):
+        registry.resolve("missing.gguf")
+    (layout["root"] / "tiny.gguf").write_bytes(b"changed")
+    with pytest.raises(InvalidModelFile, match="sha256"):
+        registry.verify_sha256(registry.resolve("tiny-v1"))
+    (layout["root"] / "team" / "other.gguf.json").write_text("[1, 2]")
+    with pytest.raises(InvalidModelFile, match="JSON object"):
+        registry.refresh()
