@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from bitserve.kernels.packed import Layout, TernaryCodes
+from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ class PreparedLinear:
     """One weight matrix in a backend's runtime layout. Only the backend that made it may run it.
 
     out_features, in_features: (M, K), the PyTorch (out, in) convention.
-    layout: the runtime layout of `data` (Layout.DENSE, TERNARY_I8 or TERNARY_2BIT).
-    mode: the LinearMode of a ternary weight; None for a dense weight.
+    layout: the runtime layout of `data` (Layout.DENSE, TERNARY_I8 or TERNARY_2BIT; a backend that keeps
+        block-quantized weights (`prepare_block`) names their block layout, e.g. Layout.Q4_1).
+    mode: the LinearMode of a ternary weight; None for a dense or block-quantized weight.
     data: the runtime weight tensor (its shape and dtype are the backend's business).
     scale: ternary scale, f32 scalar or f32 [M, K // 256] per-block; None for dense.
     backend: name of the backend that prepared it.
@@ -94,6 +95,13 @@ class KernelBackend(Protocol):
 
     def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
         """Once, at load: a float32 [M, K] weight (block formats are dequantized before this)."""
+        ...
+
+    def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
+        """Optional, once, at load: keep a non-ternary block-quantized file weight (Q4_1, Q8_0, ...) in a
+        packed runtime form. None when this backend keeps no packed form for that layout: the loader then
+        dequantizes it and calls `prepare_dense`. Results match the dense path within fp32 summation-order
+        tolerance, not bit for bit. Loaders call it via getattr, so backends may omit it."""
         ...
 
     def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:

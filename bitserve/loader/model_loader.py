@@ -79,6 +79,12 @@ class GGUFWeightSource:
             # the backend holds its own runtime copy: the file's bytes need not stay resident
             self.gguf.release_pages(name)
             return prepared
+        prepare_block = getattr(self.backend, "prepare_block", None)
+        if prepare_block is not None and weight.layout not in FLOAT_LAYOUTS:
+            prepared = prepare_block(weight)
+            if prepared is not None:
+                self.gguf.release_pages(name)  # the backend repacked the bytes into its own copy
+                return prepared
         dense = dequantize(weight)
         if may_be_ternary and weight.layout in FLOAT_LAYOUTS:
             codes = ternary_codes_of(dense)

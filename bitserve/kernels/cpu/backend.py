@@ -10,6 +10,8 @@ weight). bitnet mode is bit-exact with the reference backend for every batch siz
   FMAs never round (hence K <= MAX_EXACT_F32_K; larger K stays on the numba kernel).
 float mode always uses the chunked sgemm (decoded t * scale); llamacpp-tq mode a numba emulation of
 ggml's AVX2 TQ2_0 dot product (FMA included). Dense weights use torch.nn.functional.linear (MKL sgemm).
+Q4_0 / Q4_1 / Q8_0 weights stay block-quantized (`prepare_block`, kernels/cpu/blockquant.py): numba
+dot products for T < block_gemm_min_tokens, chunked dequantize + sgemm above; fp32-tolerance parity.
 
 Threads: numba's OpenMP layer shares libgomp with torch. Run with OMP_WAIT_POLICY=PASSIVE (set before
 torch is imported) wherever the cores are shared: spin-waiting workers then cost ~8 ms per call.
@@ -28,16 +30,19 @@ import torch
 import torch.nn.functional as F
 from numba.core.errors import NumbaError
 
-from bitserve.errors import UnsupportedModel
+from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import LinearMode, PreparedLinear, check_linear_input
+from bitserve.kernels.cpu import blockquant
 from bitserve.kernels.cpu import ternary as kernels
-from bitserve.kernels.packed import Layout, TernaryCodes
+from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary as reference
 from bitserve.kernels.reference.dense import check_dense_weight
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the chunked sgemm
+DEFAULT_BLOCK_GEMM_MIN_TOKENS = 8  # crossover of the Q4_* / Q8_0 kernels and dequantize + sgemm (2 cores)
+BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block
 MAX_EXACT_F32_K = 65536  # 128 * K stays below 2^24: the exact-f32 sgemm path is valid
 CHUNK_BYTES = 1 << 22  # f32 bytes of decoded weights per sgemm chunk (fewer, larger calls measured faster)
 
@@ -92,15 +97,24 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(
-        self, *, gemm_min_tokens: int = DEFAULT_GEMM_MIN_TOKENS, num_threads: int | None = None
+        self,
+        *,
+        gemm_min_tokens: int = DEFAULT_GEMM_MIN_TOKENS,
+        num_threads: int | None = None,
+        block_kernels: bool = True,
+        block_gemm_min_tokens: int = DEFAULT_BLOCK_GEMM_MIN_TOKENS,
     ) -> None:
         """gemm_min_tokens: batch size from which bitnet mode uses the chunked exact sgemm.
         num_threads: numba threads for this backend's kernels (numba's setting is per calling thread,
-        so it is applied on every call); None keeps numba's default (all cores)."""
+        so it is applied on every call); None keeps numba's default (all cores).
+        block_kernels: keep Q4_0 / Q4_1 / Q8_0 weights packed (False: the loader dequantizes them to f32).
+        block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm."""
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in 1..{numba.config.NUMBA_NUM_THREADS}, got {num_threads}")
         self.gemm_min_tokens = gemm_min_tokens
         self.num_threads = num_threads
+        self.block_kernels = block_kernels
+        self.block_gemm_min_tokens = block_gemm_min_tokens
 
     # ------------------------------------------------------------ load time
 
@@ -143,6 +157,29 @@ class CpuBackend:
         m, k = check_dense_weight(weight)
         return PreparedLinear(m, k, Layout.DENSE, None, weight.contiguous(), None, self.name)
 
+    def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
+        """Q4_0 / Q4_1 -> runtime Layout.Q4_1 (codes uint8 [G, K/2, 64], scale = d f32 [G, nb, 64], extras
+        m); Q8_0 -> Layout.Q8_0 (codes int8 [G, K, 64], scale = d); G = ceil(M / 64), see blockquant. None for other layouts (or if disabled)."""
+        type_size = BLOCK_TYPE_SIZES.get(weight.layout)
+        if not self.block_kernels or type_size is None:
+            return None
+        m, k = weight.shape
+        if k % blockquant.QK:
+            raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {blockquant.QK}, got K={k}")
+        row_bytes = k // blockquant.QK * type_size
+        if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
+            raise InvalidModelFile(
+                f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
+                expected=f"{m * row_bytes} bytes",
+            )
+        rows = weight.data.reshape(m, row_bytes)
+        if weight.layout is Layout.Q8_0:
+            q, d = blockquant.repack_q8_0(rows, k)
+            return PreparedLinear(m, k, Layout.Q8_0, None, q, d, self.name)
+        qs, d, mins = blockquant.repack_q4(rows, k, has_min=weight.layout is Layout.Q4_1)
+        extras = MappingProxyType({"m": mins})
+        return PreparedLinear(m, k, Layout.Q4_1, None, qs, d, self.name, extras)
+
     # ------------------------------------------------------------ per step
 
     def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
@@ -157,11 +194,17 @@ class CpuBackend:
         if self.num_threads is not None:
             numba.set_num_threads(self.num_threads)
         acts: _Activations | None = None
+        xsum: np.ndarray | None = None  # [T, K / 32] block sums, shared by the Q4 weights of the group
         outputs = []
         for weight in weights:
             check_linear_input(x, weight)
             if weight.backend != self.name:
                 raise ValueError(f"weight prepared by {weight.backend!r} given to the {self.name!r} backend")
+            if weight.layout in (Layout.Q4_1, Layout.Q8_0):
+                if xsum is None and weight.layout is Layout.Q4_1 and x.shape[0] < self.block_gemm_min_tokens:
+                    xsum = blockquant.block_sums(x.numpy())
+                outputs.append(self._block(x, weight, xsum))
+                continue
             if weight.mode is None:
                 outputs.append(F.linear(x, weight.data))
                 continue
@@ -199,6 +242,34 @@ class CpuBackend:
         out = np.empty((num_tokens, m), dtype=np.float32)
         kernels.bitnet_linear_kernel(w, qp, q_sum, s_act, np.float32(weight.scale.item()), out)
         return torch.from_numpy(out)
+
+    def _block(self, x: torch.Tensor, weight: PreparedLinear, xsum: np.ndarray | None) -> torch.Tensor:
+        """Packed Q4 / Q8_0 weight: numba dot products for small T, else chunked dequantize + sgemm."""
+        assert weight.scale is not None  # invariant: block weights carry their d
+        num_tokens, m = x.shape[0], weight.out_features
+        codes, d = weight.data.numpy(), weight.scale.numpy()
+        is_q4 = weight.layout is Layout.Q4_1
+        if num_tokens == 0:
+            return x.new_zeros(0, m)
+        if num_tokens < self.block_gemm_min_tokens:
+            out = np.empty((num_tokens, m), dtype=np.float32)
+            if is_q4:
+                blockquant.q4_linear_kernel(codes, d, weight.extras["m"].numpy(), x.numpy(), xsum, out)
+            else:
+                blockquant.q8_0_linear_kernel(codes, d, x.numpy(), out)
+            return torch.from_numpy(out)
+        k = weight.in_features
+        rows = max(16, CHUNK_BYTES // (4 * k))
+        buf = torch.empty(min(rows, m), k, dtype=torch.float32)
+        out_t = torch.empty(m, num_tokens, dtype=torch.float32)  # [M, T]: row chunks are contiguous
+        for r0 in range(0, m, rows):
+            chunk = buf[: min(rows, m - r0)]
+            if is_q4:
+                blockquant.decode_q4_rows(codes, d, weight.extras["m"].numpy(), r0, chunk.numpy())
+            else:
+                blockquant.decode_q8_0_rows(codes, d, r0, chunk.numpy())
+            torch.mm(chunk, x.t(), out=out_t[r0 : r0 + chunk.shape[0]])
+        return out_t.t().contiguous()
 
     @staticmethod
     def _chunked_matmul(a: torch.Tensor, w: np.ndarray, scale: np.ndarray, m: int) -> torch.Tensor:

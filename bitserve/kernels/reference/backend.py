@@ -14,7 +14,7 @@ import torch
 
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import LinearMode, PreparedLinear, check_linear_input
-from bitserve.kernels.packed import Layout, TernaryCodes
+from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary
 from bitserve.kernels.reference.dense import check_dense_weight, dense_linear
 
@@ -45,6 +45,10 @@ class ReferenceBackend:
             codes = ternary.collapse_block_scales(codes)
             return PreparedLinear(m, k, Layout.TERNARY_I8, mode, codes.values, codes.scale, self.name)
         raise ValueError(f"unknown linear mode {mode!r}")
+
+    def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
+        """The reference keeps no packed block form: block weights are dequantized to f32 at load."""
+        return None
 
     def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
         m, k = check_dense_weight(weight)

@@ -1,0 +1,116 @@
+"""CpuBackend.prepare_block (packed Q4_0 / Q4_1 / Q8_0 kernels) vs F.linear on the dequantized weight.
+
+Not bit-exact by design: the packed kernels sum in their own fixed f32 order, so outputs must agree
+within RTOL of max |y| (fp32 summation-order error is ~1e-6 here). The chunked dequantize + sgemm path
+(T >= block_gemm_min_tokens) decodes exactly as ggml, so it matches F.linear to the bit in practice, but
+only the tolerance is asserted. On the real SmolLM2 file, greedy tokens of backend "cpu" must equal
+those of backend "reference".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bitserve.kernels.cpu.backend import CpuBackend
+from bitserve.kernels.packed import Layout, PackedWeight
+from bitserve.kernels.reference.backend import ReferenceBackend
+from bitserve.kernels.reference.dequant import dequantize
+from bitserve.llm import LLM
+from bitserve.sampling_params import SamplingParams
+
+RTOL = 1e-5
+GGML_TYPES = {
+    Layout.Q4_0: gguf.GGMLQuantizationType.Q4_0,
+    Layout.Q4_1: gguf.GGMLQuantizationType.Q4_1,
+    Layout.Q8_0: gguf.GGMLQuantizationType.Q8_0,
+}
+TOKEN_COUNTS = (1, 2, 3, 8, 33, 64)
+
+
+def make_weight(layout: Layout, num_rows: int, num_cols: int, seed: int) -> PackedWeight:
+    """A random [M, K] weight quantized by gguf-py, as the loader would hand it over."""
+    rng = np.random.default_rng(seed)
+    dense = (rng.standard_normal((num_rows, num_cols)) * 0.05 + 0.01).astype(np.float32)
+    raw = gguf.quants.quantize(dense, GGML_TYPES[layout]).reshape(-1)
+    return PackedWeight(torch.from_numpy(raw.copy()), (num_rows, num_cols), layout, layout.name)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    assert err <= RTOL * scale, f"max error {err:.3g} > {RTOL} * {scale:.3g}"
+
+
+@pytest.mark.parametrize("layout", [Layout.Q4_1, Layout.Q8_0, Layout.Q4_0])
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (37, 64), (130, 96)])
+def test_packed_linear_matches_dequantized_dense(layout: Layout, shape: tuple[int, int]) -> None:
+    backend = CpuBackend()
+    weight = make_weight(layout, *shape, seed=shape[0] * 7 + shape[1])
+    prepared = backend.prepare_block(weight)
+    assert prepared is not None and prepared.backend == "cpu" and prepared.mode is None
+    assert (prepared.out_features, prepared.in_features) == shape
+    assert prepared.nbytes < shape[0] * shape[1] * 4 // 2  # really packed, not an f32 copy
+    dense = dequantize(weight)  # [M, K]
+    gen = torch.Generator().manual_seed(shape[0])
+    for num_tokens in TOKEN_COUNTS:
+        x = torch.randn(num_tokens, shape[1], generator=gen)
+        assert_close(backend.linear(x, prepared), F.linear(x, dense))
+
+
+def test_linear_group_mixes_packed_and_dense_and_is_batch_invariant() -> None:
+    backend = CpuBackend()
+    q4 = make_weight(Layout.Q4_1, 192, 576, seed=1)
+    q8 = make_weight(Layout.Q8_0, 64, 576, seed=2)
+    weights = [backend.prepare_block(q4), backend.prepare_block(q8), backend.prepare_dense(dequantize(q8))]
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
+    outs = backend.linear_group(x, weights)
+    for out, dense in zip(outs, (dequantize(q4), dequantize(q8), dequantize(q8)), strict=True):
+        assert_close(out, F.linear(x, dense))
+    # small-T kernel: each row of the output depends only on its own row of x, in a fixed order
+    assert torch.equal(backend.linear(x[2:3], weights[0]), outs[0][2:3])
+    assert backend.linear(x[:0], weights[0]).shape == (0, 192)
+
+
+def test_unsupported_layouts_and_switches_fall_back_to_dense() -> None:
+    weight = make_weight(Layout.Q4_1, 32, 64, seed=4)
+    assert ReferenceBackend().prepare_block(weight) is None
+    assert CpuBackend(block_kernels=False).prepare_block(weight) is None
+    f32 = PackedWeight(torch.zeros(32 * 64 * 4, dtype=torch.uint8), (32, 64), Layout.F32, "F32")
+    assert CpuBackend().prepare_block(f32) is None
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2_path: Path):  # noqa: ANN201 - yields (reference LLM, cpu LLM)
+    reference = LLM(str(smollm2_path), backend="reference")
+    cpu = LLM(str(smollm2_path), backend="cpu")
+    yield reference, cpu
+    reference.close()
+    cpu.close()
+
+
+def test_smollm2_cpu_greedy_tokens_equal_reference(smollm2_pair: tuple[LLM, LLM]) -> None:
+    reference, cpu = smollm2_pair
+    layouts = _linear_layouts(cpu)
+    assert Layout.Q4_1 in layouts and Layout.DENSE not in layouts, layouts  # Q4_1 / Q8_0 stay packed
+    assert _linear_layouts(reference) == {Layout.DENSE}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    expected = [out.outputs[0].token_ids for out in reference.generate(prompts, params)]
+    actual = [out.outputs[0].token_ids for out in cpu.generate(prompts, params)]
+    assert actual == expected
+
+
+def _linear_layouts(llm: LLM) -> set[Layout]:
+    """Runtime layouts of every PreparedLinear held by the model's linear layers."""
+    return {
+        weight.layout
+        for module in llm.instance.loaded.model.modules()
+        for weight in getattr(module, "weights", ())
+    }
