@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(verify)
 
     crossval = sub.add_parser("crossval", help="live comparison against llama.cpp (needs llama-cpp-python)")
-    crossval.add_argument("pytest_args", nargs="*", help="extra pytest arguments")
+    crossval.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -q -x -k smollm2)")
 
     from bitserve.bench_command import add_bench_parser
 
@@ -68,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # crossval passes unknown options through to pytest; every other command rejects them
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "crossval":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.pytest_args = [*args.pytest_args, *extra]
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from bitserve import bench_command, commands
 

@@ -78,3 +78,16 @@ def test_unknown_model_name_is_a_clear_error(capsys) -> None:  # noqa: ANN001
 def test_console_script_is_installed() -> None:
     result = subprocess.run([sys.executable, "-m", "bitserve.cli", "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "generate" in result.stdout
+
+
+def test_crossval_passes_pytest_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda command: calls.append(command) or 0)
+    assert main(["crossval", "-q", "-k", "smollm2"]) == 0
+    assert calls and calls[0][-3:] == ["-q", "-k", "smollm2"] and "crossval" in calls[0]
+
+
+def test_unknown_options_are_rejected_outside_crossval() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", "x.gguf", "--bogus"])
+    assert info.value.code == 2
