@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--num-tokens", type=int, default=8, help="greedy tokens in the generation check")
     _add_model_options(verify)
 
-    crossval = sub.add_parser("crossval", help="live comparison against llama.cpp (needs llama-cpp-python)")
-    crossval.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -q -x -k smollm2)")
+    sub.add_parser(
+        "crossval",
+        help="live comparison against llama.cpp (needs llama-cpp-python); other arguments go to pytest (e.g. -q -k smollm2)",
+    )
 
     from bitserve.bench_command import add_bench_parser
 
@@ -73,8 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "crossval":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
-        args.pytest_args = [*args.pytest_args, *extra]
+    args.pytest_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from bitserve import bench_command, commands
 
