@@ -4,11 +4,18 @@ the `gguf` writer and bitserve's own builder into a session temp dir; nothing is
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from bitserve.catalog import CATALOG, DEFAULT_MODEL
+
+# CI runs property tests with a fixed seed so a landing never depends on luck; locally they explore.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 SMOLLM2_ENTRY = CATALOG[DEFAULT_MODEL]
 
