@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bitserve.kernels.backend import KernelBackend, PreparedLinear
 from bitserve.kernels.packed import PackedWeight
 from bitserve.kernels.reference.dequant import dense_rows
 
@@ -29,14 +30,18 @@ class TokenEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """logits = hidden @ W^T, W [vocab_size, hidden_size] in float32 or a half type."""
+    """logits = hidden @ W^T, W [vocab_size, hidden_size]: a backend-prepared weight (block-quantized
+    heads stay packed), or a float32 / half tensor."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: PreparedLinear | torch.Tensor, backend: KernelBackend) -> None:
         super().__init__()
         self.weight = weight
+        self.backend = backend
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32
+        if isinstance(self.weight, PreparedLinear):
+            return self.backend.linear(hidden_states, self.weight)
         if self.weight.dtype == torch.float32:
             return F.linear(hidden_states, self.weight)
         return F.linear(hidden_states.to(self.weight.dtype), self.weight).to(torch.float32)

@@ -63,6 +63,17 @@ class GGUFWeightSource:
     def vector(self, name: str) -> torch.Tensor:
         return dequantize(self.packed(name)).reshape(-1)
 
+    def head(self, name: str) -> PreparedLinear | torch.Tensor:
+        """The LM head: block-quantized in the backend's packed form when it has one (no float copy:
+        SmolLM2's tied Q8_0 head reads 28 MB per token instead of 113 MB), else dense()."""
+        weight = self.packed(name)
+        prepare_block = getattr(self.backend, "prepare_block", None)
+        if prepare_block is not None and weight.layout not in FLOAT_LAYOUTS:
+            prepared = prepare_block(weight)
+            if prepared is not None:
+                return prepared  # pages stay: a tied head's table also serves embedding lookups
+        return self.dense(name)
+
     def dense(self, name: str) -> torch.Tensor:
         weight = self.packed(name)
         is_half = weight.layout in (Layout.F16, Layout.BF16)

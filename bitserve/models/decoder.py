@@ -111,7 +111,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, weights, i, self) for i in range(spec.num_layers))
         self.norm = RMSNorm(weights.vector("output_norm.weight"), spec.rms_norm_eps)
         head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
-        self.lm_head = LMHead(weights.dense(head_name))
+        self.lm_head = LMHead(weights.head(head_name), weights.backend)
 
     def rope_freq_factors(self, weights: WeightSource) -> torch.Tensor | None:
         return None

@@ -30,6 +30,9 @@ class WeightSource(Protocol):
     def packed(self, name: str) -> PackedWeight:
         """The tensor in its file layout (embedding tables)."""
 
+    def head(self, name: str) -> PreparedLinear | torch.Tensor:
+        """The LM head: a backend-prepared packed weight, or a float matrix as dense() gives."""
+
     def dense(self, name: str) -> torch.Tensor:
         """A float matrix [M, K] for the LM head: float32, or F16/BF16 kept as stored when large."""
 
