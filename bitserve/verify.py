@@ -45,11 +45,11 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _kernel_check(llm: LLM, model_config: ModelConfig) -> tuple[bool, str]:
+def _kernel_check(llm: LLM) -> tuple[bool, str]:
     """Layer 0's and the last layer's q projections: chosen backend vs reference, on random input."""
     instance = llm.instance
     reference = select_backend("reference")
-    source = GGUFWeightSource(instance.loaded.gguf, reference, instance.loaded.linear_mode, llm_decode_options(llm))
+    source = GGUFWeightSource(instance.loaded.gguf, reference, instance.loaded.linear_mode, instance.loaded.decode_options)
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     for layer_id in sorted({0, instance.loaded.spec.num_layers - 1}):
@@ -69,14 +69,6 @@ def _kernel_check(llm: LLM, model_config: ModelConfig) -> tuple[bool, str]:
     return True, f"{instance.loaded.backend.name} backend matches reference (max relative error {worst:.1e})"
 
 
-def llm_decode_options(llm: LLM):  # noqa: ANN201 - DecodeOptions of the loaded model
-    from bitserve.loader.decode import DecodeOptions
-    from bitserve.loader.model_loader import tl_configs_for
-
-    config = llm.instance.config.model
-    return DecodeOptions(i2s_variant=config.i2s_variant, tl_configs=tl_configs_for(llm.instance.path, config.tl_config, llm.instance.loaded.gguf))
-
-
 def verify_model(path: Path, model_config: ModelConfig, *, num_tokens: int = 8) -> VerifyReport:
     report = VerifyReport(str(path))
     start = time.perf_counter()
@@ -90,7 +82,7 @@ def verify_model(path: Path, model_config: ModelConfig, *, num_tokens: int = 8) 
         report.add("structure", True, f"GGUF v{loaded.gguf.version}, {len(loaded.gguf.tensors)} tensors, {loaded.gguf.dialect.value} dialect")
         report.add("decode", True, f"every tensor decoded; model {loaded.spec.architecture} built in {time.perf_counter() - start:.1f} s")
         report.add("tensor names", not loaded.unused_tensors, f"{len(loaded.unused_tensors)} unused tensors {loaded.unused_tensors[:4]}")
-        report.add("kernels", *_kernel_check(llm, model_config))
+        report.add("kernels", *_kernel_check(llm))
         _generation_check(llm, report, num_tokens)
     except BitserveError as exc:
         report.add("model", False, str(exc))

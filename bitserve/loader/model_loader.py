@@ -63,16 +63,19 @@ class GGUFWeightSource:
     def vector(self, name: str) -> torch.Tensor:
         return dequantize(self.packed(name)).reshape(-1)
 
+    def _prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
+        """The backend's packed form of a block-quantized weight, or None (float, or not supported)."""
+        prepare_block = getattr(self.backend, "prepare_block", None)
+        if prepare_block is None or weight.layout in FLOAT_LAYOUTS:
+            return None
+        return prepare_block(weight)
+
     def head(self, name: str) -> PreparedLinear | torch.Tensor:
         """The LM head: block-quantized in the backend's packed form when it has one (no float copy:
         SmolLM2's tied Q8_0 head reads 28 MB per token instead of 113 MB), else dense()."""
-        weight = self.packed(name)
-        prepare_block = getattr(self.backend, "prepare_block", None)
-        if prepare_block is not None and weight.layout not in FLOAT_LAYOUTS:
-            prepared = prepare_block(weight)
-            if prepared is not None:
-                return prepared  # pages stay: a tied head's table also serves embedding lookups
-        return self.dense(name)
+        prepared = self._prepare_block(self.packed(name))
+        # pages stay resident: a tied head's table also serves embedding lookups
+        return prepared if prepared is not None else self.dense(name)
 
     def dense(self, name: str) -> torch.Tensor:
         weight = self.packed(name)
@@ -90,12 +93,10 @@ class GGUFWeightSource:
             # the backend holds its own runtime copy: the file's bytes need not stay resident
             self.gguf.release_pages(name)
             return prepared
-        prepare_block = getattr(self.backend, "prepare_block", None)
-        if prepare_block is not None and weight.layout not in FLOAT_LAYOUTS:
-            prepared = prepare_block(weight)
-            if prepared is not None:
-                self.gguf.release_pages(name)  # the backend repacked the bytes into its own copy
-                return prepared
+        prepared = self._prepare_block(weight)
+        if prepared is not None:
+            self.gguf.release_pages(name)  # the backend repacked the bytes into its own copy
+            return prepared
         dense = dequantize(weight)
         if may_be_ternary and weight.layout in FLOAT_LAYOUTS:
             codes = ternary_codes_of(dense)
@@ -145,6 +146,7 @@ class LoadedModel:
     linear_mode: LinearMode
     load_seconds: float
     unused_tensors: list[str]
+    decode_options: DecodeOptions
 
     def close(self) -> None:
         self.gguf.close()
@@ -173,4 +175,4 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadedModel:
         logger.warning("%s: %d tensors not used by the %s model: %s", path.name, len(unused), spec.architecture, unused[:8])
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %d layers) in %.2f s on backend %s", path.name, spec.architecture, spec.num_layers, seconds, options.backend.name)
-    return LoadedModel(path, gguf, spec, model, options.backend, options.linear_mode, seconds, unused)
+    return LoadedModel(path, gguf, spec, model, options.backend, options.linear_mode, seconds, unused, decode_options)
