@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,16 +17,9 @@ from bitserve.errors import InvalidRequest
 from bitserve.frontend.output_processor import ChoiceDelta, OutputProcessor
 from bitserve.model_instance import ModelInstance
 from bitserve.outputs import CompletionOutput, RequestOutput
-from bitserve.sampling_params import SamplingParams
+from bitserve.sampling_params import SamplingParams, child_params
 
 Prompt = str | Sequence[int]
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of choice `index` of an n-choice request: distinct seeds keep choices distinct."""
-    if params.seed is None or index == 0:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + index) % (2**63))
 
 
 class LLM:

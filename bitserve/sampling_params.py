@@ -6,6 +6,7 @@ field and its allowed range). Imports no torch: the sampler in `layers/sampler.p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -243,3 +244,10 @@ def _normalise_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             "logit_bias", pair[1], -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, hint="-100 bans, 100 forces"
         )
     return tuple(sorted(biases.items()))
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of choice `index` of an n-choice request: distinct seeds keep choices distinct."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (2**63))
