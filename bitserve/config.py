@@ -79,6 +79,30 @@ class ServerConfig:
     liveness_stall_s: float = field(
         default=120.0, metadata=_help("/health/live fails when work is pending and the engine made no step for this long")
     )
+    model_roots: str | None = field(
+        default=None,
+        metadata=_help("folders of GGUF files the admin API may load (':'-separated; --model-root is repeatable); "
+                       "catalog names are always allowed"),
+    )
+    max_models_memory_bytes: int | None = field(
+        default=None,
+        metadata=_help("memory budget for resident models (file + KV cache each); idle models are unloaded LRU to make room"),
+    )
+    swap_drain_timeout_s: float = field(
+        default=300.0, metadata=_help("after a swap or unload, seconds the old version's in-flight requests get to finish")
+    )
+    swap_probation_s: float = field(
+        default=30.0, metadata=_help("after a swap, seconds the new version is watched and rolled back on failure (0: off)")
+    )
+    probation_max_error_rate: float = field(
+        default=0.5, metadata=_help("during probation, roll back when this share of the new version's requests fail")
+    )
+    probation_min_requests: int = field(
+        default=4, metadata=_help("finished requests needed before probation judges the error rate or latency")
+    )
+    probation_max_itl_s: float | None = field(
+        default=None, metadata=_help("during probation, roll back when the mean inter-token latency exceeds this (off when unset)")
+    )
     warmup: bool = field(default=True, metadata=_help("run one short generation before reporting ready"))
     access_log: bool = field(default=True, metadata=_help("log one line per HTTP request"))
     log_format: str = field(default="json", metadata=_help("log format: json (one object per line) or text"))
@@ -96,7 +120,15 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        for name in ("keep_alive_timeout_s", "max_num_waiting", "max_num_queued_tokens"):
+        if not 0.0 <= self.probation_max_error_rate <= 1.0:
+            raise ValueError(f"probation_max_error_rate must be in [0, 1], got {self.probation_max_error_rate}")
+        for name in ("swap_drain_timeout_s", "swap_probation_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_models_memory_bytes", "probation_max_itl_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 when set, got {getattr(self, name)}")
+        for name in ("keep_alive_timeout_s", "max_num_waiting", "max_num_queued_tokens", "probation_min_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:

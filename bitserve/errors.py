@@ -42,6 +42,10 @@ class Forbidden(BitserveError):
     """The caller may not do this (e.g. load a file outside the configured model roots)."""
 
 
+class Conflict(BitserveError):
+    """Another operation holds the resource (e.g. an admin action already running on this alias)."""
+
+
 class ModelNotFound(BitserveError):
     """The named model is not known to the catalog or the model roots."""
 
