@@ -7,7 +7,7 @@ adjacent neighbours); they are re-exported here so callers have one place to loo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bitserve.catalog import DEFAULT_MODEL
 from bitserve.core.config import CacheConfig, SchedulerConfig
@@ -133,3 +133,39 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+
+
+# ---------------------------------------------------------------- format-aware batch limits (issue 4)
+# Defaults of SchedulerConfig.max_num_seqs / max_num_batched_tokens by the projections' GGUF type, used
+# at load when the operator set neither (None). Measured with `bitserve bench --curve` and picked by
+# bench.curve.KneeRule; curves and commands in benchmarks/RESULTS.md ("Format-aware batch limits").
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+GENERIC_BATCH_LIMITS = BatchLimits(max_num_seqs=256, max_num_batched_tokens=2048)  # formats not measured
+FORMAT_BATCH_LIMITS: dict[str, BatchLimits] = {}  # provisional: filled from the measured curves
+
+
+def batch_limits_for(weight_format: str) -> BatchLimits:
+    """The measured limits of a projection format ("I2_S", "Q4_1", ...), else GENERIC_BATCH_LIMITS."""
+    return FORMAT_BATCH_LIMITS.get(weight_format.upper(), GENERIC_BATCH_LIMITS)
+
+
+def resolve_batch_limits(scheduler: SchedulerConfig, weight_format: str) -> SchedulerConfig:
+    """`scheduler` with unset (None) limits filled from the format's table row; set values always win.
+
+    When only one limit is set, the other is adjusted so the pair stays valid (the budget must cover
+    max_num_seqs decodes; without chunked prefill it must hold a whole max_model_len sequence).
+    """
+    limits = batch_limits_for(weight_format)
+    max_num_seqs, budget = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    if max_num_seqs is None:
+        max_num_seqs = limits.max_num_seqs if budget is None else min(limits.max_num_seqs, budget)
+    if budget is None:
+        budget = max(limits.max_num_batched_tokens, max_num_seqs)
+        if not scheduler.enable_chunked_prefill:
+            budget = max(budget, scheduler.max_model_len)
+    return replace(scheduler, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from bitserve.catalog import resolve_model
-from bitserve.config import EngineConfig
+from bitserve.config import EngineConfig, resolve_batch_limits
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidRequest
 from bitserve.kernels.backend import LinearMode, select_backend
+from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadedModel, LoadOptions, load_model
 from bitserve.runner.kv_cache import plan_cache
 from bitserve.runner.model_runner import ModelRunner
@@ -33,6 +34,15 @@ def parse_linear_mode(name: str) -> LinearMode:
     except ValueError:
         choices = ", ".join(mode.value for mode in LinearMode)
         raise InvalidRequest(f"unknown linear mode {name!r}", param="linear_mode", hint=f"one of {choices}") from None
+
+
+def projection_format(gguf: GGUFFile) -> str:
+    """The GGML type name holding most bytes of the layers' 2-D weights (the projections), e.g. "I2_S"."""
+    nbytes: dict[str, int] = {}
+    for name, info in gguf.tensors.items():
+        if name.startswith("blk.") and len(info.shape) == 2:
+            nbytes[info.ggml_type.name] = nbytes.get(info.ggml_type.name, 0) + info.nbytes
+    return max(nbytes, key=nbytes.__getitem__) if nbytes else "none"
 
 
 @dataclass
@@ -83,7 +93,9 @@ class ModelInstance:
             config.model.max_model_len or loaded.spec.max_model_len,
             config.scheduler.max_model_len,
         )
-        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        scheduler_config = resolve_batch_limits(
+            dataclasses.replace(config.scheduler, max_model_len=max_model_len), projection_format(loaded.gguf)
+        )
         layout = plan_cache(
             loaded.spec,
             block_size=config.cache.block_size,
@@ -94,9 +106,12 @@ class ModelInstance:
         runner = ModelRunner(loaded.model, layout)
         engine = Engine.build(runner, scheduler_config, config.cache)
         logger.info(
-            "model %s ready: max_model_len %d, %d KV blocks of %d tokens (%.1f MB)",
+            "model %s ready: max_model_len %d, %d KV blocks of %d tokens (%.1f MB), max_num_seqs %d, "
+            "max_num_batched_tokens %d",
             path.name, max_model_len, layout.num_blocks, layout.block_size, layout.total_bytes / 1e6,
+            scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
         )
+        config = dataclasses.replace(config, scheduler=scheduler_config)  # resolved limits, for readers
         return cls(config.model.model, path, loaded, tokenizer, chat_template, engine, config, max_model_len)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 class SchedulerConfig:
     """How one engine replica batches requests. Invalid combinations raise ValueError."""
 
-    max_num_seqs: int = field(
-        default=256, metadata={"help": "Most requests running (holding KV blocks) at once."}
+    # None = unset: the model's weight format picks it at load (config.FORMAT_BATCH_LIMITS); the
+    # scheduler only ever sees a resolved config (config.resolve_batch_limits).
+    max_num_seqs: int | None = field(
+        default=None,
+        metadata={"help": "Most requests running (holding KV blocks) at once (default: per weight format)."},
     )
-    max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "Token budget of one step: decodes plus prefill chunks."}
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Token budget of one step: decodes plus prefill chunks (default: per weight format)."},
     )
     max_model_len: int = field(
         default=4096,
@@ -41,14 +45,17 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 (a prompt token plus one output token)")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if not self.aging_interval_s > 0 or math.isnan(self.aging_interval_s):
             raise ValueError(f"aging_interval_s must be > 0, got {self.aging_interval_s}")
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            return  # checked again once resolved at load
         # Every running request must be able to take its decode token in the same step.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
