@@ -1,4 +1,4 @@
-"""`bitserve` command line: generate | inspect | verify | crossval | bench (serve comes with the server)."""
+"""`bitserve` command line: generate | inspect | verify | crossval | bench | models | pull (serve comes with the server)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from bitserve.bench_command import add_bench_parser
+    from bitserve.models_command import add_models_parsers
 
     add_bench_parser(sub)
+    add_models_parsers(sub)
     add_serve_parser(sub)
     return parser
 
@@ -77,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from bitserve import bench_command, commands
+    from bitserve import bench_command, commands, models_command
 
     handlers = {
         "bench": bench_command.run_bench,
@@ -86,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verify": commands.run_verify,
         "crossval": commands.run_crossval,
         "serve": run_serve,
+        "models": models_command.run_models,
+        "pull": models_command.run_pull,
     }
     try:
         return handlers[args.command](args)

@@ -19,3 +19,14 @@ def emit_json(value: Any) -> None:
 def emit_error(text: str) -> None:
     sys.stderr.write(f"error: {text}\n")
     sys.stderr.flush()
+
+
+PROGRESS_BAR_WIDTH = 30
+
+
+def emit_progress(label: str, fraction: float, *, done: bool = False) -> None:
+    """A one-line progress bar on stderr, redrawn in place; `done` ends the line."""
+    filled = int(PROGRESS_BAR_WIDTH * max(0.0, min(1.0, fraction)))
+    bar = "#" * filled + "-" * (PROGRESS_BAR_WIDTH - filled)
+    sys.stderr.write(f"\r[{bar}] {fraction * 100:5.1f}% {label[:60]:<60}" + ("\n" if done else ""))
+    sys.stderr.flush()

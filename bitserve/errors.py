@@ -54,6 +54,10 @@ class ModelUnavailable(BitserveError):
     """The model exists but cannot serve now (loading, draining, missing weights file)."""
 
 
+class ServerShuttingDown(ModelUnavailable):
+    """The server is draining (SIGTERM): no new requests, and the drain deadline ends the rest."""
+
+
 class InvalidModelFile(BitserveError):
     """A GGUF file is malformed, hostile or unsupported.
 

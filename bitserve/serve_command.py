@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FLAG_ALIASES = {"num_threads": ("--threads",)}
+FLAG_ALIASES = {"num_threads": ("--threads",), "model_roots": ("--model-root",)}
+REPEATABLE_PATH_LISTS = ("model_roots",)  # repeatable flags joined with os.pathsep, as the env var spells them
 DEST_PREFIX = "setting_"  # argparse dests, so no flag collides with the top-level parser's
 # After the drain, uvicorn waits this long for connections to finish their last bytes.
 POST_DRAIN_GRACE_S = 5
@@ -49,12 +51,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
             options["action"] = argparse.BooleanOptionalAction
         else:
             options.update(type=field.value_type, metavar=name.upper())
+        if name in REPEATABLE_PATH_LISTS:
+            options.update(action="append", metavar="DIR")
         parser.add_argument(*flags, **options)
     return parser
 
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, DEST_PREFIX + name, None) for name in setting_fields()}
+    values = {name: getattr(args, DEST_PREFIX + name, None) for name in setting_fields()}
+    for name in REPEATABLE_PATH_LISTS:
+        if values.get(name) is not None:
+            values[name] = os.pathsep.join(values[name])
+    return values
 
 
 class DrainingServer(uvicorn.Server):

@@ -63,8 +63,10 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, instance: ModelInstance, *, limits: AdmissionLimits | None = None, stats: StatsSink | None = None) -> None:
+    def __init__(self, instance: ModelInstance, *, limits: AdmissionLimits | None = None, stats: StatsSink | None = None,
+                 name: str | None = None) -> None:  # fmt: skip
         self.instance = instance
+        self.name = name or instance.name  # the model label of outputs and metrics (the served alias)
         self.limits = limits or AdmissionLimits.from_config(ServerConfig())
         self.stats = stats or NullStatsSink()
         self.processor = OutputProcessor(instance.tokenizer)
@@ -78,6 +80,8 @@ class AsyncEngine:
         self._tokens_per_s = 0.0  # moving average of batched tokens per second, for Retry-After
         self._busy_since = 0.0  # when the engine last went from idle to having work (liveness)
         self._ids = itertools.count()
+        self.itl_sum_s = 0.0  # cumulative over finished requests: the probation's latency signal
+        self.itl_count = 0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -188,7 +192,7 @@ class AsyncEngine:
             outputs=[outputs[i] for i in sorted(outputs)],
             finished=not stream.unfinished,
             num_cached_tokens=stream.num_cached_tokens,
-            model=self.instance.name,
+            model=self.name,
         )
 
     @staticmethod
@@ -219,8 +223,10 @@ class AsyncEngine:
         for index in range(stream.num_choices):
             self._choice_owner.pop(f"{stream.request_id}/{index}", None)
         now = time.monotonic()
+        self.itl_sum_s += stream.itl_sum
+        self.itl_count += stream.itl_count
         self.stats.record_request(RequestStats(
-            model=self.instance.name, finish_reason=finish_reason, num_prompt_tokens=len(stream.prompt_token_ids),
+            model=self.name, finish_reason=finish_reason, num_prompt_tokens=len(stream.prompt_token_ids),
             num_output_tokens=stream.num_output_tokens, e2e_s=now - stream.arrival,
             ttft_s=None if stream.first_token_at is None else stream.first_token_at - stream.arrival,
             mean_itl_s=None if not stream.itl_count else stream.itl_sum / stream.itl_count,
@@ -233,7 +239,7 @@ class AsyncEngine:
         if result.stats.step_time_s > 0:
             rate = result.stats.num_batched_tokens / result.stats.step_time_s
             self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.9 * self._tokens_per_s + 0.1 * rate
-        self.stats.record_step(self.instance.name, result.stats)
+        self.stats.record_step(self.name, result.stats)
         deltas, abort_ids = self.processor.process(result.outputs)
         if abort_ids and self._client is not None:
             self._client.abort_requests(abort_ids)
@@ -264,10 +270,16 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.queue.put_nowait(dead)
 
+    def expire(self, error: BaseException) -> int:
+        """End every stream still in flight with `error` (a drain deadline); returns how many."""
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        return len(self._streams)
+
     def stats_snapshot(self) -> dict[str, object]:
         stats = self.last_stats
         return {
-            "model": self.instance.name,
+            "model": self.name,
             "num_active_requests": len(self._streams),
             "num_queued_prompt_tokens": self._queued_tokens,
             "tokens_per_s_ema": round(self._tokens_per_s, 2),

@@ -1,7 +1,8 @@
 """ModelRegistry: which model files may be loaded, by name or by path inside a configured model root.
 
-A model root is a folder of GGUF files; each may have a sidecar `<file>.json` with `alias`, `sha256` and
-`default_params`. A model is loadable only by a registered name (a file's alias or stem, or a catalog
+A model root is a folder of GGUF files; each may have a sidecar `<file>.json` with `alias`, `sha256`,
+`default_params` (request fields applied when a request leaves them unset) and `golden` (prompts whose
+greedy tokens a new version must reproduce before a swap flips to it). A model is loadable only by a registered name (a file's alias or stem, or a catalog
 name) or by a path that, after URL-decoding and resolving every symlink, lies inside a root. Anything
 else is refused with Forbidden and logged: `..` segments, absolute paths elsewhere, symlinks that point
 out of a root, and their percent-encoded spellings. sha256 is verified before a load when given.
@@ -19,13 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from bitserve.catalog import CATALOG, resolve_model
-from bitserve.errors import Forbidden, InvalidModelFile, ModelNotFound
+from bitserve.errors import Forbidden, InvalidModelFile, InvalidRequest, ModelNotFound
 
 logger = logging.getLogger(__name__)
 
 SIDECAR_SUFFIX = ".json"
 MAX_SIDECAR_BYTES = 64 * 1024
 MAX_DECODE_ROUNDS = 4  # percent-decoding repeated until stable, bounded (%252e -> %2e -> .)
+MAX_GOLDEN_PROMPTS = 16
+MAX_GOLDEN_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class GoldenPrompt:
+    """A prompt (text, tokenized by the model, or token ids) and the greedy tokens it must produce."""
+
+    prompt: str | tuple[int, ...]
+    expected_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +45,7 @@ class RegisteredModel:
     path: Path
     sha256: str | None = None
     default_params: dict[str, Any] = field(default_factory=dict)
+    golden: tuple[GoldenPrompt, ...] = ()
 
     @property
     def version(self) -> str:
@@ -64,9 +76,46 @@ def _read_sidecar(gguf_path: Path) -> dict[str, Any]:
     return data
 
 
+def _int_list(value: Any, what: str, path: Path, max_len: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or not 0 < len(value) <= max_len or not all(type(v) is int and v >= 0 for v in value):
+        raise InvalidModelFile(f"sidecar {what} must be a list of 1..{max_len} non-negative token ids", path=str(path))
+    return tuple(value)
+
+
+def parse_golden(entries: Any, path: Path) -> tuple[GoldenPrompt, ...]:
+    """The sidecar's `golden` list: [{"prompt": str | [ids], "expected_token_ids": [ids]}, ...]."""
+    if entries is None:
+        return ()
+    if not isinstance(entries, list) or len(entries) > MAX_GOLDEN_PROMPTS:
+        raise InvalidModelFile(f"sidecar golden must be a list of at most {MAX_GOLDEN_PROMPTS} entries", path=str(path))
+    prompts = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise InvalidModelFile("each sidecar golden entry must be an object", path=str(path))
+        prompt = entry.get("prompt")
+        if not isinstance(prompt, str):
+            prompt = _int_list(prompt, "golden prompt", path, 4096)
+        prompts.append(GoldenPrompt(prompt, _int_list(entry.get("expected_token_ids"), "golden expected_token_ids", path, MAX_GOLDEN_TOKENS)))
+    return tuple(prompts)
+
+
+def _registered(name: str, path: Path, sidecar: dict[str, Any], sidecar_path: Path) -> RegisteredModel:
+    sha256 = sidecar.get("sha256")
+    if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in sha256)):
+        raise InvalidModelFile("sidecar sha256 must be 64 hex digits", path=str(sidecar_path))
+    defaults = sidecar.get("default_params") or {}
+    if not isinstance(defaults, dict):
+        raise InvalidModelFile("sidecar default_params must be an object", path=str(sidecar_path))
+    return RegisteredModel(name, path, sha256, dict(defaults), parse_golden(sidecar.get("golden"), sidecar_path))
+
+
 class ModelRegistry:
     def __init__(self, roots: Iterable[str | Path]) -> None:
-        self.roots = [Path(root).resolve(strict=True) for root in roots]
+        self.roots = []
+        for root in roots:
+            if not Path(root).is_dir():
+                raise InvalidRequest(f"model root {str(root)!r} is not a folder", param="model_roots")
+            self.roots.append(Path(root).resolve(strict=True))
         self._models: dict[str, RegisteredModel] = {}
         self.refresh()
 
@@ -78,12 +127,17 @@ class ModelRegistry:
                 if not self._is_inside_roots(path.resolve()):
                     logger.warning("skipping %s: it resolves outside the model roots", path)
                     continue
-                sidecar = _read_sidecar(path)
-                name = str(sidecar.get("alias") or path.stem)
+                try:
+                    sidecar = _read_sidecar(path)
+                    name = str(sidecar.get("alias") or path.stem)
+                    model = _registered(name, path.resolve(), sidecar, path)
+                except InvalidModelFile as exc:
+                    logger.warning("skipping %s: %s", path, exc)
+                    continue
                 if name in models:
                     logger.warning("model name %r appears twice; keeping %s", name, models[name].path)
                     continue
-                models[name] = RegisteredModel(name, path.resolve(), sidecar.get("sha256"), dict(sidecar.get("default_params") or {}))
+                models[name] = model
         self._models = models
 
     @property
@@ -100,8 +154,8 @@ class ModelRegistry:
         """
         if reference in self._models:
             return self._models[reference]
-        if reference in CATALOG:
-            return RegisteredModel(reference, resolve_model(reference))
+        if reference in CATALOG:  # never downloads here: `bitserve pull NAME` does, ahead of time
+            return RegisteredModel(reference, resolve_model(reference, fetch=False).resolve())
         text = _fully_unquote(reference)
         if "\x00" in text:
             raise Forbidden("model path contains a NUL byte", param="model")
@@ -122,15 +176,32 @@ class ModelRegistry:
                 return model
         return RegisteredModel(resolved.stem, resolved)
 
+    def trusted(self, reference: str) -> RegisteredModel:
+        """The operator's own startup model (CLI / config): a catalog name (fetched if missing) or any
+        path, with its sidecar if it has one. Blocking: call it from a worker thread."""
+        if reference in self._models:
+            return self._models[reference]
+        resolved = resolve_model(reference).resolve()
+        for model in self._models.values():
+            if model.path == resolved:
+                return model
+        sidecar = _read_sidecar(resolved)
+        name = reference if reference in CATALOG else str(sidecar.get("alias") or resolved.stem)
+        return _registered(name, resolved, sidecar, resolved)
+
     @staticmethod
-    def verify_sha256(model: RegisteredModel) -> None:
-        """Raise InvalidModelFile when the file does not match its sidecar's sha256."""
-        if model.sha256 is None:
-            return
-        digest = hashlib.sha256()
-        with open(model.path, "rb") as handle:
-            while chunk := handle.read(1 << 22):
-                digest.update(chunk)
-        if digest.hexdigest() != model.sha256.lower():
-            raise InvalidModelFile("sha256 mismatch", path=str(model.path), expected=model.sha256,
+    def verify_sha256(model: RegisteredModel) -> str:
+        """The file's sha256 (hex); raise InvalidModelFile when it does not match the sidecar's."""
+        digest = file_sha256(model.path)
+        if model.sha256 is not None and digest != model.sha256.lower():
+            raise InvalidModelFile("sha256 mismatch", path=model.path.name, expected=model.sha256,
                                    hint="the file changed or is corrupt; fix the file or its sidecar")  # fmt: skip
+        return digest
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):  # hashlib releases the GIL on chunks this size
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from bitserve.core.outputs import StepStats
-from bitserve.metrics.stats import RequestStats
+from bitserve.metrics.stats import LifecycleEvent, RequestStats, ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)  # fmt: skip
 QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LOAD_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # HTTP error reasons come from the server's error table (a bounded set); past this many distinct
@@ -42,6 +43,8 @@ class PrometheusStatsSink:
         self._build_request_metrics()
         self._build_step_metrics()
         self._build_edge_metrics()
+        self._build_lifecycle_metrics()
+        self._served: set[tuple[str, str, str, str]] = set()  # label sets of bitserve_model_info now at 1
 
     # ----------------------------------------------------------------- metric definitions
 
@@ -93,6 +96,17 @@ class PrometheusStatsSink:
         self.http_errors = Counter("bitserve_http_errors_total", "HTTP error responses, by status and error type.",
                                    ["status", "reason"], registry=reg)  # fmt: skip
 
+    def _build_lifecycle_metrics(self) -> None:
+        reg = self.registry
+        self.swaps = Counter("bitserve_model_swaps_total", "Swaps and rollbacks of an alias, by action and result.",
+                             ["action", "result"], registry=reg)  # fmt: skip
+        self.lifecycle = Counter("bitserve_model_lifecycle_events_total", "Model loads, unloads and evictions, by result.",
+                                 ["action", "result"], registry=reg)  # fmt: skip
+        self.load_duration = Histogram("bitserve_model_load_duration_seconds", "Seconds to load and validate a model version.",
+                                       ["model"], buckets=LOAD_BUCKETS_S, registry=reg)  # fmt: skip
+        self.model_info = Gauge("bitserve_model_info", "1 for each alias and the version it serves now.",
+                                ["model", "version", "file", "architecture"], registry=reg)  # fmt: skip
+
     # ----------------------------------------------------------------- StatsSink
 
     def record_step(self, model: str, stats: StepStats) -> None:
@@ -140,6 +154,23 @@ class PrometheusStatsSink:
 
     def record_aborted(self, reason: str) -> None:
         self.aborted.labels(reason).inc()
+
+    def record_lifecycle(self, event: LifecycleEvent) -> None:
+        if event.action in ("swap", "rollback", "auto_rollback"):
+            self.swaps.labels(event.action, event.result).inc()
+        else:
+            self.lifecycle.labels(event.action, event.result).inc()
+        if event.duration_s is not None and event.result == "success":
+            self.load_duration.labels(event.alias).observe(event.duration_s)
+
+    def set_served_models(self, models: list[ServedModel]) -> None:
+        """The info gauge holds exactly `models` (series of versions no longer served are removed)."""
+        now = {(m.alias, m.version, m.file_name, m.architecture) for m in models}
+        for labels in self._served - now:
+            self.model_info.remove(*labels)
+        for labels in now:
+            self.model_info.labels(*labels).set(1)
+        self._served = now
 
     # ----------------------------------------------------------------- server edge
 

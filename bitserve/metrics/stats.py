@@ -26,6 +26,27 @@ class RequestStats:
     queue_s: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    """One finished model-lifecycle action, recorded by the ModelManager."""
+
+    action: str  # load | swap | rollback | auto_rollback | unload | evict
+    alias: str
+    version: str
+    result: str  # success | rejected
+    duration_s: float | None = None  # load actions: seconds to load and validate
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The version an alias serves now (the model info gauge's labels)."""
+
+    alias: str
+    version: str
+    file_name: str
+    architecture: str
+
+
 class StatsSink(Protocol):
     def record_step(self, model: str, stats: StepStats) -> None: ...
 
@@ -34,6 +55,10 @@ class StatsSink(Protocol):
     def record_rejected(self, reason: str) -> None: ...
 
     def record_aborted(self, reason: str) -> None: ...
+
+    def record_lifecycle(self, event: LifecycleEvent) -> None: ...
+
+    def set_served_models(self, models: list[ServedModel]) -> None: ...
 
 
 class NullStatsSink:
@@ -47,4 +72,10 @@ class NullStatsSink:
         return None
 
     def record_aborted(self, reason: str) -> None:
+        return None
+
+    def record_lifecycle(self, event: LifecycleEvent) -> None:
+        return None
+
+    def set_served_models(self, models: list[ServedModel]) -> None:
         return None

@@ -8,28 +8,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from bitserve.catalog import CATALOG
 from bitserve.config import EngineConfig, ServerConfig
-from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
+from bitserve.frontend.model_manager import ModelManager
+from bitserve.frontend.model_registry import ModelRegistry
 from bitserve.log import REQUEST_ID
 from bitserve.metrics.prometheus import PrometheusStatsSink
 from bitserve.model_instance import ModelInstance
-from bitserve.sampling_params import SamplingParams
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
 from bitserve.server.routes import register_routes
-from bitserve.server.state import AppState, model_info, read_build_info
+from bitserve.server.state import AppState, read_build_info
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 128
-WARMUP_PROMPT = "Hello"
 
 
 def valid_request_id(value: bytes) -> str | None:
@@ -76,78 +78,62 @@ class RequestContextMiddleware:
                 await send_error(send_with_id, exc)
 
 
-async def _warm_up(engine: AsyncEngine) -> None:
-    """One short greedy generation so the first client does not pay for lazy initialisation."""
-    prompt_ids = engine.instance.tokenizer.encode(WARMUP_PROMPT) or [0]
-    async for _ in engine.generate(
-        prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup"
-    ):
-        pass
+def served_model_id(reference: str, served_model_name: str | None) -> str:
+    """The startup model's alias: --served-model-name, else the catalog name, else the file stem."""
+    if served_model_name:
+        return served_model_name
+    return reference if reference in CATALOG else Path(reference).stem
 
 
-async def activate(state: AppState, instance: ModelInstance) -> None:
-    """Start an engine over `instance`, warm it, then publish it (readiness turns green)."""
-    config = state.server_config
-    engine = AsyncEngine(instance, limits=AdmissionLimits.from_config(config), stats=state.stats)
-    engine.start()
+async def _load_startup_model(state: AppState, on_fatal: Callable[[], None] | None) -> None:
+    """Load --model as the default alias (no root check: the operator chose it); fatal on failure."""
+    reference = state.engine_config.model.model
     try:
-        if config.warmup:
-            await _warm_up(engine)
-    except BaseException:
-        await engine.shutdown()
-        raise
-    state.model = model_info(instance, config.served_model_name)
-    state.engine = engine
-    logger.info("serving %s (%s, backend %s)", state.model.id, state.model.file_name, state.model.backend)
-
-
-async def _load_and_activate(state: AppState, on_fatal: Callable[[], None] | None) -> ModelInstance | None:
-    try:
-        instance = await asyncio.to_thread(ModelInstance.load, state.engine_config)
+        source = await asyncio.to_thread(state.models.registry.trusted, reference)
+        operation = state.models.submit("load", served_model_id(reference, state.server_config.served_model_name), source=source)
+        await operation.wait()
+        if operation.error is not None:
+            raise operation.error
     except Exception as exc:  # noqa: BLE001 - any load failure is reported the same way
         state.load_error = f"{type(exc).__name__}: {exc}"
         logger.critical("model load failed: %s", state.load_error)
         if on_fatal is not None:
             on_fatal()
-        return None
-    try:
-        await activate(state, instance)
-    except Exception as exc:  # noqa: BLE001
-        state.load_error = f"warm-up failed: {type(exc).__name__}: {exc}"
-        logger.critical("%s", state.load_error)
-        if on_fatal is not None:
-            on_fatal()
-    return instance
+
+
+def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> AppState:
+    stats = PrometheusStatsSink()
+    roots = [root for root in (server_config.model_roots or "").split(os.pathsep) if root]
+    registry = ModelRegistry(roots)
+    models = ModelManager(engine_config, server_config, stats, registry)
+    return AppState(server_config, engine_config, stats, read_build_info(), models)
 
 
 def build_app(server_config: ServerConfig | None = None, engine_config: EngineConfig | None = None, *,
               instance: ModelInstance | None = None, on_fatal: Callable[[], None] | None = None) -> FastAPI:  # fmt: skip
     """The bitserve ASGI app. With `instance` (tests), serve that already-loaded model (the caller
     closes it); otherwise load `engine_config`'s model in the background after startup, answering
-    503 + Retry-After until it is warm. `on_fatal` runs if the model cannot be loaded."""
+    503 + Retry-After until it is warm. `on_fatal` runs if the model cannot be loaded. More models
+    come and go through the admin routes (ModelManager)."""
     server_config = server_config or ServerConfig()
-    state = AppState(server_config, engine_config or EngineConfig(), PrometheusStatsSink(), read_build_info())
+    state = build_state(server_config, engine_config or EngineConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         load_task: asyncio.Task[Any] | None = None
         if instance is not None:
-            await activate(state, instance)
+            await state.models.adopt(instance, served_model_id(instance.name, server_config.served_model_name))
         else:
-            load_task = asyncio.create_task(_load_and_activate(state, on_fatal))
+            load_task = asyncio.create_task(_load_startup_model(state, on_fatal))
         try:
             yield
         finally:
-            loaded = None
             if load_task is not None:
                 load_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    loaded = await load_task
-            if state.engine is not None:
-                await state.engine.shutdown()
-                logger.info("engine stopped")
-            if loaded is not None:
-                loaded.close()
+                    await load_task
+            await state.models.shutdown()
+            logger.info("engines stopped")
 
     app = FastAPI(title="bitserve", version=state.build.version, lifespan=lifespan)
     app.state.bitserve = state

@@ -72,3 +72,18 @@ def parse_request(body: bytes, model_cls: type[RequestT]) -> RequestT:
         logger.warning("ignoring %d unknown request field(s): %s", len(extra), names)
     request.check_supported()
     return request
+
+
+def with_model_defaults(request: RequestT, defaults: dict[str, Any]) -> RequestT:
+    """`request` with the model's default parameters (its sidecar's `default_params`) filled into the
+    fields the client left unset; the merged body is validated again like a client's."""
+    missing = {name: value for name, value in defaults.items()
+               if name in type(request).model_fields and name not in request.model_fields_set}  # fmt: skip
+    if not missing:
+        return request
+    try:
+        merged = type(request).model_validate({**missing, **request.model_dump(exclude_unset=True)})
+    except ValidationError as exc:
+        raise invalid_request_from_errors(exc.errors()) from None
+    merged.check_supported()
+    return merged

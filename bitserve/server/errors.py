@@ -20,7 +20,9 @@ from starlette.types import Send
 
 from bitserve.errors import (
     BitserveError,
+    Conflict,
     EngineDead,
+    Forbidden,
     InvalidModelFile,
     InvalidRequest,
     ModelLoadError,
@@ -29,6 +31,7 @@ from bitserve.errors import (
     PayloadTooLarge,
     QueueFull,
     RequestFailed,
+    ServerShuttingDown,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,10 +59,6 @@ class HeadersTooLarge(BitserveError):
     """The request line plus headers exceed `max_header_bytes`."""
 
 
-class ServerShuttingDown(ModelUnavailable):
-    """The drain deadline passed while the request was still running."""
-
-
 @dataclass(frozen=True, slots=True)
 class ErrorSpec:
     status: int
@@ -76,14 +75,17 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     (RequestTimeout, ErrorSpec(408, "invalid_request_error", "request_timeout")),
     (PayloadTooLarge, ErrorSpec(413, "invalid_request_error", "payload_too_large")),
     (HeadersTooLarge, ErrorSpec(431, "invalid_request_error", "headers_too_large")),
+    (Forbidden, ErrorSpec(403, "permission_error", "forbidden")),
     (ModelNotFound, ErrorSpec(404, "invalid_request_error", "model_not_found")),
+    (Conflict, ErrorSpec(409, "invalid_request_error", "conflict")),
     (QueueFull, ErrorSpec(429, "rate_limit_error", "queue_full", has_retry_after=True)),
     (ServerShuttingDown, ErrorSpec(503, "service_unavailable", "server_shutting_down", has_retry_after=True)),
     (ModelUnavailable, ErrorSpec(503, "service_unavailable", "model_unavailable", has_retry_after=True)),
     (EngineDead, ErrorSpec(503, "server_error", "engine_dead", has_retry_after=True)),
     (RequestFailed, ErrorSpec(500, "server_error", "request_failed")),
-    (InvalidModelFile, ErrorSpec(500, "server_error", "model_load_error")),
-    (ModelLoadError, ErrorSpec(500, "server_error", "model_load_error")),
+    # A model an admin asked for was rejected (bad file, failed validation): the old one serves on.
+    (InvalidModelFile, ErrorSpec(422, "invalid_request_error", "model_rejected")),
+    (ModelLoadError, ErrorSpec(422, "invalid_request_error", "model_rejected")),
 )
 INTERNAL_ERROR = ErrorSpec(500, "server_error", "internal_error")
 # Errors Starlette raises itself (no route, wrong method), keyed by status.

@@ -21,14 +21,14 @@ def _probe(checks: dict[str, bool], details: dict[str, Any], retry_after_s: floa
 
 
 async def live(request: Request) -> Response:
-    """The process and event loop answer, the model did not fail to load, the engine thread lives,
-    and it makes progress when work is pending (a wedged engine fails this probe)."""
+    """The process and event loop answer, the model did not fail to load, the engines of the versions
+    that serve live, and they make progress when work is pending (a wedged engine fails this probe)."""
     state = get_state(request)
-    engine = state.engine
-    stall_s = engine.seconds_since_progress if engine is not None else 0.0
+    engines = [entry.current.engine for entry in state.models.aliases.values() if entry.current.engine is not None]
+    stall_s = max((engine.seconds_since_progress for engine in engines), default=0.0)
     checks = {
         "model_load_ok": state.load_error is None,
-        "engine_alive": engine is None or engine.is_alive,
+        "engine_alive": all(engine.is_alive for engine in engines),
         "engine_progressing": stall_s <= state.server_config.liveness_stall_s,
     }
     details = {
@@ -39,11 +39,12 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """Loaded and warmed, engine alive, not draining, admission queue not full."""
+    """The default model loaded and warmed, its engine alive, not draining, admission queue not full."""
     state = get_state(request)
-    engine = state.engine
+    slot = state.default_slot()
+    engine = slot.engine if slot is not None else None
     checks = {
-        "model_ready": engine is not None,
+        "model_ready": slot is not None and slot.is_routable,
         "engine_alive": engine is not None and engine.is_alive,
         "not_draining": not state.is_draining,
         "queue_not_saturated": engine is not None
@@ -54,9 +55,12 @@ async def ready(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     state = get_state(request)
-    engine = state.engine
+    slot = state.default_slot()
+    engine = slot.engine if slot is not None else None
+    info = slot.info if slot is not None else None
     components: dict[str, Any] = {
-        "model": dataclasses.asdict(state.model) if state.model is not None else None,
+        "model": dataclasses.asdict(info) if info is not None else None,
+        "models": state.models.describe(),
         "engine": None,
         "http": {"is_draining": state.is_draining, "num_live_streams": len(state.registry)},
     }
@@ -69,9 +73,9 @@ async def health(request: Request) -> Response:
             "seconds_since_progress": round(engine.seconds_since_progress, 3),
         }
     build = dataclasses.asdict(state.build)
-    if state.model is not None:
-        build["kernel_backend"] = state.model.backend
-        build["tensor_types"] = state.model.tensor_types
+    if info is not None:
+        build["kernel_backend"] = info.backend
+        build["tensor_types"] = info.tensor_types
     return JSONResponse({"status": state.phase, "components": components, "build": build})
 
 

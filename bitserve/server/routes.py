@@ -45,6 +45,12 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/tokenize", serving_native.tokenize, "inference", TokenizeRequest),
     Route("POST", "/detokenize", serving_native.detokenize, "inference", DetokenizeRequest),
     Route("GET", "/v1/models", serving_admin.list_models, "inference"),
+    # Admin: one scope, so one auth policy covers every action that changes what is served.
+    Route("GET", "/v1/models/operations/{operation_id}", serving_admin.get_operation, "admin"),
+    Route("POST", "/v1/models/load", serving_admin.load_model, "admin", serving_admin.LoadModelRequest),
+    Route("POST", "/v1/models/{alias:path}/swap", serving_admin.swap_model, "admin", serving_admin.SwapModelRequest),
+    Route("POST", "/v1/models/{alias:path}/rollback", serving_admin.rollback_model, "admin"),
+    Route("POST", "/v1/models/{alias:path}/unload", serving_admin.unload_model, "admin"),
     Route("GET", "/v1/models/{model_id:path}", serving_admin.get_model, "inference"),
     Route("GET", "/v1/stats", serving_native.stats, "ops"),
     Route("GET", "/health", health.health, "ops"),

@@ -1,5 +1,8 @@
-"""/v1/models and /v1/models/{id}: the served model as OpenAI model objects. Ids are compared as
-strings only; nothing here touches the filesystem. (Load / unload / swap will live here too.)"""
+"""/v1/models: the served models as OpenAI model objects (inference scope), and the admin actions
+(admin scope): load beside, swap, rollback, unload, operation status. Actions run in the background
+(202 + status URL) unless `wait` is true (the final result: 200, or the error's status and body).
+Model references are resolved only by the ModelRegistry (names, or paths inside the model roots).
+"""
 
 from __future__ import annotations
 
@@ -7,31 +10,127 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ConfigDict, Field
 
 from bitserve.errors import ModelNotFound
-from bitserve.server.state import ModelInfo, get_state
+from bitserve.frontend.model_operations import Operation
+from bitserve.frontend.model_slot import ModelSlot
+from bitserve.server.body import parse_request
+from bitserve.server.protocol import MAX_MODEL_NAME_CHARS, StrictModel
+from bitserve.server.state import AppState, get_state
+
+MAX_MODEL_REFERENCE_CHARS = 4096
+OPERATIONS_PATH = "/v1/models/operations"
 
 
-def model_object(model: ModelInfo) -> dict[str, Any]:
+class AdminRequest(StrictModel):
+    # Admin bodies forbid unknown fields: a typo in an operator's call must not pass silently.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    wait: bool = False
+
+
+class LoadModelRequest(AdminRequest):
+    model: str = Field(min_length=1, max_length=MAX_MODEL_REFERENCE_CHARS)
+    alias: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
+    device: str | None = Field(None, max_length=64)
+    should_validate: bool = Field(True, alias="validate")
+
+
+class SwapModelRequest(AdminRequest):
+    model: str = Field(min_length=1, max_length=MAX_MODEL_REFERENCE_CHARS)
+    should_validate: bool = Field(True, alias="validate")
+
+
+class AliasActionRequest(AdminRequest):
+    """rollback / unload: only `wait`."""
+
+
+def model_object(name: str, slot: ModelSlot, state: AppState) -> dict[str, Any]:
+    info = slot.info
     return {
-        "id": model.id,
+        "id": name,
         "object": "model",
-        "created": model.created,
+        "created": info.created if info else 0,
         "owned_by": "bitserve",
-        "root": model.file_name,
-        "max_model_len": model.max_model_len,
-        "architecture": model.architecture,
+        "root": info.file_name if info else slot.source.path.name,
+        "max_model_len": info.max_model_len if info else None,
+        "is_default": name == state.models.default_alias,
+        **slot.describe(),
     }
 
 
+def _model_objects(state: AppState) -> list[dict[str, Any]]:
+    objects = []
+    for entry in state.models.describe():
+        name = entry["alias"]
+        alias_entry = state.models.aliases.get(name)
+        slot = alias_entry.current if alias_entry is not None else None
+        obj = model_object(name, slot, state) if slot is not None else {"id": name, "object": "model", "created": 0,
+                                                                          "owned_by": "bitserve", **entry}  # fmt: skip
+        obj["previous"], obj["pending"] = entry["previous"], entry["pending"]
+        objects.append(obj)
+    return objects
+
+
 async def list_models(request: Request) -> Response:
-    model = get_state(request).model
-    return JSONResponse({"object": "list", "data": [model_object(model)] if model is not None else []})
+    state = get_state(request)
+    running = [op.describe() for op in state.models.operations.running()]
+    return JSONResponse({"object": "list", "data": _model_objects(state), "operations": running})
 
 
 async def get_model(request: Request, model_id: str) -> Response:
-    model = get_state(request).model
-    if model is None or model_id != model.id:
-        raise ModelNotFound(f"the model {model_id[:100]!r} does not exist on this server", param="model",
-                            hint="see GET /v1/models")  # fmt: skip
-    return JSONResponse(model_object(model))
+    state = get_state(request)
+    for obj in _model_objects(state):
+        if obj["id"] == model_id:
+            return JSONResponse(obj)
+    raise ModelNotFound(f"the model {model_id[:100]!r} does not exist on this server", param="model",
+                        hint=f"available: {', '.join(sorted(state.models.aliases)) or '(none)'}")  # fmt: skip
+
+
+async def get_operation(request: Request, operation_id: str) -> Response:
+    operation = get_state(request).models.operations.get(operation_id)
+    if operation is None:
+        raise ModelNotFound(f"no model operation {operation_id[:64]!r}", param="operation_id",
+                            hint="operations are kept for the last 128 actions")  # fmt: skip
+    return JSONResponse(operation.describe())
+
+
+async def _answer(operation: Operation, wait: bool) -> Response:
+    """202 + status URL now, or (wait) the final state: 200, or the operation's error via the table."""
+    if not wait:
+        url = f"{OPERATIONS_PATH}/{operation.id}"
+        return JSONResponse({**operation.describe(), "status_url": url}, status_code=202, headers={"Location": url})
+    await operation.wait()
+    if operation.error is not None:
+        raise operation.error
+    return JSONResponse(operation.describe())
+
+
+async def load_model(request: Request) -> Response:
+    body = parse_request(await request.body(), LoadModelRequest)
+    manager = get_state(request).models
+    alias = body.alias or manager.registry.resolve(body.model).name
+    operation = manager.submit("load", alias, body.model, device=body.device, validate=body.should_validate)
+    return await _answer(operation, body.wait)
+
+
+async def swap_model(request: Request, alias: str) -> Response:
+    body = parse_request(await request.body(), SwapModelRequest)
+    operation = get_state(request).models.submit("swap", alias, body.model, validate=body.should_validate)
+    return await _answer(operation, body.wait)
+
+
+async def rollback_model(request: Request, alias: str) -> Response:
+    body = await _optional_body(request)
+    return await _answer(get_state(request).models.submit("rollback", alias), body.wait)
+
+
+async def unload_model(request: Request, alias: str) -> Response:
+    body = await _optional_body(request)
+    return await _answer(get_state(request).models.submit("unload", alias), body.wait)
+
+
+async def _optional_body(request: Request) -> AliasActionRequest:
+    raw = await request.body()
+    return parse_request(raw, AliasActionRequest) if raw.strip() else AliasActionRequest()

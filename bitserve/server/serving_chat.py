@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from bitserve.layers.sampler import TokenLogprobs
 from bitserve.outputs import RequestOutput
-from bitserve.server.body import parse_request
+from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.prompts import encode_messages, resolve_max_tokens
 from bitserve.server.protocol import (
     ChatCompletionRequest,
@@ -31,6 +31,7 @@ from bitserve.server.streaming import (
     collect,
     sse_events,
     until_disconnect,
+    version_header,
 )
 from bitserve.tokenizer.base import Tokenizer
 
@@ -53,27 +54,30 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs]) -> dic
 async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     body = parse_request(await request.body(), ChatCompletionRequest)
-    state.check_model(body.model)
-    engine = state.require_engine()
-    instance = engine.instance
-    prompt_ids = await encode_messages(instance, body.messages)
-    max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, None, instance.max_model_len,
-                                    prompt_param="messages")  # fmt: skip
-    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs)
-    request_id = new_request_id("chatcmpl")
-    stream = GenerationStream(engine, prompt_ids, params, request_id=request_id,
-                              priority=body.priority_class, registry=state.registry)  # fmt: skip
+    lease = state.acquire(body.model)
+    with lease.released_on_error():
+        body = with_model_defaults(body, lease.slot.source.default_params)
+        instance = lease.engine.instance
+        prompt_ids = await encode_messages(instance, body.messages)
+        max_tokens = resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, None, instance.max_model_len,
+                                        prompt_param="messages")  # fmt: skip
+        params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.num_logprobs)
+        request_id = new_request_id("chatcmpl")
+        stream = GenerationStream(lease, prompt_ids, params, request_id=request_id,
+                                  priority=body.priority_class, registry=state.registry)  # fmt: skip
     await stream.start()
-    model_id = state.model.id if state.model else ""
+    model_id, version = lease.info.id, lease.info.version
     if body.stream:
         base = {
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": model_id,
+            "model_version": version,
         }
         return SSEResponse(
-            _stream_frames(stream, base, body, instance.tokenizer, state.server_config.sse_keepalive_s)
+            _stream_frames(stream, base, body, instance.tokenizer, state.server_config.sse_keepalive_s),
+            headers=version_header(version),
         )
     try:
         result = await until_disconnect(request.receive, collect(stream, body.n))
@@ -87,9 +91,9 @@ async def create_chat_completion(request: Request) -> Response:
                         "stop_reason": choice.stop_reason})  # fmt: skip
     return JSONResponse({
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model_id,
-        "choices": choices, "system_fingerprint": SYSTEM_FINGERPRINT,
+        "model_version": version, "choices": choices, "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": usage_payload(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens),
-    })  # fmt: skip
+    }, headers=version_header(version))  # fmt: skip
 
 
 def _stream_frames(stream: GenerationStream, base: dict[str, Any], body: ChatCompletionRequest,

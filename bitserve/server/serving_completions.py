@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from bitserve import __version__
 from bitserve.layers.sampler import TokenLogprobs
 from bitserve.outputs import RequestOutput
-from bitserve.server.body import parse_request
+from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.prompts import encode_text, prompt_from_ids, resolve_max_tokens
 from bitserve.server.protocol import (
     CompletionRequest,
@@ -31,6 +31,7 @@ from bitserve.server.streaming import (
     collect,
     sse_events,
     until_disconnect,
+    version_header,
 )
 from bitserve.tokenizer.base import Tokenizer
 
@@ -63,34 +64,36 @@ def completion_logprobs(
 async def create_completion(request: Request) -> Response:
     state = get_state(request)
     body = parse_request(await request.body(), CompletionRequest)
-    state.check_model(body.model)
-    engine = state.require_engine()
-    instance = engine.instance
-    prompt = body.single_prompt
-    if isinstance(prompt, str):
-        prompt_ids = await encode_text(instance, prompt)
-        prompt_text = prompt
-    else:
-        prompt_ids = prompt_from_ids(instance, prompt)
-        prompt_text = instance.tokenizer.decode(prompt_ids) if body.echo else ""
-    max_tokens = resolve_max_tokens(
-        len(prompt_ids), body.max_tokens, DEFAULT_MAX_TOKENS, instance.max_model_len
-    )
-    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs)
-    request_id = new_request_id("cmpl")
-    stream = GenerationStream(engine, prompt_ids, params, request_id=request_id,
-                              priority=body.priority_class, registry=state.registry)  # fmt: skip
+    lease = state.acquire(body.model)
+    with lease.released_on_error():
+        body = with_model_defaults(body, lease.slot.source.default_params)
+        instance = lease.engine.instance
+        prompt = body.single_prompt
+        if isinstance(prompt, str):
+            prompt_ids = await encode_text(instance, prompt)
+            prompt_text = prompt
+        else:
+            prompt_ids = prompt_from_ids(instance, prompt)
+            prompt_text = instance.tokenizer.decode(prompt_ids) if body.echo else ""
+        max_tokens = resolve_max_tokens(len(prompt_ids), body.max_tokens, DEFAULT_MAX_TOKENS, instance.max_model_len)
+        params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs)
+        request_id = new_request_id("cmpl")
+        stream = GenerationStream(lease, prompt_ids, params, request_id=request_id,
+                                  priority=body.priority_class, registry=state.registry)  # fmt: skip
     await stream.start()
+    version = lease.info.version
     base = {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.model.id if state.model else "",
+        "model": lease.info.id,
+        "model_version": version,
     }
     echo = prompt_text if body.echo else ""
     if body.stream:
         return SSEResponse(
-            _stream_frames(stream, base, body, echo, instance.tokenizer, state.server_config.sse_keepalive_s)
+            _stream_frames(stream, base, body, echo, instance.tokenizer, state.server_config.sse_keepalive_s),
+            headers=version_header(version),
         )
     try:
         result = await until_disconnect(request.receive, collect(stream, body.n))
@@ -107,7 +110,8 @@ async def create_completion(request: Request) -> Response:
                         "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})  # fmt: skip
     usage = usage_payload(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
     return JSONResponse(
-        {**base, "choices": choices, "usage": usage, "system_fingerprint": SYSTEM_FINGERPRINT}
+        {**base, "choices": choices, "usage": usage, "system_fingerprint": SYSTEM_FINGERPRINT},
+        headers=version_header(version),
     )
 
 

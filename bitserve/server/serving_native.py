@@ -24,10 +24,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from bitserve.frontend.async_engine import AsyncEngine
+from bitserve.frontend.model_slot import Lease
 from bitserve.layers.sampler import TokenLogprobs
 from bitserve.outputs import RequestOutput
 from bitserve.sampling_params import SamplingParams
-from bitserve.server.body import parse_request
+from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.prompts import encode_messages, encode_text, prompt_from_ids, resolve_max_tokens
 from bitserve.server.protocol import (
     DetokenizeRequest,
@@ -48,6 +50,7 @@ from bitserve.server.streaming import (
     collect,
     sse_events,
     until_disconnect,
+    version_header,
 )
 from bitserve.tokenizer.base import Tokenizer
 
@@ -64,31 +67,32 @@ def native_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs]) -> l
     } for entry in entries]  # fmt: skip
 
 
-async def _start(request: Request) -> tuple[AppState, InferenceRequest, GenerationStream]:
+async def _start(request: Request) -> tuple[AppState, InferenceRequest, GenerationStream, Lease]:
     state = get_state(request)
     body = parse_request(await request.body(), InferenceRequest)
-    state.check_model(body.model)
-    engine = state.require_engine()
-    instance = engine.instance
-    if body.messages is not None:
-        prompt_ids, param = await encode_messages(instance, body.messages), "messages"
-    elif isinstance(body.prompt, str):
-        prompt_ids, param = await encode_text(instance, body.prompt), "prompt"
-    else:
-        prompt_ids, param = prompt_from_ids(instance, body.prompt or []), "prompt"
-    max_tokens = resolve_max_tokens(len(prompt_ids), body.max_tokens, DEFAULT_MAX_TOKENS, instance.max_model_len,
-                                    prompt_param=param)  # fmt: skip
-    params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs)
-    stream = GenerationStream(engine, prompt_ids, params, request_id=new_request_id("inf"),
-                              priority=body.priority_class, registry=state.registry)  # fmt: skip
+    lease = state.acquire(body.model)
+    with lease.released_on_error():
+        body = with_model_defaults(body, lease.slot.source.default_params)
+        instance = lease.engine.instance
+        if body.messages is not None:
+            prompt_ids, param = await encode_messages(instance, body.messages), "messages"
+        elif isinstance(body.prompt, str):
+            prompt_ids, param = await encode_text(instance, body.prompt), "prompt"
+        else:
+            prompt_ids, param = prompt_from_ids(instance, body.prompt or []), "prompt"
+        max_tokens = resolve_max_tokens(len(prompt_ids), body.max_tokens, DEFAULT_MAX_TOKENS, instance.max_model_len,
+                                        prompt_param=param)  # fmt: skip
+        params = body.to_sampling_params(max_tokens=max_tokens, logprobs=body.logprobs)
+        stream = GenerationStream(lease, prompt_ids, params, request_id=new_request_id("inf"),
+                                  priority=body.priority_class, registry=state.registry)  # fmt: skip
     await stream.start()
-    return state, body, stream
+    return state, body, stream, lease
 
 
 async def inference(request: Request) -> Response:
     start = time.monotonic()
-    state, body, stream = await _start(request)
-    tokenizer = state.engine.instance.tokenizer if state.engine else None
+    state, body, stream, lease = await _start(request)
+    tokenizer = lease.engine.instance.tokenizer
     try:
         result = await until_disconnect(request.receive, collect(stream, body.n))
     except ClientDisconnected:
@@ -96,18 +100,19 @@ async def inference(request: Request) -> Response:
     choices = [{
         "index": choice.index, "text": choice.text, "token_ids": choice.token_ids,
         "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
-        "logprobs": native_logprobs(tokenizer, choice.logprobs) if body.logprobs is not None and tokenizer else None,
+        "logprobs": native_logprobs(tokenizer, choice.logprobs) if body.logprobs is not None else None,
     } for choice in result.choices]  # fmt: skip
     return JSONResponse({
-        "id": stream.request_id, "model": state.model.id if state.model else "", "choices": choices,
+        "id": stream.request_id, "model": lease.info.id, "model_version": lease.info.version, "choices": choices,
         "usage": usage_payload(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens),
         "e2e_s": round(time.monotonic() - start, 4),
-    })  # fmt: skip
+    }, headers=version_header(lease.info.version))  # fmt: skip
 
 
 async def inference_stream(request: Request) -> Response:
-    state, body, stream = await _start(request)
-    tokenizer = state.engine.instance.tokenizer if state.engine else None
+    state, body, stream, lease = await _start(request)
+    tokenizer = lease.engine.instance.tokenizer
+    model_id, version = lease.info.id, lease.info.version
     counts = {"completion": 0, "cached": 0}
 
     def chunks_for(output: RequestOutput) -> list[dict[str, Any]]:
@@ -115,20 +120,17 @@ async def inference_stream(request: Request) -> Response:
         choices = []
         for delta in output.outputs:
             counts["completion"] += len(delta.token_ids)
-            logprobs = (
-                native_logprobs(tokenizer, delta.logprobs or ())
-                if body.logprobs is not None and tokenizer
-                else None
-            )
+            logprobs = native_logprobs(tokenizer, delta.logprobs or ()) if body.logprobs is not None else None
             choices.append({"index": delta.index, "text": delta.text, "token_ids": delta.token_ids,
                             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason, "logprobs": logprobs})  # fmt: skip
-        return [{"id": stream.request_id, "choices": choices}]
+        return [{"id": stream.request_id, "model": model_id, "model_version": version, "choices": choices}]
 
     def epilogue() -> list[dict[str, Any]]:
         usage = usage_payload(stream.num_prompt_tokens, counts["completion"], counts["cached"])
-        return [{"id": stream.request_id, "choices": [], "usage": usage}]
+        return [{"id": stream.request_id, "model": model_id, "model_version": version, "choices": [], "usage": usage}]
 
-    return SSEResponse(sse_events(stream, state.server_config.sse_keepalive_s, chunks_for, [], epilogue))
+    frames = sse_events(stream, state.server_config.sse_keepalive_s, chunks_for, [], epilogue)
+    return SSEResponse(frames, headers=version_header(version))
 
 
 def _memory() -> dict[str, int | None]:
@@ -153,13 +155,20 @@ async def stats(request: Request) -> Response:
     payload: dict[str, Any] = {"phase": state.phase, "uptime_s": round(time.time() - state.started_at, 1),
                                "memory": _memory(), "admission": {"max_num_waiting": config.max_num_waiting,
                                                                   "max_num_queued_tokens": config.max_num_queued_tokens}}  # fmt: skip
-    engine = state.engine
-    if engine is None:
+    slot = state.default_slot()
+    if slot is None or slot.engine is None:
         return JSONResponse(payload)
+    payload.update(engine_stats(slot.engine))
+    payload["models"] = {name: engine_stats(entry.current.engine) for name, entry in sorted(state.models.aliases.items())
+                         if entry.current.engine is not None}  # fmt: skip
+    return JSONResponse(payload)
+
+
+def engine_stats(engine: AsyncEngine) -> dict[str, Any]:
     snapshot = engine.stats_snapshot()
     # NOTE: a read of the engine thread's block pool without a lock: counters only, one step stale at worst.
     kv = engine.instance.engine.scheduler.kv
-    payload.update({
+    return {
         "model": snapshot["model"],
         "requests": {"num_active": snapshot["num_active_requests"], "num_queued_prompt_tokens": snapshot["num_queued_prompt_tokens"]},
         "throughput": {"tokens_per_s": snapshot["tokens_per_s_ema"]},
@@ -168,15 +177,13 @@ async def stats(request: Request) -> Response:
                      "num_usable_blocks": kv.num_usable_blocks, "block_size": kv.block_size},
         "engine": {"is_alive": snapshot["engine_alive"], "is_draining": snapshot["draining"],
                    "seconds_since_progress": round(engine.seconds_since_progress, 3)},
-    })  # fmt: skip
-    return JSONResponse(payload)
+    }  # fmt: skip
 
 
 async def tokenize(request: Request) -> Response:
     state = get_state(request)
     body = parse_request(await request.body(), TokenizeRequest)
-    state.check_model(body.model)
-    instance = state.require_instance()
+    instance = state.require_instance(body.model)
     if body.messages is not None:
         token_ids = await encode_messages(instance, body.messages)
     else:
@@ -191,8 +198,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state = get_state(request)
     body = parse_request(await request.body(), DetokenizeRequest)
-    state.check_model(body.model)
-    tokenizer = state.require_instance().tokenizer
+    tokenizer = state.require_instance(body.model).tokenizer
     if body.tokens:
         check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
     return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special=False)})

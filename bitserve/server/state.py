@@ -1,5 +1,5 @@
-"""AppState: what the HTTP handlers share (the engine once loaded and warmed, configs, the stats
-sink, build and model info, readiness, drain). app.py builds it; handlers reach it via get_state().
+"""AppState: what the HTTP handlers share (the ModelManager, configs, the stats sink, build info,
+readiness, drain). app.py builds it; handlers reach it via get_state().
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import logging
 import platform
 import subprocess
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -18,13 +17,12 @@ import torch
 from fastapi import Request
 
 import bitserve
-from bitserve.catalog import CATALOG
 from bitserve.config import EngineConfig, ServerConfig
-from bitserve.errors import EngineDead, ModelNotFound, ModelUnavailable
-from bitserve.frontend.async_engine import AsyncEngine
+from bitserve.errors import ModelUnavailable, ServerShuttingDown
+from bitserve.frontend.model_manager import ModelManager
+from bitserve.frontend.model_slot import Lease, ModelSlot
 from bitserve.metrics.stats import StatsSink
 from bitserve.model_instance import ModelInstance
-from bitserve.server.errors import ServerShuttingDown
 from bitserve.server.streaming import StreamRegistry
 
 logger = logging.getLogger(__name__)
@@ -62,107 +60,59 @@ def read_build_info() -> BuildInfo:
     return BuildInfo(bitserve.__version__, sha or "unknown", torch.__version__, platform.python_version())
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    """Facts about the served model, fixed at load (no directories: file name only)."""
-
-    id: str
-    file_name: str
-    architecture: str
-    backend: str
-    tensor_types: dict[str, int]  # GGML storage type -> number of tensors
-    max_model_len: int
-    vocab_size: int
-    has_chat_template: bool
-    created: int  # unix time of load, the OpenAI model object's `created`
-
-
-def served_model_id(instance: ModelInstance, served_model_name: str | None) -> str:
-    if served_model_name:
-        return served_model_name
-    return instance.name if instance.name in CATALOG else Path(instance.name).stem
-
-
-def model_info(instance: ModelInstance, served_model_name: str | None) -> ModelInfo:
-    loaded = instance.loaded
-    types = Counter(info.ggml_type.name for info in loaded.gguf.tensors.values())
-    return ModelInfo(
-        id=served_model_id(instance, served_model_name),
-        file_name=instance.path.name,
-        architecture=loaded.spec.architecture,
-        backend=loaded.backend.name,
-        tensor_types=dict(sorted(types.items())),
-        max_model_len=instance.max_model_len,
-        vocab_size=instance.tokenizer.vocab_size,
-        has_chat_template=not isinstance(instance.chat_template, Exception),
-        created=int(time.time()),
-    )
-
-
 @dataclass
 class AppState:
     server_config: ServerConfig
     engine_config: EngineConfig
     stats: MetricsSink
     build: BuildInfo
-    engine: AsyncEngine | None = None  # set once the model is loaded and warmed
-    model: ModelInfo | None = None
-    load_error: str | None = None
+    models: ModelManager
+    load_error: str | None = None  # the startup model failed to load
     is_draining: bool = False
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     started_at: float = field(default_factory=time.time)
 
     @property
     def phase(self) -> str:
-        """loading | failed | ready | draining | dead."""
+        """loading | failed | ready | draining | dead (of the default model)."""
         if self.load_error is not None:
             return "failed"
-        if self.engine is None:
+        slot = self.default_slot()
+        if slot is None:
             return "loading"
-        if not self.engine.is_alive:
+        if slot.engine is not None and not slot.engine.is_alive:
             return "dead"
         return "draining" if self.is_draining else "ready"
 
-    def require_engine(self) -> AsyncEngine:
-        """The engine, or the error a new request gets now (503 while loading, draining or dead)."""
-        if self.load_error is not None:
-            raise ModelUnavailable(
-                "the model failed to load", hint="see the server log; the server needs a restart"
-            )
-        if self.engine is None:
-            raise ModelUnavailable(
-                "the model is still loading", hint="retry after the number of seconds in Retry-After"
-            )
-        if self.is_draining:
-            raise ServerShuttingDown("the server is shutting down and accepts no new requests",
-                                     hint="retry on another replica")  # fmt: skip
-        if not self.engine.is_alive:
-            raise EngineDead("the model's engine has failed", hint="the server must be restarted")
-        return self.engine
+    def default_slot(self) -> ModelSlot | None:
+        entry = self.models.aliases.get(self.models.default_alias) if self.models.default_alias else None
+        return entry.current if entry is not None else None
 
-    def require_instance(self) -> ModelInstance:
-        """The loaded model for work that needs no engine step (tokenize), draining or not."""
-        if self.engine is None:
-            self.require_engine()  # raises the loading / failed error
-        assert self.engine is not None
-        return self.engine.instance
+    def acquire(self, model: str | None) -> Lease:
+        """A lease on the model a request names (the default one when None); see ModelManager.acquire."""
+        if self.load_error is not None and not self.models.aliases:
+            raise ModelUnavailable("the model failed to load", hint="see the server log; the server needs a restart")
+        if not self.models.aliases and self.models.default_alias is None and self.models.operations.running():
+            raise ModelUnavailable("the model is still loading", hint="retry after the number of seconds in Retry-After")
+        return self.models.acquire(model)
 
-    def check_model(self, name: str | None) -> None:
-        """A request's `model` must be the served id (or absent)."""
-        if name is None or (self.model is not None and name == self.model.id):
-            return
-        served = self.model.id if self.model is not None else "(loading)"
-        raise ModelNotFound(f"the model {name[:100]!r} does not exist on this server", param="model",
-                            hint=f"this server serves {served!r}; see GET /v1/models")  # fmt: skip
+    def require_instance(self, model: str | None) -> ModelInstance:
+        """The model a request names, for work that needs no engine step (tokenize), draining or not."""
+        alias = model if model is not None else self.models.default_alias
+        entry = self.models.aliases.get(alias) if alias is not None else None
+        if entry is None or entry.current.instance is None:
+            self.acquire(model).release()  # raises the error a generation would get
+            raise ModelUnavailable("the model is not ready", hint="retry after the number of seconds in Retry-After")
+        return entry.current.instance
 
     def retry_after_s(self) -> float | None:
-        return self.engine.expected_wait_s() if self.engine is not None else None
+        waits = [engine.expected_wait_s() for engine in self.models.serving_engines()]
+        return max(waits) if waits else None
 
     def begin_drain(self) -> None:
         """Readiness fails and new generations get 503 from now on."""
         self.is_draining = True
-        if self.engine is not None:
-            self.engine.is_draining = True
+        self.models.begin_drain()
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for in-flight requests to finish; at `timeout_s`, end the rest with an error event."""
@@ -183,7 +133,7 @@ class AppState:
             await asyncio.sleep(DRAIN_POLL_S / 2)
 
     def _num_active(self) -> int:
-        return self.engine.num_active_requests if self.engine is not None else 0
+        return self.models.num_active_requests
 
 
 def get_state(request: Request) -> AppState:

@@ -22,8 +22,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from bitserve.core.request import Priority
-from bitserve.errors import BitserveError
-from bitserve.frontend.async_engine import AsyncEngine
+from bitserve.errors import BitserveError, EngineDead, RequestFailed
+from bitserve.frontend.model_slot import Lease
 from bitserve.layers.sampler import TokenLogprobs
 from bitserve.outputs import RequestOutput
 from bitserve.sampling_params import SamplingParams
@@ -35,11 +35,18 @@ DONE_FRAME = b"data: [DONE]\n\n"
 PING_FRAME = b": ping\n\n"
 CLIENT_CLOSED_STATUS = 499  # the client left before its answer; only the access log sees it
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MODEL_VERSION_HEADER = "X-Model-Version"  # the version (short sha256) that served a generation
 T = TypeVar("T")
+# Errors that count against a model version on probation (not admission refusals or bad requests).
+MODEL_FAILURES = (EngineDead, RequestFailed)
 
 
 class ClientDisconnected(Exception):
     """The client closed the connection before its response was complete."""
+
+
+def version_header(version: str) -> dict[str, str]:
+    return {MODEL_VERSION_HEADER: version}
 
 
 def sse_frame(payload: dict[str, Any]) -> bytes:
@@ -79,12 +86,14 @@ class GenerationStream:
     `start()` raises admission errors (QueueFull, InvalidRequest, ModelUnavailable, EngineDead)
     before any response is sent. `next(timeout)` returns an output, None on timeout (time for a
     keep-alive), or raises the stream's error. `close()` cancels the pump: `generate`'s cleanup
-    aborts the request, so the engine frees its blocks before its next step.
+    aborts the request, so the engine frees its blocks before its next step. The stream owns the
+    request's lease on its model version and releases it when the generation ends, however it ends.
     """
 
-    def __init__(self, engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams, *,
+    def __init__(self, lease: Lease, prompt_token_ids: list[int], params: SamplingParams, *,
                  request_id: str, priority: Priority, registry: StreamRegistry) -> None:  # fmt: skip
-        self._generator = engine.generate(prompt_token_ids, params, request_id=request_id, priority=priority)
+        self._lease = lease
+        self._generator = lease.engine.generate(prompt_token_ids, params, request_id=request_id, priority=priority)
         self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
         self._registry = registry
         self._task: asyncio.Task[None] | None = None
@@ -105,12 +114,16 @@ class GenerationStream:
         self._registry.add(self._queue)
 
     async def _pump(self) -> None:
+        has_failed = False
         try:
             async for output in self._generator:
                 self._queue.put_nowait(output)
             self._queue.put_nowait(None)
         except Exception as exc:  # delivered to the consumer, which renders it through the table
+            has_failed = isinstance(exc, MODEL_FAILURES) or not isinstance(exc, BitserveError)
             self._queue.put_nowait(exc)
+        finally:
+            self._lease.release(has_failed=has_failed)
 
     async def next(self, timeout: float | None) -> RequestOutput | None:
         """The next output; None on timeout; StopAsyncIteration at the end; the stream's error."""

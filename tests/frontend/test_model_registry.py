@@ -75,6 +75,32 @@ def test_unknown_names_and_bad_sidecars(layout: dict[str, Path]) -> None:
     (layout["root"] / "tiny.gguf").write_bytes(b"changed")
     with pytest.raises(InvalidModelFile, match="sha256"):
         registry.verify_sha256(registry.resolve("tiny-v1"))
+    assert "other" in registry.names
     (layout["root"] / "team" / "other.gguf.json").write_text("[1, 2]")
-    with pytest.raises(InvalidModelFile, match="JSON object"):
-        registry.refresh()
+    registry.refresh()  # one bad sidecar skips its model (logged); the rest stay loadable
+    assert "other" not in registry.names and "tiny-v1" in registry.names
+
+
+@pytest.mark.parametrize(
+    ("sidecar", "reason"),
+    [
+        ({"sha256": "abc"}, "64 hex digits"),
+        ({"default_params": [1]}, "default_params"),
+        ({"golden": [{"prompt": "hi", "expected_token_ids": []}]}, "expected_token_ids"),
+        ({"golden": [{"prompt": 5, "expected_token_ids": [1]}]}, "golden prompt"),
+        ({"golden": [{"prompt": "hi", "expected_token_ids": [1]}] * 17}, "at most 16"),
+    ],
+)
+def test_bad_sidecar_fields_are_refused(layout: dict[str, Path], sidecar: dict, reason: str, caplog: pytest.LogCaptureFixture) -> None:
+    (layout["root"] / "team" / "other.gguf.json").write_text(json.dumps(sidecar))
+    registry = ModelRegistry([layout["root"]])
+    assert "other" not in registry.names
+    assert reason in caplog.text
+
+
+def test_golden_and_defaults_from_the_sidecar(layout: dict[str, Path]) -> None:
+    golden = [{"prompt": "hi", "expected_token_ids": [1, 2]}, {"prompt": [3, 4], "expected_token_ids": [5]}]
+    (layout["root"] / "team" / "other.gguf.json").write_text(json.dumps({"golden": golden, "default_params": {"top_k": 3}}))
+    model = ModelRegistry([layout["root"]]).resolve("other")
+    assert [(g.prompt, g.expected_token_ids) for g in model.golden] == [("hi", (1, 2)), ((3, 4), (5,))]
+    assert model.default_params == {"top_k": 3}

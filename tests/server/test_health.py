@@ -86,7 +86,7 @@ def test_draining_fails_readiness_and_refuses_new_work(strict_client: TestClient
             strict_client.post("/tokenize", json={"prompt": "hi"}).status_code == 200
         )  # no engine step needed
     finally:
-        state.is_draining = state.engine.is_draining = False
+        state.is_draining = state.models.is_draining = False
 
 
 class ScriptedStream:

@@ -1,0 +1,388 @@
+"""ModelManager: named slots behind aliases. Resolves a request's `model` to a lease on a READY slot;
+loads, swaps, rolls back and unloads versions without failing a request; keeps resident models
+within a memory budget (idle ones unloaded LRU). Runs on the event loop; loads run in a worker thread.
+
+A swap: load beside (the old version keeps serving) -> validate -> flip the alias (one assignment)
+-> the old version drains (leases run out) and, after the probation window, is freed. Probation
+watches the new version and flips back while the old one is still resident. Admin actions on one
+alias are serialized: a second one gets Conflict (409) at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bitserve.config import EngineConfig, ServerConfig
+from bitserve.errors import (
+    BitserveError,
+    Conflict,
+    EngineDead,
+    InvalidRequest,
+    ModelLoadError,
+    ModelNotFound,
+    ModelUnavailable,
+    ServerShuttingDown,
+)
+from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
+from bitserve.frontend.model_operations import Operation, OperationLog
+from bitserve.frontend.model_registry import ModelRegistry, RegisteredModel
+from bitserve.frontend.model_slot import Lease, ModelSlot, SlotState, model_info
+from bitserve.frontend.model_validation import validate_engine
+from bitserve.frontend.probation import ProbationPolicy, watch_probation
+from bitserve.metrics.stats import LifecycleEvent, ServedModel, StatsSink
+from bitserve.model_instance import ModelInstance
+from bitserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_ALIAS_CHARS = 128
+DEVICES = ("cpu",)
+WARMUP_PROMPT = "Hello"
+
+
+async def warm_up(engine: AsyncEngine, request_id: str) -> None:
+    """One short greedy generation so the first client does not pay for lazy initialisation."""
+    prompt_ids = engine.instance.tokenizer.encode(WARMUP_PROMPT) or [0]
+    async for _ in engine.generate(prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id=request_id):
+        pass
+
+
+@dataclass(eq=False)
+class AliasEntry:
+    """What an alias serves now, and the version before it (for rollback)."""
+
+    current: ModelSlot
+    previous: ModelSlot | None = None  # still resident: during probation, or while it drains
+    previous_source: RegisteredModel | None = None  # the version a later rollback reloads
+
+
+def check_alias(alias: str) -> str:
+    if not 0 < len(alias) <= MAX_ALIAS_CHARS or not alias.isprintable() or alias != alias.strip():
+        raise InvalidRequest(f"alias must be 1..{MAX_ALIAS_CHARS} printable characters", param="alias")
+    return alias
+
+
+class ModelManager:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, registry: ModelRegistry) -> None:
+        self.engine_config = engine_config
+        self.config = server_config
+        self.stats = stats
+        self.registry = registry
+        self.aliases: dict[str, AliasEntry] = {}
+        self.default_alias: str | None = None
+        self.operations = OperationLog()
+        self.is_draining = False
+        self._slots: list[ModelSlot] = []  # every resident or loading slot
+        self._busy_aliases: set[str] = set()  # aliases with an admin action running
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._num_slots = 0
+
+    # ----------------------------------------------------------------- routing
+
+    def acquire(self, name: str | None) -> Lease:
+        """A lease on the READY slot `name` (the default alias when None). Raises ModelNotFound (404),
+        ModelUnavailable (503: loading, draining, shutting down) or EngineDead."""
+        if self.is_draining:
+            raise ServerShuttingDown("the server is shutting down and accepts no new requests", hint="retry on another replica")
+        alias = name if name is not None else self.default_alias
+        entry = self.aliases.get(alias) if alias is not None else None
+        if entry is None:
+            if alias is not None and any(slot.alias == alias and slot.state is SlotState.LOADING for slot in self._slots):
+                raise ModelUnavailable(f"the model {alias[:100]!r} is still loading", hint="retry after Retry-After seconds")
+            available = ", ".join(sorted(self.aliases)) or "(none)"
+            shown = "(default)" if alias is None else repr(alias[:100])
+            raise ModelNotFound(f"the model {shown} does not exist on this server", param="model", hint=f"available: {available}")
+        slot = entry.current
+        if slot.engine is not None and not slot.engine.is_alive:
+            raise EngineDead("the model's engine has failed", hint="roll back or reload the model; retry later")
+        if not slot.is_routable:
+            raise ModelUnavailable(f"the model {slot.alias!r} is not ready", hint="retry after Retry-After seconds")
+        return slot.acquire()
+
+    def resident_slots(self) -> list[ModelSlot]:
+        return list(self._slots)
+
+    def serving_engines(self) -> list[AsyncEngine]:
+        return [slot.engine for slot in self._slots if slot.engine is not None and slot.state is not SlotState.UNLOADED]
+
+    @property
+    def num_active_requests(self) -> int:
+        return sum(slot.num_leases for slot in self._slots)
+
+    # ----------------------------------------------------------------- admin actions
+
+    def submit(self, action: str, alias: str, model: str | None = None, *, source: RegisteredModel | None = None,
+               **options: Any) -> Operation:  # fmt: skip
+        """Start `action` on `alias` in the background; Conflict when one is already running there.
+        `model` is resolved through the registry (403 outside the roots); `source` is taken as is."""
+        check_alias(alias)
+        if self.is_draining:
+            raise ServerShuttingDown("the server is shutting down", hint="retry on another replica")
+        if alias in self._busy_aliases:
+            raise Conflict(f"another model operation is running on {alias!r}", param="alias",
+                           hint="wait for it (GET /v1/models) and retry")  # fmt: skip
+        runner = {"load": self._load, "swap": self._swap, "rollback": self._rollback, "unload": self._unload}[action]
+        if action != "load" and alias not in self.aliases:
+            raise ModelNotFound(f"no model is served as {alias!r}", param="alias", hint=f"available: {', '.join(sorted(self.aliases)) or '(none)'}")
+        if action == "load" and alias in self.aliases:
+            raise Conflict(f"{alias!r} is already served", param="alias", hint=f"use POST /v1/models/{alias}/swap to replace it")
+        device = options.pop("device", None)
+        if device is not None and device not in DEVICES:
+            raise InvalidRequest(f"device {device[:32]!r} is not available", param="device", hint=f"this server has: {', '.join(DEVICES)}")
+        if source is None and model is not None:
+            source = self.registry.resolve(model)
+        operation = self.operations.new(action, alias, model or (source.name if source else None))
+        self._busy_aliases.add(alias)
+        self._spawn(self._run(operation, runner, source, **options))
+        return operation
+
+    async def _run(self, operation: Operation, runner: Any, source: RegisteredModel | None, **options: Any) -> None:
+        try:
+            result = await runner(operation, source, **options) if source is not None else await runner(operation, **options)
+            operation.succeed(**result)
+        except BitserveError as exc:
+            operation.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - reported on the operation; the serving path is untouched
+            logger.exception("model operation %s failed", operation.id)
+            operation.fail(ModelLoadError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._busy_aliases.discard(operation.alias)
+            self._publish()
+
+    async def _load(self, operation: Operation, source: RegisteredModel, validate: bool = True) -> dict[str, Any]:
+        slot = await self._bring_up(operation, source, validate=validate)
+        self.aliases[operation.alias] = AliasEntry(slot)
+        if self.default_alias is None:
+            self.default_alias = operation.alias
+        logger.info("serving %s as %r (version %s)", source.path.name, operation.alias, slot.version)
+        return {"version": slot.version, "slot_id": slot.slot_id}
+
+    async def _swap(self, operation: Operation, source: RegisteredModel, validate: bool = True, action: str = "swap") -> dict[str, Any]:
+        try:
+            slot = await self._bring_up(operation, source, validate=validate)
+        except BitserveError:
+            self._record(action, operation.alias, source.version, "rejected")
+            raise
+        entry = self.aliases[operation.alias]
+        old = self._flip(entry, slot)
+        self._record(action, operation.alias, slot.version, "success")
+        logger.info("swapped %r: version %s -> %s", operation.alias, old.version, slot.version)
+        self._spawn(self._probation_then_retire(entry, slot, old))
+        return {"version": slot.version, "previous_version": old.version, "slot_id": slot.slot_id}
+
+    async def _rollback(self, operation: Operation) -> dict[str, Any]:
+        entry = self.aliases[operation.alias]
+        previous = entry.previous
+        if previous is not None and previous.state is SlotState.DRAINING and previous.engine is not None and previous.engine.is_alive:
+            current = self._flip_back(entry)
+            self._record("rollback", operation.alias, previous.version, "success")
+            self._spawn(self._retire(current))
+            return {"version": previous.version, "rolled_back_from": current.version, "reloaded": False}
+        if entry.previous_source is None:
+            raise Conflict(f"{operation.alias!r} has no previous version", param="alias")
+        result = await self._swap(operation, entry.previous_source, validate=True, action="rollback")
+        return {"version": result["version"], "rolled_back_from": result["previous_version"], "reloaded": True}
+
+    async def _unload(self, operation: Operation) -> dict[str, Any]:
+        entry = self.aliases.pop(operation.alias)
+        if self.default_alias == operation.alias:
+            self.default_alias = next(iter(self.aliases), None)
+        await asyncio.gather(*(self._retire(slot) for slot in (entry.current, entry.previous) if slot is not None))
+        self._record("unload", operation.alias, entry.current.version, "success")
+        return {"version": entry.current.version}
+
+    # ----------------------------------------------------------------- flips
+
+    def _flip(self, entry: AliasEntry, new: ModelSlot) -> ModelSlot:
+        """Point the alias at `new` (one assignment on the loop); the old slot starts draining."""
+        old = entry.current
+        if entry.previous is not None and entry.previous is not old:
+            self._spawn(self._retire(entry.previous))  # a third version: the oldest goes now
+        old.state = SlotState.DRAINING
+        entry.previous, entry.previous_source, entry.current = old, old.source, new
+        return old
+
+    def _flip_back(self, entry: AliasEntry) -> ModelSlot:
+        assert entry.previous is not None
+        current, previous = entry.current, entry.previous
+        previous.state = SlotState.READY
+        current.state = SlotState.DRAINING
+        entry.current, entry.previous, entry.previous_source = previous, None, current.source
+        return current
+
+    async def _probation_then_retire(self, entry: AliasEntry, new: ModelSlot, old: ModelSlot) -> None:
+        """Watch `new`; on failure flip back to `old` (still resident) and retire `new`; else retire `old`."""
+        policy = ProbationPolicy.from_config(self.config)
+        reason = await watch_probation(new, policy, lambda: entry.current is new and entry.previous is old)
+        if reason is not None and entry.current is new and entry.previous is old and self.aliases.get(new.alias) is entry:
+            logger.error("probation failed for %r version %s (%s): rolling back to %s", new.alias, new.version, reason, old.version)
+            self._flip_back(entry)
+            self._record("auto_rollback", new.alias, old.version, "success")
+            self._publish()
+            await self._retire(new)
+            return
+        if entry.previous is old:
+            entry.previous = None
+            await self._retire(old)
+
+    # ----------------------------------------------------------------- load and free
+
+    async def _bring_up(self, operation: Operation, source: RegisteredModel, *, validate: bool) -> ModelSlot:
+        """Load `source` as a new slot beside what serves, warm and validate it; READY on success.
+        On any failure the slot is freed and the error raised; nothing else changes."""
+        self._num_slots += 1
+        slot = ModelSlot(f"{operation.alias}@{source.version}#{self._num_slots}", operation.alias, source)
+        operation.slot = slot
+        self._slots.append(slot)
+        start = time.monotonic()
+        try:
+            await self._make_room(source, operation.alias)
+            slot.phase, slot.progress = "hashing", 0.05
+            digest = await asyncio.to_thread(self.registry.verify_sha256, source)
+            slot.phase, slot.progress = "loading", 0.2
+            config = dataclasses.replace(self.engine_config, model=dataclasses.replace(self.engine_config.model, model=str(source.path)))
+            slot.instance = await asyncio.to_thread(ModelInstance.load, config)
+            slot.phase, slot.progress = "validating", 0.8
+            engine = self._start_engine(slot, digest[:12])
+            if validate:
+                await validate_engine(engine, source.golden, f"validate-{slot.slot_id}")
+            elif self.config.warmup:
+                await warm_up(engine, f"warmup-{slot.slot_id}")
+        except BaseException as exc:
+            slot.state, slot.error = SlotState.FAILED, f"{type(exc).__name__}: {exc}"
+            logger.warning("loading %s as %r failed: %s", source.path.name, operation.alias, slot.error)
+            self._record("load", operation.alias, source.version, "rejected")
+            await self._free(slot)
+            raise
+        slot.state, slot.phase, slot.progress = SlotState.READY, "ready", 1.0
+        self._record("load", operation.alias, slot.version, "success", time.monotonic() - start)
+        return slot
+
+    def _start_engine(self, slot: ModelSlot, version: str) -> AsyncEngine:
+        assert slot.instance is not None
+        engine = AsyncEngine(slot.instance, limits=AdmissionLimits.from_config(self.config), stats=self.stats, name=slot.alias)
+        engine.start()
+        slot.engine = engine
+        slot.info = model_info(slot.alias, version, slot.instance)
+        return engine
+
+    async def adopt(self, instance: ModelInstance, alias: str, version: str = "adopted") -> ModelSlot:
+        """Serve an instance loaded by the caller (tests); it is warmed but never closed here."""
+        self._num_slots += 1
+        slot = ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, RegisteredModel(alias, instance.path), owns_instance=False)
+        slot.instance = instance
+        self._slots.append(slot)
+        engine = self._start_engine(slot, version)
+        if self.config.warmup:
+            await warm_up(engine, f"warmup-{slot.slot_id}")
+        slot.state, slot.phase, slot.progress = SlotState.READY, "ready", 1.0
+        self.aliases[alias] = AliasEntry(slot)
+        self.default_alias = self.default_alias or alias
+        self._publish()
+        return slot
+
+    async def _retire(self, slot: ModelSlot) -> None:
+        """Drain `slot` (leases run out, or the deadline ends them with an error event), then free it."""
+        if slot.state in (SlotState.UNLOADED, SlotState.FAILED):
+            return
+        slot.state = SlotState.DRAINING
+        if not await slot.wait_idle(self.config.swap_drain_timeout_s) and slot.engine is not None:
+            num_ended = slot.engine.expire(ModelUnavailable(f"the model version {slot.version} was unloaded before the request finished",
+                                                            hint="retry; the alias now serves another version"))  # fmt: skip
+            logger.warning("drain deadline for %s: ended %d request(s)", slot.slot_id, num_ended)
+            await slot.wait_idle(self.config.swap_drain_timeout_s)
+        await self._free(slot)
+        logger.info("unloaded %s", slot.slot_id)
+
+    async def _free(self, slot: ModelSlot) -> None:
+        if slot.engine is not None:
+            await slot.engine.shutdown()
+        if slot.instance is not None and slot.owns_instance:
+            slot.instance.close()
+        slot.instance = None
+        if slot.state is not SlotState.FAILED:
+            slot.state = SlotState.UNLOADED
+        if slot in self._slots:
+            self._slots.remove(slot)
+        forget = getattr(self.stats, "forget_model", None)
+        if forget is not None and not any(other.alias == slot.alias for other in self._slots):
+            forget(slot.alias)
+
+    async def _make_room(self, source: RegisteredModel, alias: str) -> None:
+        """Unload idle aliases, least recently used first, until `source` fits the memory budget."""
+        budget = self.config.max_models_memory_bytes
+        if budget is None:
+            return
+        needed = source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
+        while self._resident_bytes() + needed > budget:
+            idle = [(entry.current.last_used, name) for name, entry in self.aliases.items()
+                    if name != alias and name not in self._busy_aliases and entry.current.num_leases == 0
+                    and (entry.previous is None or entry.previous.num_leases == 0)]  # fmt: skip
+            if not idle:
+                raise ModelUnavailable(
+                    f"not enough model memory: {needed / 1e6:.0f} MB needed, {self._resident_bytes() / 1e6:.0f} of {budget / 1e6:.0f} MB in use by busy models",
+                    hint="unload a model, raise max_models_memory_bytes, or retry when traffic is lower",
+                )  # fmt: skip
+            _, victim = min(idle)
+            entry = self.aliases.pop(victim)
+            if self.default_alias == victim:
+                self.default_alias = next(iter(self.aliases), None)
+            logger.info("evicting idle model %r (least recently used) to make room for %s", victim, source.path.name)
+            for slot in (entry.current, entry.previous):
+                if slot is not None:
+                    await self._free(slot)
+            self._record("evict", victim, entry.current.version, "success")
+
+    def _resident_bytes(self) -> int:
+        total = 0
+        for slot in self._slots:
+            if slot.info is not None:
+                total += slot.info.memory_bytes
+            elif slot.state is SlotState.LOADING and slot.phase != "queued":
+                total += slot.source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
+        return total
+
+    # ----------------------------------------------------------------- lifecycle of the manager
+
+    def begin_drain(self) -> None:
+        self.is_draining = True
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for slot in list(self._slots):
+            await self._free(slot)
+        self.aliases.clear()
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _record(self, action: str, alias: str, version: str, result: str, duration_s: float | None = None) -> None:
+        self.stats.record_lifecycle(LifecycleEvent(action, alias, version, result, duration_s))
+
+    def _publish(self) -> None:
+        self.stats.set_served_models([
+            ServedModel(name, entry.current.version, entry.current.info.file_name, entry.current.info.architecture)
+            for name, entry in self.aliases.items() if entry.current.info is not None
+        ])  # fmt: skip
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One entry per alias (what serves, plus the version beside it), then loads of new aliases."""
+        entries = []
+        for name, entry in sorted(self.aliases.items()):
+            pending = [s.describe() for s in self._slots if s.alias == name and s.state is SlotState.LOADING]
+            entries.append({"alias": name, "is_default": name == self.default_alias, **entry.current.describe(),
+                            "previous": entry.previous.describe() if entry.previous is not None else None,
+                            "pending": pending[0] if pending else None})  # fmt: skip
+        for slot in self._slots:
+            if slot.alias not in self.aliases and slot.state is SlotState.LOADING:
+                entries.append({"alias": slot.alias, "is_default": False, **slot.describe(), "previous": None, "pending": None})
+        return entries

@@ -1,0 +1,286 @@
+"""Model lifecycle over real HTTP: load beside, swap under load, rejected swaps, probation rollback,
+manual rollback, path tricks, 409 on concurrent admin actions, several models with an LRU budget.
+The models are tiny synthetic BitNet versions (TQ2_0) in a model root."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from lifecycle_testing import KV_CACHE_BYTES, ModelRoot, build_model_root, lifecycle_server, stream_completion
+
+ALIAS = "v1"  # the startup model's alias: its file stem
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> ModelRoot:
+    return build_model_root(tmp_path_factory.mktemp("lifecycle"), smollm2_path)
+
+
+def version_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body if body is not None else {}, timeout=120.0)
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name}{{{wanted}}}")
+
+
+async def _clients(url: str, num_clients: int, stop: asyncio.Event, results: list[Any], *, model: str | None = None,
+                   max_tokens: int = 4) -> None:  # fmt: skip
+    limits = httpx.Limits(max_connections=num_clients + 8, max_keepalive_connections=num_clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+
+        async def one(index: int) -> None:
+            count = 0
+            while not stop.is_set():
+                started = time.monotonic()
+                result = await stream_completion(client, f"client {index} request {count}", max_tokens, model)
+                results.append((started, time.monotonic(), result))
+                count += 1
+
+        await asyncio.gather(*(one(i) for i in range(num_clients)))
+
+
+def failed(results: list[Any]) -> list[Any]:
+    return [r for _, _, r in results if r.status != 200 or r.error is not None or not r.has_done or r.finish_reason not in ("length", "stop")]
+
+
+# ----------------------------------------------------------------- acceptance: swap under load
+
+
+def test_swap_under_load_loses_nothing(model_root: ModelRoot) -> None:
+    """100 streaming clients, >= 1,000 requests, the alias swapped back and forth >= 5 times."""
+    v1, v2 = version_of(model_root.files["v1"]), version_of(model_root.files["v2"])
+    with lifecycle_server(model_root) as server:
+        results: list[Any] = []
+        swaps: list[str] = []
+
+        async def scenario() -> None:
+            stop = asyncio.Event()
+            clients = asyncio.create_task(_clients(server.url, 100, stop, results))
+            async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as admin_client:
+                for index in range(6):
+                    await asyncio.sleep(0.5)
+                    target = "v2" if index % 2 == 0 else "v1"
+                    response = await admin_client.post(f"/v1/models/{ALIAS}/swap", json={"model": target, "wait": True})
+                    assert response.status_code == 200, response.text
+                    swaps.append(response.json()["result"]["version"])
+                while len(results) < 1000:
+                    await asyncio.sleep(0.2)
+            stop.set()
+            await clients
+
+        asyncio.run(scenario())
+        assert swaps == [v2, v1, v2, v1, v2, v1]
+        assert len(results) >= 1000
+        assert failed(results) == []
+        for _, _, result in results:  # every response from exactly one version, header and chunks agreeing
+            assert len(result.versions) == 1 and result.header_version in result.versions, result
+        served = Counter(next(iter(r.versions)) for _, _, r in results)
+        assert set(served) == {v1, v2} and min(served.values()) > 0
+        assert metric_value(server.url, "bitserve_model_swaps_total", action="swap", result="success") == 6
+        models = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert [(m["id"], m["version"], m["state"]) for m in models] == [(ALIAS, v1, "ready")]
+
+
+# ----------------------------------------------------------------- rejected swaps
+
+
+def test_rejected_swaps_keep_the_old_version_serving(model_root: ModelRoot) -> None:
+    v1 = version_of(model_root.files["v1"])
+    with lifecycle_server(model_root) as server:
+        results: list[Any] = []
+        answers: dict[str, httpx.Response] = {}
+
+        async def scenario() -> None:
+            stop = asyncio.Event()
+            clients = asyncio.create_task(_clients(server.url, 8, stop, results))
+            async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as admin_client:
+                for name in ("truncated", "wrongarch", "badgolden"):
+                    answers[name] = await admin_client.post(f"/v1/models/{ALIAS}/swap", json={"model": name, "wait": True})
+            stop.set()
+            await clients
+
+        asyncio.run(scenario())
+        for name, reason in (("truncated", "truncated.gguf"), ("wrongarch", "mamba"), ("badgolden", "golden prompt 0")):
+            response = answers[name]
+            assert response.status_code == 422, (name, response.text)
+            assert response.json()["error"]["code"] == "model_rejected" and reason in response.json()["error"]["message"], response.text
+        assert results and failed(results) == []
+        assert {v for _, _, r in results for v in r.versions} == {v1}
+        assert metric_value(server.url, "bitserve_model_swaps_total", action="swap", result="rejected") == 3
+        models = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert [(m["id"], m["version"], m["state"], m["pending"]) for m in models] == [(ALIAS, v1, "ready", None)]
+
+
+# ----------------------------------------------------------------- probation and rollback
+
+
+def _break_engine_step(server: Any) -> None:
+    """Fault injection: the serving version's next engine step raises (as a kernel bug would)."""
+
+    async def inject() -> None:
+        runner = server.state.models.aliases[ALIAS].current.instance.engine.runner
+
+        def broken_execute(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected fault inside the step")
+
+        runner.execute = broken_execute
+
+    server.run(inject())
+
+
+def test_probation_failure_rolls_back_automatically(model_root: ModelRoot) -> None:
+    v1, v2 = version_of(model_root.files["v1"]), version_of(model_root.files["v2"])
+    with lifecycle_server(model_root, swap_probation_s=30.0) as server:
+        response = admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2", "wait": True})
+        assert response.status_code == 200 and response.json()["result"]["version"] == v2
+        _break_engine_step(server)
+        results: list[Any] = []
+
+        async def scenario() -> None:
+            stop = asyncio.Event()
+            clients = asyncio.create_task(_clients(server.url, 8, stop, results))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and server.state.models.aliases[ALIAS].current.version != v1:
+                await asyncio.sleep(0.05)
+            rolled_back_at = time.monotonic()
+            while sum(1 for started, _, _ in results if started > rolled_back_at + 0.2) < 40:
+                await asyncio.sleep(0.05)
+            stop.set()
+            await clients
+            results.append(rolled_back_at)
+
+        asyncio.run(scenario())
+        rolled_back_at = results.pop()
+        assert httpx.get(f"{server.url}/v1/models/{ALIAS}").json()["version"] == v1
+        assert metric_value(server.url, "bitserve_model_swaps_total", action="auto_rollback", result="success") == 1
+        bad = failed(results)
+        assert bad, "the injected fault failed no request"
+        for result in bad:  # only requests that hit the broken version fail
+            assert result.error is not None and (result.versions <= {v2}) and result.error["code"] in ("engine_dead", "model_unavailable"), result
+        later = [item for item in results if item[0] > rolled_back_at + 0.2]
+        assert len(later) >= 40 and failed(later) == [] and {v for _, _, r in later for v in r.versions} == {v1}
+
+
+def test_manual_rollback_reloads_the_previous_version(model_root: ModelRoot) -> None:
+    v1, v2 = version_of(model_root.files["v1"]), version_of(model_root.files["v2"])
+    with lifecycle_server(model_root) as server:
+        assert admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2", "wait": True}).json()["result"]["version"] == v2
+        rollback = admin(server.url, f"/v1/models/{ALIAS}/rollback", {"wait": True})
+        assert rollback.status_code == 200, rollback.text
+        assert rollback.json()["result"] == {"version": v1, "rolled_back_from": v2, "reloaded": True}
+        result = asyncio.run(_one(server.url))
+        assert result.versions == {v1} and failed([(0, 0, result)]) == []
+        assert metric_value(server.url, "bitserve_model_swaps_total", action="rollback", result="success") == 1
+
+
+async def _one(url: str, model: str | None = None) -> Any:
+    async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
+        return await stream_completion(client, "Hello", 4, model)
+
+
+# ----------------------------------------------------------------- admin edge
+
+
+@pytest.mark.parametrize(
+    "reference",
+    ["../outside/secret.gguf", "%2e%2e/outside/secret.gguf", "%252e%252e%252foutside%252fsecret.gguf",
+     "escape.gguf", "sub/../../outside/secret.gguf", "/etc/passwd"],
+)  # fmt: skip
+def test_path_tricks_are_refused(model_root: ModelRoot, reference: str, caplog: pytest.LogCaptureFixture) -> None:
+    from bitserve.config import EngineConfig, ServerConfig
+    from bitserve.server.app import build_state
+
+    state = build_state(ServerConfig(model_roots=str(model_root.root)), EngineConfig())
+    from bitserve.errors import Forbidden
+
+    with pytest.raises(Forbidden):
+        state.models.registry.resolve(reference)
+    assert "refused model reference" in caplog.text
+
+
+def test_admin_http_edge(model_root: ModelRoot) -> None:
+    """403 for escapes (absolute, ../, encoded, symlink), 409 for a second action on one alias,
+    404 for unknown aliases, 400 for unknown fields, 202 + status URL without wait."""
+    v2 = version_of(model_root.files["v2"])
+    with lifecycle_server(model_root) as server:
+        for reference in (str(model_root.outside), "../outside/secret.gguf", "%2e%2e%2foutside%2fsecret.gguf", "escape.gguf"):
+            response = admin(server.url, "/v1/models/load", {"model": reference, "alias": "x", "wait": True})
+            assert response.status_code == 403 and response.json()["error"]["code"] == "forbidden", response.text
+        first = admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2"})
+        second = admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2"})
+        assert first.status_code == 202 and second.status_code == 409, (first.text, second.text)
+        assert second.json()["error"]["code"] == "conflict"
+        status_url = first.json()["status_url"]
+        assert first.headers["location"] == status_url
+        deadline = time.monotonic() + 60
+        while (operation := httpx.get(f"{server.url}{status_url}").json())["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert operation["state"] == "succeeded" and operation["result"]["version"] == v2 and operation["progress"] == 1.0
+        assert admin(server.url, "/v1/models/nope/rollback").status_code == 404
+        assert admin(server.url, "/v1/models/load", {"model": "v2", "colour": "red"}).status_code == 400
+        assert admin(server.url, "/v1/models/load", {"model": "v2", "alias": ALIAS, "wait": True}).status_code == 409
+        assert admin(server.url, "/v1/models/load", {"model": "v2", "device": "cuda:7"}).status_code == 400
+
+
+# ----------------------------------------------------------------- several models
+
+
+def test_several_models_routed_by_name_with_lru_budget(model_root: ModelRoot) -> None:
+    files = model_root.files
+    v1, v2 = version_of(files["v1"]), version_of(files["v2"])
+    per_model = files["v1"].stat().st_size + KV_CACHE_BYTES
+    with lifecycle_server(model_root, max_models_memory_bytes=int(per_model * 2.5)) as server:
+        loaded = admin(server.url, "/v1/models/load", {"model": "v2", "alias": "second", "wait": True})
+        assert loaded.status_code == 200, loaded.text
+        assert asyncio.run(_one(server.url, "second")).versions == {v2}
+        assert asyncio.run(_one(server.url, ALIAS)).versions == {v1}
+        assert asyncio.run(_one(server.url)).versions == {v1}  # no `model`: the default alias
+        unknown = asyncio.run(_one(server.url, "nope"))
+        assert unknown.status == 404 and "second, v1" in unknown.error["hint"]
+        listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        assert set(listed) == {ALIAS, "second"} and listed["second"]["quant_formats"] == ["F32", "Q8_0", "TQ2_0"]
+        assert listed["second"]["memory_bytes"] > files["v2"].stat().st_size and listed["second"]["state"] == "ready"
+
+        # v1 is now the least recently used, but busy (a held lease = a request in flight): the
+        # third load must evict "second", never v1.
+        lease = server.run(_acquire(server, ALIAS))
+        time.sleep(0.01)
+        asyncio.run(_one(server.url, "second"))
+        third = admin(server.url, "/v1/models/load", {"model": "v1", "alias": "third", "wait": True})
+        assert third.status_code == 200, third.text
+        assert set(server.state.models.aliases) == {ALIAS, "third"}
+        assert metric_value(server.url, "bitserve_model_lifecycle_events_total", action="evict", result="success") == 1
+        # both resident models busy: no room, a clear 503, nothing evicted
+        lease_third = server.run(_acquire(server, "third"))
+        fourth = admin(server.url, "/v1/models/load", {"model": "v2", "alias": "fourth", "wait": True})
+        assert fourth.status_code == 503 and "not enough model memory" in fourth.json()["error"]["message"]
+        assert set(server.state.models.aliases) == {ALIAS, "third"}
+        server.run(_release(lease))
+        server.run(_release(lease_third))
+        unload = admin(server.url, "/v1/models/third/unload", {"wait": True})
+        assert unload.status_code == 200 and set(server.state.models.aliases) == {ALIAS}
+
+
+async def _acquire(server: Any, alias: str) -> Any:
+    return server.state.models.acquire(alias)
+
+
+async def _release(lease: Any) -> None:
+    lease.release()
