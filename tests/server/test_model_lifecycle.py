@@ -284,3 +284,36 @@ async def _acquire(server: Any, alias: str) -> Any:
 
 async def _release(lease: Any) -> None:
     lease.release()
+
+
+# ----------------------------------------------------------------- CLI
+
+
+def test_models_cli_against_a_running_server(model_root: ModelRoot, capsys: pytest.CaptureFixture[str]) -> None:
+    from bitserve.cli import main
+
+    v2 = version_of(model_root.files["v2"])
+    with lifecycle_server(model_root) as server:
+        assert main(["models", "--url", server.url, "swap", ALIAS, "v2"]) == 0
+        captured = capsys.readouterr()
+        assert f"'version': '{v2}'" in captured.out and "100.0%" in captured.err  # the progress bar's last frame
+        assert main(["models", "--url", server.url, "list"]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert table[0].split()[:3] == ["ALIAS", "VERSION", "STATE"] and table[1].split()[:4] == [ALIAS, "*", v2, "ready"]
+        assert main(["models", "--url", server.url, "load", "badgolden", "--alias", "bad"]) == 2
+        assert "golden prompt 0" in capsys.readouterr().err
+        assert main(["models", "--url", server.url, "unload", "nope"]) == 2
+        assert "404" in capsys.readouterr().err
+
+
+def test_pull_checks_and_hashes_a_catalog_model(smollm2_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from bitserve.catalog import DEFAULT_MODEL
+    from bitserve.cli import main
+
+    assert main(["pull", DEFAULT_MODEL, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["path"] == str(smollm2_path) and result["architecture"] == "llama"
+    assert result["sha256"] == hashlib.sha256(smollm2_path.read_bytes()).hexdigest()
+    assert main(["pull", "no-such-model"]) == 2
