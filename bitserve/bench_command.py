@@ -12,6 +12,7 @@ from typing import Any
 from bitserve.bench.report import format_table, summarise
 from bitserve.bench.runner import BenchConfig, run_bench_async
 from bitserve.console import emit, emit_json
+from bitserve.errors import InvalidRequest
 
 _FIELDS = BenchConfig.__dataclass_fields__
 
@@ -83,12 +84,46 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, has_url: bool = True
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--curve MODEL`: the offline throughput / step-latency curve instead of an HTTP load test."""
+    group = parser.add_argument_group("offline curve (--curve): in-process engine, no server")
+    group.add_argument("--curve", metavar="MODEL", default=None,
+                       help="catalog name or GGUF path: print tok/s and ms/step per --concurrency level "
+                            "(decode steps, greedy, ignore_eos; --max-tokens tokens per sequence)")  # fmt: skip
+    group.add_argument("--curve-prompt-tokens", type=int, default=8, help="prompt tokens per sequence")
+    group.add_argument("--curve-prefill-tokens", type=int, default=128, help="prompt of the prefill-rate run")
+    group.add_argument("--curve-repeats", type=int, default=1, help="runs of every level; the fastest is kept")
+    group.add_argument("--backend", default="auto", help="kernel backend: auto, cpu or reference")
+    group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def run_curve_command(args: argparse.Namespace) -> int:
+    from bitserve.bench.curve import format_curve, run_curve
+
+    if min(args.concurrency) < 1 or args.max_tokens < 3 or min(args.curve_prompt_tokens, args.curve_repeats) < 1:
+        raise InvalidRequest(
+            "--curve needs concurrency >= 1, --max-tokens >= 3, --curve-prompt-tokens and --curve-repeats >= 1"
+        )
+    result = run_curve(
+        args.curve, args.concurrency, num_prompt_tokens=args.curve_prompt_tokens, num_output_tokens=args.max_tokens,
+        prefill_tokens=args.curve_prefill_tokens, backend=args.backend, num_threads=args.threads,
+        num_repeats=args.curve_repeats,
+    )  # fmt: skip
+    if args.json:
+        emit_json(result.to_dict())
+    else:
+        for line in format_curve(result):
+            emit(line)
+    return 0
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` on the CLI's subparsers (the action add_subparsers returned)."""
     parser = subparsers.add_parser(
-        "bench", help="load-test an OpenAI-compatible server (TTFT, ITL, throughput)"
+        "bench", help="load-test an OpenAI-compatible server (TTFT, ITL, throughput), or --curve MODEL offline"
     )
     add_bench_arguments(parser)
+    add_curve_arguments(parser)
     return parser
 
 
@@ -107,7 +142,10 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run every level, print the table (or JSON). Exit 0 if any request succeeded, 1 if none did.
 
     Bad flags and an unreachable model list raise BitserveError (the CLI prints it, exit 2).
+    With --curve, runs the offline curve instead (no server).
     """
+    if getattr(args, "curve", None) is not None:
+        return run_curve_command(args)
     summary = summarise(asyncio.run(run_bench_async(config_from_args(args))))
     if args.json:
         emit_json(summary)
