@@ -99,6 +99,8 @@ async def _load_startup_model(state: AppState, on_fatal: Callable[[], None] | No
         logger.critical("model load failed: %s", state.load_error)
         if on_fatal is not None:
             on_fatal()
+    finally:
+        state.is_starting = False
 
 
 def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> AppState:
@@ -123,6 +125,7 @@ def build_app(server_config: ServerConfig | None = None, engine_config: EngineCo
         load_task: asyncio.Task[Any] | None = None
         if instance is not None:
             await state.models.adopt(instance, served_model_id(instance.name, server_config.served_model_name))
+            state.is_starting = False
         else:
             load_task = asyncio.create_task(_load_startup_model(state, on_fatal))
         try:

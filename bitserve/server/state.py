@@ -68,6 +68,7 @@ class AppState:
     build: BuildInfo
     models: ModelManager
     load_error: str | None = None  # the startup model failed to load
+    is_starting: bool = True  # the startup model is still loading
     is_draining: bool = False
     registry: StreamRegistry = field(default_factory=StreamRegistry)
     started_at: float = field(default_factory=time.time)
@@ -92,7 +93,7 @@ class AppState:
         """A lease on the model a request names (the default one when None); see ModelManager.acquire."""
         if self.load_error is not None and not self.models.aliases:
             raise ModelUnavailable("the model failed to load", hint="see the server log; the server needs a restart")
-        if not self.models.aliases and self.models.default_alias is None and self.models.operations.running():
+        if not self.models.aliases and self.is_starting:
             raise ModelUnavailable("the model is still loading", hint="retry after the number of seconds in Retry-After")
         return self.models.acquire(model)
 

@@ -46,8 +46,9 @@ def write_version(path: Path, tokenizer: dict[str, Any], seed: int, architecture
 
 
 def build_model_root(base: Path, smollm2_path: Path) -> ModelRoot:
-    """v1 and v2 (different weights), a truncated file, a wrong-architecture file, and v2 under a
-    sidecar whose golden tokens it does not produce; plus a file and a symlink escaping the root."""
+    """v1 and v2 (different weights), a truncated file, a wrong-architecture file, v2 under a sidecar
+    whose golden tokens it does not produce and under one with a wrong sha256; plus a file outside the
+    root and a symlink in the root escaping to it."""
     tokenizer = tokenizer_metadata(smollm2_path)
     root, outside = base / "models", base / "outside"
     root.mkdir()
@@ -61,6 +62,9 @@ def build_model_root(base: Path, smollm2_path: Path) -> ModelRoot:
     shutil.copyfile(files["v2"], files["badgolden"])
     golden = [{"prompt": "Hello world", "expected_token_ids": [0, 0, 0, 0]}]
     (root / "badgolden.gguf.json").write_text(json.dumps({"golden": golden}))
+    files["badsha"] = root / "badsha.gguf"
+    shutil.copyfile(files["v2"], files["badsha"])
+    (root / "badsha.gguf.json").write_text(json.dumps({"sha256": "0" * 64}))
     secret = outside / "secret.gguf"
     shutil.copyfile(files["v1"], secret)
     (root / "escape.gguf").symlink_to(secret)

@@ -111,19 +111,20 @@ def test_rejected_swaps_keep_the_old_version_serving(model_root: ModelRoot) -> N
             stop = asyncio.Event()
             clients = asyncio.create_task(_clients(server.url, 8, stop, results))
             async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as admin_client:
-                for name in ("truncated", "wrongarch", "badgolden"):
+                for name in ("truncated", "wrongarch", "badgolden", "badsha"):
                     answers[name] = await admin_client.post(f"/v1/models/{ALIAS}/swap", json={"model": name, "wait": True})
             stop.set()
             await clients
 
         asyncio.run(scenario())
-        for name, reason in (("truncated", "truncated.gguf"), ("wrongarch", "mamba"), ("badgolden", "golden prompt 0")):
+        for name, reason in (("truncated", "truncated.gguf"), ("wrongarch", "mamba"), ("badgolden", "golden prompt 0"),
+                             ("badsha", "sha256 mismatch")):  # fmt: skip
             response = answers[name]
             assert response.status_code == 422, (name, response.text)
             assert response.json()["error"]["code"] == "model_rejected" and reason in response.json()["error"]["message"], response.text
         assert results and failed(results) == []
         assert {v for _, _, r in results for v in r.versions} == {v1}
-        assert metric_value(server.url, "bitserve_model_swaps_total", action="swap", result="rejected") == 3
+        assert metric_value(server.url, "bitserve_model_swaps_total", action="swap", result="rejected") == 4
         models = httpx.get(f"{server.url}/v1/models").json()["data"]
         assert [(m["id"], m["version"], m["state"], m["pending"]) for m in models] == [(ALIAS, v1, "ready", None)]
 

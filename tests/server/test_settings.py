@@ -115,3 +115,20 @@ def test_serve_flags_are_generated_from_the_fields(config_file: Path) -> None:
         1.5,
     )
     assert settings.engine.scheduler.max_num_seqs == 8 and settings.engine.model.num_threads == 2
+
+
+def test_model_roots_from_repeated_flags_or_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import os
+
+    from bitserve.server.app import build_state
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    args = build_parser().parse_args(["serve", "--model-root", str(first), "--model-root", str(second)])
+    assert load_settings(cli_values(args)).server.model_roots == f"{first}{os.pathsep}{second}"
+    monkeypatch.setenv("BITSERVE_MODEL_ROOTS", f"{second}{os.pathsep}{first}")
+    settings = load_settings({})
+    assert build_state(settings.server, settings.engine).models.registry.roots == [second, first]
+    with pytest.raises(InvalidRequest, match="is not a folder"):
+        build_state(ServerConfig(model_roots=str(tmp_path / "missing")), settings.engine)
