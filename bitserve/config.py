@@ -33,6 +33,11 @@ class ModelConfig:
     max_model_len: int | None = field(default=None, metadata=_help("cap the context length below the model's"))
     kv_cache_dtype: str = field(default="float32", metadata=_help("KV cache dtype: float32 or float16"))
     num_threads: int | None = field(default=None, metadata=_help("torch intra-op threads (default: all cores)"))
+    max_dense_weight_bytes: int = field(
+        default=1024 * 1024 * 1024,
+        metadata=_help("f32 copies of Q4/Q8 block weights kept for batched steps (8+ tokens: prefill, many streams); "
+                       "4 bytes per weight, faster GEMMs; 0 keeps only the packed blocks"),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,7 @@ class ModelInstance:
             torch.set_num_threads(model_config.num_threads)
         path = resolve_model(model_config.model)
         options = LoadOptions(
-            backend=select_backend(model_config.backend),
+            backend=select_backend(model_config.backend, max_dense_weight_bytes=model_config.max_dense_weight_bytes),
             linear_mode=parse_linear_mode(model_config.linear_mode),
             i2s_variant=model_config.i2s_variant,
             tl_config=model_config.tl_config,

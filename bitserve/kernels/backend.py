@@ -143,8 +143,9 @@ def available_backends() -> list[str]:
     return names
 
 
-def select_backend(name: str = "auto") -> KernelBackend:
-    """Pick a backend once, at load. "auto" is "cpu" when numba works, else "reference"."""
+def select_backend(name: str = "auto", *, max_dense_weight_bytes: int = 0) -> KernelBackend:
+    """Pick a backend once, at load. "auto" is "cpu" when numba works, else "reference".
+    max_dense_weight_bytes: the cpu backend's budget of f32 copies of block weights (batched GEMMs)."""
     if name == "auto":
         name = "cpu" if _numba_works() else "reference"
     if name == "reference":
@@ -156,5 +157,5 @@ def select_backend(name: str = "auto") -> KernelBackend:
             raise ValueError("kernel backend 'cpu' needs numba, which is not importable or not working")
         from bitserve.kernels.cpu.backend import CpuBackend
 
-        return CpuBackend()
+        return CpuBackend(max_dense_weight_bytes=max_dense_weight_bytes)
     raise ValueError(f"unknown kernel backend {name!r}; choose one of: auto, {', '.join(BACKEND_NAMES)}")

@@ -78,6 +78,28 @@ def test_linear_group_mixes_packed_and_dense_and_is_batch_invariant() -> None:
     assert backend.linear(x[:0], weights[0]).shape == (0, 192)
 
 
+@pytest.mark.parametrize("layout", [Layout.Q4_1, Layout.Q8_0])
+def test_dense_copies_within_the_budget_serve_batched_steps(layout: Layout) -> None:
+    """With max_dense_weight_bytes, weights get an f32 copy (in load order, while the budget lasts) that
+    batches of block_gemm_min_tokens or more multiply; smaller batches still read the packed blocks."""
+    shapes = [(96, 128), (64, 128), (32, 128)]
+    backend = CpuBackend(max_dense_weight_bytes=4 * (96 + 64) * 128 + 100)  # room for the first two only
+    weights = [make_weight(layout, *shape, seed=10 + i) for i, shape in enumerate(shapes)]
+    prepared = [backend.prepare_block(weight) for weight in weights]
+    assert ["dense" in p.extras for p in prepared] == [True, True, False]  # type: ignore[union-attr]
+    assert backend.dense_bytes_left == 100
+    gen = torch.Generator().manual_seed(5)
+    for weight, prep in zip(weights, prepared, strict=True):
+        assert prep is not None
+        if "dense" in prep.extras:
+            assert torch.equal(prep.extras["dense"], dequantize(weight))  # decoded exactly as ggml
+        for num_tokens in TOKEN_COUNTS:
+            x = torch.randn(num_tokens, 128, generator=gen)
+            assert_close(backend.linear(x, prep), F.linear(x, dequantize(weight)))
+    with pytest.raises(ValueError, match="max_dense_weight_bytes"):
+        CpuBackend(max_dense_weight_bytes=-1)
+
+
 def test_unsupported_layouts_and_switches_fall_back_to_dense() -> None:
     weight = make_weight(Layout.Q4_1, 32, 64, seed=4)
     assert ReferenceBackend().prepare_block(weight) is None

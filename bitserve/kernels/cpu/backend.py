@@ -12,6 +12,10 @@ float mode always uses the chunked sgemm (decoded t * scale); llamacpp-tq mode a
 ggml's AVX2 TQ2_0 dot product (FMA included). Dense weights use torch.nn.functional.linear (MKL sgemm).
 Q4_0 / Q4_1 / Q8_0 weights stay block-quantized (`prepare_block`, kernels/cpu/blockquant.py): numba
 dot products for T < block_gemm_min_tokens, chunked dequantize + sgemm above; fp32-tolerance parity.
+With `max_dense_weight_bytes`, block weights also keep an f32 copy (decoded once, at load) while the
+budget lasts, and batches of block_gemm_min_tokens or more run one sgemm on it: batched decode and
+prefill then skip the per-step dequantization that dominated them (see benchmarks/RESULTS.md), at the
+cost of 4 bytes per weight. GEMV (decode, T < block_gemm_min_tokens) always reads the packed blocks.
 
 Threads: numba's OpenMP layer shares libgomp with torch. Run with OMP_WAIT_POLICY=PASSIVE (set before
 torch is imported) wherever the cores are shared: spin-waiting workers then cost ~8 ms per call.
@@ -19,6 +23,7 @@ torch is imported) wherever the cores are shared: spin-waiting workers then cost
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -103,18 +108,23 @@ class CpuBackend:
         num_threads: int | None = None,
         block_kernels: bool = True,
         block_gemm_min_tokens: int = DEFAULT_BLOCK_GEMM_MIN_TOKENS,
+        max_dense_weight_bytes: int = 0,
     ) -> None:
         """gemm_min_tokens: batch size from which bitnet mode uses the chunked exact sgemm.
         num_threads: numba threads for this backend's kernels (numba's setting is per calling thread,
         so it is applied on every call); None keeps numba's default (all cores).
         block_kernels: keep Q4_0 / Q4_1 / Q8_0 weights packed (False: the loader dequantizes them to f32).
-        block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm."""
+        block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm.
+        max_dense_weight_bytes: budget of f32 copies of block weights for those batches (0: none)."""
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in 1..{numba.config.NUMBA_NUM_THREADS}, got {num_threads}")
         self.gemm_min_tokens = gemm_min_tokens
         self.num_threads = num_threads
         self.block_kernels = block_kernels
         self.block_gemm_min_tokens = block_gemm_min_tokens
+        if max_dense_weight_bytes < 0:
+            raise ValueError(f"max_dense_weight_bytes must be >= 0, got {max_dense_weight_bytes}")
+        self.dense_bytes_left = max_dense_weight_bytes  # spent at load, weight by weight, in load order
 
     # ------------------------------------------------------------ load time
 
@@ -175,10 +185,26 @@ class CpuBackend:
         rows = weight.data.reshape(m, row_bytes)
         if weight.layout is Layout.Q8_0:
             q, d = blockquant.repack_q8_0(rows, k)
-            return PreparedLinear(m, k, Layout.Q8_0, None, q, d, self.name)
-        qs, d, mins = blockquant.repack_q4(rows, k, has_min=weight.layout is Layout.Q4_1)
-        extras = MappingProxyType({"m": mins})
-        return PreparedLinear(m, k, Layout.Q4_1, None, qs, d, self.name, extras)
+            prepared = PreparedLinear(m, k, Layout.Q8_0, None, q, d, self.name)
+        else:
+            qs, d, mins = blockquant.repack_q4(rows, k, has_min=weight.layout is Layout.Q4_1)
+            prepared = PreparedLinear(m, k, Layout.Q4_1, None, qs, d, self.name, MappingProxyType({"m": mins}))
+        if self.dense_bytes_left >= 4 * m * k:
+            self.dense_bytes_left -= 4 * m * k
+            dense = torch.empty(m, k, dtype=torch.float32)  # [M, K], decoded once from the packed blocks
+            self._decode_block_rows(prepared, 0, dense.numpy())
+            prepared = dataclasses.replace(prepared, extras=MappingProxyType({**prepared.extras, "dense": dense}))
+        return prepared
+
+    @staticmethod
+    def _decode_block_rows(weight: PreparedLinear, r0: int, out: np.ndarray) -> None:
+        """Rows r0 .. r0 + len(out) of a packed block weight as f32 into `out` [rows, K]."""
+        assert weight.scale is not None  # invariant: block weights carry their d
+        codes, d = weight.data.numpy(), weight.scale.numpy()
+        if weight.layout is Layout.Q4_1:
+            blockquant.decode_q4_rows(codes, d, weight.extras["m"].numpy(), r0, out)
+        else:
+            blockquant.decode_q8_0_rows(codes, d, r0, out)
 
     # ------------------------------------------------------------ per step
 
@@ -258,16 +284,16 @@ class CpuBackend:
             else:
                 blockquant.q8_0_linear_kernel(codes, d, x.numpy(), out)
             return torch.from_numpy(out)
+        dense = weight.extras.get("dense")
+        if dense is not None:
+            return F.linear(x, dense)
         k = weight.in_features
         rows = max(16, CHUNK_BYTES // (4 * k))
         buf = torch.empty(min(rows, m), k, dtype=torch.float32)
         out_t = torch.empty(m, num_tokens, dtype=torch.float32)  # [M, T]: row chunks are contiguous
         for r0 in range(0, m, rows):
             chunk = buf[: min(rows, m - r0)]
-            if is_q4:
-                blockquant.decode_q4_rows(codes, d, weight.extras["m"].numpy(), r0, chunk.numpy())
-            else:
-                blockquant.decode_q8_0_rows(codes, d, r0, chunk.numpy())
+            self._decode_block_rows(weight, r0, chunk.numpy())
             torch.mm(chunk, x.t(), out=out_t[r0 : r0 + chunk.shape[0]])
         return out_t.t().contiguous()
 
