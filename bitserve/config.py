@@ -151,7 +151,18 @@ class BatchLimits:
 
 
 GENERIC_BATCH_LIMITS = BatchLimits(max_num_seqs=256, max_num_batched_tokens=2048)  # formats not measured
-FORMAT_BATCH_LIMITS: dict[str, BatchLimits] = {}  # provisional: filled from the measured curves
+# 2026-11-26, 2-vCPU AMD EPYC, 2 threads (RESULTS.md has the curves). The rule: max_num_seqs is the largest
+# concurrency whose tok/s beat the fastest smaller level by >= 10% per doubling, median step <= 1 s;
+# max_num_batched_tokens the largest power of two of prefill that runs in <= 1 s. I2_S, TQ1_0, TQ2_0, TL1
+# and TL2 are repacked at load into one runtime ternary layout, so they run the same kernels: one row,
+# from the three measured curves pooled (TL1 / TL2 share it unmeasured). F16 means float (non-ternary)
+# F16 projections on the dense path; Q4_1 is SmolLM2-135M's.
+_TERNARY_LIMITS = BatchLimits(max_num_seqs=128, max_num_batched_tokens=1024)
+FORMAT_BATCH_LIMITS: dict[str, BatchLimits] = {
+    **dict.fromkeys(("I2_S", "TQ1_0", "TQ2_0", "TL1", "TL2"), _TERNARY_LIMITS),
+    "Q4_1": BatchLimits(max_num_seqs=128, max_num_batched_tokens=512),
+    "F16": BatchLimits(max_num_seqs=32, max_num_batched_tokens=512),
+}
 
 
 def batch_limits_for(weight_format: str) -> BatchLimits:
