@@ -115,6 +115,30 @@ class KernelBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class FusedOps(Protocol):
+    """Optional: a backend's single-call versions of the small per-layer ops. Layers use them when the
+    backend has them and fall back to their own eager torch code (the reference) otherwise."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x f32 [T, N], weight f32 [N] -> f32 [T, N]; bit-identical to layers.norm.RMSNorm."""
+        ...
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rope_dim: int, is_neox: bool) -> None:  # fmt: skip
+        """RoPE in place on contiguous f32 q [T, heads, D] and k [T, kv_heads, D]; bit-identical to the layer."""
+        ...
+
+    def paged_decode_attention(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """One query per sequence over f32 KV pages [num_blocks, block_size, kv_heads, D] -> f32 [n, heads, D]."""
+        ...
+
+
+def fused_ops(backend: KernelBackend) -> FusedOps | None:
+    return backend if isinstance(backend, FusedOps) else None
+
+
 def check_linear_input(x: torch.Tensor, weight: PreparedLinear) -> None:
     """Shared argument check for `linear`: f32 [T, K] with K == weight.in_features."""
     if x.dtype != torch.float32 or x.dim() != 2:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bitserve.kernels.backend import FusedOps
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -44,6 +46,7 @@ class DecodeBatch:
     token_rows: torch.Tensor  # [num_decodes] int64: rows of the flat batch
     block_table: torch.Tensor  # [num_decodes, max_num_blocks] int64
     key_mask: torch.Tensor  # [num_decodes, max_num_blocks * block_size] bool: True where a key exists
+    seq_lens: torch.Tensor  # [num_decodes] int64: keys of each sequence (this step's included)
 
 
 def make_decode_batch(seq_ids: list[int], metadata_block_table: torch.Tensor, seq_lens: list[int],
@@ -57,14 +60,16 @@ def make_decode_batch(seq_ids: list[int], metadata_block_table: torch.Tensor, se
         token_rows=torch.tensor([query_start_loc[i] for i in seq_ids], dtype=torch.int64),
         block_table=metadata_block_table[seq_ids, :num_blocks],
         key_mask=positions < lengths,
+        seq_lens=lengths.reshape(-1).to(torch.int64),
     )
 
 
 class PagedAttention(nn.Module):
     """Multi-head attention with grouped KV heads; q/k/v arrive already projected and rotated."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, fused: FusedOps | None = None) -> None:
         super().__init__()
+        self.fused = fused  # the backend's paged decode kernel, used for f32 KV caches
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -93,7 +98,13 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         key_pages, value_pages = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
         if metadata.decode is not None:
-            out[metadata.decode.token_rows] = self._attend_decodes(q, key_pages, value_pages, metadata.decode)
+            decode = metadata.decode
+            if self.fused is not None and kv_cache.dtype == torch.float32:
+                out[decode.token_rows] = self.fused.paged_decode_attention(
+                    q[decode.token_rows], key_pages, value_pages, decode.block_table, decode.seq_lens, self.scale
+                )
+            else:
+                out[decode.token_rows] = self._attend_decodes(q, key_pages, value_pages, decode)
         seq_ids = metadata.other_seq_ids if metadata.other_seq_ids is not None else range(metadata.num_seqs)
         for seq_idx in seq_ids:
             seq_len = metadata.seq_lens[seq_idx]

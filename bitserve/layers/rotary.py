@@ -12,6 +12,8 @@ import enum
 import torch
 from torch import nn
 
+from bitserve.kernels.backend import FusedOps
+
 
 class RopeStyle(enum.Enum):
     NEOX = "neox"
@@ -34,8 +36,10 @@ class RotaryEmbedding(nn.Module):
         style: RopeStyle,
         freq_factors: torch.Tensor | None = None,
         position_scale: float = 1.0,
+        fused: FusedOps | None = None,
     ) -> None:
         super().__init__()
+        self.fused = fused  # the backend's in-place kernel (bit-identical), when it has one
         if rope_dim % 2:
             raise ValueError(f"rope dimension must be even, got {rope_dim}")
         self.rope_dim = rope_dim
@@ -52,6 +56,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and q.is_contiguous() and k.is_contiguous() and q.dtype == k.dtype == torch.float32:
+            # NOTE: in place: q and k are fresh projection outputs that nothing else holds
+            self.fused.rotary_(q, k, positions, self.cos, self.sin, self.rope_dim, self.style is RopeStyle.NEOX)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rope_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from bitserve.errors import UnsupportedModel
+from bitserve.kernels.backend import fused_ops
 from bitserve.layers.activation import GATED_ACTIVATIONS
 from bitserve.layers.attention import AttentionMetadata, PagedAttention
 from bitserve.layers.embedding import LMHead, TokenEmbedding
@@ -28,21 +29,22 @@ class DecoderLayer(nn.Module):
         prefix = f"blk.{layer_id}"
         ternary = model.projections_may_be_ternary
         eps = spec.rms_norm_eps
+        fused = fused_ops(weights.backend)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.attn_norm = RMSNorm(weights.vector(f"{prefix}.attn_norm.weight"), eps)
+        self.attn_norm = RMSNorm(weights.vector(f"{prefix}.attn_norm.weight"), eps, fused)
         self.qkv = LinearGroup(
             weights.backend,
             [weights.linear(f"{prefix}.attn_{n}.weight", may_be_ternary=ternary) for n in ("q", "k", "v")],
             [model.output_scale(weights, f"{prefix}.attn_{n}") for n in ("q", "k", "v")],
         )
-        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, fused)
         self.attn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.attn_sub_norm.weight")
         self.o_proj = Linear(
             weights.backend,
             weights.linear(f"{prefix}.attn_output.weight", may_be_ternary=ternary),
             model.output_scale(weights, f"{prefix}.attn_output"),
         )
-        self.ffn_norm = RMSNorm(weights.vector(f"{prefix}.ffn_norm.weight"), eps)
+        self.ffn_norm = RMSNorm(weights.vector(f"{prefix}.ffn_norm.weight"), eps, fused)
         self.gate_up = LinearGroup(
             weights.backend,
             [weights.linear(f"{prefix}.ffn_{n}.weight", may_be_ternary=ternary) for n in ("gate", "up")],
@@ -58,7 +60,7 @@ class DecoderLayer(nn.Module):
 
     @staticmethod
     def _sub_norm(spec: ModelSpec, weights: WeightSource, name: str) -> RMSNorm | None:
-        return RMSNorm(weights.vector(name), spec.rms_norm_eps) if spec.has_sub_norms else None
+        return RMSNorm(weights.vector(name), spec.rms_norm_eps, fused_ops(weights.backend)) if spec.has_sub_norms else None
 
     def forward(
         self,
@@ -107,9 +109,10 @@ class DecoderModel(nn.Module):
             spec.rope_style,
             freq_factors=self.rope_freq_factors(weights),
             position_scale=spec.rope_position_scale,
+            fused=fused_ops(weights.backend),
         )
         self.layers = nn.ModuleList(DecoderLayer(spec, weights, i, self) for i in range(spec.num_layers))
-        self.norm = RMSNorm(weights.vector("output_norm.weight"), spec.rms_norm_eps)
+        self.norm = RMSNorm(weights.vector("output_norm.weight"), spec.rms_norm_eps, fused_ops(weights.backend))
         head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
         self.lm_head = LMHead(weights.head(head_name), weights.backend)
 

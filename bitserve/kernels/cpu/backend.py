@@ -37,7 +37,7 @@ from numba.core.errors import NumbaError
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import LinearMode, PreparedLinear, check_linear_input
-from bitserve.kernels.cpu import blockquant
+from bitserve.kernels.cpu import blockquant, fused
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary as reference
@@ -296,6 +296,30 @@ class CpuBackend:
             self._decode_block_rows(weight, r0, chunk.numpy())
             torch.mm(chunk, x.t(), out=out_t[r0 : r0 + chunk.shape[0]])
         return out_t.t().contiguous()
+
+    # ------------------------------------------------------------ fused small ops (FusedOps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x f32 [T, N], weight f32 [N] -> f32 [T, N]; bit-identical to layers.norm.RMSNorm."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        fused.rms_norm_kernel(x.numpy(), weight.detach().numpy(), eps, out.numpy())
+        return out
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rope_dim: int, is_neox: bool) -> None:  # fmt: skip
+        """RoPE in place on contiguous q [T, heads, D] / k [T, kv_heads, D]; bit-identical to RotaryEmbedding."""
+        fused.rotary_kernel(q.numpy(), k.numpy(), positions.numpy(), cos.numpy(), sin.numpy(), rope_dim, is_neox)
+
+    def paged_decode_attention(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """q f32 [n, heads, D], f32 pages [num_blocks, block_size, kv_heads, D] -> f32 [n, heads, D]."""
+        if self.num_threads is not None:
+            numba.set_num_threads(self.num_threads)
+        out = torch.empty_like(q)
+        fused.paged_decode_attention_kernel(q.contiguous().numpy(), key_pages.numpy(), value_pages.numpy(),
+                                            block_table.numpy(), seq_lens.numpy(), scale, out.numpy())  # fmt: skip
+        return out
 
     @staticmethod
     def _chunked_matmul(a: torch.Tensor, w: np.ndarray, scale: np.ndarray, m: int) -> torch.Tensor:

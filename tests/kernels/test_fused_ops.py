@@ -1,0 +1,69 @@
+"""The cpu backend's fused small ops against the eager torch layers they replace: RMSNorm and RoPE
+bit for bit, paged decode attention within fp32 tolerance, over odd shapes, GQA and ragged batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitserve.kernels.backend import fused_ops
+from bitserve.kernels.cpu.backend import CpuBackend
+from bitserve.kernels.reference.backend import ReferenceBackend
+from bitserve.layers.attention import AttentionMetadata, PagedAttention, make_decode_batch
+from bitserve.layers.norm import RMSNorm
+from bitserve.layers.rotary import RopeStyle, RotaryEmbedding
+
+BACKEND = CpuBackend()
+
+
+def test_only_backends_with_the_kernels_offer_them() -> None:
+    assert fused_ops(BACKEND) is BACKEND and fused_ops(ReferenceBackend()) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 1536), (17, 2560), (2, 7)])
+def test_rms_norm_is_bit_identical(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(shape[0] * 31 + shape[1])
+    x = torch.randn(shape, generator=gen) * 3.0
+    weight = torch.randn(shape[1], generator=gen)
+    expected = RMSNorm(weight, 1e-6)(x)
+    assert torch.equal(RMSNorm(weight, 1e-6, BACKEND)(x), expected)
+
+
+@pytest.mark.parametrize("style", [RopeStyle.NEOX, RopeStyle.NORM])
+@pytest.mark.parametrize(("head_dim", "rope_dim"), [(64, 64), (128, 64), (6, 4)])
+def test_rotary_is_bit_identical(style: RopeStyle, head_dim: int, rope_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim + rope_dim)
+    positions = torch.tensor([0, 5, 4095, 77, 3])
+    q = torch.randn(5, 9, head_dim, generator=gen)
+    k = torch.randn(5, 3, head_dim, generator=gen)
+    eager = RotaryEmbedding(rope_dim, 10000.0, 4096, style, freq_factors=torch.linspace(1, 2, rope_dim // 2))
+    fused = RotaryEmbedding(rope_dim, 10000.0, 4096, style, freq_factors=torch.linspace(1, 2, rope_dim // 2), fused=BACKEND)
+    expected_q, expected_k = eager(positions, q.clone(), k.clone())
+    actual_q, actual_k = fused(positions, q.clone(), k.clone())
+    assert torch.equal(actual_q, expected_q) and torch.equal(actual_k, expected_k)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (8, 1)])
+def test_paged_decode_attention_matches_the_eager_path(num_heads: int, num_kv_heads: int) -> None:
+    head_dim, block_size, num_blocks = 16, 4, 32
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    seq_lens = [1, 9, 4, 13]  # ragged, block-boundary cases included
+    block_table = torch.zeros(len(seq_lens), 4, dtype=torch.int64)
+    shuffled = torch.randperm(num_blocks, generator=gen)  # pages scattered over the pool
+    for row, length in enumerate(seq_lens):
+        num_used = -(-length // block_size)
+        block_table[row, :num_used] = shuffled[row * 4 : row * 4 + num_used]
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    k_new = torch.randn(len(seq_lens), num_kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(len(seq_lens), num_kv_heads, head_dim, generator=gen)
+    slots = [int(block_table[row, (n - 1) // block_size]) * block_size + (n - 1) % block_size for row, n in enumerate(seq_lens)]
+    query_start_loc = list(range(len(seq_lens) + 1))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
+        block_size=block_size, decode=make_decode_batch(list(range(len(seq_lens))), block_table, seq_lens, query_start_loc, block_size),
+        other_seq_ids=(),
+    )  # fmt: skip
+    eager = PagedAttention(num_heads, num_kv_heads, head_dim)(q, k_new, v_new, kv_cache.clone(), metadata)
+    fused = PagedAttention(num_heads, num_kv_heads, head_dim, BACKEND)(q, k_new, v_new, kv_cache.clone(), metadata)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
