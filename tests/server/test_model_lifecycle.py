@@ -318,3 +318,33 @@ def test_pull_checks_and_hashes_a_catalog_model(smollm2_path: Path, capsys: pyte
     assert result["path"] == str(smollm2_path) and result["architecture"] == "llama"
     assert result["sha256"] == hashlib.sha256(smollm2_path.read_bytes()).hexdigest()
     assert main(["pull", "no-such-model"]) == 2
+
+
+# ----------------------------------------------------------------- black box
+
+
+def test_blackbox_serve_with_a_model_root_and_the_openai_client(model_root: ModelRoot, tmp_path: Path) -> None:
+    """`bitserve serve --model-root` in a subprocess: the official client sees the version that served
+    it change with a swap made by `bitserve models`, and GET /v1/models lists the new version."""
+    import subprocess
+    import sys
+
+    import openai
+    from http_testing import ServerProcess
+
+    v1, v2 = version_of(model_root.files["v1"]), version_of(model_root.files["v2"])
+    server = ServerProcess(tmp_path / "server.log", "--model", str(model_root.files["v1"]), "--model-root", str(model_root.root),
+                           "--swap-probation-s", "0", "--max-model-len", "256")  # fmt: skip
+    try:
+        server.wait_ready()
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60.0) as api:
+            first = api.completions.with_raw_response.create(model=ALIAS, prompt="Hello", max_tokens=3, temperature=0)
+            assert first.headers["x-model-version"] == v1 and first.parse().model_extra["model_version"] == v1
+            swap = subprocess.run([sys.executable, "-m", "bitserve.cli", "models", "--url", server.url, "swap", ALIAS, "v2"],
+                                  capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+            assert swap.returncode == 0, swap.stderr
+            second = api.completions.create(model=ALIAS, prompt="Hello", max_tokens=3, temperature=0)
+            assert second.model_extra["model_version"] == v2
+            assert [(m.id, m.model_extra["version"]) for m in api.models.list()] == [(ALIAS, v2)]
+    finally:
+        server.stop()
