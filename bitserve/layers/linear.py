@@ -28,9 +28,20 @@ class LinearGroup(nn.Module):
         self.backend = backend
         self.weights = list(weights)
         self.output_scales = list(output_scales) if output_scales is not None else [None] * len(weights)
+        # When the backend can stack the group into one weight, run that and slice its output rows.
+        self.out_features = [weight.out_features for weight in self.weights]
+        self.row_offsets: list[int] | None = None
+        fuse = getattr(backend, "fuse_group", None)
+        fused = fuse(self.weights) if fuse is not None else None
+        if fused is not None:
+            stacked, self.row_offsets = fused
+            self.weights = [stacked]
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if len(self.weights) == 1:
+        if self.row_offsets is not None:
+            stacked = self.backend.linear(x, self.weights[0])  # [num_tokens, stacked rows]
+            outputs = [stacked[:, start : start + size] for start, size in zip(self.row_offsets, self.out_features, strict=True)]
+        elif len(self.weights) == 1:
             outputs = [self.backend.linear(x, self.weights[0])]
         else:
             outputs = self.backend.linear_group(x, self.weights)

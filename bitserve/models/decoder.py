@@ -72,9 +72,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv(self.attn_norm(hidden_states))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # reshape, not view: a stacked q/k/v output is column slices (a copy only when num_tokens > 1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         attn_out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
         if self.attn_sub_norm is not None:

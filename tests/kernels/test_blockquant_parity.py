@@ -100,6 +100,26 @@ def test_dense_copies_within_the_budget_serve_batched_steps(layout: Layout) -> N
         CpuBackend(max_dense_weight_bytes=-1)
 
 
+@pytest.mark.parametrize("layout", [Layout.Q4_1, Layout.Q8_0])
+@pytest.mark.parametrize("dense_budget", [0, 1 << 30])
+def test_a_stacked_group_equals_its_weights_run_one_by_one(layout: Layout, dense_budget: int) -> None:
+    """fuse_group (q/k/v, gate/up): one stacked weight; each slice of its output equals the weight run
+    alone, bit for bit, for every batch size (rows are computed independently, in the same order)."""
+    from bitserve.layers.linear import LinearGroup
+
+    backend = CpuBackend(max_dense_weight_bytes=dense_budget)
+    weights = [backend.prepare_block(make_weight(layout, rows, 256, seed=rows)) for rows in (256, 64, 100)]
+    group = LinearGroup(backend, weights)  # type: ignore[arg-type]
+    assert group.row_offsets == [0, 256, 320] and len(group.weights) == 1
+    gen = torch.Generator().manual_seed(9)
+    for num_tokens in TOKEN_COUNTS:
+        x = torch.randn(num_tokens, 256, generator=gen)
+        for out, weight in zip(group(x), weights, strict=True):
+            assert torch.equal(out, backend.linear(x, weight))  # type: ignore[arg-type]
+    mixed = [weights[0], backend.prepare_block(make_weight(Layout.Q4_0 if layout is Layout.Q8_0 else Layout.Q8_0, 64, 256, seed=1))]
+    assert backend.fuse_group(mixed) is None  # type: ignore[arg-type]
+
+
 def test_unsupported_layouts_and_switches_fall_back_to_dense() -> None:
     weight = make_weight(Layout.Q4_1, 32, 64, seed=4)
     assert ReferenceBackend().prepare_block(weight) is None

@@ -196,6 +196,38 @@ class CpuBackend:
             prepared = dataclasses.replace(prepared, extras=MappingProxyType({**prepared.extras, "dense": dense}))
         return prepared
 
+    def fuse_group(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
+        """Once, at load: block weights of one group (same layout and K; q/k/v, gate/up) stacked into one,
+        so a step makes one kernel call with 64-row tasks from all of them (small K/V projections alone
+        leave a core idle). Returns (stacked weight, row offset of each weight in its output), or None.
+        Each output row is computed exactly as before: splitting the stacked output is bit-identical."""
+        layouts = {weight.layout for weight in weights}
+        if len(weights) < 2 or len(layouts) != 1 or not layouts <= {Layout.Q4_1, Layout.Q8_0}:
+            return None
+        if len({weight.in_features for weight in weights}) != 1:
+            return None
+        offsets, num_padded = [], 0
+        for weight in weights:
+            offsets.append(num_padded)
+            num_padded += weight.data.shape[0] * blockquant.GROUP_ROWS  # each weight's groups, padding included
+        data = torch.cat([weight.data for weight in weights])  # [sum G, ...]: the groups one after another
+        scale = torch.cat([weight.scale for weight in weights if weight.scale is not None])
+        extras: dict[str, torch.Tensor] = {}
+        if "m" in weights[0].extras:
+            extras["m"] = torch.cat([weight.extras["m"] for weight in weights])
+        if all("dense" in weight.extras for weight in weights):
+            extras["dense"] = torch.cat([self._pad_rows(weight.extras["dense"], weight.data.shape[0] * blockquant.GROUP_ROWS)
+                                         for weight in weights])  # fmt: skip
+        stacked = PreparedLinear(num_padded, weights[0].in_features, weights[0].layout, None, data, scale, self.name,
+                                 MappingProxyType(extras))  # fmt: skip
+        return stacked, offsets
+
+    @staticmethod
+    def _pad_rows(dense: torch.Tensor, num_rows: int) -> torch.Tensor:
+        if dense.shape[0] == num_rows:
+            return dense
+        return torch.cat([dense, dense.new_zeros(num_rows - dense.shape[0], dense.shape[1])])
+
     @staticmethod
     def _decode_block_rows(weight: PreparedLinear, r0: int, out: np.ndarray) -> None:
         """Rows r0 .. r0 + len(out) of a packed block weight as f32 into `out` [rows, K]."""
