@@ -11,7 +11,8 @@ Measures, with 2 threads and OMP_WAIT_POLICY=PASSIVE (set before torch loads lib
   prompt, time to first token) and decode tok/s (greedy, ignore_eos), plus a cProfile of decode steps.
 - SmolLM2-135M-Instruct Q4_1: the same numbers for bitserve and llama.cpp (llama-cpp-python), run
   alternately on the same token ids, and their ratios.
-- --tq2: the same 2B weights as TQ2_0 (arch `bitnet`) through llama.cpp, beside bitserve's I2_S.
+- --tq2: the same 2B weights as TQ2_0 (arch `bitnet`) through llama.cpp, beside bitserve's I2_S, and
+  beside bitserve loading that same TQ2_0 file.
 bitserve is driven through its Engine one step at a time (no detokenization); llama.cpp through
 `Llama.eval` with a greedy argmax over the last logits. Timings only; nothing is asserted.
 """
@@ -427,17 +428,25 @@ def bench_smollm2(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 
 def bench_2b_tq2(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """llama.cpp on the TQ2_0 twin beside bitserve on the I2_S file (both loaded: RSS not measured)."""
+    """llama.cpp on the TQ2_0 twin beside bitserve on the I2_S file, then beside bitserve on the same
+    TQ2_0 file (all three loaded: RSS not measured). Each pair alternates on its own, so each ratio
+    comes from one stretch of machine load."""
     i2s = ensure_model(args.model_2b, "I2_S", args.layers)
     tq2 = ensure_model(args.model_2b_tq2, "TQ2_0", args.layers)
     llm = LLM(str(i2s))
+    start = time.perf_counter()
+    llm_tq2 = LLM(str(tq2))
+    tq2_load_s = time.perf_counter() - start
     llama = LlamaCppRunner(tq2, args.threads)
     base_ids = llm.tokenizer.encode(TEXT, add_special=False)
     tq2_args = argparse.Namespace(**{**vars(args), "repeats": 1})
-    results = compare([(BitserveRunner(llm), llama)], base_ids, tq2_args)
-    results["llama.cpp"]["load_s"] = llama.load_s
-    report["2b_tq2_vs_i2s"] = results
+    for key, bitserve_llm in (("2b_tq2_vs_i2s", llm), ("2b_tq2_vs_tq2", llm_tq2)):
+        results = compare([(BitserveRunner(bitserve_llm), llama)], base_ids, tq2_args)
+        results["llama.cpp"]["load_s"] = llama.load_s
+        report[key] = results
+    report["2b_tq2_vs_tq2"]["bitserve"]["load_s"] = tq2_load_s
     llama.close()
+    llm_tq2.close()
     llm.close()
 
 
@@ -504,6 +513,11 @@ def print_report(report: dict[str, Any]) -> None:
         print_pair(
             "2B-4T-shaped: bitserve I2_S (bitnet-b1.58) vs llama.cpp TQ2_0 (bitnet), same ternary weights",
             report["2b_tq2_vs_i2s"],
+        )
+    if "2b_tq2_vs_tq2" in report:
+        print_pair(
+            "2B-4T-shaped: bitserve TQ2_0 vs llama.cpp TQ2_0 (both arch bitnet), the same file",
+            report["2b_tq2_vs_tq2"],
         )
 
 
