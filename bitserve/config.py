@@ -70,7 +70,13 @@ class ServerConfig:
         default=10.0, metadata=_help("seconds to receive a request's headers once a connection is open or busy (slowloris)")
     )
     max_header_bytes: int = field(default=16 * 1024, metadata=_help("largest request line plus headers; larger gets 431 (or 400 while still arriving)"))
-    keep_alive_timeout_s: int = field(default=5, metadata=_help("seconds an idle keep-alive connection stays open"))
+    # NOTE: longer than the idle timeout of the proxies in front (AWS ALB 60 s, nginx upstream
+    # keepalive 60 s): a server that closes an idle connection first races the proxy's or client's
+    # next request on it, which then fails with a connection reset (measured: a few per thousand
+    # requests with uvicorn's 5 s and a busy client pool).
+    keep_alive_timeout_s: int = field(
+        default=75, metadata=_help("seconds an idle keep-alive connection stays open (keep above your proxy's idle timeout)")
+    )
     max_num_waiting: int = field(
         default=256, metadata=_help("unfinished requests admitted at once; more get 429 with Retry-After")
     )

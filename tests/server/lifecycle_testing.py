@@ -79,7 +79,7 @@ class ThreadServer:
 
         self.app = build_app(server_config, engine_config)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=server_config.port, log_config=None,
-                                lifespan="on", access_log=False)  # fmt: skip
+                                lifespan="on", access_log=False, timeout_keep_alive=server_config.keep_alive_timeout_s)  # fmt: skip
         self.server = uvicorn.Server(config)
         self.url = f"http://127.0.0.1:{server_config.port}"
         self.loop = asyncio.new_event_loop()

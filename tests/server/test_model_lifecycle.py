@@ -13,7 +13,14 @@ from typing import Any
 
 import httpx
 import pytest
-from lifecycle_testing import KV_CACHE_BYTES, ModelRoot, build_model_root, lifecycle_server, stream_completion
+from lifecycle_testing import (
+    KV_CACHE_BYTES,
+    ModelRoot,
+    StreamResult,
+    build_model_root,
+    lifecycle_server,
+    stream_completion,
+)
 
 ALIAS = "v1"  # the startup model's alias: its file stem
 
@@ -49,7 +56,10 @@ async def _clients(url: str, num_clients: int, stop: asyncio.Event, results: lis
             count = 0
             while not stop.is_set():
                 started = time.monotonic()
-                result = await stream_completion(client, f"client {index} request {count}", max_tokens, model)
+                try:
+                    result = await stream_completion(client, f"client {index} request {count}", max_tokens, model)
+                except (httpx.HTTPError, ValueError, KeyError) as exc:  # a broken stream is a failed request, not a hang
+                    result = StreamResult(-1, None, set(), "", None, False, f"{type(exc).__name__}: {exc}")
                 results.append((started, time.monotonic(), result))
                 count += 1
 
@@ -80,7 +90,8 @@ def test_swap_under_load_loses_nothing(model_root: ModelRoot) -> None:
                     response = await admin_client.post(f"/v1/models/{ALIAS}/swap", json={"model": target, "wait": True})
                     assert response.status_code == 200, response.text
                     swaps.append(response.json()["result"]["version"])
-                while len(results) < 1000:
+                deadline = time.monotonic() + 300
+                while len(results) < 1000 and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
             stop.set()
             await clients
