@@ -56,8 +56,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fused is not None and q.is_contiguous() and k.is_contiguous() and q.dtype == k.dtype == torch.float32:
-            # NOTE: in place: q and k are fresh projection outputs that nothing else holds
+        if self.fused is not None and q.dtype == k.dtype == torch.float32:
+            # NOTE: in place: q and k are fresh projection outputs that nothing else holds (column
+            # slices of a stacked q/k/v output when num_tokens > 1: made contiguous, a small copy)
+            q, k = q.contiguous(), k.contiguous()
             self.fused.rotary_(q, k, positions, self.cos, self.sin, self.rope_dim, self.style is RopeStyle.NEOX)
             return q, k
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rope_dim / 2]

@@ -67,3 +67,18 @@ def test_paged_decode_attention_matches_the_eager_path(num_heads: int, num_kv_he
     eager = PagedAttention(num_heads, num_kv_heads, head_dim)(q, k_new, v_new, kv_cache.clone(), metadata)
     fused = PagedAttention(num_heads, num_kv_heads, head_dim, BACKEND)(q, k_new, v_new, kv_cache.clone(), metadata)
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_takes_column_slices_of_a_stacked_projection() -> None:
+    """q / k as views into one [T, q + k + v] output (a stacked group): same values as contiguous inputs."""
+    gen = torch.Generator().manual_seed(3)
+    stacked = torch.randn(4, (9 + 3 + 3) * 64, generator=gen)
+    q = stacked[:, : 9 * 64].reshape(4, 9, 64)
+    k = stacked[:, 9 * 64 : 12 * 64].reshape(4, 3, 64)
+    assert not q.is_contiguous()
+    positions = torch.tensor([1, 2, 3, 4])
+    eager = RotaryEmbedding(64, 10000.0, 64, RopeStyle.NORM)
+    fused = RotaryEmbedding(64, 10000.0, 64, RopeStyle.NORM, fused=BACKEND)
+    expected = eager(positions, q.clone(), k.clone())
+    actual = fused(positions, q, k)
+    assert torch.equal(actual[0], expected[0]) and torch.equal(actual[1], expected[1])
