@@ -127,10 +127,18 @@ class GenerationStream:
 
     async def next(self, timeout: float | None) -> RequestOutput | None:
         """The next output; None on timeout; StopAsyncIteration at the end; the stream's error."""
+        # NOTE: not asyncio.wait_for: up to Python 3.11 it returns the result when a cancellation
+        # (client disconnect) lands just as the item arrives, swallowing the cancel. asyncio.wait
+        # never swallows it; an unfinished get is cancelled (Queue.get keeps the item then).
+        getter = asyncio.ensure_future(self._queue.get())
         try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+            done, _ = await asyncio.wait({getter}, timeout=timeout)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if not done:
             return None
+        item = getter.result()
         if item is None:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
@@ -235,10 +243,14 @@ class SSEResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self.is_disconnected = False
         body = asyncio.ensure_future(self._send_frames(send))
         watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
             await asyncio.wait({body, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            # Also a flag, not only the cancel below: a cancellation swallowed inside the frames'
+            # awaits must still stop the loop, or the request would run to its end for nobody.
+            self.is_disconnected = watcher.done()
         finally:
             for task in (body, watcher):
                 if not task.done():
@@ -251,6 +263,8 @@ class SSEResponse(Response):
     async def _send_frames(self, send: Send) -> None:
         try:
             async for frame in self.frames:
+                if self.is_disconnected:
+                    return  # the finally closes the frames, which aborts the request
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
