@@ -359,3 +359,39 @@ def test_blackbox_serve_with_a_model_root_and_the_openai_client(model_root: Mode
             assert [(m.id, m.model_extra["version"]) for m in api.models.list()] == [(ALIAS, v2)]
     finally:
         server.stop()
+
+
+def test_load_progress_is_visible_while_loading(model_root: ModelRoot, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a load runs (held at the weights phase here), GET /v1/models lists the new alias as
+    loading with its phase and progress, and the running operation; requests to it get 503."""
+    import threading
+
+    from bitserve.frontend import model_manager
+
+    release = threading.Event()
+    real_load = model_manager.ModelInstance.load
+
+    def held_load(config: Any) -> Any:
+        assert release.wait(60), "the test never released the load"
+        return real_load(config)
+
+    with lifecycle_server(model_root) as server:
+        monkeypatch.setattr(model_manager.ModelInstance, "load", staticmethod(held_load))
+        started = admin(server.url, "/v1/models/load", {"model": "v2", "alias": "second"})
+        assert started.status_code == 202
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            listing = httpx.get(f"{server.url}/v1/models").json()
+            loading = [m for m in listing["data"] if m["id"] == "second"]
+            if loading and loading[0]["phase"] == "loading":
+                break
+            time.sleep(0.05)
+        assert loading and loading[0]["state"] == "loading" and 0 < loading[0]["progress"] < 1, listing
+        assert [(op["action"], op["alias"], op["state"]) for op in listing["operations"]] == [("load", "second", "running")]
+        assert asyncio.run(_one(server.url, "second")).status == 503
+        release.set()
+        operation_url = started.json()["status_url"]
+        while httpx.get(f"{server.url}{operation_url}").json()["state"] == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{server.url}{operation_url}").json()["state"] == "succeeded"
+        assert asyncio.run(_one(server.url, "second")).versions == {version_of(model_root.files["v2"])}
