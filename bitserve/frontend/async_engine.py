@@ -266,9 +266,7 @@ class AsyncEngine:
 
     def _on_dead(self, error: BaseException) -> None:
         self._dead = error
-        dead = EngineDead(f"the model's engine failed: {type(error).__name__}: {error}", hint="retry; the replica is out of service")
-        for stream in self._streams.values():
-            stream.queue.put_nowait(dead)
+        self.expire(EngineDead(f"the model's engine failed: {type(error).__name__}: {error}", hint="retry; the replica is out of service"))
 
     def expire(self, error: BaseException) -> int:
         """End every stream still in flight with `error` (a drain deadline); returns how many."""

@@ -189,9 +189,7 @@ class ModelManager:
         return {"version": result["version"], "rolled_back_from": result["previous_version"], "reloaded": True}
 
     async def _unload(self, operation: Operation) -> dict[str, Any]:
-        entry = self.aliases.pop(operation.alias)
-        if self.default_alias == operation.alias:
-            self.default_alias = next(iter(self.aliases), None)
+        entry = self._remove_alias(operation.alias)
         await asyncio.gather(*(self._retire(slot) for slot in (entry.current, entry.previous) if slot is not None))
         self._record("unload", operation.alias, entry.current.version, "success")
         return {"version": entry.current.version}
@@ -235,8 +233,7 @@ class ModelManager:
     async def _bring_up(self, operation: Operation, source: RegisteredModel, *, validate: bool) -> ModelSlot:
         """Load `source` as a new slot beside what serves, warm and validate it; READY on success.
         On any failure the slot is freed and the error raised; nothing else changes."""
-        self._num_slots += 1
-        slot = ModelSlot(f"{operation.alias}@{source.version}#{self._num_slots}", operation.alias, source)
+        slot = self._new_slot(operation.alias, source, source.version)
         operation.slot = slot
         self._slots.append(slot)
         start = time.monotonic()
@@ -273,8 +270,7 @@ class ModelManager:
 
     async def adopt(self, instance: ModelInstance, alias: str, version: str = "adopted") -> ModelSlot:
         """Serve an instance loaded by the caller (tests); it is warmed but never closed here."""
-        self._num_slots += 1
-        slot = ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, RegisteredModel(alias, instance.path), owns_instance=False)
+        slot = self._new_slot(alias, RegisteredModel(alias, instance.path), version, owns_instance=False)
         slot.instance = instance
         self._slots.append(slot)
         engine = self._start_engine(slot, version)
@@ -309,16 +305,15 @@ class ModelManager:
             slot.state = SlotState.UNLOADED
         if slot in self._slots:
             self._slots.remove(slot)
-        forget = getattr(self.stats, "forget_model", None)
-        if forget is not None and not any(other.alias == slot.alias for other in self._slots):
-            forget(slot.alias)
+        if not any(other.alias == slot.alias for other in self._slots):
+            self.stats.forget_model(slot.alias)
 
     async def _make_room(self, source: RegisteredModel, alias: str) -> None:
         """Unload idle aliases, least recently used first, until `source` fits the memory budget."""
         budget = self.config.max_models_memory_bytes
         if budget is None:
             return
-        needed = source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
+        needed = self._load_bytes(source)
         while self._resident_bytes() + needed > budget:
             idle = [(entry.current.last_used, name) for name, entry in self.aliases.items()
                     if name != alias and name not in self._busy_aliases and entry.current.num_leases == 0
@@ -329,14 +324,27 @@ class ModelManager:
                     hint="unload a model, raise max_models_memory_bytes, or retry when traffic is lower",
                 )  # fmt: skip
             _, victim = min(idle)
-            entry = self.aliases.pop(victim)
-            if self.default_alias == victim:
-                self.default_alias = next(iter(self.aliases), None)
+            entry = self._remove_alias(victim)
             logger.info("evicting idle model %r (least recently used) to make room for %s", victim, source.path.name)
             for slot in (entry.current, entry.previous):
                 if slot is not None:
                     await self._free(slot)
             self._record("evict", victim, entry.current.version, "success")
+
+    def _load_bytes(self, source: RegisteredModel) -> int:
+        """What loading `source` will take before its real size is known: file bytes + the KV cache budget."""
+        return source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
+
+    def _new_slot(self, alias: str, source: RegisteredModel, version: str, *, owns_instance: bool = True) -> ModelSlot:
+        self._num_slots += 1
+        return ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, source, owns_instance=owns_instance)
+
+    def _remove_alias(self, alias: str) -> AliasEntry:
+        """Stop routing `alias` (new requests get 404); the default moves to another alias if it was this one."""
+        entry = self.aliases.pop(alias)
+        if self.default_alias == alias:
+            self.default_alias = next(iter(self.aliases), None)
+        return entry
 
     def _resident_bytes(self) -> int:
         total = 0
@@ -344,7 +352,7 @@ class ModelManager:
             if slot.info is not None:
                 total += slot.info.memory_bytes
             elif slot.state is SlotState.LOADING and slot.phase != "queued":
-                total += slot.source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
+                total += self._load_bytes(slot.source)
         return total
 
     # ----------------------------------------------------------------- lifecycle of the manager

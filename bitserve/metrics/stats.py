@@ -60,6 +60,10 @@ class StatsSink(Protocol):
 
     def set_served_models(self, models: list[ServedModel]) -> None: ...
 
+    def forget_model(self, model: str) -> None:
+        """`model` is gone (unloaded): drop its gauges so it reports no stale load."""
+        ...
+
 
 class NullStatsSink:
     def record_step(self, model: str, stats: StepStats) -> None:
@@ -78,4 +82,7 @@ class NullStatsSink:
         return None
 
     def set_served_models(self, models: list[ServedModel]) -> None:
+        return None
+
+    def forget_model(self, model: str) -> None:
         return None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.backend import fused_ops
+from bitserve.kernels.backend import FusedOps, fused_ops
 from bitserve.layers.activation import GATED_ACTIVATIONS
 from bitserve.layers.attention import AttentionMetadata, PagedAttention
 from bitserve.layers.embedding import LMHead, TokenEmbedding
@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
             [model.output_scale(weights, f"{prefix}.attn_{n}") for n in ("q", "k", "v")],
         )
         self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, fused)
-        self.attn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.attn_sub_norm.weight")
+        self.attn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.attn_sub_norm.weight", fused)
         self.o_proj = Linear(
             weights.backend,
             weights.linear(f"{prefix}.attn_output.weight", may_be_ternary=ternary),
@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
             [model.output_scale(weights, f"{prefix}.ffn_{n}") for n in ("gate", "up")],
         )
         self.act_and_mul = GATED_ACTIVATIONS[spec.activation]
-        self.ffn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.ffn_sub_norm.weight")
+        self.ffn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.ffn_sub_norm.weight", fused)
         self.down_proj = Linear(
             weights.backend,
             weights.linear(f"{prefix}.ffn_down.weight", may_be_ternary=ternary),
@@ -59,8 +59,8 @@ class DecoderLayer(nn.Module):
         )
 
     @staticmethod
-    def _sub_norm(spec: ModelSpec, weights: WeightSource, name: str) -> RMSNorm | None:
-        return RMSNorm(weights.vector(name), spec.rms_norm_eps, fused_ops(weights.backend)) if spec.has_sub_norms else None
+    def _sub_norm(spec: ModelSpec, weights: WeightSource, name: str, fused: FusedOps | None) -> RMSNorm | None:
+        return RMSNorm(weights.vector(name), spec.rms_norm_eps, fused) if spec.has_sub_norms else None
 
     def forward(
         self,
@@ -102,6 +102,7 @@ class DecoderModel(nn.Module):
                 hint=f"supported: {', '.join(GATED_ACTIVATIONS)}",
             )
         self.spec = spec
+        fused = fused_ops(weights.backend)
         self.embed_tokens = TokenEmbedding(weights.packed("token_embd.weight"))
         self.rotary = RotaryEmbedding(
             spec.rope_dim,
@@ -110,10 +111,10 @@ class DecoderModel(nn.Module):
             spec.rope_style,
             freq_factors=self.rope_freq_factors(weights),
             position_scale=spec.rope_position_scale,
-            fused=fused_ops(weights.backend),
+            fused=fused,
         )
         self.layers = nn.ModuleList(DecoderLayer(spec, weights, i, self) for i in range(spec.num_layers))
-        self.norm = RMSNorm(weights.vector("output_norm.weight"), spec.rms_norm_eps, fused_ops(weights.backend))
+        self.norm = RMSNorm(weights.vector("output_norm.weight"), spec.rms_norm_eps, fused)
         head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
         self.lm_head = LMHead(weights.head(head_name), weights.backend)
 

@@ -14,7 +14,6 @@ from pydantic import ConfigDict, Field
 
 from bitserve.errors import ModelNotFound
 from bitserve.frontend.model_operations import Operation
-from bitserve.frontend.model_slot import ModelSlot
 from bitserve.server.body import parse_request
 from bitserve.server.protocol import MAX_MODEL_NAME_CHARS, StrictModel
 from bitserve.server.state import AppState, get_state
@@ -46,30 +45,14 @@ class AliasActionRequest(AdminRequest):
     """rollback / unload: only `wait`."""
 
 
-def model_object(name: str, slot: ModelSlot, state: AppState) -> dict[str, Any]:
-    info = slot.info
-    return {
-        "id": name,
-        "object": "model",
-        "created": info.created if info else 0,
-        "owned_by": "bitserve",
-        "root": info.file_name if info else slot.source.path.name,
-        "max_model_len": info.max_model_len if info else None,
-        "is_default": name == state.models.default_alias,
-        **slot.describe(),
-    }
-
-
 def _model_objects(state: AppState) -> list[dict[str, Any]]:
+    """OpenAI model objects, one per alias, extended with the ModelManager's description of it."""
     objects = []
     for entry in state.models.describe():
-        name = entry["alias"]
-        alias_entry = state.models.aliases.get(name)
-        slot = alias_entry.current if alias_entry is not None else None
-        obj = model_object(name, slot, state) if slot is not None else {"id": name, "object": "model", "created": 0,
-                                                                          "owned_by": "bitserve", **entry}  # fmt: skip
-        obj["previous"], obj["pending"] = entry["previous"], entry["pending"]
-        objects.append(obj)
+        alias_entry = state.models.aliases.get(entry["alias"])
+        info = alias_entry.current.info if alias_entry is not None else None
+        objects.append({"id": entry["alias"], "object": "model", "created": info.created if info else 0, "owned_by": "bitserve",
+                        "root": entry["file"], "max_model_len": info.max_model_len if info else None, **entry})  # fmt: skip
     return objects
 
 

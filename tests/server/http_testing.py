@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def wait_until_ready(url: str, timeout_s: float, check: Callable[[], None] | None = None, *, poll_s: float = 0.1) -> bool:
+    """Poll `url`/health/ready until it answers 200 (True) or `timeout_s` passes (False); `check`
+    runs before each poll and may raise (the server died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check is not None:
+            check()
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    return False
 
 
 class ServerProcess:
@@ -50,17 +67,12 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+        if not wait_until_ready(self.url, timeout_s, self._check_running, poll_s=0.25):
+            raise RuntimeError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def _check_running(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
 
     def terminate(self) -> None:
         """SIGTERM (the graceful drain), to this process only."""

@@ -7,7 +7,6 @@ import asyncio
 import json
 import shutil
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any, TypeVar
 
 import httpx
 import uvicorn
-from http_testing import free_port
+from http_testing import free_port, wait_until_ready
 
 from bitserve.config import EngineConfig, ModelConfig, ServerConfig
 from bitserve.testing.synthetic import (
@@ -95,15 +94,8 @@ class ThreadServer:
 
     def start(self, timeout_s: float = 120.0) -> None:
         self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("lifecycle test server not ready")
+        if not wait_until_ready(self.url, timeout_s):
+            raise RuntimeError("lifecycle test server not ready")
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
         """Run `coroutine` on the server's event loop (where the ModelManager lives)."""
