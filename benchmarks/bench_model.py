@@ -43,8 +43,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bitserve.catalog import resolve_model  # noqa: E402
 from bitserve.engine.messages import EngineRequest  # noqa: E402
+from bitserve.lifecycle.catalog import resolve_model  # noqa: E402
 from bitserve.llm import LLM  # noqa: E402
 from bitserve.sampling_params import SamplingParams  # noqa: E402
 

@@ -109,7 +109,7 @@ def main() -> int:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "bitserve.cli", "serve", "--model", args.model, "--port", str(port),
+    argv = [sys.executable, "-m", "bitserve", "serve", "--model", args.model, "--port", str(port),
             "--num-threads", str(args.threads), "--log-format", "text", "--no-access-log"]  # fmt: skip
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

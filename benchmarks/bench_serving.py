@@ -23,8 +23,8 @@ from typing import Any
 
 from bitserve.bench.report import format_table, render_rows, summarise
 from bitserve.bench.runner import run_bench_async
-from bitserve.bench_command import add_bench_arguments, config_from_args
-from bitserve.console import emit, emit_error, emit_json
+from bitserve.cli.bench import add_bench_arguments, config_from_args
+from bitserve.cli.console import emit, emit_error, emit_json
 from bitserve.errors import BitserveError
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from bitserve.catalog import DEFAULT_MODEL
 from bitserve.core.config import CacheConfig, SchedulerConfig
+from bitserve.lifecycle.catalog import DEFAULT_MODEL
 
 __all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "ServerConfig"]
 

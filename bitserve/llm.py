@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bitserve.catalog import DEFAULT_MODEL
 from bitserve.config import EngineConfig, ModelConfig
 from bitserve.engine.messages import EngineRequest
 from bitserve.errors import InvalidRequest
 from bitserve.frontend.output_processor import ChoiceDelta, OutputProcessor
-from bitserve.model_instance import ModelInstance
+from bitserve.lifecycle.catalog import DEFAULT_MODEL
+from bitserve.lifecycle.instance import ModelInstance
 from bitserve.outputs import CompletionOutput, RequestOutput
 from bitserve.sampling_params import SamplingParams, child_params
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bitserve.cli import main
+from bitserve.cli.main import main
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -76,7 +76,7 @@ def test_unknown_model_name_is_a_clear_error(capsys) -> None:  # noqa: ANN001
 
 
 def test_console_script_is_installed() -> None:
-    result = subprocess.run([sys.executable, "-m", "bitserve.cli", "--help"], capture_output=True, text=True, check=False)
+    result = subprocess.run([sys.executable, "-m", "bitserve", "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "generate" in result.stdout
 
 

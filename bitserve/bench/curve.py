@@ -157,8 +157,8 @@ def run_curve(model: str, levels: Sequence[int], *, num_prompt_tokens: int = 8, 
     """Load `model`, warm up, measure every level `num_repeats` times (all levels in turn, so each
     level sees the same stretches of machine load; the fastest run of a level is kept: noise on a
     shared machine only slows a run down) and the prefill rate; apply `rule`."""
+    from bitserve.lifecycle.instance import projection_format
     from bitserve.llm import LLM
-    from bitserve.model_instance import projection_format
 
     rule = rule or KneeRule()
     llm = LLM(config=curve_engine_config(model, levels, num_prompt_tokens, prefill_tokens, backend, num_threads))

@@ -19,8 +19,8 @@ from bitserve.engine.messages import EngineRequest, StepResult, StepStats
 from bitserve.errors import BitserveError, EngineDead, InvalidRequest, ModelUnavailable, QueueFull
 from bitserve.frontend.engine_client import ThreadEngineClient
 from bitserve.frontend.output_processor import ChoiceDelta, OutputProcessor
+from bitserve.lifecycle.instance import ModelInstance
 from bitserve.metrics.stats import NullStatsSink, RequestStats, StatsSink
-from bitserve.model_instance import ModelInstance
 from bitserve.outputs import CompletionOutput, RequestOutput
 from bitserve.sampling_params import SamplingParams, child_params
 

@@ -20,7 +20,7 @@ from bitserve.loader.gguf_reader import GGUFFile, read_gguf
 from bitserve.loader.model_spec import ModelSpec, spec_from_metadata
 from bitserve.loader.tl_config import TLConfigTable, load_kernel_config_ini, preset, sidecar_path
 from bitserve.models.decoder import DecoderModel
-from bitserve.models.registry import MODEL_REGISTRY
+from bitserve.models.registry import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def release_freed_heap() -> None:
 
 
 @dataclass
-class LoadedModel:
+class LoadResult:
     path: Path
     gguf: GGUFFile
     spec: ModelSpec
@@ -152,7 +152,7 @@ class LoadedModel:
         self.gguf.close()
 
 
-def load_model(path: str | Path, options: LoadOptions) -> LoadedModel:
+def load_model(path: str | Path, options: LoadOptions) -> LoadResult:
     """Parse and validate `path`, build its model on `options.backend`. Raises InvalidModelFile."""
     start = time.perf_counter()
     path = Path(path)
@@ -164,7 +164,7 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadedModel:
         )
         source = GGUFWeightSource(gguf, options.backend, options.linear_mode, decode_options)
         with torch.inference_mode():
-            model = MODEL_REGISTRY[spec.architecture](spec, source)
+            model = ARCHITECTURES[spec.architecture](spec, source)
         model.eval()
     except BaseException:
         gguf.close()
@@ -175,4 +175,4 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadedModel:
         logger.warning("%s: %d tensors not used by the %s model: %s", path.name, len(unused), spec.architecture, unused[:8])
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %d layers) in %.2f s on backend %s", path.name, spec.architecture, spec.num_layers, seconds, options.backend.name)
-    return LoadedModel(path, gguf, spec, model, options.backend, options.linear_mode, seconds, unused, decode_options)
+    return LoadResult(path, gguf, spec, model, options.backend, options.linear_mode, seconds, unused, decode_options)

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from bitserve.core.outputs import StepStats
-from bitserve.metrics.stats import LifecycleEvent, RequestStats, ServedModel
+from bitserve.metrics.stats import LifecycleEvent, RequestStats, SlotLabels
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class PrometheusStatsSink:
         if event.duration_s is not None and event.result == "success":
             self.load_duration.labels(event.alias).observe(event.duration_s)
 
-    def set_served_models(self, models: list[ServedModel]) -> None:
+    def set_served_models(self, models: list[SlotLabels]) -> None:
         """The info gauge holds exactly `models` (series of versions no longer served are removed)."""
         now = {(m.alias, m.version, m.file_name, m.architecture) for m in models}
         for labels in self._served - now:

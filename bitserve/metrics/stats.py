@@ -38,7 +38,7 @@ class LifecycleEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class ServedModel:
+class SlotLabels:
     """The version an alias serves now (the model info gauge's labels)."""
 
     alias: str
@@ -58,7 +58,7 @@ class StatsSink(Protocol):
 
     def record_lifecycle(self, event: LifecycleEvent) -> None: ...
 
-    def set_served_models(self, models: list[ServedModel]) -> None: ...
+    def set_served_models(self, models: list[SlotLabels]) -> None: ...
 
     def forget_model(self, model: str) -> None:
         """`model` is gone (unloaded): drop its gauges so it reports no stale load."""
@@ -81,7 +81,7 @@ class NullStatsSink:
     def record_lifecycle(self, event: LifecycleEvent) -> None:
         return None
 
-    def set_served_models(self, models: list[ServedModel]) -> None:
+    def set_served_models(self, models: list[SlotLabels]) -> None:
         return None
 
     def forget_model(self, model: str) -> None:

@@ -6,7 +6,7 @@ from bitserve.models.bitnet import BitNetForCausalLM
 from bitserve.models.decoder import DecoderModel
 from bitserve.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
+ARCHITECTURES: dict[str, type[DecoderModel]] = {
     "llama": LlamaForCausalLM,
     "bitnet": BitNetForCausalLM,
     "bitnet-b1.58": BitNetForCausalLM,

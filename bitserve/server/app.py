@@ -17,13 +17,13 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bitserve.catalog import CATALOG
 from bitserve.config import EngineConfig, ServerConfig
-from bitserve.frontend.model_manager import ModelManager
-from bitserve.frontend.model_registry import ModelRegistry
+from bitserve.lifecycle.catalog import CATALOG
+from bitserve.lifecycle.instance import ModelInstance
+from bitserve.lifecycle.manager import ModelManager
+from bitserve.lifecycle.model_files import ModelFiles
 from bitserve.log import REQUEST_ID
 from bitserve.metrics.prometheus import PrometheusStatsSink
-from bitserve.model_instance import ModelInstance
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
 from bitserve.server.routes import register_routes
@@ -106,7 +106,7 @@ async def _load_startup_model(state: AppState, on_fatal: Callable[[], None] | No
 def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> AppState:
     stats = PrometheusStatsSink()
     roots = [root for root in (server_config.model_roots or "").split(os.pathsep) if root]
-    registry = ModelRegistry(roots)
+    registry = ModelFiles(roots)
     models = ModelManager(engine_config, server_config, stats, registry)
     return AppState(server_config, engine_config, stats, read_build_info(), models)
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from bitserve.errors import InvalidRequest
-from bitserve.model_instance import ModelInstance
+from bitserve.lifecycle.instance import ModelInstance
 from bitserve.server.errors import ContextLengthExceeded
 from bitserve.server.protocol import ChatMessage, check_token_ids, template_messages
 

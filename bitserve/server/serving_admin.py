@@ -1,7 +1,7 @@
 """/v1/models: the served models as OpenAI model objects (inference scope), and the admin actions
 (admin scope): load beside, swap, rollback, unload, operation status. Actions run in the background
 (202 + status URL) unless `wait` is true (the final result: 200, or the error's status and body).
-Model references are resolved only by the ModelRegistry (names, or paths inside the model roots).
+Model references are resolved only by the ModelFiles (names, or paths inside the model roots).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
 from bitserve.errors import ModelNotFound
-from bitserve.frontend.model_operations import Operation
+from bitserve.lifecycle.operations import Operation
 from bitserve.server.body import parse_request
 from bitserve.server.protocol import MAX_MODEL_NAME_CHARS, StrictModel
 from bitserve.server.state import AppState, get_state

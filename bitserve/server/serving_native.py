@@ -25,8 +25,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from bitserve.frontend.async_engine import AsyncEngine
-from bitserve.frontend.model_slot import Lease
 from bitserve.layers.sampler import TokenLogprobs
+from bitserve.lifecycle.slot import Lease
 from bitserve.outputs import RequestOutput
 from bitserve.sampling_params import SamplingParams
 from bitserve.server.body import parse_request, with_model_defaults

@@ -19,10 +19,10 @@ from fastapi import Request
 import bitserve
 from bitserve.config import EngineConfig, ServerConfig
 from bitserve.errors import ModelUnavailable, ServerShuttingDown
-from bitserve.frontend.model_manager import ModelManager
-from bitserve.frontend.model_slot import Lease, ModelSlot
+from bitserve.lifecycle.instance import ModelInstance
+from bitserve.lifecycle.manager import ModelManager
+from bitserve.lifecycle.slot import Lease, ModelSlot
 from bitserve.metrics.stats import StatsSink
-from bitserve.model_instance import ModelInstance
 from bitserve.server.streaming import StreamRegistry
 
 logger = logging.getLogger(__name__)

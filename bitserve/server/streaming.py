@@ -23,8 +23,8 @@ from starlette.types import Receive, Scope, Send
 
 from bitserve.core.request import Priority
 from bitserve.errors import BitserveError, EngineDead, RequestFailed
-from bitserve.frontend.model_slot import Lease
 from bitserve.layers.sampler import TokenLogprobs
+from bitserve.lifecycle.slot import Lease
 from bitserve.outputs import RequestOutput
 from bitserve.sampling_params import SamplingParams
 from bitserve.server.errors import sse_error_event

@@ -17,7 +17,7 @@ from bitserve.config import (
     batch_limits_for,
     resolve_batch_limits,
 )
-from bitserve.model_instance import ModelInstance, projection_format
+from bitserve.lifecycle.instance import ModelInstance, projection_format
 from bitserve.server.settings import build_configs
 
 

@@ -28,7 +28,7 @@ from bitserve.bench.client import check_url
 from bitserve.bench.report import distribution, percentile, summarise
 from bitserve.bench.runner import BenchConfig, run_bench_async, synthetic_prompt
 from bitserve.bench.sse import SSEEvent, SSEParser
-from bitserve.bench_command import add_bench_parser, run_bench
+from bitserve.cli.bench import add_bench_parser, run_bench
 from bitserve.errors import InvalidRequest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

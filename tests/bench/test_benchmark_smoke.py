@@ -102,7 +102,7 @@ def wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
 def servers(tiny_models: dict[str, Path]) -> Iterator[tuple[str, str, str]]:
     """bitserve on the I2_S file and a peer on the TQ2_0 file: llama_cpp.server, else a second bitserve."""
     ports = free_port(), free_port()
-    bitserve = [sys.executable, "-m", "bitserve.cli", "serve", "--model", str(tiny_models["I2_S"]), "--port",
+    bitserve = [sys.executable, "-m", "bitserve", "serve", "--model", str(tiny_models["I2_S"]), "--port",
                 str(ports[0]), "--num-threads", "1", "--no-warmup", "--log-format", "text"]  # fmt: skip
     if HAS_LLAMA_CPP:
         peer = [sys.executable, "-m", "llama_cpp.server", "--model", str(tiny_models["TQ2_0"]), "--port",
@@ -143,7 +143,7 @@ def test_bench_serving_prints_the_side_by_side_ratio_rows(servers: tuple[str, st
 
 
 def test_bench_curve_prints_the_table_and_the_picked_limits(tiny_models: dict[str, Path]) -> None:
-    out = run(sys.executable, "-m", "bitserve.cli", "bench", "--curve", str(tiny_models["I2_S"]), "--concurrency",
+    out = run(sys.executable, "-m", "bitserve", "bench", "--curve", str(tiny_models["I2_S"]), "--concurrency",
               "1,2", "--max-tokens", "3", "--curve-prefill-tokens", "8", "--threads", "1")  # fmt: skip
     lines = out.splitlines()
     assert "(projections I2_S)" in lines[0], out

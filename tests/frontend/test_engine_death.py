@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from bitserve.config import EngineConfig, ModelConfig, ServerConfig
-from bitserve.model_instance import ModelInstance
+from bitserve.lifecycle.instance import ModelInstance
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bitserve.catalog import CATALOG, CatalogEntry, resolve_model
 from bitserve.errors import InvalidModelFile, ModelNotFound, ModelUnavailable, UnsupportedModel
 from bitserve.layers.rotary import RopeStyle
+from bitserve.lifecycle.catalog import CATALOG, CatalogEntry, resolve_model
 from bitserve.llm import LLM
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.model_spec import SUPPORTED_ARCHITECTURES, spec_from_metadata

@@ -30,7 +30,7 @@ def tq2_model_path(tmp_path_factory: pytest.TempPathFactory, synthetic_config, s
 
 @pytest.fixture(scope="package")
 def synthetic_instance(tq2_model_path: Path) -> Iterator[object]:
-    from bitserve.model_instance import ModelInstance
+    from bitserve.lifecycle.instance import ModelInstance
 
     instance = ModelInstance.load(
         EngineConfig(model=ModelConfig(model=str(tq2_model_path), max_model_len=SYNTHETIC_MAX_MODEL_LEN))

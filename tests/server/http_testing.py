@@ -42,7 +42,7 @@ def wait_until_ready(url: str, timeout_s: float, check: Callable[[], None] | Non
 
 
 class ServerProcess:
-    """`python -m bitserve.cli serve` on 127.0.0.1:<free port>; its log goes to `log_path`."""
+    """`python -m bitserve serve` on 127.0.0.1:<free port>; its log goes to `log_path`."""
 
     def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
@@ -51,7 +51,7 @@ class ServerProcess:
         command = [
             sys.executable,
             "-m",
-            "bitserve.cli",
+            "bitserve",
             "serve",
             "--port",
             str(self.port),

@@ -41,7 +41,7 @@ def test_failed_model_load_fails_the_probes(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def strict_client(tq2_model_path: Path) -> Iterator[TestClient]:
     """Its own synthetic model and engine; liveness tolerates no gap at all between steps."""
-    from bitserve.model_instance import ModelInstance
+    from bitserve.lifecycle.instance import ModelInstance
     from bitserve.server.app import build_app
 
     instance = ModelInstance.load(

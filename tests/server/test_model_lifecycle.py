@@ -302,7 +302,7 @@ async def _release(lease: Any) -> None:
 
 
 def test_models_cli_against_a_running_server(model_root: ModelRoot, capsys: pytest.CaptureFixture[str]) -> None:
-    from bitserve.cli import main
+    from bitserve.cli.main import main
 
     v2 = version_of(model_root.files["v2"])
     with lifecycle_server(model_root) as server:
@@ -321,8 +321,8 @@ def test_models_cli_against_a_running_server(model_root: ModelRoot, capsys: pyte
 def test_pull_checks_and_hashes_a_catalog_model(smollm2_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from bitserve.catalog import DEFAULT_MODEL
-    from bitserve.cli import main
+    from bitserve.cli.main import main
+    from bitserve.lifecycle.catalog import DEFAULT_MODEL
 
     assert main(["pull", DEFAULT_MODEL, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -351,7 +351,7 @@ def test_blackbox_serve_with_a_model_root_and_the_openai_client(model_root: Mode
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60.0) as api:
             first = api.completions.with_raw_response.create(model=ALIAS, prompt="Hello", max_tokens=3, temperature=0)
             assert first.headers["x-model-version"] == v1 and first.parse().model_extra["model_version"] == v1
-            swap = subprocess.run([sys.executable, "-m", "bitserve.cli", "models", "--url", server.url, "swap", ALIAS, "v2"],
+            swap = subprocess.run([sys.executable, "-m", "bitserve", "models", "--url", server.url, "swap", ALIAS, "v2"],
                                   capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
             assert swap.returncode == 0, swap.stderr
             second = api.completions.create(model=ALIAS, prompt="Hello", max_tokens=3, temperature=0)
@@ -366,7 +366,7 @@ def test_load_progress_is_visible_while_loading(model_root: ModelRoot, monkeypat
     loading with its phase and progress, and the running operation; requests to it get 503."""
     import threading
 
-    from bitserve.frontend import model_manager
+    from bitserve.lifecycle import manager as model_manager
 
     release = threading.Event()
     real_load = model_manager.ModelInstance.load

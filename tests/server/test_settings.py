@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bitserve.cli import build_parser
+from bitserve.cli.main import build_parser
+from bitserve.cli.serve import cli_values
 from bitserve.config import ServerConfig
 from bitserve.errors import InvalidRequest
-from bitserve.serve_command import cli_values
 from bitserve.server.settings import load_settings
 
 TOML = """

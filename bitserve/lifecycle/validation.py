@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from bitserve.errors import ModelLoadError
 from bitserve.frontend.async_engine import AsyncEngine
-from bitserve.frontend.model_registry import GoldenPrompt
+from bitserve.lifecycle.model_files import GoldenPrompt
 from bitserve.sampling_params import SamplingParams
 
 NUM_SMOKE_TOKENS = 4

@@ -29,13 +29,13 @@ from bitserve.errors import (
     ServerShuttingDown,
 )
 from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
-from bitserve.frontend.model_operations import Operation, OperationLog
-from bitserve.frontend.model_registry import ModelRegistry, RegisteredModel
-from bitserve.frontend.model_slot import Lease, ModelSlot, SlotState, model_info
-from bitserve.frontend.model_validation import validate_engine
-from bitserve.frontend.probation import ProbationPolicy, watch_probation
-from bitserve.metrics.stats import LifecycleEvent, ServedModel, StatsSink
-from bitserve.model_instance import ModelInstance
+from bitserve.lifecycle.instance import ModelInstance
+from bitserve.lifecycle.model_files import ModelFile, ModelFiles
+from bitserve.lifecycle.operations import Operation, OperationLog
+from bitserve.lifecycle.probation import ProbationPolicy, watch_probation
+from bitserve.lifecycle.slot import Lease, ModelSlot, SlotState, model_info
+from bitserve.lifecycle.validation import validate_engine
+from bitserve.metrics.stats import LifecycleEvent, SlotLabels, StatsSink
 from bitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,12 @@ async def warm_up(engine: AsyncEngine, request_id: str) -> None:
 
 
 @dataclass(eq=False)
-class AliasEntry:
+class Alias:
     """What an alias serves now, and the version before it (for rollback)."""
 
     current: ModelSlot
     previous: ModelSlot | None = None  # still resident: during probation, or while it drains
-    previous_source: RegisteredModel | None = None  # the version a later rollback reloads
+    previous_source: ModelFile | None = None  # the version a later rollback reloads
 
 
 def check_alias(alias: str) -> str:
@@ -68,12 +68,12 @@ def check_alias(alias: str) -> str:
 
 
 class ModelManager:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, registry: ModelRegistry) -> None:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, registry: ModelFiles) -> None:
         self.engine_config = engine_config
         self.config = server_config
         self.stats = stats
         self.registry = registry
-        self.aliases: dict[str, AliasEntry] = {}
+        self.aliases: dict[str, Alias] = {}
         self.default_alias: str | None = None
         self.operations = OperationLog()
         self.is_draining = False
@@ -116,7 +116,7 @@ class ModelManager:
 
     # ----------------------------------------------------------------- admin actions
 
-    def submit(self, action: str, alias: str, model: str | None = None, *, source: RegisteredModel | None = None,
+    def submit(self, action: str, alias: str, model: str | None = None, *, source: ModelFile | None = None,
                **options: Any) -> Operation:  # fmt: skip
         """Start `action` on `alias` in the background; Conflict when one is already running there.
         `model` is resolved through the registry (403 outside the roots); `source` is taken as is."""
@@ -141,7 +141,7 @@ class ModelManager:
         self._spawn(self._run(operation, runner, source, **options))
         return operation
 
-    async def _run(self, operation: Operation, runner: Any, source: RegisteredModel | None, **options: Any) -> None:
+    async def _run(self, operation: Operation, runner: Any, source: ModelFile | None, **options: Any) -> None:
         try:
             result = await runner(operation, source, **options) if source is not None else await runner(operation, **options)
             operation.succeed(**result)
@@ -154,15 +154,15 @@ class ModelManager:
             self._busy_aliases.discard(operation.alias)
             self._publish()
 
-    async def _load(self, operation: Operation, source: RegisteredModel, validate: bool = True) -> dict[str, Any]:
+    async def _load(self, operation: Operation, source: ModelFile, validate: bool = True) -> dict[str, Any]:
         slot = await self._bring_up(operation, source, validate=validate)
-        self.aliases[operation.alias] = AliasEntry(slot)
+        self.aliases[operation.alias] = Alias(slot)
         if self.default_alias is None:
             self.default_alias = operation.alias
         logger.info("serving %s as %r (version %s)", source.path.name, operation.alias, slot.version)
         return {"version": slot.version, "slot_id": slot.slot_id}
 
-    async def _swap(self, operation: Operation, source: RegisteredModel, validate: bool = True, action: str = "swap") -> dict[str, Any]:
+    async def _swap(self, operation: Operation, source: ModelFile, validate: bool = True, action: str = "swap") -> dict[str, Any]:
         try:
             slot = await self._bring_up(operation, source, validate=validate)
         except BitserveError:
@@ -196,7 +196,7 @@ class ModelManager:
 
     # ----------------------------------------------------------------- flips
 
-    def _flip(self, entry: AliasEntry, new: ModelSlot) -> ModelSlot:
+    def _flip(self, entry: Alias, new: ModelSlot) -> ModelSlot:
         """Point the alias at `new` (one assignment on the loop); the old slot starts draining."""
         old = entry.current
         if entry.previous is not None and entry.previous is not old:
@@ -205,7 +205,7 @@ class ModelManager:
         entry.previous, entry.previous_source, entry.current = old, old.source, new
         return old
 
-    def _flip_back(self, entry: AliasEntry) -> ModelSlot:
+    def _flip_back(self, entry: Alias) -> ModelSlot:
         assert entry.previous is not None
         current, previous = entry.current, entry.previous
         previous.state = SlotState.READY
@@ -213,7 +213,7 @@ class ModelManager:
         entry.current, entry.previous, entry.previous_source = previous, None, current.source
         return current
 
-    async def _probation_then_retire(self, entry: AliasEntry, new: ModelSlot, old: ModelSlot) -> None:
+    async def _probation_then_retire(self, entry: Alias, new: ModelSlot, old: ModelSlot) -> None:
         """Watch `new`; on failure flip back to `old` (still resident) and retire `new`; else retire `old`."""
         policy = ProbationPolicy.from_config(self.config)
         reason = await watch_probation(new, policy, lambda: entry.current is new and entry.previous is old)
@@ -230,7 +230,7 @@ class ModelManager:
 
     # ----------------------------------------------------------------- load and free
 
-    async def _bring_up(self, operation: Operation, source: RegisteredModel, *, validate: bool) -> ModelSlot:
+    async def _bring_up(self, operation: Operation, source: ModelFile, *, validate: bool) -> ModelSlot:
         """Load `source` as a new slot beside what serves, warm and validate it; READY on success.
         On any failure the slot is freed and the error raised; nothing else changes."""
         slot = self._new_slot(operation.alias, source, source.version)
@@ -270,14 +270,14 @@ class ModelManager:
 
     async def adopt(self, instance: ModelInstance, alias: str, version: str = "adopted") -> ModelSlot:
         """Serve an instance loaded by the caller (tests); it is warmed but never closed here."""
-        slot = self._new_slot(alias, RegisteredModel(alias, instance.path), version, owns_instance=False)
+        slot = self._new_slot(alias, ModelFile(alias, instance.path), version, owns_instance=False)
         slot.instance = instance
         self._slots.append(slot)
         engine = self._start_engine(slot, version)
         if self.config.warmup:
             await warm_up(engine, f"warmup-{slot.slot_id}")
         slot.state, slot.phase, slot.progress = SlotState.READY, "ready", 1.0
-        self.aliases[alias] = AliasEntry(slot)
+        self.aliases[alias] = Alias(slot)
         self.default_alias = self.default_alias or alias
         self._publish()
         return slot
@@ -308,7 +308,7 @@ class ModelManager:
         if not any(other.alias == slot.alias for other in self._slots):
             self.stats.forget_model(slot.alias)
 
-    async def _make_room(self, source: RegisteredModel, alias: str) -> None:
+    async def _make_room(self, source: ModelFile, alias: str) -> None:
         """Unload idle aliases, least recently used first, until `source` fits the memory budget."""
         budget = self.config.max_models_memory_bytes
         if budget is None:
@@ -331,15 +331,15 @@ class ModelManager:
                     await self._free(slot)
             self._record("evict", victim, entry.current.version, "success")
 
-    def _load_bytes(self, source: RegisteredModel) -> int:
+    def _load_bytes(self, source: ModelFile) -> int:
         """What loading `source` will take before its real size is known: file bytes + the KV cache budget."""
         return source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
 
-    def _new_slot(self, alias: str, source: RegisteredModel, version: str, *, owns_instance: bool = True) -> ModelSlot:
+    def _new_slot(self, alias: str, source: ModelFile, version: str, *, owns_instance: bool = True) -> ModelSlot:
         self._num_slots += 1
         return ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, source, owns_instance=owns_instance)
 
-    def _remove_alias(self, alias: str) -> AliasEntry:
+    def _remove_alias(self, alias: str) -> Alias:
         """Stop routing `alias` (new requests get 404); the default moves to another alias if it was this one."""
         entry = self.aliases.pop(alias)
         if self.default_alias == alias:
@@ -378,7 +378,7 @@ class ModelManager:
 
     def _publish(self) -> None:
         self.stats.set_served_models([
-            ServedModel(name, entry.current.version, entry.current.info.file_name, entry.current.info.architecture)
+            SlotLabels(name, entry.current.version, entry.current.info.file_name, entry.current.info.architecture)
             for name, entry in self.aliases.items() if entry.current.info is not None
         ])  # fmt: skip
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bitserve.errors import Forbidden, InvalidModelFile, ModelNotFound
-from bitserve.frontend.model_registry import ModelRegistry
+from bitserve.lifecycle.model_files import ModelFiles
 
 
 @pytest.fixture()
@@ -30,7 +30,7 @@ def layout(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_names_and_sidecars_resolve(layout: dict[str, Path]) -> None:
-    registry = ModelRegistry([layout["root"]])
+    registry = ModelFiles([layout["root"]])
     model = registry.resolve("tiny-v1")
     assert model.path == (layout["root"] / "tiny.gguf").resolve()
     assert model.default_params == {"temperature": 0.2} and len(model.version) == 12
@@ -41,7 +41,7 @@ def test_names_and_sidecars_resolve(layout: dict[str, Path]) -> None:
 
 
 def test_paths_inside_a_root_resolve(layout: dict[str, Path]) -> None:
-    registry = ModelRegistry([layout["root"]])
+    registry = ModelFiles([layout["root"]])
     assert registry.resolve("team/other.gguf").name == "other"
     assert registry.resolve(str(layout["root"] / "tiny.gguf")).name == "tiny-v1"
     assert registry.resolve("team/../tiny.gguf").name == "tiny-v1"  # stays inside: allowed
@@ -58,18 +58,18 @@ def test_paths_inside_a_root_resolve(layout: dict[str, Path]) -> None:
     "/etc/passwd",
 ])  # fmt: skip
 def test_path_tricks_are_refused(layout: dict[str, Path], reference: str) -> None:
-    registry = ModelRegistry([layout["root"]])
+    registry = ModelFiles([layout["root"]])
     with pytest.raises(Forbidden):
         registry.resolve(reference)
 
 
 def test_absolute_path_outside_is_refused(layout: dict[str, Path]) -> None:
     with pytest.raises(Forbidden):
-        ModelRegistry([layout["root"]]).resolve(str(layout["outside"] / "secret.gguf"))
+        ModelFiles([layout["root"]]).resolve(str(layout["outside"] / "secret.gguf"))
 
 
 def test_unknown_names_and_bad_sidecars(layout: dict[str, Path]) -> None:
-    registry = ModelRegistry([layout["root"]])
+    registry = ModelFiles([layout["root"]])
     with pytest.raises(ModelNotFound, match="tiny-v1"):
         registry.resolve("missing.gguf")
     (layout["root"] / "tiny.gguf").write_bytes(b"changed")
@@ -93,7 +93,7 @@ def test_unknown_names_and_bad_sidecars(layout: dict[str, Path]) -> None:
 )
 def test_bad_sidecar_fields_are_refused(layout: dict[str, Path], sidecar: dict, reason: str, caplog: pytest.LogCaptureFixture) -> None:
     (layout["root"] / "team" / "other.gguf.json").write_text(json.dumps(sidecar))
-    registry = ModelRegistry([layout["root"]])
+    registry = ModelFiles([layout["root"]])
     assert "other" not in registry.names
     assert reason in caplog.text
 
@@ -101,6 +101,6 @@ def test_bad_sidecar_fields_are_refused(layout: dict[str, Path], sidecar: dict, 
 def test_golden_and_defaults_from_the_sidecar(layout: dict[str, Path]) -> None:
     golden = [{"prompt": "hi", "expected_token_ids": [1, 2]}, {"prompt": [3, 4], "expected_token_ids": [5]}]
     (layout["root"] / "team" / "other.gguf.json").write_text(json.dumps({"golden": golden, "default_params": {"top_k": 3}}))
-    model = ModelRegistry([layout["root"]]).resolve("other")
+    model = ModelFiles([layout["root"]]).resolve("other")
     assert [(g.prompt, g.expected_token_ids) for g in model.golden] == [("hi", (1, 2)), ((3, 4), (5,))]
     assert model.default_params == {"top_k": 3}

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bitserve.frontend.model_registry import RegisteredModel
+from bitserve.lifecycle.model_files import ModelFile
 
 if TYPE_CHECKING:
     from bitserve.frontend.async_engine import AsyncEngine
-    from bitserve.model_instance import ModelInstance
+    from bitserve.lifecycle.instance import ModelInstance
 
 
 class SlotState(enum.Enum):
@@ -30,7 +30,7 @@ class SlotState(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class ModelInfo:
+class SlotInfo:
     """Facts about a loaded model, fixed at load (no directories: file name only)."""
 
     id: str  # the alias clients send as `model`
@@ -46,10 +46,10 @@ class ModelInfo:
     created: int  # unix time of load, the OpenAI model object's `created`
 
 
-def model_info(alias: str, version: str, instance: ModelInstance) -> ModelInfo:
+def model_info(alias: str, version: str, instance: ModelInstance) -> SlotInfo:
     loaded = instance.loaded
     types = Counter(info.ggml_type.name for info in loaded.gguf.tensors.values())
-    return ModelInfo(
+    return SlotInfo(
         id=alias,
         version=version,
         file_name=instance.path.name,
@@ -76,13 +76,13 @@ class ModelSlot:
 
     slot_id: str  # "alias@version#n", unique for the manager's lifetime
     alias: str
-    source: RegisteredModel
+    source: ModelFile
     state: SlotState = SlotState.LOADING
     phase: str = "queued"  # finer progress inside LOADING: hashing, loading, validating
     progress: float = 0.0  # 0..1
     engine: AsyncEngine | None = None
     instance: ModelInstance | None = None
-    info: ModelInfo | None = None
+    info: SlotInfo | None = None
     error: str | None = None
     num_leases: int = 0
     num_finished: int = 0  # requests that ended on this slot, and how many of them failed (probation)
@@ -160,7 +160,7 @@ class Lease:
         return self.slot.engine
 
     @property
-    def info(self) -> ModelInfo:
+    def info(self) -> SlotInfo:
         assert self.slot.info is not None
         return self.slot.info
 

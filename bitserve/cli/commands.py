@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from bitserve.catalog import resolve_model
+from bitserve.cli.console import emit, emit_json
 from bitserve.config import EngineConfig, ModelConfig
-from bitserve.console import emit, emit_json
+from bitserve.lifecycle.catalog import resolve_model
 from bitserve.sampling_params import SamplingParams
 
 
@@ -75,7 +75,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from bitserve.verify import verify_model
+    from bitserve.cli.verify import verify_model
 
     report = verify_model(resolve_model(args.model, fetch=False), model_config_from_args(args, args.model), num_tokens=args.num_tokens)
     if args.json:

@@ -6,15 +6,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bitserve.frontend.model_registry import RegisteredModel
-from bitserve.frontend.model_slot import ModelSlot
-from bitserve.frontend.probation import ProbationPolicy, probation_failure
+from bitserve.lifecycle.model_files import ModelFile
+from bitserve.lifecycle.probation import ProbationPolicy, probation_failure
+from bitserve.lifecycle.slot import ModelSlot
 
 POLICY = ProbationPolicy(window_s=10.0, max_error_rate=0.25, min_requests=4, max_itl_s=0.1)
 
 
 def make_slot(*, is_alive: bool = True, itl_sum_s: float = 0.0, itl_count: int = 0) -> ModelSlot:
-    slot = ModelSlot("a@v#1", "a", RegisteredModel("a", Path("a.gguf")))
+    slot = ModelSlot("a@v#1", "a", ModelFile("a", Path("a.gguf")))
     slot.engine = SimpleNamespace(is_alive=is_alive, itl_sum_s=itl_sum_s, itl_count=itl_count)  # type: ignore[assignment]
     return slot
 

@@ -7,10 +7,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from bitserve.catalog import DEFAULT_MODEL
-from bitserve.console import emit_error
+from bitserve.cli.console import emit_error
+from bitserve.cli.serve import add_serve_parser, run_serve
 from bitserve.errors import BitserveError
-from bitserve.serve_command import add_serve_parser, run_serve
+from bitserve.lifecycle.catalog import DEFAULT_MODEL
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="live comparison against llama.cpp (needs llama-cpp-python); other arguments go to pytest (e.g. -q -k smollm2)",
     )
 
-    from bitserve.bench_command import add_bench_parser
-    from bitserve.models_command import add_models_parsers
+    from bitserve.cli.bench import add_bench_parser
+    from bitserve.cli.models import add_models_parsers
 
     add_bench_parser(sub)
     add_models_parsers(sub)
@@ -79,17 +79,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from bitserve import bench_command, commands, models_command
+    from bitserve.cli import bench, commands, models
 
     handlers = {
-        "bench": bench_command.run_bench,
+        "bench": bench.run_bench,
         "generate": commands.run_generate,
         "inspect": commands.run_inspect,
         "verify": commands.run_verify,
         "crossval": commands.run_crossval,
         "serve": run_serve,
-        "models": models_command.run_models,
-        "pull": models_command.run_pull,
+        "models": models.run_models,
+        "pull": models.run_pull,
     }
     try:
         return handlers[args.command](args)

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from bitserve.catalog import resolve_model
 from bitserve.config import EngineConfig, resolve_batch_limits
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidRequest
 from bitserve.kernels.backend import LinearMode, select_backend
+from bitserve.lifecycle.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
-from bitserve.loader.model_loader import LoadedModel, LoadOptions, load_model
+from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model
 from bitserve.runner.kv_cache import plan_cache
 from bitserve.runner.model_runner import ModelRunner
 from bitserve.tokenizer.chat_template import ChatTemplate, encode_chat
@@ -49,7 +49,7 @@ def projection_format(gguf: GGUFFile) -> str:
 class ModelInstance:
     name: str
     path: Path
-    loaded: LoadedModel
+    loaded: LoadResult
     tokenizer: GGUFTokenizer
     chat_template: ChatTemplate | InvalidRequest
     engine: Engine
@@ -76,7 +76,7 @@ class ModelInstance:
             raise
 
     @classmethod
-    def _assemble(cls, config: EngineConfig, path: Path, loaded: LoadedModel) -> ModelInstance:
+    def _assemble(cls, config: EngineConfig, path: Path, loaded: LoadResult) -> ModelInstance:
         metadata = loaded.gguf.metadata
         tokenizer = tokenizer_from_gguf(metadata, pre_policy=config.model.tokenizer_pre)
         try:

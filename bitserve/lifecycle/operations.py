@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from bitserve.errors import BitserveError
 
 if TYPE_CHECKING:
-    from bitserve.frontend.model_slot import ModelSlot
+    from bitserve.lifecycle.slot import ModelSlot
 
 MAX_NUM_OPERATIONS_KEPT = 128
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from bitserve.console import emit, emit_json, emit_progress
+from bitserve.cli.console import emit, emit_json, emit_progress
 from bitserve.errors import BitserveError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -99,8 +99,8 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from bitserve.catalog import CATALOG, resolve_model
-    from bitserve.frontend.model_registry import file_sha256
+    from bitserve.lifecycle.catalog import CATALOG, resolve_model
+    from bitserve.lifecycle.model_files import file_sha256
     from bitserve.loader.gguf_reader import read_gguf
 
     if args.name not in CATALOG:

@@ -11,7 +11,7 @@ from typing import Any
 
 from bitserve.bench.report import format_table, summarise
 from bitserve.bench.runner import BenchConfig, run_bench_async
-from bitserve.console import emit, emit_json
+from bitserve.cli.console import emit, emit_json
 from bitserve.errors import InvalidRequest
 
 _FIELDS = BenchConfig.__dataclass_fields__

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bitserve.config import ServerConfig
-from bitserve.frontend.model_slot import ModelSlot
+from bitserve.lifecycle.slot import ModelSlot
 
 PROBATION_POLL_S = 0.05
 

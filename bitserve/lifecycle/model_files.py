@@ -1,4 +1,4 @@
-"""ModelRegistry: which model files may be loaded, by name or by path inside a configured model root.
+"""ModelFiles: which model files may be loaded, by name or by path inside a configured model root.
 
 A model root is a folder of GGUF files; each may have a sidecar `<file>.json` with `alias`, `sha256`,
 `default_params` (request fields applied when a request leaves them unset) and `golden` (prompts whose
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bitserve.catalog import CATALOG, resolve_model
 from bitserve.errors import Forbidden, InvalidModelFile, InvalidRequest, ModelNotFound
+from bitserve.lifecycle.catalog import CATALOG, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class GoldenPrompt:
 
 
 @dataclass(frozen=True, slots=True)
-class RegisteredModel:
+class ModelFile:
     name: str
     path: Path
     sha256: str | None = None
@@ -99,29 +99,29 @@ def parse_golden(entries: Any, path: Path) -> tuple[GoldenPrompt, ...]:
     return tuple(prompts)
 
 
-def _registered(name: str, path: Path, sidecar: dict[str, Any], sidecar_path: Path) -> RegisteredModel:
+def _registered(name: str, path: Path, sidecar: dict[str, Any], sidecar_path: Path) -> ModelFile:
     sha256 = sidecar.get("sha256")
     if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in sha256)):
         raise InvalidModelFile("sidecar sha256 must be 64 hex digits", path=str(sidecar_path))
     defaults = sidecar.get("default_params") or {}
     if not isinstance(defaults, dict):
         raise InvalidModelFile("sidecar default_params must be an object", path=str(sidecar_path))
-    return RegisteredModel(name, path, sha256, dict(defaults), parse_golden(sidecar.get("golden"), sidecar_path))
+    return ModelFile(name, path, sha256, dict(defaults), parse_golden(sidecar.get("golden"), sidecar_path))
 
 
-class ModelRegistry:
+class ModelFiles:
     def __init__(self, roots: Iterable[str | Path]) -> None:
         self.roots = []
         for root in roots:
             if not Path(root).is_dir():
                 raise InvalidRequest(f"model root {str(root)!r} is not a folder", param="model_roots")
             self.roots.append(Path(root).resolve(strict=True))
-        self._models: dict[str, RegisteredModel] = {}
+        self._models: dict[str, ModelFile] = {}
         self.refresh()
 
     def refresh(self) -> None:
         """Discover the GGUF files of every root (not following symlinked folders out of it)."""
-        models: dict[str, RegisteredModel] = {}
+        models: dict[str, ModelFile] = {}
         for root in self.roots:
             for path in sorted(root.rglob("*.gguf")):
                 if not self._is_inside_roots(path.resolve()):
@@ -147,15 +147,15 @@ class ModelRegistry:
     def _is_inside_roots(self, resolved: Path) -> bool:
         return any(resolved == root or root in resolved.parents for root in self.roots)
 
-    def resolve(self, reference: str) -> RegisteredModel:
-        """A registered name, a catalog name, or a path inside a root -> RegisteredModel.
+    def resolve(self, reference: str) -> ModelFile:
+        """A registered name, a catalog name, or a path inside a root -> ModelFile.
 
         Raises Forbidden for paths that escape the roots, ModelNotFound for unknown names.
         """
         if reference in self._models:
             return self._models[reference]
         if reference in CATALOG:  # never downloads here: `bitserve pull NAME` does, ahead of time
-            return RegisteredModel(reference, resolve_model(reference, fetch=False).resolve())
+            return ModelFile(reference, resolve_model(reference, fetch=False).resolve())
         text = _fully_unquote(reference)
         if "\x00" in text:
             raise Forbidden("model path contains a NUL byte", param="model")
@@ -174,9 +174,9 @@ class ModelRegistry:
         for model in self._models.values():
             if model.path == resolved:
                 return model
-        return RegisteredModel(resolved.stem, resolved)
+        return ModelFile(resolved.stem, resolved)
 
-    def trusted(self, reference: str) -> RegisteredModel:
+    def trusted(self, reference: str) -> ModelFile:
         """The operator's own startup model (CLI / config): a catalog name (fetched if missing) or any
         path, with its sidecar if it has one. Blocking: call it from a worker thread."""
         if reference in self._models:
@@ -190,7 +190,7 @@ class ModelRegistry:
         return _registered(name, resolved, sidecar, resolved)
 
     @staticmethod
-    def verify_sha256(model: RegisteredModel) -> str:
+    def verify_sha256(model: ModelFile) -> str:
         """The file's sha256 (hex); raise InvalidModelFile when it does not match the sidecar's."""
         digest = file_sha256(model.path)
         if model.sha256 is not None and digest != model.sha256.lower():

@@ -1,0 +1,5 @@
+"""`python -m bitserve ...` runs the `bitserve` command line."""
+
+from bitserve.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The `bitserve` command line: one module per command group; `main.py` is the parser."""

@@ -1,0 +1,92 @@
+"""EngineLoop: the engine thread's heartbeat, the same for any transport.
+
+Blocks on the inbox while idle, drains every pending command before each step (so an abort always
+lands before the next step), steps, and publishes each StepResult. Knows no asyncio: whoever runs it
+passes the callbacks that carry results to the other side (ThreadEngineClient: the event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+
+from bitserve.engine.engine import Engine
+from bitserve.engine.messages import AbortRequests, AddRequest, Shutdown, StepResult
+from bitserve.errors import BitserveError
+
+logger = logging.getLogger(__name__)
+
+Command = AddRequest | AbortRequests | Shutdown
+
+
+class EngineLoop:
+    """Runs one Engine until Shutdown. `publish(result)` after each step; `reject(request_id, error)`
+    for a request the engine refused on admission; `die(error)` once if anything escapes a step."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        publish: Callable[[StepResult], None],
+        reject: Callable[[str, BitserveError], None],
+        die: Callable[[BaseException], None],
+    ) -> None:
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._publish = publish
+        self._reject = reject
+        self._die = die
+        self.is_running = True
+        self.last_progress = time.monotonic()  # updated after every step (liveness probe)
+        self.num_steps = 0
+
+    def run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain(block=idle):
+                    break
+                if not self.engine.has_unfinished_requests():
+                    continue
+                result = self.engine.step()
+                self.num_steps += 1
+                self.last_progress = time.monotonic()
+                self._publish(result)
+        except BaseException as exc:  # noqa: BLE001 - engine death is keyed on where, not what
+            logger.critical("engine died: %r; scheduler: %s", exc, self._scheduler_dump(), exc_info=exc)
+            self.is_running = False
+            self._die(exc)
+            return
+        self.is_running = False
+
+    def _apply(self, command: Command) -> bool:
+        """Apply one inbox command; False means stop the loop."""
+        if isinstance(command, Shutdown):
+            return False
+        if isinstance(command, AbortRequests):
+            self.engine.abort_requests(command.request_ids, command.reason)
+        else:
+            try:
+                self.engine.add_request(command.request)
+            except BitserveError as exc:  # e.g. too long for the KV cache: this request only
+                self._reject(command.request.request_id, exc)
+        return True
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every queued command (waiting for the first one when `block`); False on Shutdown."""
+        try:
+            command = self.inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if not self._apply(command):
+                return False
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _scheduler_dump(self) -> str:
+        scheduler = self.engine.scheduler
+        return f"running={scheduler.num_running} waiting={scheduler.num_waiting} stats={scheduler.get_stats()}"
