@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bitserve.engine.messages import EngineRequest  # noqa: E402
-from bitserve.lifecycle.catalog import resolve_model  # noqa: E402
+from bitserve.loader.catalog import resolve_model  # noqa: E402
 from bitserve.llm import LLM  # noqa: E402
 from bitserve.sampling_params import SamplingParams  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses: the single home of every default.
 
-Scheduling and cache defaults live in `core/config.py` (core must not import this module's torch-
+Scheduling and cache defaults live in `core/scheduling_config.py` (core must not import this module's torch-
 adjacent neighbours); they are re-exported here so callers have one place to look. Each field's
 `metadata["help"]` is the text the CLI shows.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from bitserve.core.config import CacheConfig, SchedulerConfig
-from bitserve.lifecycle.catalog import DEFAULT_MODEL
+from bitserve.core.scheduling_config import CacheConfig, SchedulerConfig
+from bitserve.loader.catalog import DEFAULT_MODEL
 
 __all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "ServerConfig"]
 
@@ -30,7 +30,6 @@ class ModelConfig:
     i2s_variant: str = field(default="A", metadata=_help("I2_S packing: A (x86 128-block), B (ARM 64-block), C (4-row interleave)"))
     tl_config: str | None = field(default=None, metadata=_help("TL1/TL2 tile config: a kernel_config.ini path or preset:<name>"))
     tokenizer_pre: str | None = field(default=None, metadata=_help("override the BPE pre-tokenizer (e.g. default, llama-bpe)"))
-    max_model_len: int | None = field(default=None, metadata=_help("cap the context length below the model's"))
     kv_cache_dtype: str = field(default="float32", metadata=_help("KV cache dtype: float32 or float16"))
     num_threads: int | None = field(default=None, metadata=_help("torch intra-op threads (default: all cores)"))
     max_dense_weight_bytes: int = field(

@@ -26,6 +26,10 @@ class InvalidRequest(BitserveError, ValueError):
     """A request or parameter is malformed or out of range."""
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (plus max_tokens) does not fit the model's context."""
+
+
 class PayloadTooLarge(BitserveError):
     """A request body exceeds the configured limit."""
 

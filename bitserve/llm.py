@@ -11,13 +11,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bitserve.config import EngineConfig, ModelConfig
-from bitserve.engine.messages import EngineRequest
-from bitserve.errors import InvalidRequest
-from bitserve.frontend.output_processor import ChoiceDelta, OutputProcessor
-from bitserve.lifecycle.catalog import DEFAULT_MODEL
-from bitserve.lifecycle.instance import ModelInstance
+from bitserve.engine.instance import ModelInstance
+from bitserve.frontend.admission import check_request
+from bitserve.frontend.output_processor import OutputProcessor
+from bitserve.loader.catalog import DEFAULT_MODEL
 from bitserve.outputs import CompletionOutput, RequestOutput
-from bitserve.sampling_params import SamplingParams, child_params
+from bitserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -61,28 +60,24 @@ class LLM:
         return self._run(prompt_ids, sampling_params or SamplingParams())
 
     def _run(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        params.validate_for_vocab(self.tokenizer.vocab_size)
-        engine = self.instance.engine
-        processor = OutputProcessor(self.tokenizer)
+        engine, tokenizer = self.instance.engine, self.tokenizer
+        processor = OutputProcessor(tokenizer)
         results: dict[str, RequestOutput] = {}
         for ids in prompt_ids:
-            if not ids:
-                raise InvalidRequest("the prompt is empty", param="prompt", hint="give at least one token")
+            check_request(len(ids), params, max_model_len=self.instance.max_model_len, vocab_size=tokenizer.vocab_size)
+        for ids in prompt_ids:
             parent_id = f"offline-{self._num_requests}"
             self._num_requests += 1
-            results[parent_id] = RequestOutput(parent_id, ids, [CompletionOutput(i, "", []) for i in range(params.n)], False)
-            for index in range(params.n):
-                request_id = f"{parent_id}-{index}"
-                choice = child_params(params, index)
-                engine.add_request(EngineRequest(request_id, tuple(ids), choice, self.tokenizer.eos_token_ids))
-                processor.add_request(request_id, parent_id, index, choice)
+            results[parent_id] = RequestOutput(parent_id, ids, [CompletionOutput(i) for i in range(params.n)], False)
+            for request in processor.add_choices(parent_id, ids, params):
+                engine.add_request(request)
         while engine.has_unfinished_requests():
             step = engine.step()
             deltas, abort_ids = processor.process(step.outputs)
             if abort_ids:
                 engine.abort_requests(abort_ids)
             for delta in deltas:
-                _accumulate(results[delta.parent_id], delta)
+                results[delta.parent_id].add(delta, delta.num_cached_tokens)
         for result in results.values():
             result.finished = all(output.finish_reason is not None for output in result.outputs)
         return list(results.values())
@@ -90,13 +85,3 @@ class LLM:
     def close(self) -> None:
         self.instance.close()
 
-
-def _accumulate(result: RequestOutput, delta: ChoiceDelta) -> None:
-    output = result.outputs[delta.index]
-    output.text += delta.text
-    output.token_ids.extend(delta.token_ids)
-    if delta.logprobs:
-        output.logprobs = (output.logprobs or []) + delta.logprobs
-    if delta.finish_reason is not None:
-        output.finish_reason, output.stop_reason = delta.finish_reason, delta.stop_reason
-    result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)

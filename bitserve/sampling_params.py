@@ -9,16 +9,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bitserve.errors import InvalidRequest
 
-# Engine limits. The HTTP layer (server/protocol.py) applies its own, usually tighter, bounds first.
+# The one home of every sampling bound: SamplingParams checks them and the HTTP request models
+# (server/protocol.py) declare the same ones as field bounds, so a client sees the limit in a 400.
 MAX_N = 16
 MAX_MAX_TOKENS = 1_000_000
-MAX_TEMPERATURE = 10.0
-MAX_TOP_K = 2**31 - 1  # a top_k at or above the vocabulary size simply keeps every token
+MAX_TEMPERATURE = 2.0  # as in the OpenAI API
+MAX_TOP_K = 1_000_000  # a top_k at or above the vocabulary size simply keeps every token
 MAX_ABS_PENALTY = 2.0  # presence / frequency, as in the OpenAI API
 MAX_REPETITION_PENALTY = 10.0
 MAX_SEED = 2**63 - 1
@@ -28,9 +29,14 @@ MAX_NUM_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_NUM_LOGIT_BIAS = 300
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_KEY_DIGITS = 10  # token ids as JSON object keys; also keeps int() off huge strings
 # NOTE: below this temperature logits / T can overflow float32; such rows are sampled greedily
 # (vLLM uses the same threshold), which is what a near-zero temperature means anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,30 +49,39 @@ class SamplingParams:
     object stays hashable. `stop` / `stop_token_ids` accept lists (and `stop` a single string).
     `logprobs=None` means no logprobs; k in 0..20 means the chosen token's logprob plus the top k
     alternatives, taken from the raw model distribution (see `layers/sampler.py`).
+
+    `max_tokens=None` is the one default policy, the same for the CLI, `LLM` and every endpoint:
+    generate until EOS, a stop condition or the end of the model's context. A request that sets
+    max_tokens must fit it in the context with its prompt (frontend/admission.py says so with a 400).
+    Each field's `metadata["help"]` is the text of its CLI flag (cli/main.py generates them).
     """
 
-    n: int = 1
-    max_tokens: int = 256
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    skip_special_tokens: bool = True
+    n: int = field(default=1, metadata=_help("completions to generate for the prompt"))
+    max_tokens: int | None = field(
+        default=None,
+        metadata=_help("most tokens to generate (default: until a stop condition or the end of the context)"),
+    )
+    min_tokens: int = field(default=0, metadata=_help("tokens to generate before EOS or stop ids may end"))
+    temperature: float = field(default=1.0, metadata=_help("sampling temperature; 0 = greedy"))
+    top_p: float = field(default=1.0, metadata=_help("nucleus sampling: keep the smallest set of this mass"))
+    top_k: int = field(default=0, metadata=_help("keep the k most likely tokens (0 = off)"))
+    min_p: float = field(default=0.0, metadata=_help("drop tokens below this fraction of the top probability"))
+    presence_penalty: float = field(default=0.0, metadata=_help("penalty for tokens already generated"))
+    frequency_penalty: float = field(default=0.0, metadata=_help("penalty per occurrence of a generated token"))
+    repetition_penalty: float = field(default=1.0, metadata=_help("divide logits of seen tokens (1 = off)"))
+    seed: int | None = field(default=None, metadata=_help("seed for reproducible sampling"))
+    stop: tuple[str, ...] = field(default=(), metadata=_help("stop strings (the text ends before them)"))
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata=_help("token ids that end the completion"))
+    ignore_eos: bool = field(default=False, metadata=_help("keep generating past the end-of-sequence token"))
+    logprobs: int | None = field(default=None, metadata=_help("also return this many top logprobs per token"))
+    logit_bias: tuple[tuple[int, float], ...] = field(default=(), metadata=_help("(token id, bias) pairs"))
+    skip_special_tokens: bool = field(default=True, metadata=_help("leave special tokens out of the text"))
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
-        _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS)
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS, hint="null: until the end of the context")
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens or MAX_MAX_TOKENS)
         self._set("temperature", _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE))
         self._set("top_p", _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True))
         _check_int("top_k", self.top_k, 0, MAX_TOP_K, hint="0 disables top-k")
@@ -212,7 +227,7 @@ def _normalise_stop_token_ids(value: object) -> tuple[int, ...]:
 
 def _logit_bias_key(key: object) -> int:
     # OpenAI sends logit_bias as a JSON object, whose keys are strings such as "50256".
-    if isinstance(key, str) and key.isascii() and key.isdigit():
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= MAX_LOGIT_BIAS_KEY_DIGITS:
         return int(key)
     if isinstance(key, bool) or not isinstance(key, int) or key < 0:
         raise InvalidRequest(

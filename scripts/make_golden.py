@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bitserve.lifecycle.catalog import resolve_model  # noqa: E402
+from bitserve.loader.catalog import resolve_model  # noqa: E402
 from bitserve.testing.synthetic import (  # noqa: E402
     SyntheticConfig,
     make_weights,

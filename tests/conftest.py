@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from bitserve.lifecycle.catalog import CATALOG, DEFAULT_MODEL
+from bitserve.loader.catalog import CATALOG, DEFAULT_MODEL
 
 # CI runs property tests with a fixed seed so a landing never depends on luck; locally they explore.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)

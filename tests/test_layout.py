@@ -41,12 +41,91 @@ def test_functions_stay_under_the_ceiling() -> None:
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
 
 
-def test_core_imports_no_torch_and_nothing_above_it() -> None:
-    for path in (PACKAGE / "core").glob("*.py"):
+def package_of(module: str) -> str:
+    """bitserve.server.app -> server; bitserve.config -> config (a root module is its own node)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_imports(package: str) -> dict[str, set[str]]:
+    """File (relative to the package) -> the bitserve modules and third-party roots it imports."""
+    files = (PACKAGE / package).rglob("*.py") if (PACKAGE / package).is_dir() else [PACKAGE / f"{package}.py"]
+    return {str(path.relative_to(PACKAGE)): imported_modules(path) for path in files if "__pycache__" not in path.parts}
+
+
+# The import matrix (architecture note, section 2): who must not import whom. A forbidden entry is a
+# bitserve package (bitserve.<name>) or a third-party root module.
+FORBIDDEN_IMPORTS = {
+    "server": {"core", "layers", "kernels", "runner", "models", "loader", "torch", "numpy", "numba"},
+    "frontend": {"server", "cli", "core", "layers", "kernels", "runner", "models", "torch"},
+    "lifecycle": {"server", "cli", "core", "layers", "kernels", "runner", "models", "torch"},
+    "engine": {"server", "cli", "frontend", "lifecycle"},
+    "core": {"engine", "runner", "models", "layers", "kernels", "loader", "frontend", "lifecycle", "server",
+             "cli", "torch", "numpy"},
+    "runner": {"engine", "frontend", "lifecycle", "server", "cli"},
+    "models": {"runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
+    "layers": {"models", "runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
+    "kernels": {"layers", "models", "runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
+    "loader": {"runner", "engine", "frontend", "lifecycle", "server", "cli"},
+    "tokenizer": {"models", "layers", "kernels", "runner", "engine", "frontend", "lifecycle", "server", "cli",
+                  "torch"},
+    "metrics": {"server", "frontend", "lifecycle", "engine", "runner", "models", "layers", "kernels", "torch"},
+}
+# Torch-free seam modules the server may use although their package is below it.
+SEAM_MODULES = {"bitserve.engine.messages"}
+
+
+def _offences(package: str, forbidden: set[str]) -> list[str]:
+    found = []
+    for file, modules in package_imports(package).items():
+        for module in modules - SEAM_MODULES:
+            target = package_of(module) if module.startswith("bitserve.") else module.split(".")[0]
+            if target in forbidden:
+                found.append(f"{file} imports {module}")
+    return found
+
+
+def test_import_matrix() -> None:
+    offences = [line for package, forbidden in FORBIDDEN_IMPORTS.items() for line in _offences(package, forbidden)]
+    assert not offences, "imports against the architecture's direction:\n" + "\n".join(sorted(offences))
+
+
+def test_no_cycles_between_packages() -> None:
+    graph: dict[str, set[str]] = {}
+    for path in python_files():
+        source = package_of(".".join(("bitserve", *path.relative_to(PACKAGE).with_suffix("").parts)))
         for module in imported_modules(path):
-            assert not module.startswith("torch"), f"{path.name} imports {module}"
-            for upper in ("bitserve.runner", "bitserve.engine", "bitserve.frontend", "bitserve.server", "bitserve.models"):
-                assert not module.startswith(upper), f"core/{path.name} imports {module}"
+            if module.startswith("bitserve.") and package_of(module) != source:
+                graph.setdefault(source, set()).add(package_of(module))
+    cycle = _find_cycle(graph)
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle or [])
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle in `graph` as a node list (first node repeated at the end), or None (iterative DFS)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph.get(start, ())))]
+        state[start] = 1
+        while stack:
+            node = next(stack[-1], None)
+            if node is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(node) == 1:
+                return path[path.index(node):] + [node]
+            elif node not in state:
+                state[node] = 1
+                path.append(node)
+                stack.append(iter(sorted(graph.get(node, ()))))
+    return None
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}}) is None
 
 
 def test_only_the_metrics_module_imports_prometheus_client() -> None:

@@ -16,9 +16,9 @@ from bitserve.sampling_params import SamplingParams
 BOUNDS: dict[str, tuple[list[object], list[object]]] = {
     "n": ([1, 16], [0, 17]),
     "max_tokens": ([1, 1_000_000], [0, 1_000_001]),
-    "temperature": ([0, 0.0, 1, 10.0], [-1e-9, 10.000001]),
+    "temperature": ([0, 0.0, 1, 2.0], [-1e-9, 2.000001]),
     "top_p": ([1e-9, 1, 1.0], [0.0, 1.0000001]),
-    "top_k": ([0, 1, 2**31 - 1], [-1, 2**31]),
+    "top_k": ([0, 1, 1_000_000], [-1, 1_000_001]),
     "min_p": ([0, 0.0, 1.0], [-1e-9, 1.0000001]),
     "presence_penalty": ([-2, -2.0, 2.0], [-2.0000001, 2.0000001]),
     "frequency_penalty": ([-2.0, 2], [-2.0000001, 2.0000001]),
@@ -46,7 +46,7 @@ def _refused(param: str, **kwargs: object) -> InvalidRequest:
 
 def test_defaults_are_valid() -> None:
     params = SamplingParams()
-    assert params.n == 1 and params.max_tokens == 256 and params.temperature == 1.0
+    assert params.n == 1 and params.max_tokens is None and params.temperature == 1.0  # None: to the end of the context
     assert params.top_k == 0 and params.logprobs is None and params.stop == () and params.logit_bias == ()
     assert not params.is_greedy and not params.has_penalties and params.skip_special_tokens
 

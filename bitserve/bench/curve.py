@@ -157,7 +157,7 @@ def run_curve(model: str, levels: Sequence[int], *, num_prompt_tokens: int = 8, 
     """Load `model`, warm up, measure every level `num_repeats` times (all levels in turn, so each
     level sees the same stretches of machine load; the fastest run of a level is kept: noise on a
     shared machine only slows a run down) and the prefill rate; apply `rule`."""
-    from bitserve.lifecycle.instance import projection_format
+    from bitserve.engine.instance import projection_format
     from bitserve.llm import LLM
 
     rule = rule or KneeRule()

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from bitserve.cli.console import emit, emit_json
+from bitserve.cli.sampling_flags import sampling_params_from_args
 from bitserve.config import EngineConfig, ModelConfig
-from bitserve.lifecycle.catalog import resolve_model
-from bitserve.sampling_params import SamplingParams
+from bitserve.loader.catalog import resolve_model
 
 
 def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
@@ -29,11 +29,7 @@ def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
 def run_generate(args: argparse.Namespace) -> int:
     from bitserve.llm import LLM
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-    )  # fmt: skip
+    params = sampling_params_from_args(args)
     llm = LLM(config=EngineConfig(model=model_config_from_args(args, args.model)))
     try:
         if args.chat:

@@ -8,9 +8,10 @@ import sys
 from collections.abc import Sequence
 
 from bitserve.cli.console import emit_error
+from bitserve.cli.sampling_flags import add_sampling_arguments
 from bitserve.cli.serve import add_serve_parser, run_serve
 from bitserve.errors import BitserveError
-from bitserve.lifecycle.catalog import DEFAULT_MODEL
+from bitserve.loader.catalog import DEFAULT_MODEL
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -35,15 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--system", default=None, help="system message (with --chat)")
-    generate.add_argument("--max-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--min-p", type=float, default=0.0)
-    generate.add_argument("--repetition-penalty", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    generate.add_argument("--ignore-eos", action="store_true")
+    add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object")
     _add_model_options(generate)
 

@@ -99,8 +99,8 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from bitserve.lifecycle.catalog import CATALOG, resolve_model
     from bitserve.lifecycle.model_files import file_sha256
+    from bitserve.loader.catalog import CATALOG, resolve_model
     from bitserve.loader.gguf_reader import read_gguf
 
     if args.name not in CATALOG:

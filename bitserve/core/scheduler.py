@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from bitserve.core.config import SchedulerConfig
 from bitserve.core.kv_cache_manager import KVCacheManager
-from bitserve.core.outputs import EngineOutput, StepStats
 from bitserve.core.request import FinishReason, Request, RequestStatus, finished_status
 from bitserve.core.request_queue import RequestQueue, priority_key
 from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from bitserve.core.scheduling_config import SchedulerConfig
+from bitserve.core.step_outputs import EngineOutput, StepStats
 from bitserve.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -137,12 +137,11 @@ class Scheduler:
                 param="prompt",
                 hint=f"shorten the prompt to at most {max_model_len - 1} tokens",
             )
-        if request.params.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
         # The last sampled token is never fed back, so the most KV slots a request needs is its
         # longest possible sequence minus one. If even the whole pool cannot hold that, the request
-        # would preempt itself forever: refuse it now.
-        max_len = min(num_prompt + request.params.max_tokens, max_model_len)
+        # would preempt itself forever: refuse it now. max_tokens None runs to the end of the context.
+        max_tokens = request.params.max_tokens
+        max_len = max_model_len if max_tokens is None else min(num_prompt + max_tokens, max_model_len)
         num_blocks_needed = self.kv.num_blocks_for(max(num_prompt, max_len - 1))
         if num_blocks_needed > self.kv.num_usable_blocks:
             raise InvalidRequest(
@@ -343,7 +342,8 @@ class Scheduler:
                 return FinishReason.STOP, None
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP, token_id
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        is_at_max_tokens = params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        if is_at_max_tokens or request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 

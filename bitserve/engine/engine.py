@@ -10,12 +10,12 @@ import dataclasses
 import logging
 import time
 
-from bitserve.core.config import CacheConfig, SchedulerConfig
 from bitserve.core.kv_cache_manager import KVCacheManager
 from bitserve.core.request import FinishReason
 from bitserve.core.scheduler import Scheduler
 from bitserve.core.scheduler_output import RunnerOutput
-from bitserve.engine.messages import EngineRequest, StepResult
+from bitserve.core.scheduling_config import CacheConfig, SchedulerConfig
+from bitserve.engine.messages import EngineRequest, KVCacheStats, StepResult
 from bitserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,12 @@ class Engine:
     def abort_requests(self, request_ids: list[str] | tuple[str, ...], reason: FinishReason = FinishReason.ABORT) -> None:
         """Finish these requests before the next step; their blocks are freed now."""
         self.scheduler.abort_requests(request_ids, reason)
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        """Occupancy of the KV cache. NOTE: may be called from the event loop while the engine thread
+        steps: plain counter reads, no lock, one step stale at worst."""
+        kv = self.scheduler.kv
+        return KVCacheStats(round(kv.usage, 6), kv.num_free_blocks, kv.num_usable_blocks, kv.block_size)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bitserve.core.outputs import EngineOutput, StepStats
 from bitserve.core.request import FinishReason, Priority, Request, RequestStatus
+from bitserve.core.step_outputs import EngineOutput, KVCacheStats, StepStats, TokenLogprobs
 
 if TYPE_CHECKING:
     from bitserve.sampling_params import SamplingParams
@@ -21,11 +21,13 @@ __all__ = [
     "EngineOutput",
     "EngineRequest",
     "FinishReason",
+    "KVCacheStats",
     "Priority",
     "RequestStatus",
     "Shutdown",
     "StepResult",
     "StepStats",
+    "TokenLogprobs",
 ]
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bitserve.core.outputs import EngineOutput
+from bitserve.engine.messages import EngineOutput, EngineRequest, Priority, TokenLogprobs
 from bitserve.frontend.stop_strings import StopStringMatcher
-from bitserve.sampling_params import SamplingParams
+from bitserve.sampling_params import SamplingParams, child_params
 from bitserve.tokenizer.base import Tokenizer
 from bitserve.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -25,7 +25,7 @@ class ChoiceDelta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list | None
+    logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     stop_reason: str | int | None
     num_cached_tokens: int
@@ -43,6 +43,11 @@ class _ChoiceState:
     finished: bool = False
 
 
+def choice_request_id(parent_id: str, index: int) -> str:
+    """The engine request id of choice `index` of client request `parent_id`."""
+    return f"{parent_id}/{index}"
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -56,6 +61,27 @@ class OutputProcessor:
             matcher=StopStringMatcher(params.stop),
             wants_logprobs=params.logprobs is not None,
         )
+
+    def add_choices(
+        self,
+        parent_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: Priority = Priority.NORMAL,
+        deadline: float | None = None,
+    ) -> list[EngineRequest]:
+        """The n-choice fan-out: one engine request per choice, ids `{parent_id}/{index}`, each with its
+        own seed (child_params) and tracked here; the caller hands the requests to its engine."""
+        requests = []
+        for index in range(params.n):
+            choice_id, choice = choice_request_id(parent_id, index), child_params(params, index)
+            self.add_request(choice_id, parent_id, index, choice)
+            requests.append(EngineRequest(
+                choice_id, tuple(prompt_token_ids), choice, self.tokenizer.eos_token_ids, priority,
+                deadline=deadline,
+            ))
+        return requests
 
     def drop_request(self, request_id: str) -> None:
         self._states.pop(request_id, None)

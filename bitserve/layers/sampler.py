@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bitserve.core.step_outputs import TokenLogprobs
 from bitserve.errors import InvalidRequest
 from bitserve.sampling_params import SamplingParams
 
@@ -61,20 +62,6 @@ class SamplingRequestState:
     output_token_ids: TokenIds
     generator: torch.Generator | None = None
     eos_token_ids: Sequence[int] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """Logprobs of one sampled position, from the raw model distribution (before any processing).
-
-    `rank` is 1 + the number of tokens strictly more likely than the chosen one; `top_logprobs`
-    holds `params.logprobs` (token_id, logprob) pairs, most likely first.
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @dataclass(slots=True)

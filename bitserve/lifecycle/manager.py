@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bitserve.config import EngineConfig, ServerConfig
+from bitserve.engine.instance import ModelInstance
 from bitserve.errors import (
     BitserveError,
     Conflict,
@@ -29,7 +30,6 @@ from bitserve.errors import (
     ServerShuttingDown,
 )
 from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
-from bitserve.lifecycle.instance import ModelInstance
 from bitserve.lifecycle.model_files import ModelFile, ModelFiles
 from bitserve.lifecycle.operations import Operation, OperationLog
 from bitserve.lifecycle.probation import ProbationPolicy, watch_probation
@@ -48,8 +48,7 @@ WARMUP_PROMPT = "Hello"
 async def warm_up(engine: AsyncEngine, request_id: str) -> None:
     """One short greedy generation so the first client does not pay for lazy initialisation."""
     prompt_ids = engine.instance.tokenizer.encode(WARMUP_PROMPT) or [0]
-    async for _ in engine.generate(prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id=request_id):
-        pass
+    await engine.submit(prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id=request_id).collect()
 
 
 @dataclass(eq=False)
@@ -68,11 +67,11 @@ def check_alias(alias: str) -> str:
 
 
 class ModelManager:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, registry: ModelFiles) -> None:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, files: ModelFiles) -> None:
         self.engine_config = engine_config
         self.config = server_config
         self.stats = stats
-        self.registry = registry
+        self.files = files
         self.aliases: dict[str, Alias] = {}
         self.default_alias: str | None = None
         self.operations = OperationLog()
@@ -119,23 +118,23 @@ class ModelManager:
     def submit(self, action: str, alias: str, model: str | None = None, *, source: ModelFile | None = None,
                **options: Any) -> Operation:  # fmt: skip
         """Start `action` on `alias` in the background; Conflict when one is already running there.
-        `model` is resolved through the registry (403 outside the roots); `source` is taken as is."""
+        `model` is resolved through the model files (403 outside the roots); `source` is taken as is."""
         check_alias(alias)
         if self.is_draining:
             raise ServerShuttingDown("the server is shutting down", hint="retry on another replica")
         if alias in self._busy_aliases:
             raise Conflict(f"another model operation is running on {alias!r}", param="alias",
-                           hint="wait for it (GET /v1/models) and retry")  # fmt: skip
+                           hint="wait for its operation to finish and retry")  # fmt: skip
         runner = {"load": self._load, "swap": self._swap, "rollback": self._rollback, "unload": self._unload}[action]
         if action != "load" and alias not in self.aliases:
             raise ModelNotFound(f"no model is served as {alias!r}", param="alias", hint=f"available: {', '.join(sorted(self.aliases)) or '(none)'}")
         if action == "load" and alias in self.aliases:
-            raise Conflict(f"{alias!r} is already served", param="alias", hint=f"use POST /v1/models/{alias}/swap to replace it")
+            raise Conflict(f"{alias!r} is already served", param="alias", hint="swap it to replace the version it serves")
         device = options.pop("device", None)
         if device is not None and device not in DEVICES:
             raise InvalidRequest(f"device {device[:32]!r} is not available", param="device", hint=f"this server has: {', '.join(DEVICES)}")
         if source is None and model is not None:
-            source = self.registry.resolve(model)
+            source = self.files.resolve(model)
         operation = self.operations.new(action, alias, model or (source.name if source else None))
         self._busy_aliases.add(alias)
         self._spawn(self._run(operation, runner, source, **options))
@@ -240,7 +239,7 @@ class ModelManager:
         try:
             await self._make_room(source, operation.alias)
             slot.phase, slot.progress = "hashing", 0.05
-            digest = await asyncio.to_thread(self.registry.verify_sha256, source)
+            digest = await asyncio.to_thread(self.files.verify_sha256, source)
             slot.phase, slot.progress = "loading", 0.2
             config = dataclasses.replace(self.engine_config, model=dataclasses.replace(self.engine_config.model, model=str(source.path)))
             slot.instance = await asyncio.to_thread(ModelInstance.load, config)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bitserve.errors import Forbidden, InvalidModelFile, InvalidRequest, ModelNotFound
-from bitserve.lifecycle.catalog import CATALOG, resolve_model
+from bitserve.loader.catalog import CATALOG, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,11 @@ MAX_SIDECAR_BYTES = 64 * 1024
 MAX_DECODE_ROUNDS = 4  # percent-decoding repeated until stable, bounded (%252e -> %2e -> .)
 MAX_GOLDEN_PROMPTS = 16
 MAX_GOLDEN_TOKENS = 64
+
+
+def default_alias(reference: str) -> str:
+    """The alias a model is served under when none is given: its catalog name, else its file stem."""
+    return reference if reference in CATALOG else Path(reference).stem
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +173,7 @@ class ModelFiles:
         if not self._is_inside_roots(resolved):
             logger.warning("refused model reference %r: resolves outside the model roots", reference)
             raise Forbidden(f"model path {reference!r} is outside the configured model roots", param="model",
-                            hint="use a registered model name (GET /v1/models) or a path inside a model root")  # fmt: skip
+                            hint="use a registered model name (the model list shows them) or a path inside a model root")  # fmt: skip
         if not resolved.is_file():
             raise ModelNotFound(f"no model file at {reference!r}", param="model", hint=f"available: {', '.join(self.names)}")
         for model in self._models.values():

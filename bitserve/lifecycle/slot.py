@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from bitserve.errors import BitserveError, EngineDead, RequestFailed
 from bitserve.lifecycle.model_files import ModelFile
 
 if TYPE_CHECKING:
+    from bitserve.engine.instance import ModelInstance
     from bitserve.frontend.async_engine import AsyncEngine
-    from bitserve.lifecycle.instance import ModelInstance
 
 
 class SlotState(enum.Enum):
@@ -27,6 +28,12 @@ class SlotState(enum.Enum):
     DRAINING = "draining"  # no new requests; in-flight ones finish; kept resident during probation
     UNLOADED = "unloaded"  # engine stopped, weights freed
     FAILED = "failed"  # load or validation failed; never routable
+
+
+def counts_as_model_failure(error: BaseException) -> bool:
+    """Errors that count against a model version on probation: its engine died, a request failed in
+    it, or anything unexpected; not a refusal, a bad request or a drain deadline."""
+    return isinstance(error, (EngineDead, RequestFailed)) or not isinstance(error, BitserveError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +74,7 @@ def model_info(alias: str, version: str, instance: ModelInstance) -> SlotInfo:
 def estimated_memory_bytes(instance: ModelInstance) -> int:
     """What keeping `instance` resident costs: its weights (about the file's size: packed formats stay
     packed, the mmap'd parts are file pages) plus its KV cache."""
-    return instance.path.stat().st_size + instance.engine.runner.layout.total_bytes
+    return instance.path.stat().st_size + instance.kv_cache_bytes
 
 
 @dataclass(eq=False)
@@ -163,6 +170,11 @@ class Lease:
     def info(self) -> SlotInfo:
         assert self.slot.info is not None
         return self.slot.info
+
+    def finish(self, error: BaseException | None) -> None:
+        """Release at the end of a generation; an engine failure (not an admission refusal, a bad
+        request or a drain) counts against the version on probation."""
+        self.release(has_failed=error is not None and counts_as_model_failure(error))
 
     def release(self, *, has_failed: bool = False) -> None:
         if not self._is_released:

@@ -23,13 +23,8 @@ class ModelValidationFailed(ModelLoadError):
 
 async def _greedy(engine: AsyncEngine, prompt_ids: list[int], num_tokens: int, request_id: str) -> tuple[list[int], list[float]]:
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    async for output in engine.generate(prompt_ids, params, request_id=request_id):
-        for choice in output.outputs:
-            token_ids.extend(choice.token_ids)
-            logprobs.extend(entry.logprob for entry in choice.logprobs or ())
-    return token_ids, logprobs
+    choice = (await engine.submit(prompt_ids, params, request_id=request_id).collect()).outputs[0]
+    return choice.token_ids, [entry.logprob for entry in choice.logprobs or ()]
 
 
 def check_vocabulary(engine: AsyncEngine) -> None:

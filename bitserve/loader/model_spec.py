@@ -1,6 +1,6 @@
 """GGUF metadata -> ModelSpec: the load-time facts every other part reads. Derived once, frozen.
 
-An unsupported architecture fails here with the list of supported ones (the registry's keys).
+An unsupported architecture fails here with the list of supported ones (the keys of models.registry.ARCHITECTURES).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from bitserve.core.outputs import StepStats
+from bitserve.core.step_outputs import StepStats
 from bitserve.metrics.stats import LifecycleEvent, RequestStats, SlotLabels
 
 logger = logging.getLogger(__name__)

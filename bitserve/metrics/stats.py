@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from bitserve.core.outputs import StepStats
+from bitserve.core.step_outputs import StepStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,17 +11,15 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bitserve.config import EngineConfig, ServerConfig
-from bitserve.lifecycle.catalog import CATALOG
-from bitserve.lifecycle.instance import ModelInstance
+from bitserve.engine.instance import ModelInstance
 from bitserve.lifecycle.manager import ModelManager
-from bitserve.lifecycle.model_files import ModelFiles
+from bitserve.lifecycle.model_files import ModelFiles, default_alias
 from bitserve.log import REQUEST_ID
 from bitserve.metrics.prometheus import PrometheusStatsSink
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
@@ -82,14 +80,14 @@ def served_model_id(reference: str, served_model_name: str | None) -> str:
     """The startup model's alias: --served-model-name, else the catalog name, else the file stem."""
     if served_model_name:
         return served_model_name
-    return reference if reference in CATALOG else Path(reference).stem
+    return default_alias(reference)
 
 
 async def _load_startup_model(state: AppState, on_fatal: Callable[[], None] | None) -> None:
     """Load --model as the default alias (no root check: the operator chose it); fatal on failure."""
     reference = state.engine_config.model.model
     try:
-        source = await asyncio.to_thread(state.models.registry.trusted, reference)
+        source = await asyncio.to_thread(state.models.files.trusted, reference)
         operation = state.models.submit("load", served_model_id(reference, state.server_config.served_model_name), source=source)
         await operation.wait()
         if operation.error is not None:
@@ -106,8 +104,8 @@ async def _load_startup_model(state: AppState, on_fatal: Callable[[], None] | No
 def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> AppState:
     stats = PrometheusStatsSink()
     roots = [root for root in (server_config.model_roots or "").split(os.pathsep) if root]
-    registry = ModelFiles(roots)
-    models = ModelManager(engine_config, server_config, stats, registry)
+    files = ModelFiles(roots)
+    models = ModelManager(engine_config, server_config, stats, files)
     return AppState(server_config, engine_config, stats, read_build_info(), models)
 
 

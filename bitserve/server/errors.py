@@ -21,6 +21,7 @@ from starlette.types import Send
 from bitserve.errors import (
     BitserveError,
     Conflict,
+    ContextLengthExceeded,
     EngineDead,
     Forbidden,
     InvalidModelFile,
@@ -38,13 +39,12 @@ logger = logging.getLogger(__name__)
 
 # Retry-After when the engine gives no estimate (model loading, no engine yet).
 DEFAULT_RETRY_AFTER_S = 5.0
+# Retry-After bounds (seconds): never tell a client "0", never send it away for minutes.
+MIN_RETRY_AFTER_S = 1
+MAX_RETRY_AFTER_S = 60
 # Health probes: pass / fail (fail carries Retry-After).
 PROBE_PASS_STATUS = 200
 PROBE_FAIL_STATUS = 503
-
-
-class ContextLengthExceeded(InvalidRequest):
-    """The prompt (plus max_tokens) does not fit the model's context."""
 
 
 class UnsupportedParameter(InvalidRequest):
@@ -116,7 +116,7 @@ def retry_after_value(seconds: float | None) -> str:
     """Integer seconds, at least 1 (RFC 9110 delay-seconds)."""
     if seconds is None or not math.isfinite(seconds):
         seconds = DEFAULT_RETRY_AFTER_S
-    return str(max(1, math.ceil(seconds)))
+    return str(min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(seconds))))
 
 
 def error_headers(exc: BaseException, spec: ErrorSpec, retry_after_s: float | None) -> dict[str, str]:

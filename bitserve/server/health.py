@@ -62,7 +62,7 @@ async def health(request: Request) -> Response:
         "model": dataclasses.asdict(info) if info is not None else None,
         "models": state.models.describe(),
         "engine": None,
-        "http": {"is_draining": state.is_draining, "num_live_streams": len(state.registry)},
+        "http": {"is_draining": state.is_draining, "num_live_streams": state.num_live_streams},
     }
     if state.load_error is not None:
         components["model"] = {"error": state.load_error}

@@ -1,6 +1,6 @@
-"""Request text, chat messages or token ids -> prompt token ids that fit the model's context, and
-the max_tokens a request gets. Long inputs are tokenized in a worker thread so the event loop
-never stalls on them.
+"""Request text, chat messages or token ids -> prompt token ids. Long inputs are tokenized in a
+worker thread so the event loop never stalls on them. Whether the prompt fits the context is the
+frontend's admission check (frontend/admission.py), the same for every caller.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
+from bitserve.engine.instance import ModelInstance
 from bitserve.errors import InvalidRequest
-from bitserve.lifecycle.instance import ModelInstance
-from bitserve.server.errors import ContextLengthExceeded
-from bitserve.server.protocol import ChatMessage, check_token_ids, template_messages
+from bitserve.server.protocol import ChatMessage, PromptInput, check_token_ids, template_messages
 
 # Inputs longer than this (characters) are tokenized off the event loop.
 MAX_INLINE_TOKENIZE_CHARS = 8192
@@ -41,31 +40,12 @@ async def encode_messages(instance: ModelInstance, messages: list[ChatMessage]) 
     return await _run(num_chars, lambda: instance.encode_chat(rendered))
 
 
-def prompt_from_ids(instance: ModelInstance, token_ids: list[int], param: str = "prompt") -> list[int]:
-    check_token_ids(token_ids, instance.tokenizer.vocab_size, param)
-    return list(token_ids)
-
-
-def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, default: int | None, max_model_len: int,
-                       *, prompt_param: str = "prompt") -> int:  # fmt: skip
-    """Output tokens the request may make: `requested` if it fits, else the default capped by room.
-
-    The prompt alone must leave room for one output token; prompt + requested max_tokens must fit
-    in the context (OpenAI answers 400 too, rather than silently truncating).
-    """
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise ContextLengthExceeded(
-            f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens, "
-            "which leaves no room for output",
-            param=prompt_param, hint=f"shorten the prompt to at most {max_model_len - 1} tokens",
-        )  # fmt: skip
-    if requested is not None:
-        if requested > room:
-            raise ContextLengthExceeded(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({requested}) exceeds this model's "
-                f"context of {max_model_len} tokens",
-                param="max_tokens", hint=f"lower max_tokens to at most {room} or shorten the prompt",
-            )  # fmt: skip
-        return requested
-    return room if default is None else min(default, room)
+async def encode_prompt(instance: ModelInstance, prompt: PromptInput) -> list[int]:
+    """The prompt's token ids, whichever form the request gave it in."""
+    if prompt.messages is not None:
+        return await encode_messages(instance, prompt.messages)
+    if prompt.text is not None:
+        return await encode_text(instance, prompt.text)
+    token_ids = list(prompt.token_ids or [])
+    check_token_ids(token_ids, instance.tokenizer.vocab_size, prompt.param)
+    return token_ids

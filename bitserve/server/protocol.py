@@ -10,22 +10,26 @@ import logging
 import math
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from bitserve.core.request import Priority
+from bitserve.engine.messages import Priority
 from bitserve.errors import InvalidRequest
 from bitserve.sampling_params import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
     MAX_LOGPROBS,
     MAX_MAX_TOKENS,
     MAX_N,
-    MAX_NUM_LOGIT_BIAS,
     MAX_NUM_STOP,
     MAX_NUM_STOP_TOKEN_IDS,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP_CHARS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
     SamplingParams,
 )
 from bitserve.server.errors import UnsupportedParameter
@@ -41,8 +45,6 @@ MAX_NAME_CHARS = 64
 MAX_USER_CHARS = 256
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_PROMPT_TOKEN_IDS = 1_048_576
-MAX_TOP_K = 1_000_000
-MAX_LOGIT_BIAS_KEY_DIGITS = 10
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
 
 PRIORITIES = {"high": Priority.HIGH, "normal": Priority.NORMAL, "low": Priority.LOW}
@@ -122,31 +124,7 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-def _check_stop(value: Any) -> Any:
-    items = [value] if isinstance(value, str) else value
-    if items is None:
-        return None
-    if not isinstance(items, list):
-        raise ValueError("stop must be a string or a list of strings")
-    if len(items) > MAX_NUM_STOP:
-        raise ValueError(f"at most {MAX_NUM_STOP} stop strings, got {len(items)}")
-    for item in items:
-        if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
-            raise ValueError(f"each stop string must have 1..{MAX_STOP_CHARS} characters")
-    return items
-
-
-def _check_logit_bias(value: Any) -> Any:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ValueError("logit_bias must be an object mapping token ids to biases")
-    if len(value) > MAX_NUM_LOGIT_BIAS:
-        raise ValueError(f"logit_bias may hold at most {MAX_NUM_LOGIT_BIAS} entries, got {len(value)}")
-    for key in value:
-        if not (key.isascii() and key.isdigit() and len(key) <= MAX_LOGIT_BIAS_KEY_DIGITS):
-            raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}")
-    return value
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class SamplingFields(StrictModel):
@@ -154,55 +132,83 @@ class SamplingFields(StrictModel):
 
     model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS)
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    # Bounds declared with SamplingParams' constants; the entries' content (empty strings, logit_bias
+    # keys, duplicate ids) is SamplingParams' check alone, run by to_sampling_params before admission.
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_NUM_STOP)] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_NUM_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_MAX_TOKENS)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = None
     skip_special_tokens: bool = True
     priority: Literal["high", "normal", "low"] = "normal"
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
-
-    _check_stop = field_validator("stop", mode="before")(_check_stop)
-    _check_logit_bias = field_validator("logit_bias", mode="before")(_check_logit_bias)
 
     @property
     def priority_class(self) -> Priority:
         return PRIORITIES[self.priority]
 
-    def to_sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """What a request gives as its prompt: exactly one of text, token ids or chat messages. `param`
+    names the request field it came from, for errors."""
+
+    param: str
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class GenerationRequest(SamplingFields):
+    """What every generation endpoint's body has beyond the sampling fields; subclasses say where
+    their prompt and logprobs come from."""
+
+    max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def prompt_input(self) -> PromptInput:
+        raise NotImplementedError
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or the number of alternatives per token."""
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+    def to_sampling_params(self) -> SamplingParams:
         """The engine's SamplingParams; unset fields keep SamplingParams' defaults (one source)."""
-        kwargs: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
-                                  "ignore_eos": self.ignore_eos, "logprobs": logprobs,
-                                  "skip_special_tokens": self.skip_special_tokens}  # fmt: skip
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "seed",
-        ):
+        kwargs: dict[str, Any] = {"n": self.n, "max_tokens": self.requested_max_tokens, "min_tokens": self.min_tokens,
+                                  "ignore_eos": self.ignore_eos, "logprobs": self.num_logprobs,
+                                  "skip_special_tokens": self.skip_special_tokens}
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "seed", "stop", "logit_bias"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
         if self.top_k is not None:
             kwargs["top_k"] = max(0, self.top_k)  # -1 (vLLM's "off") and 0 both disable top-k
-        if self.stop is not None:
-            kwargs["stop"] = tuple([self.stop] if isinstance(self.stop, str) else self.stop)
         if self.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
-        if self.logit_bias:
-            kwargs["logit_bias"] = {int(key): bias for key, bias in self.logit_bias.items()}
         return SamplingParams(**kwargs)
 
 
@@ -211,14 +217,11 @@ class SamplingFields(StrictModel):
 _NO_TOOLS = "tool and function calling are not implemented"
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_NUM_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     # Known OpenAI fields without an implementation: anything but their no-op value gets 400.
     tools: Any = None
     tool_choice: Any = None
@@ -249,8 +252,10 @@ class ChatCompletionRequest(SamplingFields):
         _unsupported("reasoning_effort", self.reasoning_effort, lambda v: v is None, "not a reasoning model")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        self.check_stream_options()
+
+    def prompt_input(self) -> PromptInput:
+        return PromptInput("messages", messages=self.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -258,12 +263,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def num_logprobs(self) -> int | None:
-        """SamplingParams.logprobs: None, or the number of alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
 
 
 def _check_prompt(value: Any) -> Any:
@@ -281,15 +281,12 @@ def _check_prompt(value: Any) -> Any:
     raise ValueError("prompt must be a string, a list of token ids, or a list holding one of those")
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: Any = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
 
     _check_prompt = field_validator("prompt", mode="before")(_check_prompt)
 
@@ -310,35 +307,46 @@ class CompletionRequest(SamplingFields):
             if len(self.prompt) != 1:
                 raise UnsupportedParameter(f"a batch of {len(self.prompt)} prompts is not supported by bitserve",
                                            param="prompt", hint="send one prompt per request")  # fmt: skip
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        self.check_stream_options()
 
-    @property
-    def single_prompt(self) -> str | list[int]:
+    def prompt_input(self) -> PromptInput:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            prompt = prompt[0]  # a batch of one (more is refused by check_supported)
+        if isinstance(prompt, str):
+            return PromptInput("prompt", text=prompt)
+        return PromptInput("prompt", token_ids=prompt)  # type: ignore[arg-type]
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ----------------------------------------------------------------- native API and tokenizer
 
 
-class InferenceRequest(SamplingFields):
-    """POST /v1/inference[/stream]: exactly one of `prompt` (text or token ids) or `messages`."""
+class InferenceRequest(GenerationRequest):
+    """POST /v1/inference[/stream]: exactly one of `prompt` (text or token ids) or `messages`. The
+    route, not a `stream` field, decides streaming."""
 
     prompt: str | list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_NUM_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("send exactly one of prompt or messages", param="prompt")
+
+    def prompt_input(self) -> PromptInput:
+        if self.messages is not None:
+            return PromptInput("messages", messages=self.messages)
+        if isinstance(self.prompt, str):
+            return PromptInput("prompt", text=self.prompt)
+        return PromptInput("prompt", token_ids=self.prompt or [])
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TokenizeRequest(StrictModel):

@@ -93,7 +93,7 @@ async def _answer(operation: Operation, wait: bool) -> Response:
 async def load_model(request: Request) -> Response:
     body = parse_request(await request.body(), LoadModelRequest)
     manager = get_state(request).models
-    alias = body.alias or manager.registry.resolve(body.model).name
+    alias = body.alias or manager.files.resolve(body.model).name
     operation = manager.submit("load", alias, body.model, device=body.device, validate=body.should_validate)
     return await _answer(operation, body.wait)
 

@@ -74,27 +74,18 @@ def _scalar_type(annotation: Any) -> type[Any]:
 
 
 def setting_fields() -> dict[str, SettingField]:
-    """Every setting, by flat name. A name in two sections (max_model_len) sets both."""
+    """Every setting, by flat name. Each name has one home: a name in two sections is a bug."""
     found: dict[str, SettingField] = {}
     for section, cls in SECTIONS:
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             if section == "engine" and field.name in _NESTED_ENGINE_FIELDS:
                 continue
-            value_type = _scalar_type(hints[field.name])
-            previous = found.get(field.name)
-            if previous is not None:
-                if previous.value_type is not value_type:
-                    raise TypeError(
-                        f"setting {field.name} has two types: {previous.value_type} and {value_type}"
-                    )
-                found[field.name] = dataclasses.replace(
-                    previous, targets=(*previous.targets, (section, field.name))
-                )
-            else:
-                found[field.name] = SettingField(
-                    field.name, value_type, field.metadata.get("help", ""), ((section, field.name),)
-                )
+            if field.name in found:
+                raise TypeError(f"setting {field.name} is defined in two config sections")
+            found[field.name] = SettingField(
+                field.name, _scalar_type(hints[field.name]), field.metadata.get("help", ""), ((section, field.name),)
+            )
     return found
 
 

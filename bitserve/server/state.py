@@ -5,6 +5,7 @@ readiness, drain). app.py builds it; handlers reach it via get_state().
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import platform
 import subprocess
@@ -13,17 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import torch
 from fastapi import Request
 
 import bitserve
 from bitserve.config import EngineConfig, ServerConfig
+from bitserve.engine.instance import ModelInstance
 from bitserve.errors import ModelUnavailable, ServerShuttingDown
-from bitserve.lifecycle.instance import ModelInstance
 from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.slot import Lease, ModelSlot
 from bitserve.metrics.stats import StatsSink
-from bitserve.server.streaming import StreamRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,14 @@ def read_build_info() -> BuildInfo:
         sha = result.stdout.strip() if result.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         sha = "unknown"
-    return BuildInfo(bitserve.__version__, sha or "unknown", torch.__version__, platform.python_version())
+    return BuildInfo(bitserve.__version__, sha or "unknown", _version_of("torch"), platform.python_version())
+
+
+def _version_of(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 @dataclass
@@ -70,7 +76,6 @@ class AppState:
     load_error: str | None = None  # the startup model failed to load
     is_starting: bool = True  # the startup model is still loading
     is_draining: bool = False
-    registry: StreamRegistry = field(default_factory=StreamRegistry)
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -106,6 +111,10 @@ class AppState:
             raise ModelUnavailable("the model is not ready", hint="retry after the number of seconds in Retry-After")
         return entry.current.instance
 
+    @property
+    def num_live_streams(self) -> int:
+        return sum(engine.num_active_requests for engine in self.models.serving_engines())
+
     def retry_after_s(self) -> float | None:
         waits = [engine.expected_wait_s() for engine in self.models.serving_engines()]
         return max(waits) if waits else None
@@ -127,7 +136,7 @@ class AppState:
             return
         error = ServerShuttingDown(f"the server shut down before the request finished (drain timeout {timeout_s:g} s)",
                                    hint="retry on another replica")  # fmt: skip
-        num_ended = self.registry.expire(error)
+        num_ended = sum(engine.expire(error) for engine in self.models.serving_engines())
         logger.warning("drain deadline: ending %d request(s) still in flight", num_ended)
         grace = loop.time() + DEADLINE_GRACE_S
         while self._num_active() > 0 and loop.time() < grace:

@@ -3,6 +3,7 @@ resolution at load, and that an operator's explicit value always wins (config, s
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from bitserve.config import (
     batch_limits_for,
     resolve_batch_limits,
 )
-from bitserve.lifecycle.instance import ModelInstance, projection_format
+from bitserve.engine.instance import ModelInstance, projection_format
 from bitserve.server.settings import build_configs
 
 
@@ -125,8 +126,8 @@ def i2s_model(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> P
 
 
 def load(path: Path, scheduler: SchedulerConfig) -> ModelInstance:
-    model = ModelConfig(model=str(path), backend="reference", max_model_len=64)
-    return ModelInstance.load(EngineConfig(model=model, scheduler=scheduler))
+    model = ModelConfig(model=str(path), backend="reference")
+    return ModelInstance.load(EngineConfig(model=model, scheduler=dataclasses.replace(scheduler, max_model_len=64)))
 
 
 def test_a_loaded_model_gets_its_format_row_unless_the_operator_set_the_limits(i2s_model: Path) -> None:
@@ -139,7 +140,8 @@ def test_a_loaded_model_gets_its_format_row_unless_the_operator_set_the_limits(i
             expected.max_num_seqs,
             expected.max_num_batched_tokens,
         )
-        assert instance.config.scheduler == running  # what runs is what the instance reports
+        assert instance.scheduler_config == running  # what runs is what the instance reports
+        assert instance.config.scheduler.max_num_seqs is None  # the operator's config is never rewritten
     finally:
         instance.close()
     explicit, _ = build_configs({"max_num_seqs": 5, "max_num_batched_tokens": 7})

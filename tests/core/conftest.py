@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from bitserve.core.config import SchedulerConfig
 from bitserve.core.kv_cache_manager import KVCacheManager
-from bitserve.core.outputs import EngineOutput
 from bitserve.core.request import Priority, Request
 from bitserve.core.scheduler import Scheduler
 from bitserve.core.scheduler_output import RunnerOutput, SchedulerOutput
+from bitserve.core.scheduling_config import SchedulerConfig
+from bitserve.core.step_outputs import EngineOutput
 from bitserve.sampling_params import SamplingParams
 
 EOS = 2

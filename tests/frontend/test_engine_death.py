@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from bitserve.config import EngineConfig, ModelConfig, ServerConfig
-from bitserve.lifecycle.instance import ModelInstance
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from bitserve.engine.instance import ModelInstance
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
 
@@ -32,7 +32,8 @@ class StepBomb:
 def dying_client(synthetic_models: dict[str, Path]) -> Iterator[tuple[TestClient, StepBomb]]:
     from bitserve.server.app import build_app
 
-    instance = ModelInstance.load(EngineConfig(model=ModelConfig(model=str(synthetic_models["TQ2_0"]), backend="reference", max_model_len=128)))
+    instance = ModelInstance.load(EngineConfig(model=ModelConfig(model=str(synthetic_models["TQ2_0"]), backend="reference"),
+                                                  scheduler=SchedulerConfig(max_model_len=128)))
     app = build_app(ServerConfig(warmup=False), instance=instance)
     bomb = StepBomb(instance.engine.runner.execute, fail_at=5)
     instance.engine.runner.execute = bomb

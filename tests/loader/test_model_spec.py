@@ -9,8 +9,8 @@ import pytest
 
 from bitserve.errors import InvalidModelFile, ModelNotFound, ModelUnavailable, UnsupportedModel
 from bitserve.layers.rotary import RopeStyle
-from bitserve.lifecycle.catalog import CATALOG, CatalogEntry, resolve_model
 from bitserve.llm import LLM
+from bitserve.loader.catalog import CATALOG, CatalogEntry, resolve_model
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.model_spec import SUPPORTED_ARCHITECTURES, spec_from_metadata
 

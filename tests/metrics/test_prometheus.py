@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bitserve.core.outputs import StepStats
+from bitserve.core.step_outputs import StepStats
 from bitserve.metrics.prometheus import TTFT_BUCKETS_S, PrometheusStatsSink
 from bitserve.metrics.stats import RequestStats, StatsSink
 

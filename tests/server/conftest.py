@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from http_testing import ServerProcess
 
-from bitserve.config import EngineConfig, ModelConfig, ServerConfig
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 SYNTHETIC_MAX_MODEL_LEN = 128
 IN_PROCESS_SERVER = ServerConfig(max_body_bytes=64 * 1024, body_read_timeout_s=1.0, sse_keepalive_s=1.0)
@@ -30,10 +30,11 @@ def tq2_model_path(tmp_path_factory: pytest.TempPathFactory, synthetic_config, s
 
 @pytest.fixture(scope="package")
 def synthetic_instance(tq2_model_path: Path) -> Iterator[object]:
-    from bitserve.lifecycle.instance import ModelInstance
+    from bitserve.engine.instance import ModelInstance
 
     instance = ModelInstance.load(
-        EngineConfig(model=ModelConfig(model=str(tq2_model_path), max_model_len=SYNTHETIC_MAX_MODEL_LEN))
+        EngineConfig(model=ModelConfig(model=str(tq2_model_path)),
+                     scheduler=SchedulerConfig(max_model_len=SYNTHETIC_MAX_MODEL_LEN))
     )
     yield instance
     instance.close()

@@ -17,7 +17,7 @@ import httpx
 import uvicorn
 from http_testing import free_port, wait_until_ready
 
-from bitserve.config import EngineConfig, ModelConfig, ServerConfig
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from bitserve.testing.synthetic import (
     SyntheticConfig,
     make_weights,
@@ -110,7 +110,8 @@ class ThreadServer:
 def lifecycle_server(model_root: ModelRoot, **server_options: Any) -> Iterator[ThreadServer]:
     options: dict[str, Any] = {"port": free_port(), "model_roots": str(model_root.root), "swap_probation_s": 0.0,
                                "sse_keepalive_s": 1.0, "max_num_waiting": 1024, **server_options}  # fmt: skip
-    engine = EngineConfig(model=ModelConfig(model=str(model_root.files["v1"]), max_model_len=MAX_MODEL_LEN),
+    engine = EngineConfig(model=ModelConfig(model=str(model_root.files["v1"])),
+                          scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
                           kv_cache_memory_bytes=KV_CACHE_BYTES)  # fmt: skip
     server = ThreadServer(ServerConfig(**options), engine)
     server.start()

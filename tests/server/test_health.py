@@ -8,11 +8,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from bitserve.config import EngineConfig, ModelConfig, ServerConfig
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from bitserve.errors import EngineDead
 from bitserve.outputs import CompletionOutput, RequestOutput
 from bitserve.server.streaming import DONE_FRAME, PING_FRAME, sse_events
@@ -41,11 +42,11 @@ def test_failed_model_load_fails_the_probes(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def strict_client(tq2_model_path: Path) -> Iterator[TestClient]:
     """Its own synthetic model and engine; liveness tolerates no gap at all between steps."""
-    from bitserve.lifecycle.instance import ModelInstance
+    from bitserve.engine.instance import ModelInstance
     from bitserve.server.app import build_app
 
     instance = ModelInstance.load(
-        EngineConfig(model=ModelConfig(model=str(tq2_model_path), max_model_len=128))
+        EngineConfig(model=ModelConfig(model=str(tq2_model_path)), scheduler=SchedulerConfig(max_model_len=128))
     )
     app = build_app(ServerConfig(liveness_stall_s=1e-9), instance=instance)
     try:
@@ -105,14 +106,26 @@ class ScriptedStream:
             raise item
         return item
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self.is_closed = True
+
+
+class EchoFormat:
+    """A ResponseFormat that frames each output's text between a hello and a bye."""
+
+    def prologue(self) -> list[dict[str, Any]]:
+        return [{"hello": 1}]
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        return [{"text": output.outputs[0].text}]
+
+    def epilogue(self, usage: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"bye": usage["completion_tokens"]}]
 
 
 def _frames(stream: ScriptedStream) -> list[bytes]:
     async def run() -> list[bytes]:
-        events = sse_events(stream, 0.01, lambda output: [{"text": output.outputs[0].text}], [{"hello": 1}],
-                            lambda: [{"bye": 1}])  # type: ignore[arg-type]  # fmt: skip
+        events = sse_events(stream, 0.01, EchoFormat())  # type: ignore[arg-type]
         return [frame async for frame in events]
 
     return asyncio.run(run())

@@ -223,7 +223,7 @@ def test_path_tricks_are_refused(model_root: ModelRoot, reference: str, caplog: 
     from bitserve.errors import Forbidden
 
     with pytest.raises(Forbidden):
-        state.models.registry.resolve(reference)
+        state.models.files.resolve(reference)
     assert "refused model reference" in caplog.text
 
 
@@ -322,7 +322,7 @@ def test_pull_checks_and_hashes_a_catalog_model(smollm2_path: Path, capsys: pyte
     import json
 
     from bitserve.cli.main import main
-    from bitserve.lifecycle.catalog import DEFAULT_MODEL
+    from bitserve.loader.catalog import DEFAULT_MODEL
 
     assert main(["pull", DEFAULT_MODEL, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -30,9 +30,7 @@ def test_chat_fields_map_onto_sampling_params() -> None:
                    repetition_penalty=1.1, seed=42, stop="END", logit_bias={"17": -100, "5": 2.5}, n=3,
                    logprobs=True, top_logprobs=4, priority="high", max_tokens=9, max_completion_tokens=7)  # fmt: skip
     assert request.requested_max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
-    params = request.to_sampling_params(
-        max_tokens=request.requested_max_tokens, logprobs=request.num_logprobs
-    )
+    params = request.to_sampling_params()
     assert params == SamplingParams(
         n=3, max_tokens=7, temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.1, seed=42, stop=("END",), logit_bias={5: 2.5, 17: -100.0},
@@ -44,15 +42,15 @@ def test_chat_fields_map_onto_sampling_params() -> None:
 def test_unset_fields_keep_sampling_params_defaults() -> None:
     request = chat()
     assert request.num_logprobs is None
-    assert request.to_sampling_params(max_tokens=256, logprobs=None) == SamplingParams()
+    assert request.to_sampling_params() == SamplingParams()
     assert chat(logprobs=True).num_logprobs == 0  # the chosen token's logprob, no alternatives
 
 
 def test_completion_fields_map_onto_sampling_params() -> None:
     request = parse_request(json.dumps({"prompt": [[1, 2, 3]], "logprobs": 2, "stop": ["a", "b"], "n": 2, "best_of": 2,
                                         "ignore_eos": True, "stop_token_ids": [7]}).encode(), CompletionRequest)  # fmt: skip
-    assert request.single_prompt == [1, 2, 3]
-    params = request.to_sampling_params(max_tokens=5, logprobs=request.logprobs)
+    assert request.prompt_input().token_ids == [1, 2, 3]
+    params = request.to_sampling_params()
     assert (params.n, params.logprobs, params.stop, params.ignore_eos, params.stop_token_ids) == (
         2,
         2,
@@ -202,7 +200,7 @@ def test_request_ids(client: TestClient) -> None:
 def test_sampling_params_errors_keep_their_param() -> None:
     # a bound only SamplingParams knows: min_tokens above max_tokens
     with pytest.raises(InvalidRequest) as caught:
-        chat(min_tokens=10).to_sampling_params(max_tokens=5, logprobs=None)
+        chat(min_tokens=10, max_tokens=5).to_sampling_params()
     assert caught.value.param == "min_tokens"
 
 

@@ -71,10 +71,10 @@ def test_profile_and_config_from_env(config_file: Path, monkeypatch: pytest.Monk
     assert load_settings({}).server.port == 9000  # top level only
 
 
-def test_max_model_len_sets_model_and_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_max_model_len_has_one_home(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BITSERVE_MAX_MODEL_LEN", "8192")
     engine = load_settings({}).engine
-    assert engine.model.max_model_len == 8192 and engine.scheduler.max_model_len == 8192
+    assert engine.scheduler.max_model_len == 8192 and not hasattr(engine.model, "max_model_len")
 
 
 @pytest.mark.parametrize(("setup", "message"), [
@@ -129,6 +129,6 @@ def test_model_roots_from_repeated_flags_or_the_environment(monkeypatch: pytest.
     assert load_settings(cli_values(args)).server.model_roots == f"{first}{os.pathsep}{second}"
     monkeypatch.setenv("BITSERVE_MODEL_ROOTS", f"{second}{os.pathsep}{first}")
     settings = load_settings({})
-    assert build_state(settings.server, settings.engine).models.registry.roots == [second, first]
+    assert build_state(settings.server, settings.engine).models.files.roots == [second, first]
     with pytest.raises(InvalidRequest, match="is not a folder"):
         build_state(ServerConfig(model_roots=str(tmp_path / "missing")), settings.engine)

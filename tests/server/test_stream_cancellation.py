@@ -7,21 +7,24 @@ import asyncio
 
 import pytest
 
-from bitserve.server.streaming import GenerationStream
+from bitserve.frontend.generation_stream import GenerationStream
+from bitserve.frontend.output_processor import ChoiceDelta
 
 
-def _bare_stream() -> GenerationStream:
-    stream = GenerationStream.__new__(GenerationStream)  # only the queue matters for next()
-    stream._queue = asyncio.Queue()
-    return stream
+def _stream() -> GenerationStream:
+    return GenerationStream("r", [1, 2], 1, model="m", end=lambda stream: None)
+
+
+def _delta(text: str) -> ChoiceDelta:
+    return ChoiceDelta("r", 0, text, [7], None, None, None, 0)
 
 
 def test_cancel_that_lands_with_an_item_is_not_swallowed() -> None:
     async def scenario() -> None:
-        stream = _bare_stream()
+        stream = _stream()
         waiter = asyncio.ensure_future(stream.next(5.0))
         await asyncio.sleep(0)  # the waiter is now blocked on the queue
-        stream._queue.put_nowait("output")  # wakes it ...
+        stream.put(_delta("output"))  # wakes it ...
         waiter.cancel()  # ... and the disconnect cancels it in the same turn
         with pytest.raises(asyncio.CancelledError):
             await waiter
@@ -32,9 +35,22 @@ def test_cancel_that_lands_with_an_item_is_not_swallowed() -> None:
 
 def test_timeout_returns_none_and_keeps_later_items() -> None:
     async def scenario() -> None:
-        stream = _bare_stream()
+        stream = _stream()
         assert await stream.next(0.01) is None
-        stream._queue.put_nowait("output")
-        assert await stream.next(0.01) == "output"
+        stream.put(_delta("out"))
+        stream.put(_delta("put"))
+        output = await stream.next(0.01)
+        assert output is not None and output.outputs[0].text == "output" and output.outputs[0].token_ids == [7, 7]
+        assert not output.finished
 
     asyncio.run(scenario())
+
+
+def test_close_runs_its_callbacks_once() -> None:
+    ended: list[GenerationStream] = []
+    closed: list[BaseException | None] = []
+    stream = GenerationStream("r", [1], 1, model="m", end=ended.append)
+    stream.on_close = closed.append
+    stream.close()
+    stream.close()
+    assert ended == [stream] and closed == [None]

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from bitserve.config import EngineConfig, resolve_batch_limits
+from bitserve.config import EngineConfig, SchedulerConfig, resolve_batch_limits
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidRequest
 from bitserve.kernels.backend import LinearMode, select_backend
-from bitserve.lifecycle.catalog import resolve_model
+from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model
 from bitserve.runner.kv_cache import plan_cache
@@ -53,8 +53,9 @@ class ModelInstance:
     tokenizer: GGUFTokenizer
     chat_template: ChatTemplate | InvalidRequest
     engine: Engine
-    config: EngineConfig
-    max_model_len: int
+    config: EngineConfig  # as given: the operator's values, never rewritten with derived ones
+    max_model_len: int  # the context served: the model's own, capped by config.scheduler.max_model_len
+    scheduler_config: SchedulerConfig  # the engine's resolved batch limits (derived at load)
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelInstance:
@@ -88,11 +89,7 @@ class ModelInstance:
             )
         except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
             chat_template = exc
-        max_model_len = min(
-            loaded.spec.max_model_len,
-            config.model.max_model_len or loaded.spec.max_model_len,
-            config.scheduler.max_model_len,
-        )
+        max_model_len = min(loaded.spec.max_model_len, config.scheduler.max_model_len)
         scheduler_config = resolve_batch_limits(
             dataclasses.replace(config.scheduler, max_model_len=max_model_len), projection_format(loaded.gguf)
         )
@@ -111,8 +108,12 @@ class ModelInstance:
             path.name, max_model_len, layout.num_blocks, layout.block_size, layout.total_bytes / 1e6,
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
         )
-        config = dataclasses.replace(config, scheduler=scheduler_config)  # resolved limits, for readers
-        return cls(config.model.model, path, loaded, tokenizer, chat_template, engine, config, max_model_len)
+        return cls(config.model.model, path, loaded, tokenizer, chat_template, engine, config, max_model_len,
+                   scheduler_config)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.engine.runner.layout.total_bytes
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Render `messages` with the model's chat template and tokenize. Raises InvalidRequest."""

@@ -6,9 +6,22 @@ Frozen, picklable, no tensors; `engine/messages.py` re-exports them as part of t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from bitserve.core.request import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled position, from the raw model distribution (before any processing).
+
+    `rank` is 1 + the number of tokens strictly more likely than the chosen one; `top_logprobs`
+    holds `params.logprobs` (token_id, logprob) pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +34,8 @@ class EngineOutput:
 
     request_id: str
     new_token_ids: list[int]
-    # One entry per new token, in the runner's logprob format; None when not requested.
-    new_logprobs: list[Any] | None
+    # One entry per new token; None when the request asked for no logprobs.
+    new_logprobs: list[TokenLogprobs] | None
     finish_reason: FinishReason | None
     # Prompt tokens served from the prefix cache at first schedule.
     num_cached_tokens: int
@@ -48,3 +61,13 @@ class StepStats:
     num_prefix_hit_tokens: int
     num_prefix_query_tokens: int
     step_time_s: float = 0.0  # filled by the engine (dataclasses.replace)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """The paged KV cache's occupancy, read between steps (counters only, one step stale at worst)."""
+
+    usage: float  # fraction of usable blocks in use, 0..1
+    num_free_blocks: int
+    num_usable_blocks: int
+    block_size: int

@@ -1,0 +1,57 @@
+"""Admission: what a request must satisfy before an engine sees it (context room, queue limits).
+
+Runs on the caller's side of the engine seam (event loop or the offline LLM); raises the request's
+error before any token is generated. Knows nothing of HTTP: the server maps the errors to statuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bitserve.config import ServerConfig
+from bitserve.errors import ContextLengthExceeded, InvalidRequest
+from bitserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """When new requests get 429: unfinished requests, or their prompt tokens, at these counts.
+    The defaults live in ServerConfig (config.py), the one home of defaults."""
+
+    max_num_waiting: int
+    max_num_queued_tokens: int
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> AdmissionLimits:
+        return cls(max_num_waiting=config.max_num_waiting, max_num_queued_tokens=config.max_num_queued_tokens)
+
+
+def check_request(
+    num_prompt_tokens: int,
+    params: SamplingParams,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    prompt_param: str = "prompt",
+) -> None:
+    """The prompt must leave room for one output token, and prompt + max_tokens (when set) must fit
+    the context: a 400 rather than a silently shortened answer, as OpenAI does. Token ids in the
+    params must index the vocabulary. `prompt_param` names the field at fault (prompt / messages)."""
+    if num_prompt_tokens == 0:
+        raise InvalidRequest("the prompt is empty (it has no tokens)", param=prompt_param, hint="send some text")
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens, "
+            "which leaves no room for output",
+            param=prompt_param,
+            hint=f"shorten the prompt to at most {max_model_len - 1} tokens",
+        )
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ContextLengthExceeded(
+            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds this "
+            f"model's context of {max_model_len} tokens",
+            param="max_tokens",
+            hint=f"lower max_tokens to at most {room} or shorten the prompt",
+        )
+    params.validate_for_vocab(vocab_size)

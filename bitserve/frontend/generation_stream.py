@@ -1,0 +1,151 @@
+"""GenerationStream: the one handle on an admitted request, as the HTTP layer and the lifecycle see it.
+
+`AsyncEngine.submit` admits synchronously (errors raise before any response is sent) and returns one
+of these. Consume it with `async for`, or `await next(timeout)` for keep-alives; `close()` ends it
+however it ended: an unfinished request is aborted (the engine frees its blocks before its next
+step), its stats are recorded, and `on_close(error)` runs once (a lease release, say).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bitserve.frontend.output_processor import ChoiceDelta
+from bitserve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    """Arrival, first and last token times of one request (time.monotonic()), for its RequestStats."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+    itl_sum_s: float = 0.0
+    itl_count: int = 0
+
+    def record_tokens(self, num_tokens: int, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        elif self.last_token_at is not None:
+            self.itl_sum_s += now - self.last_token_at
+            self.itl_count += 1
+        self.last_token_at = now
+        self.num_output_tokens += num_tokens
+
+
+class GenerationStream:
+    """RequestOutput deltas of one request; the last has `finished=True`. Raises the request's error
+    (EngineDead, RequestFailed, a drain deadline) from `next` once it arrives."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        num_choices: int,
+        *,
+        model: str,
+        end: Callable[[GenerationStream], None],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.num_choices = num_choices
+        self.model = model
+        self.timing = StreamTiming()
+        self.unfinished = set(range(num_choices))  # choice indexes still generating
+        self.finish_reason = "abort"  # of the last choice to finish; "abort" if closed before
+        self.error: BaseException | None = None
+        self.on_close: Callable[[BaseException | None], None] | None = None
+        self._queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
+        self._num_cached_tokens = 0
+        self._end = end
+        self._is_closed = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return not self.unfinished
+
+    # ----------------------------------------------------------------- producer side (AsyncEngine)
+
+    def put(self, item: ChoiceDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    # ----------------------------------------------------------------- consumer side
+
+    async def next(self, timeout: float | None = None) -> RequestOutput | None:
+        """Everything that arrived since the last call, merged; None on timeout (time for a
+        keep-alive); StopAsyncIteration after the finished output; the request's error."""
+        if self.is_finished or self.error is not None:
+            raise StopAsyncIteration
+        # NOTE: not asyncio.wait_for: up to Python 3.11 it returns the result when a cancellation
+        # (client disconnect) lands just as the item arrives, swallowing the cancel. asyncio.wait
+        # never swallows it; an unfinished get is cancelled (Queue.get keeps the item then).
+        getter = asyncio.ensure_future(self._queue.get())
+        try:
+            done, _ = await asyncio.wait({getter}, timeout=timeout)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if not done:
+            return None
+        items = [getter.result()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return self._merge(items)
+
+    def _merge(self, items: list[ChoiceDelta | BaseException]) -> RequestOutput:
+        output = RequestOutput(self.request_id, self.prompt_token_ids, [], False, model=self.model)
+        for item in items:
+            if isinstance(item, BaseException):
+                self.error = item
+                raise item
+            output.add(item, item.num_cached_tokens)
+            if item.finish_reason is not None:
+                self.unfinished.discard(item.index)
+                self.finish_reason = item.finish_reason
+        self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
+        output.num_cached_tokens = self._num_cached_tokens
+        output.finished = self.is_finished
+        return output
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        output = await self.next(None)
+        assert output is not None  # no timeout, so next() returns an output or raises
+        return output
+
+    async def collect(self) -> RequestOutput:
+        """Run to the end and return every choice's whole output (closes the stream)."""
+        result = RequestOutput(self.request_id, self.prompt_token_ids,
+                               [CompletionOutput(index) for index in range(self.num_choices)], False, model=self.model)
+        try:
+            async for output in self:
+                result.merge(output)
+        finally:
+            self.close()
+        return result
+
+    def close(self) -> None:
+        """End the stream (idempotent): abort what is unfinished, record stats, run on_close."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self._end(self)
+        if self.on_close is not None:
+            self.on_close(self.error)
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""The one serving pipeline every generation endpoint shares.
+
+`prepare()`: parse the body -> lease the model it names -> fill the model's default parameters ->
+encode the prompt -> SamplingParams -> `AsyncEngine.submit` (admission errors raise here, before any
+response header). `respond()`: SSE frames or one JSON body, both built by the endpoint's small
+`ResponseFormat`. The lease is released when the stream closes, however it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from bitserve.frontend.generation_stream import GenerationStream
+from bitserve.lifecycle.slot import Lease
+from bitserve.outputs import RequestOutput
+from bitserve.server.body import parse_request, with_model_defaults
+from bitserve.server.prompts import encode_prompt
+from bitserve.server.protocol import GenerationRequest, new_request_id, usage_payload
+from bitserve.server.state import AppState, get_state
+from bitserve.server.streaming import (
+    CLIENT_CLOSED_STATUS,
+    ClientDisconnected,
+    SSEResponse,
+    sse_events,
+    until_disconnect,
+    version_header,
+)
+from bitserve.tokenizer.base import Tokenizer
+
+BodyT = TypeVar("BodyT", bound=GenerationRequest)
+
+
+@dataclass(slots=True)
+class Generation:
+    """One admitted generation: the validated body, the version serving it, its stream."""
+
+    state: AppState
+    body: Any  # the endpoint's GenerationRequest subclass
+    lease: Lease
+    stream: GenerationStream
+    started: float  # time.monotonic() when the request arrived
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.lease.engine.instance.tokenizer
+
+    @property
+    def model_id(self) -> str:
+        return self.lease.info.id
+
+    @property
+    def version(self) -> str:
+        return self.lease.info.version
+
+
+class ResponseFormat(Protocol):
+    """An endpoint's wire shapes: SSE chunks while streaming, or the whole JSON body."""
+
+    def prologue(self) -> list[dict[str, Any]]: ...
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def epilogue(self, usage: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def body(self, result: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]: ...
+
+
+async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Generation:
+    """Parse, lease, default, encode and admit one generation request (raises before any header)."""
+    started = time.monotonic()
+    state = get_state(request)
+    body = parse_request(await request.body(), body_cls)
+    lease = state.acquire(body.model)
+    with lease.released_on_error():
+        body = with_model_defaults(body, lease.slot.source.default_params)
+        instance = lease.engine.instance
+        prompt = body.prompt_input()
+        prompt_ids = await encode_prompt(instance, prompt)
+        stream = lease.engine.submit(prompt_ids, body.to_sampling_params(), request_id=new_request_id(id_prefix),
+                                     priority=body.priority_class, prompt_param=prompt.param)
+        stream.on_close = lease.finish
+    return Generation(state, body, lease, stream, started)
+
+
+async def respond(request: Request, generation: Generation, response_format: ResponseFormat, *,
+                  stream: bool) -> Response:
+    """SSE frames when `stream`, else run to the end: one JSON body (499 if the client leaves first)."""
+    headers = version_header(generation.version)
+    if stream:
+        keepalive_s = generation.state.server_config.sse_keepalive_s
+        return SSEResponse(sse_events(generation.stream, keepalive_s, response_format), headers=headers)
+    try:
+        result = await until_disconnect(request.receive, generation.stream.collect())
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    usage = usage_payload(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
+    return JSONResponse(response_format.body(result, usage), headers=headers)
