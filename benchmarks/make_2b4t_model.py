@@ -1,4 +1,6 @@
-"""Write a BitNet b1.58 2B-4T-shaped GGUF (spec 4.3) with seeded random ternary weights, for benchmarks.
+"""Write a BitNet b1.58 2B-4T-shaped GGUF (docs/formats.md §4.3) with seeded random ternary weights.
+
+For benchmarks:
 
     python benchmarks/make_2b4t_model.py benchmarks/out/2b4t-i2s.gguf                  # bitnet-b1.58, I2_S
     python benchmarks/make_2b4t_model.py benchmarks/out/2b4t-tq2.gguf --format TQ2_0   # bitnet, TQ2_0
@@ -8,9 +10,11 @@ I2_S: `bitnet-b1.58` with the official file's tensor set and types (F16 token_em
 packed by `ternary_pack.quantize_i2s`, F32 norms; relu2 is implied by the arch). TQ2_0: the same
 ternary weights for upstream llama.cpp, which does not know `bitnet-b1.58`: arch `bitnet` (SiLU FFN),
 pure-ternary TQ2_0 blocks (gguf's quantizer, d = 1) and the tensor scale in `blk.N.<name>.scale`, as
-spec 6.5. The per-token compute is the same shape; the two files compute different functions.
+in docs/formats.md §6.3. The per-token compute is the same shape; the two files compute different
+functions.
 
-Tokenizer: SmolLM2's, padded to 128,256 tokens with `<|pad_i|>` USER_DEFINED tokens (spec 6.5).
+Tokenizer: SmolLM2's, padded to 128,256 tokens with `<|pad_i|>` USER_DEFINED tokens
+(docs/formats.md §6.3).
 Tensors are generated and written one at a time (the header comes from bitserve's GGUFBuilder with
 explicit offsets), so peak memory is about one projection's temporaries (~0.6 GB), not the file.
 Each tensor has its own seeded generator: the same seed gives the same weights in both formats and
@@ -51,7 +55,7 @@ Metadata = dict[str, tuple[GGUFValueType, Any, GGUFValueType | None]]
 
 
 def config_2b4t(num_layers: int = 30, seed: int = 0, architecture: str = "bitnet-b1.58") -> SyntheticConfig:
-    """The 2B-4T hyperparameters (spec 4.3) in the synthetic writer's config type."""
+    """The 2B-4T hyperparameters (docs/formats.md §4.3) in the synthetic writer's config type."""
     return SyntheticConfig(
         num_layers=num_layers, hidden_size=2560, intermediate_size=6912, num_heads=20, num_kv_heads=5,
         context_length=4096, rope_theta=500000.0, rms_eps=1e-5, seed=seed, architecture=architecture,

@@ -24,7 +24,7 @@ BACKEND_NAMES = ("reference", "cpu")
 
 
 class LinearMode(enum.Enum):
-    """How a ternary linear computes (spec section 3). Explicit, never guessed from the file.
+    """How a ternary linear computes (docs/formats.md §3.4). Explicit, never guessed from the file.
 
     BITNET: bitnet.cpp I2_S semantics for every ternary weight: per-token int8 activations, exact
         integer accumulation, `fl32(fl32(fl32(D) / s_act) * w_scale)`. Batch-invariant, bit-exact

@@ -1,4 +1,4 @@
-"""Rotary position embedding in the two styles GGUF files use (spec 4.2).
+"""Rotary position embedding in the two styles GGUF files use (docs/formats.md §4.2).
 
 NEOX (rotate-half) pairs (x[i], x[i + d/2]): `bitnet*` files, HF `rotate_half`.
 NORM (interleaved) pairs (x[2i], x[2i+1]): `llama` files, whose converters permuted q/k rows so that

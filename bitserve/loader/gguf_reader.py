@@ -1,9 +1,9 @@
 """bitserve's own GGUF parser: mmap-backed, every count and length checked against the bytes left first.
 
 `read_gguf` returns a `GGUFFile` (metadata, tensor table, zero-copy tensor views); `validate.py` does the
-structure checks and dialect detection (spec 1.1-1.3). Choices where readers differ: n_dims 0 is a scalar
-(as in ggml), ne = 0 is legal, arrays may nest one level (as gguf-py writes), keys and tensor names must
-be UTF-8 while string values that are not are kept with surrogate escapes (and logged).
+structure checks and dialect detection (docs/formats.md §1.1-1.3). Choices where readers differ: n_dims 0
+is a scalar (as in ggml), ne = 0 is legal, arrays may nest one level (as gguf-py writes), keys and tensor
+names must be UTF-8 while string values that are not are kept with surrogate escapes (and logged).
 """
 
 from __future__ import annotations

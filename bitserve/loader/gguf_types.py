@@ -1,7 +1,7 @@
 """GGML tensor types and GGUF value types: ids, names, and our own per-format size formulas.
 
 Imports nothing from bitserve but errors. Type ids 36-39 mean different things in the bitnet.cpp
-fork and in upstream ggml (spec section 1.2); `Dialect` picks the reading, `tensor_nbytes` sizes a
+fork and in upstream ggml (docs/formats.md §1.2); `Dialect` picks the reading, `tensor_nbytes` sizes a
 tensor under it.
 """
 
@@ -126,7 +126,7 @@ def resolve_type(type_id: int, dialect: Dialect) -> GGMLType:
 
 
 def tl2_data_bytes(num_rows: int, num_cols: int) -> int:
-    """S_TL2 from bitnet.cpp (spec 2.3): a deliberate over-estimate of the used bytes."""
+    """S_TL2 from bitnet.cpp (docs/formats.md §2.3): a deliberate over-estimate of the used bytes."""
     return ((num_cols - 256) * num_rows // 3) * 5 // 8 + (256 * num_rows // 2) * 4 // 8
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.layers.rotary import RopeStyle
 
-# Per architecture: rope style, whether sub-norms exist, default FFN activation (spec 4.1).
+# Per architecture: rope style, whether sub-norms exist, default FFN activation (docs/formats.md §4.1).
 ARCHITECTURE_TRAITS: dict[str, tuple[RopeStyle, bool, str]] = {
     "llama": (RopeStyle.NORM, False, "silu"),
     "bitnet-b1.58": (RopeStyle.NEOX, True, "relu2"),

@@ -1,7 +1,8 @@
 """TL1/TL2 tile configurations: BitNet's kernel_config.ini sidecar, the codegen presets, the lookup table.
 
-TL files do not record their tiling (spec 2.3); the converter looked (M, K) up in `include/kernel_config.ini`, so
-bitserve needs the same table, from a sidecar ini next to the model or from a named preset.
+TL files do not record their tiling (docs/formats.md §2.3); the converter looked (M, K) up in
+`include/kernel_config.ini`, so bitserve needs the same table, from a sidecar ini next to the model or
+from a named preset.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class TLConfigTable(Mapping[tuple[int, int], TileConfig]):
         return f"TLConfigTable({dict(self._configs)!r}, source={self.source!r})"
 
 
-# Spec table 2.3: the codegen arguments that setup_env.py passes (they rewrite the ini, so they are the effective
-# configs). Values are (M, K) -> (BM, BK, bm).
+# docs/formats.md §2.3 presets: the codegen arguments that setup_env.py passes (they rewrite the ini, so
+# they are the effective configs). Values are (M, K) -> (BM, BK, bm).
 _PRESETS: dict[str, dict[str, dict[tuple[int, int], tuple[int, int, int]]]] = {
     "bitnet_b1_58-large": {
         "tl1": {(1536, 4096): (256, 128, 32), (1536, 1536): (128, 64, 64), (4096, 1536): (256, 128, 32)},
@@ -85,7 +86,7 @@ def preset_names() -> list[str]:
 
 
 def preset(name: str, kind: Literal["tl1", "tl2"]) -> TLConfigTable:
-    """The codegen preset `name` for TL1 or TL2 (spec 2.3).
+    """The codegen preset `name` for TL1 or TL2 (docs/formats.md §2.3).
 
     Unknown name or kind -> InvalidRequest (a ValueError) listing the presets.
     """

@@ -1,4 +1,6 @@
-"""Structure checks for a parsed GGUF tensor table: dialect detection (spec 1.3), sizes, alignment, overlaps.
+"""Structure checks for a parsed GGUF tensor table: dialect detection, sizes, alignment, overlaps.
+
+Dialect detection follows docs/formats.md §1.3.
 
 Works on `RawTensor` records (what the file says) and decides nothing from metadata except the
 architecture name; `general.file_type` and chat-template hints are only logged.
@@ -24,7 +26,7 @@ from bitserve.loader.gguf_types import (
 
 logger = logging.getLogger(__name__)
 
-# Architecture names only the bitnet.cpp fork writes; they fix the fork dialect (spec 1.3 step 2).
+# Architecture names only the bitnet.cpp fork writes; they fix the fork dialect (docs/formats.md §1.3 step 2).
 FORK_ARCHITECTURES = frozenset({"bitnet-b1.58", "bitnet-25"})
 I8_S_FILE_ID = 37
 FORK_ONLY_IDS = frozenset({36, 38})
@@ -92,7 +94,8 @@ def _fits(extent: int, is_last: bool, need: int | None) -> bool:
 
 def detect_dialect(tensors: Sequence[RawTensor], architecture: str | None, alignment: int,
                    data_size: int, path: str) -> Dialect:
-    """Spec 1.3: type 37 rejects, 36/38 or a fork arch name pick the fork, type 39 is decided by extents."""
+    """docs/formats.md §1.3: type 37 rejects, 36/38 or a fork arch name pick the fork, type 39 is
+    decided by extents."""
     for t in tensors:
         if t.type_id == I8_S_FILE_ID:
             raise UnsupportedModel(
@@ -183,7 +186,7 @@ def check_extents(tensors: Sequence[RawTensor], sizes: Sequence[int], data_size:
 
 def log_format_hints(metadata: Mapping[str, Any], tensors: Sequence[RawTensor], dialect: Dialect,
                      path: str) -> None:
-    """Log what the file claims about itself; none of it decides anything (spec 1.3)."""
+    """Log what the file claims about itself; none of it decides anything (docs/formats.md §1.3)."""
     file_type = metadata.get("general.file_type")
     if file_type is not None:
         logger.info("%s: general.file_type = %s (informational; ids differ between dialects)", path, file_type)

@@ -1,4 +1,4 @@
-"""Synthetic BitNet GGUF files (spec 6.5): the same random ternary weights in any storage format.
+"""Synthetic BitNet GGUF files (docs/formats.md §6.3): the same random ternary weights in any storage format.
 
 Upstream `bitnet` semantics (SiLU-gated FFN, sub-norms, NEOX RoPE, tied head, a scalar `.scale` per
 projection), so llama.cpp reads the F32 / TQ1_0 / TQ2_0 files too. F32 and TQ files are written with

@@ -1,7 +1,7 @@
 """Chat messages -> prompt: the GGUF's Jinja template in a sandbox, or a named fallback format.
 
 Rendering yields text segments, each with its own parse_special; encode_chat() turns them into
-token ids. The file's BitNet placeholder template is never rendered (spec 5.3).
+token ids. The file's BitNet placeholder template is never rendered (docs/formats.md §5.3).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class ChatTemplate:
     source: the GGUF's `tokenizer.chat_template` (None if absent). name: a named template to use
     instead (one of NAMED_TEMPLATES). A source holding the BitNet placeholder selects "bitnet".
     bitnet_segmentwise: encode BitNet headers and contents separately, as Microsoft's code does
-    (default, spec 5.3); False renders one string, as llama.cpp-style servers would.
+    (default, docs/formats.md §5.3); False renders one string, as llama.cpp-style servers would.
     """
 
     def __init__(

@@ -40,7 +40,7 @@ KEY_ADD_EOS = "tokenizer.ggml.add_eos_token"
 KEY_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
 KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
 
-# What a file without `tokenizer.ggml.pre` is tokenized as (spec 5.2): the Llama-3 split that
+# What a file without `tokenizer.ggml.pre` is tokenized as (docs/formats.md §5.2): the Llama-3 split that
 # BitNet b1.58 2B-4T was trained with. llama.cpp / bitnet.cpp use "default" instead.
 MISSING_PRE_POLICY = "llama-bpe"
 SUPPORTED_MODELS = ("gpt2", "llama")
@@ -214,7 +214,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], *, pre_policy: str | None =
     """Build the tokenizer a GGUF file describes.
 
     pre_policy: the pre-tokenizer for a byte-level BPE file that lacks `tokenizer.ggml.pre`
-    (default "llama-bpe", spec 5.2; "default" reproduces llama.cpp / bitnet.cpp). A file that
+    (default "llama-bpe", docs/formats.md §5.2; "default" reproduces llama.cpp / bitnet.cpp). A file that
     names its pre-tokenizer always uses it. Raises InvalidModelFile / UnsupportedModel.
     """
     if pre_policy is not None and pre_policy not in SUPPORTED_PRE_TOKENIZERS:

@@ -1,4 +1,5 @@
-"""I2_S, TQ1_0/TQ2_0 and the dense GGML types: spec 6.1 fixtures, producer round trips, bitwise parity with gguf-py."""
+"""I2_S, TQ1_0/TQ2_0 and the dense GGML types: docs/formats.md §6.1 fixtures, producer round trips,
+bitwise parity with gguf-py."""
 
 from __future__ import annotations
 
@@ -117,7 +118,8 @@ def test_tq2_0_worked_byte_0x92() -> None:
 
 
 def _tq1_byte(trits: tuple[int, ...]) -> int:
-    """Spec 2.4: v = sum d_i 3^(4-i) over 5 trits (qh: 4 and an implicit 0), q = ceil(v*256/243)."""
+    """docs/formats.md §2.4: v = sum d_i 3^(4-i) over 5 trits (qh: 4 and an implicit 0),
+    q = ceil(v*256/243)."""
     padded = tuple(trits) + (0,) * (5 - len(trits))
     value = sum(d * 3 ** (4 - i) for i, d in enumerate(padded))
     return (value * 256 + 242) // 243

@@ -1,7 +1,7 @@
-"""Spec section 3 semantics of the reference ternary linear, against independent numpy re-derivations.
+"""docs/formats.md §3 semantics of the reference ternary linear, against independent numpy re-derivations.
 
-The numpy helpers below are written from the spec and ggml's C code, not from bitserve: scalar loops,
-numpy float32 arithmetic step by step, int64 integer sums.
+The numpy helpers below are written from docs/formats.md §3 and ggml's C code, not from bitserve:
+scalar loops, numpy float32 arithmetic step by step, int64 integer sums.
 """
 
 from __future__ import annotations

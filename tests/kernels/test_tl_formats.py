@@ -1,4 +1,5 @@
-"""TL1 / TL2: spec 6.1 fixtures, producer -> decoder round trips, the spec's index formulas, tile configs, errors."""
+"""TL1 / TL2: docs/formats.md §6.1 fixtures, producer -> decoder round trips, the §2.3 index formulas,
+tile configs, errors."""
 
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ def test_tl2_decoder_needs_the_right_tile_config() -> None:
     assert not np.array_equal(decoded, values)
 
 
-# ------------------------------------------------------------------ the spec's index formulas, element-wise
+# ------------------------------------------------ the index formulas of docs/formats.md §2.3, element-wise
 def _tl1_pair_code(values: np.ndarray, row: int, pair: int) -> int:
     return 3 * int(values[row, 2 * pair]) + int(values[row, 2 * pair + 1]) + 4
 

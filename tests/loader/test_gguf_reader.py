@@ -192,7 +192,7 @@ def test_smollm2_known_facts(smollm2: tuple[GGUFFile, gguf.GGUFReader]) -> None:
 
 
 def _tl2_size(num_rows: int, num_cols: int) -> int:
-    """Spec 2.3, written out independently: pad32(S_TL2) + the 32-byte scale slot."""
+    """docs/formats.md §2.3, written out independently: pad32(S_TL2) + the 32-byte scale slot."""
     s = ((num_cols - 256) * num_rows // 3) * 5 // 8 + (256 * num_rows // 2) * 4 // 8
     return -(-s // 32) * 32 + 32
 

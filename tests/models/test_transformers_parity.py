@@ -1,5 +1,6 @@
 """bitserve's BitNet forward against transformers' BitNetForCausalLM built from the same synthetic weights
-(spec 6.4): whole-model logits in `bitnet` and `float` mode, and every projection given identical inputs."""
+(docs/formats.md §6.2): whole-model logits in `bitnet` and `float` mode, and every projection given
+identical inputs."""
 
 from __future__ import annotations
 
@@ -194,7 +195,8 @@ def hf_models(synthetic_config: SyntheticConfig, synthetic_weights, varied_weigh
 @pytest.mark.parametrize("fmt", ["F32", "I2_S"])
 def test_bitnet_mode_matches_transformers(llms, hf_models, fmt: str) -> None:  # noqa: ANN001
     llm = llms[fmt]
-    assert llm.instance.loaded.linear_mode is LinearMode.BITNET  # the default: per-token int8 activations (spec 3)
+    # the default: per-token int8 activations (docs/formats.md §3.1)
+    assert llm.instance.loaded.linear_mode is LinearMode.BITNET
     hf_model = hf_models("unit", True)
     for prompt in PROMPTS:
         token_ids = llm.encode(prompt)

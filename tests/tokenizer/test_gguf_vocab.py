@@ -53,7 +53,7 @@ def test_control_tokens_match_only_with_parse_special(smollm2_tokenizer: GGUFTok
 
 
 def test_bitnet_shaped_vocab_stops_on_eos_and_eot(llama3_tokenizer: GGUFTokenizer) -> None:
-    """Spec 5.1: the 2B-4T stop ids are exactly {128001, 128009}; BOS 128000 is added."""
+    """docs/formats.md §5.1: the 2B-4T stop ids are exactly {128001, 128009}; BOS 128000 is added."""
     assert llama3_tokenizer.eos_token_ids == {128001, 128009}
     assert llama3_tokenizer.special_ids.eot == 128009
     assert llama3_tokenizer.pre_tokenizer == "llama-bpe"
@@ -77,7 +77,7 @@ def test_missing_pre_defaults_to_llama_bpe_with_a_warning(
         tokenizer = tokenizer_from_gguf(metadata)
     assert tokenizer.pre_tokenizer == "llama-bpe"
     assert any("tokenizer.ggml.pre" in record.getMessage() for record in caplog.records)
-    # Spec 5.2: " (" is one Llama-3 piece; llama.cpp's default set splits punctuation off first.
+    # docs/formats.md §5.2: " (" is one Llama-3 piece; llama.cpp's default set splits punctuation off first.
     assert tokenizer.encode(" (x", add_special=False)[0] == tokenizer.piece_to_id("Ġ(")
     compat = build_variant("llama3_nopre")[0]  # built with pre_policy="default"
     assert compat.pre_tokenizer == "default"

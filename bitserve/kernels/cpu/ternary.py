@@ -1,4 +1,4 @@
-"""numba kernels for 2-bit packed ternary linears on CPU (spec section 3 semantics, bit-exact).
+"""numba kernels for 2-bit packed ternary linears on CPU (docs/formats.md §3 semantics, bit-exact).
 
 Weights stay packed (Layout.TERNARY_2BIT: code t+1, 4 per byte LSB-first along K, K padded to a multiple
 of 128). Activations are permuted instead, so each 2-bit field of a byte stream lines up with a
@@ -53,7 +53,8 @@ def smoke_test(a: np.ndarray) -> int:
 
 @njit(nogil=True, cache=True)
 def quantize_permute(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Spec section 3 step 1 for each row, written straight into the permuted int16 layout.
+    """Activation quantization (docs/formats.md §3.1) for each row, written straight into the permuted
+    int16 layout.
 
     x f32 [T, K] -> (qp int16 [T, Kp] permuted and zero-padded, s_act f32 [T], q_sum int32 [T]).
     amax in f64 with the 1e-5 floor; s_act = f32(127 / amax) divided in f64; q = clamp(rne(f32 product)).

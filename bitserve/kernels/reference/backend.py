@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class ReferenceBackend:
-    """Obviously-exact torch implementation of spec section 3 (f64 integer matmul, step-by-step f32)."""
+    """Obviously-exact torch implementation of docs/formats.md §3 (f64 integer matmul, step-by-step f32)."""
 
     name = "reference"
 

@@ -1,4 +1,4 @@
-"""Reference decoders for every GGUF file layout (spec 2.1-2.4): pure torch, vectorized, any device.
+"""Reference decoders for every GGUF file layout (docs/formats.md §2): pure torch, vectorized, any device.
 
 `dequantize` gives float32 [M, K] that matches ggml / gguf-py bit for bit; `unpack_ternary` gives the common
 {-1, 0, +1} form of I2_S / TL1 / TL2 / TQ1_0 / TQ2_0; `dense_rows` decodes only some rows (embedding lookups).
@@ -255,7 +255,7 @@ def _i2s_values(weight: PackedWeight, row_ids: torch.Tensor | None = None) -> to
 
 
 def tl_geometry_error(kind: str, num_rows: int, num_cols: int, BM: int, BK: int, bm: int) -> str | None:
-    """Why tile config (BM, BK, bm) cannot tile an (M, K) TL1/TL2 matrix (spec 2.3), or None."""
+    """Why tile config (BM, BK, bm) cannot tile an (M, K) TL1/TL2 matrix (docs/formats.md §2.3), or None."""
     if min(BM, BK, bm) <= 0:
         return f"tile config BM={BM} BK={BK} bm={bm} must be positive"
     if num_rows % BM or BM % bm:
@@ -312,7 +312,8 @@ def tl2_used_bytes(num_rows: int, num_cols: int, BK: int) -> int:
 
 
 def tl2_stored_bytes(num_rows: int, num_cols: int) -> int:
-    """pad32(S_TL2): bytes before the scale slot (bitnet.cpp's deliberate over-estimate, spec 2.3)."""
+    """pad32(S_TL2): bytes before the scale slot (bitnet.cpp's deliberate over-estimate,
+    docs/formats.md §2.3)."""
     s_tl2 = ((num_cols - 256) * num_rows // 3) * 5 // 8 + (256 * num_rows // 2) * 4 // 8
     return (s_tl2 + 31) // 32 * 32
 

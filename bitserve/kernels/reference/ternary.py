@@ -1,4 +1,4 @@
-"""Reference ternary linear (spec section 3), pure torch on any device: the oracle for fast backends.
+"""Reference ternary linear (docs/formats.md §3), pure torch on any device: the oracle for fast backends.
 
 int8 per-token activation quantization -> exact integer accumulation -> f32 epilogue, plus the
 `float` and `llamacpp-tq` modes. Every function is written for obvious exactness, not speed.
@@ -12,14 +12,14 @@ from bitserve.kernels.packed import TernaryCodes
 
 QK_K = 256  # values per TQ / Q8_K block
 NUM_TQ_LANES = 8  # int32 lanes of ggml's AVX2 TQ2_0 dot product (one __m256i)
-AMAX_FLOOR = 1e-5  # spec section 3: amax = max(1e-5, max|x|), in float64
+AMAX_FLOOR = 1e-5  # docs/formats.md §3.1: amax = max(1e-5, max|x|), in float64
 
 
 # ---------------------------------------------------------------- bitnet mode
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token absmax int8 quantization (bitnet.cpp I2_S, spec section 3 step 1).
+    """Per-token absmax int8 quantization (bitnet.cpp I2_S, docs/formats.md §3.1).
 
     x: f32 [T, K] -> (q int8 [T, K], s_act f32 [T]).
     amax is taken in f64 (max of |x| is exact in f32, so widening after the max is the same), s_act is
@@ -76,7 +76,10 @@ def bitnet_block_epilogue(d_blocks: torch.Tensor, s_act: torch.Tensor, scale: to
 
 
 def bitnet_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Full spec section 3 pipeline. x f32 [T, K], values int8 [M, K], scale f32 scalar or [M, K//256]."""
+    """The full pipeline of docs/formats.md §3.1-3.3.
+
+    x f32 [T, K], values int8 [M, K], scale f32 scalar or [M, K//256].
+    """
     q, s_act = quantize_activations(x)
     return bitnet_linear_quantized(q, s_act, values, scale)
 
