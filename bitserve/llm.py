@@ -77,7 +77,7 @@ class LLM:
             if abort_ids:
                 engine.abort_requests(abort_ids)
             for delta in deltas:
-                results[delta.parent_id].add(delta, delta.num_cached_tokens)
+                results[delta.parent_id].add(delta.output, delta.num_cached_tokens)
         for result in results.values():
             result.finished = all(output.finish_reason is not None for output in result.outputs)
         return list(results.values())

@@ -5,20 +5,8 @@ non-streaming collector and the offline LLM alike)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from bitserve.engine.messages import TokenLogprobs
-
-
-class ChoiceUpdate(Protocol):
-    """New output of one choice: a frontend ChoiceDelta or another CompletionOutput."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
 
 
 @dataclass(slots=True)
@@ -33,7 +21,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None
 
-    def extend(self, update: ChoiceUpdate) -> None:
+    def extend(self, update: CompletionOutput) -> None:
         """Append `update` (a later part of this choice) to this output."""
         self.text += update.text
         self.token_ids.extend(update.token_ids)
@@ -61,7 +49,7 @@ class RequestOutput:
     def num_output_tokens(self) -> int:
         return sum(len(output.token_ids) for output in self.outputs)
 
-    def add(self, update: ChoiceUpdate, num_cached_tokens: int = 0) -> None:
+    def add(self, update: CompletionOutput, num_cached_tokens: int = 0) -> None:
         """Merge one choice's update; outputs stay sorted by choice index."""
         output = next((out for out in self.outputs if out.index == update.index), None)
         if output is None:

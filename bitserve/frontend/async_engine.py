@@ -178,8 +178,8 @@ class AsyncEngine:
             stream = self._streams.get(delta.parent_id)
             if stream is None:
                 continue
-            if delta.token_ids:
-                stream.timing.record_tokens(len(delta.token_ids), now)
+            if delta.output.token_ids:
+                stream.timing.record_tokens(len(delta.output.token_ids), now)
             stream.put(delta)
 
     def _on_rejected(self, choice_id: str, error: BitserveError) -> None:

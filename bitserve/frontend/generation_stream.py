@@ -107,10 +107,10 @@ class GenerationStream:
             if isinstance(item, BaseException):
                 self.error = item
                 raise item
-            output.add(item, item.num_cached_tokens)
-            if item.finish_reason is not None:
-                self.unfinished.discard(item.index)
-                self.finish_reason = item.finish_reason
+            output.add(item.output, item.num_cached_tokens)
+            if item.output.finish_reason is not None:
+                self.unfinished.discard(item.output.index)
+                self.finish_reason = item.output.finish_reason
         self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
         output.num_cached_tokens = self._num_cached_tokens
         output.finished = self.is_finished

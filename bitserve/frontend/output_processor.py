@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bitserve.engine.messages import EngineOutput, EngineRequest, Priority, TokenLogprobs
+from bitserve.engine.messages import EngineOutput, EngineRequest, Priority
 from bitserve.frontend.stop_strings import StopStringMatcher
+from bitserve.outputs import CompletionOutput
 from bitserve.sampling_params import SamplingParams, child_params
 from bitserve.tokenizer.base import Tokenizer
 from bitserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -22,12 +23,7 @@ class ChoiceDelta:
     """What one engine request (one choice of a client request) produced in one step."""
 
     parent_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
+    output: CompletionOutput  # the new text, token ids and logprobs; the finish if it finished
     num_cached_tokens: int
 
 
@@ -99,7 +95,7 @@ class OutputProcessor:
             if state is None or state.finished:
                 continue
             delta = self._advance(state, output)
-            if delta.finish_reason is not None:
+            if delta.output.finish_reason is not None:
                 state.finished = True
                 del self._states[output.request_id]
                 if output.finish_reason is None:
@@ -124,13 +120,7 @@ class OutputProcessor:
             end = state.matcher.safe_length(state.text)
         text_delta = state.text[state.num_emitted_chars : end]
         state.num_emitted_chars = max(state.num_emitted_chars, end)
-        return ChoiceDelta(
-            parent_id=state.parent_id,
-            index=state.index,
-            text=text_delta,
-            token_ids=list(output.new_token_ids),
-            logprobs=list(output.new_logprobs) if state.wants_logprobs and output.new_logprobs else None,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            num_cached_tokens=output.num_cached_tokens,
-        )
+        logprobs = list(output.new_logprobs) if state.wants_logprobs and output.new_logprobs else None
+        completion = CompletionOutput(state.index, text_delta, list(output.new_token_ids), finish_reason, stop_reason,
+                                      logprobs)
+        return ChoiceDelta(state.parent_id, completion, output.num_cached_tokens)

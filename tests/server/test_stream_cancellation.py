@@ -9,6 +9,7 @@ import pytest
 
 from bitserve.frontend.generation_stream import GenerationStream
 from bitserve.frontend.output_processor import ChoiceDelta
+from bitserve.outputs import CompletionOutput
 
 
 def _stream() -> GenerationStream:
@@ -16,7 +17,7 @@ def _stream() -> GenerationStream:
 
 
 def _delta(text: str) -> ChoiceDelta:
-    return ChoiceDelta("r", 0, text, [7], None, None, None, 0)
+    return ChoiceDelta("r", CompletionOutput(0, text, [7]), 0)
 
 
 def test_cancel_that_lands_with_an_item_is_not_swallowed() -> None:
