@@ -25,7 +25,8 @@ class ModelConfig:
     backend: str = field(default="auto", metadata=_help("kernel backend: auto, cpu or reference"))
     linear_mode: str = field(
         default="bitnet",
-        metadata=_help("ternary linear semantics: bitnet (per-token int8, bitnet.cpp), float, llamacpp-tq"),
+        metadata=_help("ternary linear semantics: bitnet (per-token int8, bitnet.cpp), float, llamacpp-tq, "
+                       "bitnetcpp (bitnet plus bitnet.cpp's F16 attention / RoPE rounding)"),
     )
     i2s_variant: str = field(default="A", metadata=_help("I2_S packing: A (x86 128-block), B (ARM 64-block), C (4-row interleave)"))
     tl_config: str | None = field(default=None, metadata=_help("TL1/TL2 tile config: a kernel_config.ini path or preset:<name>"))

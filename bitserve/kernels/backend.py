@@ -35,11 +35,27 @@ class LinearMode(enum.Enum):
         scales, and the lane-wise f32 accumulation (with FMA) of ggml's x86 AVX2 TQ2_0 kernel as GCC
         builds it: bit-exact against llama-cpp-python's libggml-cpu (kernels/reference/ternary.py).
         TQ1_0's kernel splits lanes differently, so TQ1_0 files may differ in the last bits.
+    BITNETCPP: BITNET's ternary linears, plus bitnet.cpp's implementation precision in the other ops
+        (docs/fidelity-bitnetcpp.md): RoPE tables from ggml's f32 theta recurrence and the C library's
+        cosf/sinf, the rotation with ggml's contracted multiply-add; attention on F16-rounded q, k, v
+        (ggml's F16 KV cache) and F16-rounded softmax weights; an F16-stored LM head multiplies
+        F16-rounded activations. Layer code reads `ggml_numerics`; kernels see `kernel_mode` (BITNET).
     """
 
     BITNET = "bitnet"
     FLOAT = "float"
     LLAMACPP_TQ = "llamacpp-tq"
+    BITNETCPP = "bitnetcpp"
+
+    @property
+    def kernel_mode(self) -> LinearMode:
+        """The ternary kernel semantics: BITNETCPP changes non-linear ops only, its linears are BITNET's."""
+        return LinearMode.BITNET if self is LinearMode.BITNETCPP else self
+
+    @property
+    def ggml_numerics(self) -> bool:
+        """True where RoPE, attention and the F16 head reproduce bitnet.cpp's rounding."""
+        return self is LinearMode.BITNETCPP
 
 
 def _empty_extras() -> Mapping[str, torch.Tensor]:

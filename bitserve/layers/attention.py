@@ -67,9 +67,17 @@ def make_decode_batch(seq_ids: list[int], metadata_block_table: torch.Tensor, se
 class PagedAttention(nn.Module):
     """Multi-head attention with grouped KV heads; q/k/v arrive already projected and rotated."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, fused: FusedOps | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, fused: FusedOps | None = None,
+                 ggml_numerics: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.fused = fused  # the backend's paged decode kernel, used for f32 KV caches
+        # bitnet.cpp on x86 (ggml without flash attention, llamafile sgemm on): K and V live in an
+        # F16 cache, and mul_mat(F16, F32 x) takes x as f32 only where llamafile's tinyBLAS runs it
+        # (x contiguous with >= 2 columns); otherwise it rounds x to F16 first. So Q (a permuted view)
+        # is always rounded, the softmax weights [keys, tokens] only in a one-token batch (decode).
+        # Products of F16 values are exact in f32: rounding the same operands here reproduces ggml up
+        # to the f32 summation order.
+        self.ggml_numerics = ggml_numerics
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -91,20 +99,25 @@ class PagedAttention(nn.Module):
         (the plain full-sequence forward used as the golden reference).
         """
         num_tokens = q.shape[0]
+        if self.ggml_numerics:
+            q, k, v = round_to_f16(q), round_to_f16(k), round_to_f16(v)
+        round_weights = self.ggml_numerics and num_tokens == 1  # see __init__
         if metadata is None or kv_cache is None:
-            out = self._attend(q, k, v, num_context=num_tokens)
+            out = self._attend(q, k, v, num_context=num_tokens, round_weights=round_weights)
             return out.reshape(num_tokens, -1)
         self._write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         key_pages, value_pages = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
         if metadata.decode is not None:
             decode = metadata.decode
-            if self.fused is not None and kv_cache.dtype == torch.float32:
+            if self.fused is not None and kv_cache.dtype == torch.float32 and not round_weights:
                 out[decode.token_rows] = self.fused.paged_decode_attention(
                     q[decode.token_rows], key_pages, value_pages, decode.block_table, decode.seq_lens, self.scale
                 )
             else:
-                out[decode.token_rows] = self._attend_decodes(q, key_pages, value_pages, decode)
+                out[decode.token_rows] = self._attend_decodes(
+                    q, key_pages, value_pages, decode, round_weights
+                )
         seq_ids = metadata.other_seq_ids if metadata.other_seq_ids is not None else range(metadata.num_seqs)
         for seq_idx in seq_ids:
             seq_len = metadata.seq_lens[seq_idx]
@@ -113,10 +126,13 @@ class PagedAttention(nn.Module):
             block_ids = metadata.block_table[seq_idx, :num_blocks]
             keys = key_pages[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
             values = value_pages[block_ids].flatten(0, 1)[:seq_len]
-            out[start:end] = self._attend(q[start:end], keys, values, num_context=seq_len)
+            out[start:end] = self._attend(
+                q[start:end], keys, values, num_context=seq_len, round_weights=round_weights
+            )
         return out.reshape(num_tokens, -1)
 
-    def _attend_decodes(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def _attend_decodes(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                        batch: DecodeBatch, round_weights: bool = False) -> torch.Tensor:  # fmt: skip
         """One query per sequence, all decodes at once -> [num_decodes, num_heads, head_dim]."""
         num_decodes = batch.token_rows.shape[0]
         group = self.num_heads // self.num_kv_heads
@@ -126,7 +142,7 @@ class PagedAttention(nn.Module):
         queries = q[batch.token_rows].view(num_decodes, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("nkgd,nlkd->nkgl", queries, keys) * self.scale  # [n, kv_heads, group, max_keys]
         scores = scores.masked_fill(~batch.key_mask[:, None, None, :], float("-inf"))
-        out = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(scores, dim=-1), values)
+        out = torch.einsum("nkgl,nlkd->nkgd", softmax_weights(scores, round_weights), values)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
     @staticmethod
@@ -135,7 +151,8 @@ class PagedAttention(nn.Module):
         kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_context: int) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_context: int,
+                round_weights: bool = False) -> torch.Tensor:  # fmt: skip
         """Queries are the last q.shape[0] positions of a context of num_context tokens (causal)."""
         num_queries = q.shape[0]
         group = self.num_heads // self.num_kv_heads
@@ -152,5 +169,16 @@ class PagedAttention(nn.Module):
             query_pos = torch.arange(num_context - num_queries, num_context).unsqueeze(1)
             future = torch.arange(num_context).unsqueeze(0) > query_pos  # [num_queries, num_context]
             scores = scores.masked_fill(future, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v_t)
+        out = torch.matmul(softmax_weights(scores, round_weights), v_t)
         return out.transpose(0, 1)  # [num_queries, num_heads, head_dim]
+
+
+def softmax_weights(scores: torch.Tensor, round_to_half: bool) -> torch.Tensor:
+    """softmax over the last dim (keys) in f32, optionally rounded to F16 as ggml's decode step does."""
+    weights = torch.softmax(scores, dim=-1)
+    return round_to_f16(weights) if round_to_half else weights
+
+
+def round_to_f16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest F16 (ties to even), returned in its own dtype: what ggml keeps."""
+    return x.to(torch.float16).to(x.dtype)

@@ -17,6 +17,8 @@ from bitserve.kernels.backend import KernelBackend, PreparedLinear
 from bitserve.kernels.packed import PackedWeight
 from bitserve.kernels.reference.dequant import dense_rows
 
+HEAD_CHUNK_ROWS = 8192  # rows of a half head upcast at a time: 84 MB of f32 at width 2560
+
 
 class TokenEmbedding(nn.Module):
     def __init__(self, table: PackedWeight) -> None:
@@ -33,15 +35,34 @@ class LMHead(nn.Module):
     """logits = hidden @ W^T, W [vocab_size, hidden_size]: a backend-prepared weight (block-quantized
     heads stay packed), or a float32 / half tensor."""
 
-    def __init__(self, weight: PreparedLinear | torch.Tensor, backend: KernelBackend) -> None:
+    def __init__(self, weight: PreparedLinear | torch.Tensor, backend: KernelBackend,
+                 ggml_f16: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.weight = weight
         self.backend = backend
+        # bitnetcpp numerics for an F16-stored head (float32 copy or kept half): ggml on x86 takes
+        # the activations [H, rows] as f32 where llamafile's tinyBLAS runs (>= 2 rows) and rounds a
+        # single row to F16 first. Products are exact in f32 either way, so a kept-half head is
+        # upcast chunk by chunk (about 1.2 s against 0.12 s per token on the 2B head), never run in
+        # half (which also rounds the logits to F16).
+        self.ggml_f16 = ggml_f16
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32
         if isinstance(self.weight, PreparedLinear):
             return self.backend.linear(hidden_states, self.weight)
+        if self.ggml_f16 and hidden_states.shape[0] == 1:
+            hidden_states = hidden_states.to(torch.float16).to(torch.float32)
         if self.weight.dtype == torch.float32:
             return F.linear(hidden_states, self.weight)
+        if self.ggml_f16:
+            return self._float32_linear(hidden_states)
         return F.linear(hidden_states.to(self.weight.dtype), self.weight).to(torch.float32)
+
+    def _float32_linear(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden f32 [T, H] @ half weight [V, H]^T in f32, HEAD_CHUNK_ROWS weight rows at a time."""
+        chunks = [
+            F.linear(hidden_states, self.weight[start : start + HEAD_CHUNK_ROWS].to(torch.float32))
+            for start in range(0, self.weight.shape[0], HEAD_CHUNK_ROWS)
+        ]
+        return torch.cat(chunks, dim=1)  # [T, V]

@@ -13,6 +13,7 @@ from torch import nn
 
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import FusedOps, fused_ops
+from bitserve.kernels.packed import Layout
 from bitserve.layers.activation import GATED_ACTIVATIONS
 from bitserve.layers.attention import AttentionMetadata, PagedAttention
 from bitserve.layers.embedding import LMHead, TokenEmbedding
@@ -37,7 +38,8 @@ class DecoderLayer(nn.Module):
             [weights.linear(f"{prefix}.attn_{n}.weight", may_be_ternary=ternary) for n in ("q", "k", "v")],
             [model.output_scale(weights, f"{prefix}.attn_{n}") for n in ("q", "k", "v")],
         )
-        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, fused)
+        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, fused,
+                                   ggml_numerics=weights.linear_mode.ggml_numerics)
         self.attn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.attn_sub_norm.weight", fused)
         self.o_proj = Linear(
             weights.backend,
@@ -112,11 +114,13 @@ class DecoderModel(nn.Module):
             freq_factors=self.rope_freq_factors(weights),
             position_scale=spec.rope_position_scale,
             fused=fused,
+            ggml_numerics=weights.linear_mode.ggml_numerics,
         )
         self.layers = nn.ModuleList(DecoderLayer(spec, weights, i, self) for i in range(spec.num_layers))
         self.norm = RMSNorm(weights.vector("output_norm.weight"), spec.rms_norm_eps, fused)
         head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
-        self.lm_head = LMHead(weights.head(head_name), weights.backend)
+        ggml_f16_head = weights.linear_mode.ggml_numerics and weights.packed(head_name).layout is Layout.F16
+        self.lm_head = LMHead(weights.head(head_name), weights.backend, ggml_f16_head)
 
     def rope_freq_factors(self, weights: WeightSource) -> torch.Tensor | None:
         return None

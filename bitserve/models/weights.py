@@ -10,12 +10,13 @@ from typing import Protocol
 
 import torch
 
-from bitserve.kernels.backend import KernelBackend, PreparedLinear
+from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.packed import PackedWeight
 
 
 class WeightSource(Protocol):
     backend: KernelBackend
+    linear_mode: LinearMode
 
     def has(self, name: str) -> bool:
         """True if the file holds a tensor of this name."""

@@ -132,6 +132,7 @@ class CpuBackend:
         """Pack to Layout.TERNARY_2BIT. Raises UnsupportedModel for a shape the mode cannot run:
         llamacpp-tq needs K % 256 == 0; per-block scales need blocks of a multiple of 128 columns."""
         m, k = reference.check_ternary_codes(codes)
+        mode = mode.kernel_mode  # bitnetcpp's linears are bitnet's
         if mode is LinearMode.BITNET:
             codes = reference.collapse_block_scales(codes)
         if not codes.is_per_tensor:

@@ -29,6 +29,7 @@ class ReferenceBackend:
     def prepare_ternary(self, codes: TernaryCodes, *, mode: LinearMode) -> PreparedLinear:
         """Validate the codes and keep them in the layout `mode` runs on (see module docstring)."""
         m, k = ternary.check_ternary_codes(codes)
+        mode = mode.kernel_mode  # bitnetcpp's linears are bitnet's
         if mode is LinearMode.FLOAT:
             weight = ternary.dequantize_ternary(codes.values, codes.scale)
             return PreparedLinear(m, k, Layout.DENSE, mode, weight, codes.scale.clone(), self.name)
