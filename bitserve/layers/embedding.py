@@ -9,6 +9,9 @@ per token on the 2B head, benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,17 +34,25 @@ class TokenEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     """logits = hidden @ W^T, W [vocab_size, hidden_size]: a backend-prepared weight (block-quantized
-    heads stay packed), or a float32 / half tensor."""
+    heads stay packed), or a float32 / half tensor. Which of the three runs is decided here, once."""
 
     def __init__(self, weight: PreparedLinear | torch.Tensor, backend: KernelBackend) -> None:
         super().__init__()
         self.weight = weight
-        self.backend = backend
+        self.kernel: Callable[[torch.Tensor], torch.Tensor]
+        if isinstance(weight, PreparedLinear):
+            backend.check_owner(weight)
+            self.kernel = weight
+        elif weight.dtype == torch.float32:
+            self.kernel = functools.partial(F.linear, weight=weight)
+        else:
+            self.kernel = functools.partial(_half_linear, weight=weight)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32
-        if isinstance(self.weight, PreparedLinear):
-            return self.backend.linear(hidden_states, self.weight)
-        if self.weight.dtype == torch.float32:
-            return F.linear(hidden_states, self.weight)
-        return F.linear(hidden_states.to(self.weight.dtype), self.weight).to(torch.float32)
+        return self.kernel(hidden_states)
+
+
+def _half_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F16 / BF16 weight [vocab, hidden]: activations rounded to its dtype, as llama.cpp's dot does."""
+    return F.linear(hidden_states.to(weight.dtype), weight).to(torch.float32)
