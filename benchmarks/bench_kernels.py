@@ -27,8 +27,9 @@ from collections.abc import Callable  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bitserve.kernels.backend import LinearMode, available_backends, select_backend  # noqa: E402
+from bitserve.kernels.backend import LinearMode  # noqa: E402
 from bitserve.kernels.packed import TernaryCodes  # noqa: E402
+from bitserve.kernels.select import available_backends, select_backend  # noqa: E402
 
 DEFAULT_SHAPES = ["2560x2560", "640x2560", "6912x2560", "2560x6912"]
 

@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bitserve.engine.messages import EngineRequest  # noqa: E402
-from bitserve.loader.catalog import resolve_model  # noqa: E402
 from bitserve.llm import LLM  # noqa: E402
+from bitserve.loader.catalog import resolve_model  # noqa: E402
 from bitserve.sampling_params import SamplingParams  # noqa: E402
 
 OUT_DIR = ROOT / "benchmarks" / "out"
@@ -277,10 +277,10 @@ def profile_categories() -> list[tuple[str, Any]]:
     from bitserve.core.scheduler import Scheduler
     from bitserve.engine.engine import Engine
     from bitserve.kernels.cpu import ternary
-    from bitserve.kernels.cpu.backend import CpuBackend
     from bitserve.layers.activation import relu2_and_mul
     from bitserve.layers.attention import PagedAttention
     from bitserve.layers.embedding import LMHead, TokenEmbedding
+    from bitserve.layers.linear import Linear, LinearGroup
     from bitserve.layers.norm import RMSNorm
     from bitserve.layers.rotary import RotaryEmbedding
     from bitserve.layers.sampler import Sampler
@@ -289,7 +289,8 @@ def profile_categories() -> list[tuple[str, Any]]:
     return [
         ("engine step (total)", Engine.step),
         ("LM head (LMHead.forward)", LMHead.forward),
-        ("linears (CpuBackend.linear_group)", CpuBackend.linear_group),
+        ("linears: groups (LinearGroup.forward)", LinearGroup.forward),
+        ("linears: single (Linear.forward)", Linear.forward),
         ("  numba GEMV kernel (bitnet_linear_kernel)", ternary.bitnet_linear_kernel),
         ("  activation quantize (quantize_permute)", ternary.quantize_permute),
         ("attention (PagedAttention.forward)", PagedAttention.forward),

@@ -90,44 +90,6 @@ def test_import_matrix() -> None:
     assert not offences, "imports against the architecture's direction:\n" + "\n".join(sorted(offences))
 
 
-def test_no_cycles_between_packages() -> None:
-    graph: dict[str, set[str]] = {}
-    for path in python_files():
-        source = package_of(".".join(("bitserve", *path.relative_to(PACKAGE).with_suffix("").parts)))
-        for module in imported_modules(path):
-            if module.startswith("bitserve.") and package_of(module) != source:
-                graph.setdefault(source, set()).add(package_of(module))
-    cycle = _find_cycle(graph)
-    assert cycle is None, "package import cycle: " + " -> ".join(cycle or [])
-
-
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """A cycle in `graph` as a node list (first node repeated at the end), or None (iterative DFS)."""
-    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
-    for start in sorted(graph):
-        if start in state:
-            continue
-        path, stack = [start], [iter(sorted(graph.get(start, ())))]
-        state[start] = 1
-        while stack:
-            node = next(stack[-1], None)
-            if node is None:
-                state[path.pop()] = 2
-                stack.pop()
-            elif state.get(node) == 1:
-                return path[path.index(node):] + [node]
-            elif node not in state:
-                state[node] = 1
-                path.append(node)
-                stack.append(iter(sorted(graph.get(node, ()))))
-    return None
-
-
-def test_the_cycle_finder_finds_cycles() -> None:
-    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _find_cycle({"a": {"b"}, "b": {"c"}}) is None
-
-
 def test_only_the_metrics_module_imports_prometheus_client() -> None:
     offenders = [p.name for p in python_files() if "prometheus_client" in imported_modules(p) and p != PACKAGE / "metrics" / "prometheus.py"]
     assert not offenders

@@ -13,7 +13,8 @@ import torch
 
 from bitserve.config import EngineConfig, ModelConfig
 from bitserve.errors import BitserveError
-from bitserve.kernels.backend import LinearMode, PreparedLinear, select_backend
+from bitserve.kernels.backend import LinearMode, PreparedLinear
+from bitserve.kernels.select import select_backend
 from bitserve.llm import LLM
 from bitserve.loader.model_loader import GGUFWeightSource
 from bitserve.sampling_params import SamplingParams

@@ -16,7 +16,8 @@ import torch
 from bitserve.config import EngineConfig, SchedulerConfig, resolve_batch_limits
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidRequest
-from bitserve.kernels.backend import LinearMode, select_backend
+from bitserve.kernels.backend import LinearMode
+from bitserve.kernels.select import select_backend
 from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model

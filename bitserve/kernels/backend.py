@@ -1,26 +1,23 @@
-"""KernelBackend protocol for linear layers, the PreparedLinear record, and backend selection.
+"""KernelBackend protocol, the PreparedLinear base class, and the group binding shared by every backend.
 
-Layers reach kernels only through the backend chosen once at load (`select_backend`). A backend turns
-TernaryCodes / dense f32 weights into its runtime layout once (`prepare_*`), then runs `linear` per step.
-Imports no nn.Module and nothing from layers/ or models/.
+Layers reach kernels only through weights prepared once, at load, by the backend chosen then
+(`bitserve.kernels.select.select_backend`). A prepared weight *is* its kernel: `prepare_*` picks the
+strategy (layout, linear mode, scale shape) once and returns an object whose `__call__(x)` runs it, so a
+step only switches on the batch size (GEMV vs GEMM). Weights run on the same input (q/k/v, gate/up) are
+bound once into a `LinearKernelGroup`, which quantizes the activations once per kind. Imports no
+nn.Module, nothing from layers/ or models/, and no backend module (the backends import this one).
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
-
-logger = logging.getLogger(__name__)
-
-BACKEND_NAMES = ("reference", "cpu")
 
 
 class LinearMode(enum.Enum):
@@ -58,32 +55,64 @@ class LinearMode(enum.Enum):
         return self is LinearMode.BITNETCPP
 
 
-def _empty_extras() -> Mapping[str, torch.Tensor]:
-    return MappingProxyType({})
+NO_EXTRAS: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
 class PreparedLinear:
-    """One weight matrix in a backend's runtime layout. Only the backend that made it may run it.
+    """One weight matrix in a backend's runtime layout, bound to the kernel that runs it.
 
     out_features, in_features: (M, K), the PyTorch (out, in) convention.
-    layout: the runtime layout of `data` (Layout.DENSE, TERNARY_I8 or TERNARY_2BIT; a backend that keeps
-        block-quantized weights (`prepare_block`) names their block layout, e.g. Layout.Q4_1).
+    layout: the runtime layout of `data` (Layout.DENSE, TERNARY_I8 or TERNARY_2BIT; block-quantized
+        weights kept packed name their block layout, e.g. Layout.Q4_1).
     mode: the LinearMode of a ternary weight; None for a dense or block-quantized weight.
-    data: the runtime weight tensor (its shape and dtype are the backend's business).
-    scale: ternary scale, f32 scalar or f32 [M, K // 256] per-block; None for dense.
+    data: the runtime weight tensor (its shape and dtype are the strategy's business).
+    scale: ternary scale (f32 scalar or f32 [M, K // 256]) or a block weight's d; None for dense.
     backend: name of the backend that prepared it.
-    extras: further read-only runtime tensors (e.g. f16-rounded block scales), backend-specific.
+    extras: further read-only runtime tensors (e.g. f16-rounded block scales), strategy-specific.
+
+    Subclasses (one per strategy, made by a backend's `prepare_*`) implement `run`, and, when they
+    consume a quantized form of the activations, `activation_key` / `quantize`: weights of one group
+    with equal keys share one `quantize(x)`. `__call__(x)`: x f32 [T, K] -> f32 [T, M].
     """
 
-    out_features: int
-    in_features: int
-    layout: Layout
-    mode: LinearMode | None
-    data: torch.Tensor
-    scale: torch.Tensor | None
-    backend: str
-    extras: Mapping[str, torch.Tensor] = field(default_factory=_empty_extras)
+    __slots__ = ("backend", "data", "extras", "in_features", "layout", "mode", "out_features", "scale")
+
+    def __init__(self, out_features: int, in_features: int, layout: Layout, mode: LinearMode | None,
+                 data: torch.Tensor, scale: torch.Tensor | None, backend: str,
+                 extras: Mapping[str, torch.Tensor] = NO_EXTRAS) -> None:  # fmt: skip
+        self.out_features = out_features
+        self.in_features = in_features
+        self.layout = layout
+        self.mode = mode
+        self.data = data
+        self.scale = scale
+        self.backend = backend
+        self.extras = extras
+
+    # ------------------------------------------------------------ the strategy (subclasses)
+
+    activation_key: Hashable | None = None  # None: runs on x itself, quantize() is not called
+
+    def quantize(self, x: torch.Tensor) -> object:
+        """The activation form `run` consumes, from the group's prepared input x [T, K] (T > 0)."""
+        return None
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Once per call of a weight or group: check x and bring it into the form the kernels read."""
+        check_linear_input(x, self)
+        return x
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        """x f32 [T, K] (T > 0, from prepare_input), acts = quantize(x) -> f32 [T, M]."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement run")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.prepare_input(x)
+        if x.shape[0] == 0:
+            return x.new_zeros(0, self.out_features)
+        return self.run(x, self.quantize(x) if self.activation_key is not None else None)
+
+    # ------------------------------------------------------------ introspection
 
     @property
     def nbytes(self) -> int:
@@ -97,44 +126,59 @@ class PreparedLinear:
     def is_ternary(self) -> bool:
         return self.mode is not None
 
-
-@runtime_checkable
-class KernelBackend(Protocol):
-    """Linear-layer compute. Methods are called from the engine thread; compiled kernels drop the GIL."""
-
-    name: str
-
-    def prepare_ternary(self, codes: TernaryCodes, *, mode: LinearMode) -> PreparedLinear:
-        """Once, at load: repack ternary codes (int8 [M, K] in {-1,0,1} + scale) into the runtime
-        layout for `mode`. Raises UnsupportedModel if this backend cannot run that shape in that mode."""
-        ...
-
-    def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
-        """Once, at load: a float32 [M, K] weight (block formats are dequantized before this)."""
-        ...
-
-    def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
-        """Optional, once, at load: keep a non-ternary block-quantized file weight (Q4_1, Q8_0, ...) in a
-        packed runtime form. None when this backend keeps no packed form for that layout: the loader then
-        dequantizes it and calls `prepare_dense`. Results match the dense path within fp32 summation-order
-        tolerance, not bit for bit. Loaders call it via getattr, so backends may omit it."""
-        ...
-
-    def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
-        """x: f32 [num_tokens, K] -> f32 [num_tokens, M]. Row i of the output depends only on row i
-        of x (bit-exact batch invariance in BITNET mode)."""
-        ...
-
-    def linear_group(self, x: torch.Tensor, weights: Sequence[PreparedLinear]) -> list[torch.Tensor]:
-        """Several weights on the same input (q/k/v, gate/up); activations are quantized once.
-        Returns one f32 [num_tokens, M_i] per weight, equal to `linear(x, w_i)` bit for bit."""
-        ...
+    def __repr__(self) -> str:
+        mode = self.mode.value if self.mode is not None else None
+        return (f"{type(self).__name__}({self.out_features}x{self.in_features}, {self.layout.value}, "
+                f"mode={mode}, backend={self.backend!r})")  # fmt: skip
 
 
-@runtime_checkable
+class LinearKernelGroup:
+    """Weights run on one input, bound once: one prepare_input and one quantize per activation kind.
+
+    `weights` are the weights that run (a backend's `fuse_group` may have stacked the group into one);
+    `row_offsets`, when stacked, is where each original weight's rows start in the stacked output.
+    """
+
+    def __init__(self, weights: Sequence[PreparedLinear], out_features: Sequence[int],
+                 row_offsets: Sequence[int] | None = None) -> None:  # fmt: skip
+        if not weights:
+            raise ValueError("a linear group needs at least one weight")
+        if len({weight.in_features for weight in weights}) != 1:
+            raise ValueError(f"a linear group's weights share one input, got in_features "
+                             f"{[weight.in_features for weight in weights]}")  # fmt: skip
+        self.weights = list(weights)
+        self.out_features = list(out_features)
+        self.row_offsets = list(row_offsets) if row_offsets is not None else None
+        quantizers: dict[Hashable, int] = {}  # activation key -> index of the weight that quantizes
+        for index, weight in enumerate(self.weights):
+            if weight.activation_key is not None:
+                quantizers.setdefault(weight.activation_key, index)
+        self._quantizers = [self.weights[index] for index in quantizers.values()]
+        slot_of_key = {key: slot for slot, key in enumerate(quantizers)}
+        # per weight: which quantize() result it runs on (-1: x itself)
+        self._slots = [slot_of_key.get(w.activation_key, -1) if w.activation_key is not None else -1
+                       for w in self.weights]  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x f32 [T, K] -> one f32 [T, M_i] per original weight, each equal to that weight's own call."""
+        x = self.weights[0].prepare_input(x)
+        for weight in self.weights[1:]:
+            check_linear_input(x, weight)
+        if x.shape[0] == 0:
+            return [x.new_zeros(0, m) for m in self.out_features]
+        acts = [weight.quantize(x) for weight in self._quantizers]
+        outputs = [weight.run(x, acts[slot] if slot >= 0 else None)
+                   for weight, slot in zip(self.weights, self._slots, strict=True)]  # fmt: skip
+        if self.row_offsets is None:
+            return outputs
+        stacked = outputs[0]  # [T, stacked rows]
+        spans = zip(self.row_offsets, self.out_features, strict=True)
+        return [stacked[:, start : start + size] for start, size in spans]
+
+
 class FusedOps(Protocol):
-    """Optional: a backend's single-call versions of the small per-layer ops. Layers use them when the
-    backend has them and fall back to their own eager torch code (the reference) otherwise."""
+    """A backend's single-call versions of the small per-layer ops (`KernelBackend.fused_ops`). Layers
+    given none run their own eager torch code (the reference)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x f32 [T, N], weight f32 [N] -> f32 [T, N]; bit-identical to layers.norm.RMSNorm."""
@@ -151,51 +195,73 @@ class FusedOps(Protocol):
         ...
 
 
-def fused_ops(backend: KernelBackend) -> FusedOps | None:
-    return backend if isinstance(backend, FusedOps) else None
+class KernelBackend(Protocol):
+    """Linear-layer compute. Every method is part of the contract (no optional features probed by name);
+    backends subclass this Protocol and inherit `linear` / `linear_group` / `bind_group`. Methods are
+    called from the engine thread; compiled kernels drop the GIL."""
+
+    name: str
+
+    def prepare_ternary(self, codes: TernaryCodes, *, mode: LinearMode) -> PreparedLinear:
+        """Once, at load: repack ternary codes (int8 [M, K] in {-1,0,1} + scale) into the runtime
+        layout for `mode`. Raises UnsupportedModel if this backend cannot run that shape in that mode."""
+        ...
+
+    def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
+        """Once, at load: a float32 [M, K] weight (block formats are dequantized before this)."""
+        ...
+
+    def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
+        """Once, at load: keep a non-ternary block-quantized file weight (Q4_1, Q8_0, ...) in a packed
+        runtime form. None when this backend keeps no packed form for that layout: the loader then
+        dequantizes it and calls `prepare_dense`. Results match the dense path within fp32
+        summation-order tolerance, not bit for bit."""
+        ...
+
+    def fuse_group(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
+        """Once, at load: the weights of one group stacked into one (stacked weight, row offset of each
+        weight in its output), or None: no fusion for these weights. Splitting the stacked output must
+        be bit-identical to running the weights one by one."""
+        ...
+
+    def fused_ops(self) -> FusedOps | None:
+        """The backend's one-call small ops (looked up once per model), or None: layers run eager torch."""
+        ...
+
+    def bind_group(self, weights: Sequence[PreparedLinear]) -> LinearKernelGroup:
+        """Once, at load: the group of weights run on one input (stacked where `fuse_group` can)."""
+        for weight in weights:
+            self.check_owner(weight)
+        out_features = [weight.out_features for weight in weights]
+        fused = self.fuse_group(weights)
+        if fused is None:
+            return LinearKernelGroup(weights, out_features)
+        stacked, row_offsets = fused
+        return LinearKernelGroup([stacked], out_features, row_offsets)
+
+    def check_owner(self, weight: PreparedLinear) -> None:
+        if weight.backend != self.name:
+            raise ValueError(f"weight prepared by {weight.backend!r} given to the {self.name!r} backend")
+
+    def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
+        """x f32 [num_tokens, K] -> f32 [num_tokens, M]: `weight(x)` after checking who prepared it.
+        Row i of the output depends only on row i of x (bit-exact batch invariance in BITNET mode)."""
+        self.check_owner(weight)
+        return weight(x)
+
+    def linear_group(self, x: torch.Tensor, weights: Sequence[PreparedLinear]) -> list[torch.Tensor]:
+        """Several weights on the same input, activations quantized once (unstacked; layers bind their
+        groups once with `bind_group` instead). One f32 [T, M_i] per weight, equal to `linear(x, w_i)`."""
+        for weight in weights:
+            self.check_owner(weight)
+        return LinearKernelGroup(weights, [weight.out_features for weight in weights])(x)
 
 
 def check_linear_input(x: torch.Tensor, weight: PreparedLinear) -> None:
-    """Shared argument check for `linear`: f32 [T, K] with K == weight.in_features."""
+    """Shared argument check: f32 [T, K] with K == weight.in_features."""
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"linear expects a float32 [num_tokens, K] input, got {x.dtype} {tuple(x.shape)}")
     if x.shape[1] != weight.in_features:
         raise ValueError(
             f"linear input has {x.shape[1]} features but the weight expects {weight.in_features}"
         )
-
-
-def _numba_works() -> bool:
-    """True if the numba CPU backend imports and numba compiles and runs a trivial kernel here."""
-    try:
-        from bitserve.kernels.cpu import backend as cpu_backend
-    except ImportError as exc:
-        logger.info("cpu backend unavailable: %s", exc)
-        return False
-    return cpu_backend.is_available()
-
-
-def available_backends() -> list[str]:
-    """Names of the backends that work in this process, the reference first."""
-    names = ["reference"]
-    if _numba_works():
-        names.append("cpu")
-    return names
-
-
-def select_backend(name: str = "auto", *, max_dense_weight_bytes: int = 0) -> KernelBackend:
-    """Pick a backend once, at load. "auto" is "cpu" when numba works, else "reference".
-    max_dense_weight_bytes: the cpu backend's budget of f32 copies of block weights (batched GEMMs)."""
-    if name == "auto":
-        name = "cpu" if _numba_works() else "reference"
-    if name == "reference":
-        from bitserve.kernels.reference.backend import ReferenceBackend
-
-        return ReferenceBackend()
-    if name == "cpu":
-        if not _numba_works():
-            raise ValueError("kernel backend 'cpu' needs numba, which is not importable or not working")
-        from bitserve.kernels.cpu.backend import CpuBackend
-
-        return CpuBackend(max_dense_weight_bytes=max_dense_weight_bytes)
-    raise ValueError(f"unknown kernel backend {name!r}; choose one of: auto, {', '.join(BACKEND_NAMES)}")

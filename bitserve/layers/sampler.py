@@ -305,12 +305,10 @@ def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
 
 
 def _check_vocab(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
-    if token_ids and max(token_ids) >= vocab_size:
-        raise InvalidRequest(
-            f"{param} holds token id {max(token_ids)}, out of range for vocab_size {vocab_size}",
-            param=param,
-            hint="SamplingParams.validate_for_vocab should have rejected this at admission",
-        )
+    """Internal invariant, not user-input validation (anything raised in a step kills the engine):
+    admission (`SamplingParams.validate_for_vocab`, in LLM and AsyncEngine) refused stop / logit_bias
+    ids outside the tokenizer's vocabulary, and the logits [rows, vocab_size] cover that vocabulary."""
+    assert not token_ids or max(token_ids) < vocab_size, f"{param}: id {max(token_ids)} >= {vocab_size}"
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> None:

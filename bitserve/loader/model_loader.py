@@ -17,10 +17,11 @@ from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, 
 from bitserve.kernels.reference.dequant import dequantize, unpack_ternary
 from bitserve.loader.decode import DecodeOptions, make_packed_weight
 from bitserve.loader.gguf_reader import GGUFFile, read_gguf
-from bitserve.loader.model_spec import ModelSpec, spec_from_metadata
+from bitserve.loader.model_spec import spec_from_metadata
 from bitserve.loader.tl_config import TLConfigTable, load_kernel_config_ini, preset, sidecar_path
 from bitserve.models.decoder import DecoderModel
 from bitserve.models.registry import ARCHITECTURES
+from bitserve.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,9 @@ class GGUFWeightSource:
 
     def _prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
         """The backend's packed form of a block-quantized weight, or None (float, or not supported)."""
-        prepare_block = getattr(self.backend, "prepare_block", None)
-        if prepare_block is None or weight.layout in FLOAT_LAYOUTS:
+        if weight.layout in FLOAT_LAYOUTS:
             return None
-        return prepare_block(weight)
+        return self.backend.prepare_block(weight)
 
     def head(self, name: str) -> PreparedLinear | torch.Tensor:
         """The LM head: block-quantized in the backend's packed form when it has one (no float copy:

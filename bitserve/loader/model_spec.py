@@ -1,4 +1,4 @@
-"""GGUF metadata -> ModelSpec: the load-time facts every other part reads. Derived once, frozen.
+"""GGUF metadata -> ModelSpec (models/spec.py): the load-time facts every other part reads. Derived once.
 
 An unsupported architecture fails here with the list of supported ones (the keys of models.registry.ARCHITECTURES).
 """
@@ -6,11 +6,11 @@ An unsupported architecture fails here with the list of supported ones (the keys
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.layers.rotary import RopeStyle
+from bitserve.models.spec import ModelSpec
 
 # Per architecture: rope style, whether sub-norms exist, default FFN activation (docs/formats.md §4.1).
 ARCHITECTURE_TRAITS: dict[str, tuple[RopeStyle, bool, str]] = {
@@ -20,28 +20,6 @@ ARCHITECTURE_TRAITS: dict[str, tuple[RopeStyle, bool, str]] = {
     "bitnet": (RopeStyle.NEOX, True, "silu"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_TRAITS)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    architecture: str
-    name: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_model_len: int
-    rope_dim: int
-    rope_theta: float
-    rope_style: RopeStyle
-    rope_position_scale: float
-    rms_norm_eps: float
-    activation: str
-    has_sub_norms: bool
-    tie_word_embeddings: bool
 
 
 def _require(metadata: Mapping[str, Any], key: str, path: str | None) -> Any:

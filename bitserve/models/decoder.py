@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.backend import FusedOps, fused_ops
+from bitserve.kernels.backend import FusedOps
 from bitserve.kernels.packed import Layout
 from bitserve.layers.activation import GATED_ACTIVATIONS
 from bitserve.layers.attention import AttentionMetadata, PagedAttention
@@ -20,7 +20,7 @@ from bitserve.layers.embedding import LMHead, TokenEmbedding
 from bitserve.layers.linear import Linear, LinearGroup
 from bitserve.layers.norm import RMSNorm
 from bitserve.layers.rotary import RotaryEmbedding
-from bitserve.loader.model_spec import ModelSpec
+from bitserve.models.spec import ModelSpec
 from bitserve.models.weights import WeightSource
 
 
@@ -30,7 +30,7 @@ class DecoderLayer(nn.Module):
         prefix = f"blk.{layer_id}"
         ternary = model.projections_may_be_ternary
         eps = spec.rms_norm_eps
-        fused = fused_ops(weights.backend)
+        fused = model.fused  # the backend's fused ops, looked up once per model
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.attn_norm = RMSNorm(weights.vector(f"{prefix}.attn_norm.weight"), eps, fused)
         self.qkv = LinearGroup(
@@ -104,7 +104,7 @@ class DecoderModel(nn.Module):
                 hint=f"supported: {', '.join(GATED_ACTIVATIONS)}",
             )
         self.spec = spec
-        fused = fused_ops(weights.backend)
+        self.fused = fused = weights.backend.fused_ops()  # once per model; None: eager torch layers
         self.embed_tokens = TokenEmbedding(weights.packed("token_embd.weight"))
         self.rotary = RotaryEmbedding(
             spec.rope_dim,

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from bitserve.errors import ModelLoadError
-from bitserve.loader.model_spec import ModelSpec
+from bitserve.models.spec import ModelSpec
 
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 

@@ -12,13 +12,9 @@ import pytest
 import torch
 
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.backend import (
-    KernelBackend,
-    LinearMode,
-    available_backends,
-    select_backend,
-)
+from bitserve.kernels.backend import KernelBackend, LinearMode
 from bitserve.kernels.packed import Layout, TernaryCodes
+from bitserve.kernels.select import available_backends, select_backend
 
 BACKENDS = available_backends()
 FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]

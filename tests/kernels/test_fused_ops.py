@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitserve.kernels.backend import fused_ops
 from bitserve.kernels.cpu.backend import CpuBackend
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.layers.attention import AttentionMetadata, PagedAttention, make_decode_batch
@@ -17,7 +16,7 @@ BACKEND = CpuBackend()
 
 
 def test_only_backends_with_the_kernels_offer_them() -> None:
-    assert fused_ops(BACKEND) is BACKEND and fused_ops(ReferenceBackend()) is None
+    assert BACKEND.fused_ops() is BACKEND and ReferenceBackend().fused_ops() is None
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 1536), (17, 2560), (2, 7)])

@@ -314,9 +314,12 @@ def test_logit_bias_forces_and_bans() -> None:
     assert set(counts) == {42}
 
 
-def test_logit_bias_outside_vocab_is_refused() -> None:
-    with pytest.raises(InvalidRequest):
-        sample(torch.zeros(1, 10), [make_row(SamplingParams(logit_bias={10: 1.0}))])
+def test_logit_bias_outside_vocab_is_refused_at_admission_not_in_the_step() -> None:
+    params = SamplingParams(logit_bias={10: 1.0})
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        params.validate_for_vocab(10)  # admission: a user error, answered with a 400
+    with pytest.raises(AssertionError):  # the step only asserts the invariant admission established
+        sample(torch.zeros(1, 10), [make_row(params)])
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bitserve.kernels.backend import available_backends
+from bitserve.kernels.select import available_backends
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
 

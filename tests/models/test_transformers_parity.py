@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from bitserve.kernels.backend import LinearMode, select_backend
+from bitserve.kernels.backend import LinearMode
+from bitserve.kernels.select import select_backend
 from bitserve.llm import LLM
 from bitserve.loader.model_loader import LoadOptions, load_model
 from bitserve.models.decoder import DecoderModel

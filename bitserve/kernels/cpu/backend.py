@@ -17,13 +17,15 @@ budget lasts, and batches of block_gemm_min_tokens or more run one sgemm on it: 
 prefill then skip the per-step dequantization that dominated them (see benchmarks/RESULTS.md), at the
 cost of 4 bytes per weight. GEMV (decode, T < block_gemm_min_tokens) always reads the packed blocks.
 
+Each `prepare_*` picks the strategy once and returns its prepared weight (kernels/cpu/prepared.py),
+which runs it: a step only switches on the batch size.
+
 Threads: numba's OpenMP layer shares libgomp with torch. Run with OMP_WAIT_POLICY=PASSIVE (set before
 torch is imported) wherever the cores are shared: spin-waiting workers then cost ~8 ms per call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -32,13 +34,23 @@ from types import MappingProxyType
 import numba
 import numpy as np
 import torch
-import torch.nn.functional as F
 from numba.core.errors import NumbaError
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
-from bitserve.kernels.backend import LinearMode, PreparedLinear, check_linear_input
+from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.cpu import blockquant, fused
 from bitserve.kernels.cpu import ternary as kernels
+from bitserve.kernels.cpu.prepared import (
+    BitnetBlockLinear,
+    BitnetLinear,
+    BlockLinear,
+    CpuTuning,
+    DenseLinear,
+    FloatTernaryLinear,
+    Q4Linear,
+    Q8Linear,
+    TqLinear,
+)
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary as reference
 from bitserve.kernels.reference.dense import check_dense_weight
@@ -48,8 +60,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the chunked sgemm
 DEFAULT_BLOCK_GEMM_MIN_TOKENS = 8  # crossover of the Q4_* / Q8_0 kernels and dequantize + sgemm (2 cores)
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block
-MAX_EXACT_F32_K = 65536  # 128 * K stays below 2^24: the exact-f32 sgemm path is valid
-CHUNK_BYTES = 1 << 22  # f32 bytes of decoded weights per sgemm chunk (fewer, larger calls measured faster)
 
 
 @functools.cache
@@ -63,40 +73,7 @@ def is_available() -> bool:
         return False
 
 
-class _Activations:
-    """Per-call activation forms, computed at most once per linear_group (quantize once)."""
-
-    def __init__(self, x: torch.Tensor, kp: int) -> None:
-        self.x = x  # f32 [T, K], contiguous, CPU
-        self.kp = kp
-        self._bitnet: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._q8k: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._permuted_x: torch.Tensor | None = None
-
-    def bitnet(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(qp int16 [T, Kp] permuted, s_act f32 [T], q_sum int32 [T])."""
-        if self._bitnet is None:
-            self._bitnet = kernels.quantize_permute(self.x.numpy(), self.kp)
-        return self._bitnet
-
-    def q8k(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(q8l int16 [T, K] lane-major, bsum_lanes int32 [T, nb, 8], d_x f32 [T, nb])."""
-        if self._q8k is None:
-            q8, d_x = reference.quantize_q8k(self.x)
-            num_tokens, k = q8.shape
-            lanes = q8.view(num_tokens, k // kernels.QK_K, kernels.NUM_TQ_LANES, 32).sum(dim=3)
-            q8l = q8.to(torch.int16)[:, kernels.tq_lane_order(k)]  # [T, K] lane-major
-            self._q8k = (q8l.numpy(), lanes.to(torch.int32).numpy(), d_x.contiguous().numpy())
-        return self._q8k
-
-    def permuted_x(self) -> torch.Tensor:
-        """x in the kernels' permuted column order, zero-padded: f32 [T, Kp]."""
-        if self._permuted_x is None:
-            self._permuted_x = kernels.permute_columns(self.x, self.kp)
-        return self._permuted_x
-
-
-class CpuBackend:
+class CpuBackend(KernelBackend):
     """numba CPU kernels over packed ternary weights (see module docstring)."""
 
     name = "cpu"
@@ -125,8 +102,9 @@ class CpuBackend:
         if max_dense_weight_bytes < 0:
             raise ValueError(f"max_dense_weight_bytes must be >= 0, got {max_dense_weight_bytes}")
         self.dense_bytes_left = max_dense_weight_bytes  # spent at load, weight by weight, in load order
+        self.tuning = CpuTuning(gemm_min_tokens, block_gemm_min_tokens, num_threads)
 
-    # ------------------------------------------------------------ load time
+    # ------------------------------------------------------------ load time: strategy chosen here
 
     def prepare_ternary(self, codes: TernaryCodes, *, mode: LinearMode) -> PreparedLinear:
         """Pack to Layout.TERNARY_2BIT. Raises UnsupportedModel for a shape the mode cannot run:
@@ -152,25 +130,30 @@ class CpuBackend:
                 )
             extras["d_w"] = reference.f16_block_scales(codes)  # [M, K // 256]
             codes = TernaryCodes(values=codes.values[:, kernels.tq_weight_columns(k)], scale=codes.scale)
+            strategy: type[PreparedLinear] = TqLinear
         elif mode is LinearMode.FLOAT:
             scale = codes.scale.reshape(1, 1) if codes.is_per_tensor else codes.scale
             extras["decode_scale"] = scale.contiguous().clone()  # [1, 1] or [M, nb]
-        elif mode is not LinearMode.BITNET:
+            strategy = FloatTernaryLinear
+        elif mode is LinearMode.BITNET:
+            strategy = BitnetLinear if codes.is_per_tensor else BitnetBlockLinear
+        else:
             raise ValueError(f"unknown linear mode {mode!r}")
         packed = kernels.pack_ternary(codes.values)  # [M, Kp / 4]
         scale_copy = codes.scale.clone(memory_format=torch.contiguous_format)  # kernels need C order
-        return PreparedLinear(
-            m, k, Layout.TERNARY_2BIT, mode, packed, scale_copy, self.name, MappingProxyType(extras)
-        )
+        frozen_extras = MappingProxyType(extras)
+        return strategy(m, k, Layout.TERNARY_2BIT, mode, packed, scale_copy, self.name, frozen_extras,
+                        tuning=self.tuning)
 
     def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
         """Dense f32 [M, K] weights run through torch.nn.functional.linear (MKL / oneDNN)."""
         m, k = check_dense_weight(weight)
-        return PreparedLinear(m, k, Layout.DENSE, None, weight.contiguous(), None, self.name)
+        return DenseLinear(m, k, Layout.DENSE, None, weight.contiguous(), None, self.name, tuning=self.tuning)
 
     def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
         """Q4_0 / Q4_1 -> runtime Layout.Q4_1 (codes uint8 [G, K/2, 64], scale = d f32 [G, nb, 64], extras
-        m); Q8_0 -> Layout.Q8_0 (codes int8 [G, K, 64], scale = d); G = ceil(M / 64), see blockquant. None for other layouts (or if disabled)."""
+        m); Q8_0 -> Layout.Q8_0 (codes int8 [G, K, 64], scale = d); G = ceil(M / 64), see blockquant.
+        None for other layouts (or if disabled). Within max_dense_weight_bytes, also an f32 copy."""
         type_size = BLOCK_TYPE_SIZES.get(weight.layout)
         if not self.block_kernels or type_size is None:
             return None
@@ -184,26 +167,33 @@ class CpuBackend:
                 expected=f"{m * row_bytes} bytes",
             )
         rows = weight.data.reshape(m, row_bytes)
+        extras: dict[str, torch.Tensor] = {}
         if weight.layout is Layout.Q8_0:
-            q, d = blockquant.repack_q8_0(rows, k)
-            prepared = PreparedLinear(m, k, Layout.Q8_0, None, q, d, self.name)
+            data, d = blockquant.repack_q8_0(rows, k)
+            strategy: type[BlockLinear] = Q8Linear
         else:
-            qs, d, mins = blockquant.repack_q4(rows, k, has_min=weight.layout is Layout.Q4_1)
-            prepared = PreparedLinear(m, k, Layout.Q4_1, None, qs, d, self.name, MappingProxyType({"m": mins}))
-        if self.dense_bytes_left >= 4 * m * k:
-            self.dense_bytes_left -= 4 * m * k
-            dense = torch.empty(m, k, dtype=torch.float32)  # [M, K], decoded once from the packed blocks
-            self._decode_block_rows(prepared, 0, dense.numpy())
-            prepared = dataclasses.replace(prepared, extras=MappingProxyType({**prepared.extras, "dense": dense}))
-        return prepared
+            data, d, extras["m"] = blockquant.repack_q4(rows, k, has_min=weight.layout is Layout.Q4_1)
+            strategy = Q4Linear
+        layout = Layout.Q8_0 if strategy is Q8Linear else Layout.Q4_1
+        tuning = self.tuning
+        packed = strategy(m, k, layout, None, data, d, self.name, MappingProxyType(extras), tuning=tuning)
+        if self.dense_bytes_left < 4 * m * k:
+            return packed
+        self.dense_bytes_left -= 4 * m * k
+        dense = torch.empty(m, k, dtype=torch.float32)  # [M, K], decoded once from the packed blocks
+        packed.decode_rows(0, dense.numpy())
+        with_dense = MappingProxyType({**extras, "dense": dense})
+        return strategy(m, k, layout, None, data, d, self.name, with_dense, tuning=tuning)
 
     def fuse_group(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
-        """Once, at load: block weights of one group (same layout and K; q/k/v, gate/up) stacked into one,
-        so a step makes one kernel call with 64-row tasks from all of them (small K/V projections alone
-        leave a core idle). Returns (stacked weight, row offset of each weight in its output), or None.
-        Each output row is computed exactly as before: splitting the stacked output is bit-identical."""
-        layouts = {weight.layout for weight in weights}
-        if len(weights) < 2 or len(layouts) != 1 or not layouts <= {Layout.Q4_1, Layout.Q8_0}:
+        """Once, at load: block weights of one group (same strategy and K; q/k/v, gate/up) stacked into
+        one, so a step makes one kernel call with 64-row tasks from all of them (small K/V projections
+        alone leave a core idle). Returns (stacked weight, row offset of each weight in its output), or
+        None. Each output row is computed exactly as before: splitting the stacked output is bit-identical."""
+        if len(weights) < 2:
+            return None
+        strategy = type(weights[0])
+        if not issubclass(strategy, BlockLinear) or any(type(weight) is not strategy for weight in weights):
             return None
         if len({weight.in_features for weight in weights}) != 1:
             return None
@@ -217,120 +207,18 @@ class CpuBackend:
         if "m" in weights[0].extras:
             extras["m"] = torch.cat([weight.extras["m"] for weight in weights])
         if all("dense" in weight.extras for weight in weights):
-            extras["dense"] = torch.cat([self._pad_rows(weight.extras["dense"], weight.data.shape[0] * blockquant.GROUP_ROWS)
-                                         for weight in weights])  # fmt: skip
-        stacked = PreparedLinear(num_padded, weights[0].in_features, weights[0].layout, None, data, scale, self.name,
-                                 MappingProxyType(extras))  # fmt: skip
+            padded = [_pad_rows(w.extras["dense"], w.data.shape[0] * blockquant.GROUP_ROWS) for w in weights]
+            extras["dense"] = torch.cat(padded)  # [num_padded, K]
+        first = weights[0]
+        stacked = strategy(num_padded, first.in_features, first.layout, None, data, scale, self.name,
+                           MappingProxyType(extras), tuning=self.tuning)  # fmt: skip
         return stacked, offsets
 
-    @staticmethod
-    def _pad_rows(dense: torch.Tensor, num_rows: int) -> torch.Tensor:
-        if dense.shape[0] == num_rows:
-            return dense
-        return torch.cat([dense, dense.new_zeros(num_rows - dense.shape[0], dense.shape[1])])
-
-    @staticmethod
-    def _decode_block_rows(weight: PreparedLinear, r0: int, out: np.ndarray) -> None:
-        """Rows r0 .. r0 + len(out) of a packed block weight as f32 into `out` [rows, K]."""
-        assert weight.scale is not None  # invariant: block weights carry their d
-        codes, d = weight.data.numpy(), weight.scale.numpy()
-        if weight.layout is Layout.Q4_1:
-            blockquant.decode_q4_rows(codes, d, weight.extras["m"].numpy(), r0, out)
-        else:
-            blockquant.decode_q8_0_rows(codes, d, r0, out)
-
-    # ------------------------------------------------------------ per step
-
-    def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
-        """x f32 [T, K] -> f32 [T, M]."""
-        return self.linear_group(x, [weight])[0]
-
-    def linear_group(self, x: torch.Tensor, weights: Sequence[PreparedLinear]) -> list[torch.Tensor]:
-        """One f32 [T, M_i] per weight; activations are quantized once per group."""
-        if x.device.type != "cpu":
-            raise ValueError(f"the cpu backend runs on CPU tensors, got {x.device}")
-        x = x.detach().contiguous()
-        if self.num_threads is not None:
-            numba.set_num_threads(self.num_threads)
-        acts: _Activations | None = None
-        xsum: np.ndarray | None = None  # [T, K / 32] block sums, shared by the Q4 weights of the group
-        outputs = []
-        for weight in weights:
-            check_linear_input(x, weight)
-            if weight.backend != self.name:
-                raise ValueError(f"weight prepared by {weight.backend!r} given to the {self.name!r} backend")
-            if weight.layout in (Layout.Q4_1, Layout.Q8_0):
-                if xsum is None and weight.layout is Layout.Q4_1 and x.shape[0] < self.block_gemm_min_tokens:
-                    xsum = blockquant.block_sums(x.numpy())
-                outputs.append(self._block(x, weight, xsum))
-                continue
-            if weight.mode is None:
-                outputs.append(F.linear(x, weight.data))
-                continue
-            if x.shape[0] == 0:
-                outputs.append(x.new_zeros(0, weight.out_features))
-                continue
-            if acts is None:
-                acts = _Activations(x, kernels.padded_in_features(weight.in_features))
-            outputs.append(self._ternary(acts, weight))
-        return outputs
-
-    def _ternary(self, acts: _Activations, weight: PreparedLinear) -> torch.Tensor:
-        assert weight.scale is not None  # invariant: ternary weights carry a scale
-        num_tokens, m = acts.x.shape[0], weight.out_features
-        w = weight.data.numpy()
-        if weight.mode is LinearMode.FLOAT:
-            scale = weight.extras["decode_scale"].numpy()
-            return self._chunked_matmul(acts.permuted_x(), w, scale, m)
-        if weight.mode is LinearMode.LLAMACPP_TQ:
-            q8l, bsum_lanes, d_x = acts.q8k()
-            out = np.empty((num_tokens, m), dtype=np.float32)
-            kernels.tq_linear_kernel(w, q8l, bsum_lanes, d_x, weight.extras["d_w"].numpy(), out)
-            return torch.from_numpy(out)
-        qp, s_act, q_sum = acts.bitnet()
-        if weight.scale.dim() == 2:
-            num_blocks = weight.scale.shape[1]
-            block_q_sum = qp.reshape(num_tokens, num_blocks, -1).sum(axis=2, dtype=np.int32)  # [T, nb]
-            out = np.empty((num_tokens, m), dtype=np.float32)
-            kernels.bitnet_block_linear_kernel(w, qp, block_q_sum, s_act, weight.scale.numpy(), out)
-            return torch.from_numpy(out)
-        if num_tokens >= self.gemm_min_tokens and weight.in_features <= MAX_EXACT_F32_K:
-            ones = np.ones((1, 1), dtype=np.float32)
-            d = self._chunked_matmul(torch.from_numpy(qp.astype(np.float32)), w, ones, m)  # exact D
-            return reference.bitnet_epilogue(d, torch.from_numpy(s_act), weight.scale)
-        out = np.empty((num_tokens, m), dtype=np.float32)
-        kernels.bitnet_linear_kernel(w, qp, q_sum, s_act, np.float32(weight.scale.item()), out)
-        return torch.from_numpy(out)
-
-    def _block(self, x: torch.Tensor, weight: PreparedLinear, xsum: np.ndarray | None) -> torch.Tensor:
-        """Packed Q4 / Q8_0 weight: numba dot products for small T, else chunked dequantize + sgemm."""
-        assert weight.scale is not None  # invariant: block weights carry their d
-        num_tokens, m = x.shape[0], weight.out_features
-        codes, d = weight.data.numpy(), weight.scale.numpy()
-        is_q4 = weight.layout is Layout.Q4_1
-        if num_tokens == 0:
-            return x.new_zeros(0, m)
-        if num_tokens < self.block_gemm_min_tokens:
-            out = np.empty((num_tokens, m), dtype=np.float32)
-            if is_q4:
-                blockquant.q4_linear_kernel(codes, d, weight.extras["m"].numpy(), x.numpy(), xsum, out)
-            else:
-                blockquant.q8_0_linear_kernel(codes, d, x.numpy(), out)
-            return torch.from_numpy(out)
-        dense = weight.extras.get("dense")
-        if dense is not None:
-            return F.linear(x, dense)
-        k = weight.in_features
-        rows = max(16, CHUNK_BYTES // (4 * k))
-        buf = torch.empty(min(rows, m), k, dtype=torch.float32)
-        out_t = torch.empty(m, num_tokens, dtype=torch.float32)  # [M, T]: row chunks are contiguous
-        for r0 in range(0, m, rows):
-            chunk = buf[: min(rows, m - r0)]
-            self._decode_block_rows(weight, r0, chunk.numpy())
-            torch.mm(chunk, x.t(), out=out_t[r0 : r0 + chunk.shape[0]])
-        return out_t.t().contiguous()
-
     # ------------------------------------------------------------ fused small ops (FusedOps)
+
+    def fused_ops(self) -> FusedOps | None:
+        """This backend itself: rms_norm, rotary_ and paged_decode_attention below."""
+        return self
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x f32 [T, N], weight f32 [N] -> f32 [T, N]; bit-identical to layers.norm.RMSNorm."""
@@ -354,15 +242,8 @@ class CpuBackend:
                                             block_table.numpy(), seq_lens.numpy(), scale, out.numpy())  # fmt: skip
         return out
 
-    @staticmethod
-    def _chunked_matmul(a: torch.Tensor, w: np.ndarray, scale: np.ndarray, m: int) -> torch.Tensor:
-        """a f32 [T, Kp] (permuted) @ (decoded t * scale)^T -> f32 [T, M], decoding CHUNK_BYTES at a time."""
-        kp = a.shape[1]
-        rows = max(16, CHUNK_BYTES // (4 * kp))
-        buf = torch.empty(min(rows, m), kp, dtype=torch.float32)
-        out_t = torch.empty(m, a.shape[0], dtype=torch.float32)  # [M, T]: row chunks are contiguous
-        for r0 in range(0, m, rows):
-            chunk = buf[: min(rows, m - r0)]
-            kernels.decode_values_f32(w, r0, scale, chunk.numpy())
-            torch.mm(chunk, a.t(), out=out_t[r0 : r0 + chunk.shape[0]])
-        return out_t.t().contiguous()
+
+def _pad_rows(dense: torch.Tensor, num_rows: int) -> torch.Tensor:
+    if dense.shape[0] == num_rows:
+        return dense
+    return torch.cat([dense, dense.new_zeros(num_rows - dense.shape[0], dense.shape[1])])

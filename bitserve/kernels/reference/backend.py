@@ -1,7 +1,8 @@
 """ReferenceBackend: pure-torch linear layers on any device, the oracle every fast backend must match.
 
 Runtime layouts: ternary weights stay int8 [M, K] (Layout.TERNARY_I8) in bitnet / llamacpp-tq mode and
-become f32 t * scale (Layout.DENSE) in float mode; dense weights are kept as given.
+become f32 t * scale (Layout.DENSE) in float mode; dense weights are kept as given. It keeps no packed
+block weights, fuses no groups and has no fused small ops: each says so explicitly (None).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from types import MappingProxyType
 import torch
 
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.backend import LinearMode, PreparedLinear, check_linear_input
+from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary
 from bitserve.kernels.reference.dense import check_dense_weight, dense_linear
@@ -21,7 +22,46 @@ from bitserve.kernels.reference.dense import check_dense_weight, dense_linear
 logger = logging.getLogger(__name__)
 
 
-class ReferenceBackend:
+class _DenseLinear(PreparedLinear):
+    """f32 [M, K] weights (dense files, and ternary weights in float mode as t * scale): torch's BLAS."""
+
+    __slots__ = ()
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        return dense_linear(x, self.data)
+
+
+class _BitnetLinear(PreparedLinear):
+    """int8 codes [M, K], one scale: per-token int8 activations, f64 integer matmul, f32 epilogue."""
+
+    __slots__ = ()
+    activation_key = "int8"
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ternary.quantize_activations(x)  # (q [T, K], s_act [T])
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        q, s_act = acts  # type: ignore[misc]
+        assert self.scale is not None  # invariant: ternary weights carry a scale
+        return ternary.bitnet_linear_quantized(q, s_act, self.data, self.scale)
+
+
+class _TqLinear(PreparedLinear):
+    """int8 codes [M, K] with f16 block scales d_w [M, K // 256]: ggml's Q8_K lane-wise TQ dot product."""
+
+    __slots__ = ()
+    activation_key = "q8k"
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ternary.quantize_q8k(x)  # (q8 [T, K], d_x [T, K // 256])
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        q8, d_x = acts  # type: ignore[misc]
+        lanes = ternary.tq_lane_sums(q8, self.data)  # [T, M, nb, 8]
+        return ternary.tq_epilogue(lanes, d_x, self.extras["d_w"])
+
+
+class ReferenceBackend(KernelBackend):
     """Obviously-exact torch implementation of docs/formats.md §3 (f64 integer matmul, step-by-step f32)."""
 
     name = "reference"
@@ -32,7 +72,7 @@ class ReferenceBackend:
         mode = mode.kernel_mode  # bitnetcpp's linears are bitnet's
         if mode is LinearMode.FLOAT:
             weight = ternary.dequantize_ternary(codes.values, codes.scale)
-            return PreparedLinear(m, k, Layout.DENSE, mode, weight, codes.scale.clone(), self.name)
+            return _DenseLinear(m, k, Layout.DENSE, mode, weight, codes.scale.clone(), self.name)
         if mode is LinearMode.LLAMACPP_TQ:
             if k % ternary.QK_K != 0:
                 raise UnsupportedModel(
@@ -41,44 +81,24 @@ class ReferenceBackend:
                 )
             d_w = ternary.f16_block_scales(codes)  # [M, K // 256]
             extras = MappingProxyType({"d_w": d_w})
-            return PreparedLinear(m, k, Layout.TERNARY_I8, mode, codes.values, codes.scale, self.name, extras)
+            return _TqLinear(m, k, Layout.TERNARY_I8, mode, codes.values, codes.scale, self.name, extras)
         if mode is LinearMode.BITNET:
             codes = ternary.collapse_block_scales(codes)
-            return PreparedLinear(m, k, Layout.TERNARY_I8, mode, codes.values, codes.scale, self.name)
+            return _BitnetLinear(m, k, Layout.TERNARY_I8, mode, codes.values, codes.scale, self.name)
         raise ValueError(f"unknown linear mode {mode!r}")
-
-    def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
-        """The reference keeps no packed block form: block weights are dequantized to f32 at load."""
-        return None
 
     def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
         m, k = check_dense_weight(weight)
-        return PreparedLinear(m, k, Layout.DENSE, None, weight.contiguous(), None, self.name)
+        return _DenseLinear(m, k, Layout.DENSE, None, weight.contiguous(), None, self.name)
 
-    def linear(self, x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
-        """x f32 [T, K] -> f32 [T, M]."""
-        return self.linear_group(x, [weight])[0]
+    def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
+        """No packed block form: block weights are dequantized to f32 at load (`prepare_dense`)."""
+        return None
 
-    def linear_group(self, x: torch.Tensor, weights: Sequence[PreparedLinear]) -> list[torch.Tensor]:
-        """One f32 [T, M_i] per weight; activations are quantized once for the group (per mode)."""
-        int8_acts: tuple[torch.Tensor, torch.Tensor] | None = None  # (q [T, K], s_act [T])
-        q8k_acts: tuple[torch.Tensor, torch.Tensor] | None = None  # (q8 [T, K], d_x [T, K // 256])
-        outputs = []
-        for weight in weights:
-            check_linear_input(x, weight)
-            if weight.backend != self.name:
-                raise ValueError(f"weight prepared by {weight.backend!r} given to the {self.name!r} backend")
-            if weight.mode is LinearMode.BITNET:
-                if int8_acts is None:
-                    int8_acts = ternary.quantize_activations(x)
-                assert weight.scale is not None  # invariant: ternary weights carry a scale
-                outputs.append(ternary.bitnet_linear_quantized(*int8_acts, weight.data, weight.scale))
-            elif weight.mode is LinearMode.LLAMACPP_TQ:
-                if q8k_acts is None:
-                    q8k_acts = ternary.quantize_q8k(x)
-                q8, d_x = q8k_acts
-                lanes = ternary.tq_lane_sums(q8, weight.data)  # [T, M, nb, 8]
-                outputs.append(ternary.tq_epilogue(lanes, d_x, weight.extras["d_w"]))
-            else:  # dense weights and float mode: both are f32 [M, K]
-                outputs.append(dense_linear(x, weight.data))
-        return outputs
+    def fuse_group(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
+        """No fusion: a group runs its weights one by one (activations still quantized once)."""
+        return None
+
+    def fused_ops(self) -> FusedOps | None:
+        """No fused small ops: the layers' eager torch code is the reference."""
+        return None

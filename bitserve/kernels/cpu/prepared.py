@@ -1,0 +1,268 @@
+"""The cpu backend's prepared weights: one class per strategy, chosen once by CpuBackend.prepare_*.
+
+Each holds the numpy views and constants its kernel reads (made once, at load), so a call only
+switches on the batch size: GEMV-style numba kernels below a threshold, sgemm-based paths above.
+Weights of a group with equal `activation_key` share one `quantize(x)` (see kernels/backend.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bitserve.kernels.backend import NO_EXTRAS, LinearMode, PreparedLinear, check_linear_input
+from bitserve.kernels.cpu import blockquant
+from bitserve.kernels.cpu import ternary as kernels
+from bitserve.kernels.packed import Layout
+from bitserve.kernels.reference import ternary as reference
+
+MAX_EXACT_F32_K = 65536  # 128 * K stays below 2^24: the exact-f32 sgemm path is valid
+CHUNK_BYTES = 1 << 22  # f32 bytes of decoded weights per sgemm chunk (fewer, larger calls measured faster)
+NEVER = 1 << 62  # a batch-size threshold no batch reaches
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTuning:
+    """The CpuBackend settings its weights run with (see CpuBackend.__init__)."""
+
+    gemm_min_tokens: int
+    block_gemm_min_tokens: int
+    num_threads: int | None  # numba's setting is per calling thread: applied on every call
+
+
+class CpuLinear(PreparedLinear):
+    """Base of the cpu strategies: the shared input preparation (CPU, contiguous, numba threads).
+    Subclasses cache what their kernels read (numpy views, constants) in `_bind`, once."""
+
+    __slots__ = ("num_threads", "tuning")
+
+    def __init__(self, out_features: int, in_features: int, layout: Layout, mode: LinearMode | None,
+                 data: torch.Tensor, scale: torch.Tensor | None, backend: str,
+                 extras: Mapping[str, torch.Tensor] = NO_EXTRAS, *, tuning: CpuTuning) -> None:  # fmt: skip
+        super().__init__(out_features, in_features, layout, mode, data, scale, backend, extras)
+        self.tuning = tuning
+        self.num_threads = tuning.num_threads
+        self._bind()
+
+    def _bind(self) -> None:
+        """Once, at construction: cache the kernel's inputs."""
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise ValueError(f"the cpu backend runs on CPU tensors, got {x.device}")
+        x = x.detach().contiguous()
+        if self.num_threads is not None:
+            numba.set_num_threads(self.num_threads)
+        check_linear_input(x, self)
+        return x
+
+
+class DenseLinear(CpuLinear):
+    """f32 [M, K]: torch.nn.functional.linear (MKL / oneDNN sgemm)."""
+
+    __slots__ = ()
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        return F.linear(x, self.data)
+
+
+# ------------------------------------------------------------------ ternary (Layout.TERNARY_2BIT)
+
+
+class _BitnetActivations(CpuLinear):
+    """bitnet-mode activations: per-token int8 in the kernels' permuted column order."""
+
+    __slots__ = ()
+    activation_key = "bitnet"
+
+    def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(qp int16 [T, Kp] permuted, s_act f32 [T], q_sum int32 [T])."""
+        return kernels.quantize_permute(x.numpy(), kernels.padded_in_features(self.in_features))
+
+
+class BitnetLinear(_BitnetActivations):
+    """bitnet mode, one scale per tensor. T < gemm_min_tokens: the numba GEMV kernel (int32 dots).
+    T >= gemm_min_tokens: exact chunked sgemm of int8 activations and decoded t (never for K above
+    MAX_EXACT_F32_K, where f32 sums could round), then the reference epilogue. Bit-identical paths."""
+
+    __slots__ = ("_gemm_min_tokens", "_scale32", "_w")
+
+    def _bind(self) -> None:
+        assert self.scale is not None and self.scale.dim() == 0  # invariant: chosen for per-tensor scales
+        self._w = self.data.numpy()  # uint8 [M, Kp / 4]
+        self._scale32 = np.float32(self.scale.item())
+        exact = self.in_features <= MAX_EXACT_F32_K
+        self._gemm_min_tokens = self.tuning.gemm_min_tokens if exact else NEVER
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        qp, s_act, q_sum = acts  # type: ignore[misc]
+        num_tokens = x.shape[0]
+        if num_tokens >= self._gemm_min_tokens:
+            ones = np.ones((1, 1), dtype=np.float32)
+            qp_f32 = torch.from_numpy(qp.astype(np.float32))  # [T, Kp]
+            d = chunked_matmul(qp_f32, self._w, ones, self.out_features)  # exact integer D, f32 [T, M]
+            return reference.bitnet_epilogue(d, torch.from_numpy(s_act), self.scale)  # type: ignore[arg-type]
+        out = np.empty((num_tokens, self.out_features), dtype=np.float32)
+        kernels.bitnet_linear_kernel(self._w, qp, q_sum, s_act, self._scale32, out)
+        return torch.from_numpy(out)
+
+
+class BitnetBlockLinear(_BitnetActivations):
+    """bitnet mode with per-block scales f32 [M, nb] (blocks a multiple of 128 columns): block kernel."""
+
+    __slots__ = ("_num_blocks", "_scale_np", "_w")
+
+    def _bind(self) -> None:
+        assert self.scale is not None and self.scale.dim() == 2  # invariant: chosen for per-block scales
+        self._w = self.data.numpy()
+        self._scale_np = self.scale.numpy()
+        self._num_blocks = self.scale.shape[1]
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        qp, s_act, _ = acts  # type: ignore[misc]
+        num_tokens = x.shape[0]
+        block_q_sum = qp.reshape(num_tokens, self._num_blocks, -1).sum(axis=2, dtype=np.int32)  # [T, nb]
+        out = np.empty((num_tokens, self.out_features), dtype=np.float32)
+        kernels.bitnet_block_linear_kernel(self._w, qp, block_q_sum, s_act, self._scale_np, out)
+        return torch.from_numpy(out)
+
+
+class FloatTernaryLinear(CpuLinear):
+    """float mode: x (permuted columns) @ (decoded t * scale)^T by chunked sgemm, for every batch size."""
+
+    __slots__ = ("_decode_scale", "_w")
+    activation_key = "permuted"
+
+    def _bind(self) -> None:
+        self._w = self.data.numpy()
+        self._decode_scale = self.extras["decode_scale"].numpy()  # [1, 1] or [M, nb]
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the kernels' permuted column order, zero-padded: f32 [T, Kp]."""
+        return kernels.permute_columns(x, kernels.padded_in_features(self.in_features))
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        return chunked_matmul(acts, self._w, self._decode_scale, self.out_features)  # type: ignore[arg-type]
+
+
+class TqLinear(CpuLinear):
+    """llamacpp-tq mode: numba emulation of ggml's AVX2 TQ2_0 dot product (Q8_K activations, FMA)."""
+
+    __slots__ = ("_d_w", "_w")
+    activation_key = "q8k"
+
+    def _bind(self) -> None:
+        self._w = self.data.numpy()
+        self._d_w = self.extras["d_w"].numpy()  # f32 [M, K // 256], f16-rounded
+
+    def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q8l int16 [T, K] lane-major, bsum_lanes int32 [T, nb, 8], d_x f32 [T, nb])."""
+        q8, d_x = reference.quantize_q8k(x)
+        num_tokens, k = q8.shape
+        lanes = q8.view(num_tokens, k // kernels.QK_K, kernels.NUM_TQ_LANES, 32).sum(dim=3)
+        q8l = q8.to(torch.int16)[:, kernels.tq_lane_order(k)]  # [T, K] lane-major
+        return q8l.numpy(), lanes.to(torch.int32).numpy(), d_x.contiguous().numpy()
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        q8l, bsum_lanes, d_x = acts  # type: ignore[misc]
+        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
+        kernels.tq_linear_kernel(self._w, q8l, bsum_lanes, d_x, self._d_w, out)
+        return torch.from_numpy(out)
+
+
+def chunked_matmul(a: torch.Tensor, w: np.ndarray, scale: np.ndarray, m: int) -> torch.Tensor:
+    """a f32 [T, Kp] (permuted) @ (decoded t * scale)^T -> f32 [T, M], decoding CHUNK_BYTES at a time."""
+    kp = a.shape[1]
+    rows = max(16, CHUNK_BYTES // (4 * kp))
+    buf = torch.empty(min(rows, m), kp, dtype=torch.float32)
+    out_t = torch.empty(m, a.shape[0], dtype=torch.float32)  # [M, T]: row chunks are contiguous
+    for r0 in range(0, m, rows):
+        chunk = buf[: min(rows, m - r0)]
+        kernels.decode_values_f32(w, r0, scale, chunk.numpy())
+        torch.mm(chunk, a.t(), out=out_t[r0 : r0 + chunk.shape[0]])
+    return out_t.t().contiguous()
+
+
+# ------------------------------------------------------------------ block-quantized (Q4_1 / Q8_0 runtime)
+
+
+class BlockLinear(CpuLinear):
+    """Packed Q4 / Q8_0 weight (layouts in kernels/cpu/blockquant.py). T < block_gemm_min_tokens: numba
+    dot products on the packed blocks. Above: one sgemm on the resident f32 copy (extras["dense"], made
+    at load within the backend's budget) or, without one, chunked dequantize + sgemm."""
+
+    __slots__ = ("_block_gemm_min_tokens", "_codes", "_d", "_gemm")
+
+    def _bind(self) -> None:
+        assert self.scale is not None  # invariant: block weights carry their d
+        self._codes, self._d = self.data.numpy(), self.scale.numpy()
+        self._block_gemm_min_tokens = self.tuning.block_gemm_min_tokens
+        dense = self.extras.get("dense")  # f32 [M, K] copy, when the backend's budget allowed one
+        self._gemm: Callable[[torch.Tensor], torch.Tensor] = (
+            self._chunked_gemm if dense is None else lambda x: F.linear(x, dense)
+        )
+
+    def decode_rows(self, r0: int, out: np.ndarray) -> None:
+        """Rows r0 .. r0 + len(out) as f32 into `out` [rows, K]."""
+        raise NotImplementedError
+
+    def gemv(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        if x.shape[0] < self._block_gemm_min_tokens:
+            return self.gemv(x, acts)
+        return self._gemm(x)
+
+    def _chunked_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        m, k = self.out_features, self.in_features
+        rows = max(16, CHUNK_BYTES // (4 * k))
+        buf = torch.empty(min(rows, m), k, dtype=torch.float32)
+        out_t = torch.empty(m, x.shape[0], dtype=torch.float32)  # [M, T]: row chunks are contiguous
+        for r0 in range(0, m, rows):
+            chunk = buf[: min(rows, m - r0)]
+            self.decode_rows(r0, chunk.numpy())
+            torch.mm(chunk, x.t(), out=out_t[r0 : r0 + chunk.shape[0]])
+        return out_t.t().contiguous()
+
+
+class Q4Linear(BlockLinear):
+    """Runtime Layout.Q4_1 (Q4_0 files too): codes uint8 [G, K/2, 64], d and m f32 [G, nb, 64]."""
+
+    __slots__ = ("_m",)
+    activation_key = "q4-block-sums"  # a group's weights share one backend, hence one threshold
+
+    def _bind(self) -> None:
+        super()._bind()
+        self._m = self.extras["m"].numpy()
+
+    def quantize(self, x: torch.Tensor) -> np.ndarray | None:
+        """[T, K / 32] block sums of x for the GEMV kernel; None for batches that take the sgemm."""
+        return blockquant.block_sums(x.numpy()) if x.shape[0] < self._block_gemm_min_tokens else None
+
+    def decode_rows(self, r0: int, out: np.ndarray) -> None:
+        blockquant.decode_q4_rows(self._codes, self._d, self._m, r0, out)
+
+    def gemv(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
+        blockquant.q4_linear_kernel(self._codes, self._d, self._m, x.numpy(), acts, out)
+        return torch.from_numpy(out)
+
+
+class Q8Linear(BlockLinear):
+    """Runtime Layout.Q8_0: codes int8 [G, K, 64], d f32 [G, nb, 64]."""
+
+    __slots__ = ()
+
+    def decode_rows(self, r0: int, out: np.ndarray) -> None:
+        blockquant.decode_q8_0_rows(self._codes, self._d, r0, out)
+
+    def gemv(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
+        blockquant.q8_0_linear_kernel(self._codes, self._d, x.numpy(), out)
+        return torch.from_numpy(out)

@@ -1,0 +1,50 @@
+"""Backend selection, once at load: the only kernels module that imports the backends.
+
+The backends import the protocol and shared types from `kernels/backend.py`; this module sits above
+them, so the import graph has no cycle (backend.py <- {reference,cpu}/backend.py <- select.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bitserve.kernels.backend import KernelBackend
+from bitserve.kernels.reference.backend import ReferenceBackend
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("reference", "cpu")
+
+
+def _numba_works() -> bool:
+    """True if the numba CPU backend imports and numba compiles and runs a trivial kernel here."""
+    try:  # NOTE: deferred: numba is optional, and importing it costs ~0.5 s
+        from bitserve.kernels.cpu import backend as cpu_backend
+    except ImportError as exc:
+        logger.info("cpu backend unavailable: %s", exc)
+        return False
+    return cpu_backend.is_available()
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that work in this process, the reference first."""
+    names = ["reference"]
+    if _numba_works():
+        names.append("cpu")
+    return names
+
+
+def select_backend(name: str = "auto", *, max_dense_weight_bytes: int = 0) -> KernelBackend:
+    """Pick a backend once, at load. "auto" is "cpu" when numba works, else "reference".
+    max_dense_weight_bytes: the cpu backend's budget of f32 copies of block weights (batched GEMMs)."""
+    if name == "auto":
+        name = "cpu" if _numba_works() else "reference"
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "cpu":
+        if not _numba_works():
+            raise ValueError("kernel backend 'cpu' needs numba, which is not importable or not working")
+        from bitserve.kernels.cpu.backend import CpuBackend
+
+        return CpuBackend(max_dense_weight_bytes=max_dense_weight_bytes)
+    raise ValueError(f"unknown kernel backend {name!r}; choose one of: auto, {', '.join(BACKEND_NAMES)}")
