@@ -120,8 +120,9 @@ def prompt_ids(base: Sequence[int], length: int, variant: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ bitserve
-def bitserve_generate(llm: LLM, ids: Sequence[int], max_tokens: int, tag: str,
-                      on_step: Callable[[int], None] | None = None) -> tuple[list[float], list[int]]:  # fmt: skip
+def bitserve_generate(
+    llm: LLM, ids: Sequence[int], max_tokens: int, tag: str, on_step: Callable[[int], None] | None = None
+) -> tuple[list[float], list[int]]:
     """Greedy-generate through the engine; returns each step's wall time and the generated ids."""
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -206,8 +207,9 @@ class LlamaCppRunner:
 
 
 # ------------------------------------------------------------------------------------------ measurement
-def measure(runner: Any, base_ids: Sequence[int], args: argparse.Namespace, variant: int,
-            num_prefills: int = 1) -> dict[str, Any]:  # fmt: skip
+def measure(
+    runner: Any, base_ids: Sequence[int], args: argparse.Namespace, variant: int, num_prefills: int = 1
+) -> dict[str, Any]:
     """Prefill run(s) (median kept) and one decode run of `runner`; prompts depend on `variant` and
     are never reused, so bitserve's prefix cache serves none of them."""
     prefill_runs = []
@@ -220,11 +222,17 @@ def measure(runner: Any, base_ids: Sequence[int], args: argparse.Namespace, vari
     )
     median_step = statistics.median(times)
     return {
-        "prefill_tokens": args.prefill_tokens, "prefill_runs_s": prefill_runs, "prefill_s": prefill_s,
-        "prefill_tok_s": args.prefill_tokens / prefill_s, "decode_tokens": len(times), "decode_s": sum(times),
-        "decode_tok_s": len(times) / sum(times), "decode_median_step_ms": median_step * 1e3,
-        "decode_tok_s_median_step": 1.0 / median_step, "tokens": tokens,
-    }  # fmt: skip
+        "prefill_tokens": args.prefill_tokens,
+        "prefill_runs_s": prefill_runs,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": args.prefill_tokens / prefill_s,
+        "decode_tokens": len(times),
+        "decode_s": sum(times),
+        "decode_tok_s": len(times) / sum(times),
+        "decode_median_step_ms": median_step * 1e3,
+        "decode_tok_s_median_step": 1.0 / median_step,
+        "tokens": tokens,
+    }
 
 
 def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -333,8 +341,14 @@ def profile_decode(llm: LLM, ids: Sequence[int], num_steps: int, top: int = 15) 
             }
         )
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
-    top_rows = [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})" if k[0] != "~" else k[2],
-                 "ms_per_step": v[2] / num_profiled * 1e3, "calls_per_step": v[1] / num_profiled} for k, v in rows]  # fmt: skip
+    top_rows = [
+        {
+            "function": f"{Path(k[0]).name}:{k[1]}({k[2]})" if k[0] != "~" else k[2],
+            "ms_per_step": v[2] / num_profiled * 1e3,
+            "calls_per_step": v[1] / num_profiled,
+        }
+        for k, v in rows
+    ]
     return {
         "steps": num_profiled,
         "wall_ms_per_step": wall / num_profiled * 1e3,
@@ -390,14 +404,21 @@ def bench_2b(args: argparse.Namespace, report: dict[str, Any]) -> list[int]:
     with RssSampler() as sampler:
         run = measure(runner, base_ids, args, 0, num_prefills=args.repeats)
     section = {
-        "file": str(path), "file_bytes": path.stat().st_size, "load_auto_s": load_auto_s,
-        "weights_load_s": llm.instance.loaded.load_seconds, "rss_before_load_mb": mb(before),
-        "rss_load_peak_mb": mb(load_peak["VmRSS"]), "rss_after_load_mb": mb(after_load["VmRSS"]),
-        "rss_after_load_anon_mb": mb(after_load["RssAnon"]), "rss_after_load_file_mb": mb(after_load["RssFile"]),
-        "rss_generate_peak_mb": mb(sampler.peak["VmRSS"]), "rss_generate_peak_anon_mb": mb(sampler.peak["RssAnon"]),
-        "rss_generate_peak_file_mb": mb(sampler.peak["RssFile"]), "vm_hwm_mb": mb(proc_status_kb("VmHWM")["VmHWM"]),
+        "file": str(path),
+        "file_bytes": path.stat().st_size,
+        "load_auto_s": load_auto_s,
+        "weights_load_s": llm.instance.loaded.load_seconds,
+        "rss_before_load_mb": mb(before),
+        "rss_load_peak_mb": mb(load_peak["VmRSS"]),
+        "rss_after_load_mb": mb(after_load["VmRSS"]),
+        "rss_after_load_anon_mb": mb(after_load["RssAnon"]),
+        "rss_after_load_file_mb": mb(after_load["RssFile"]),
+        "rss_generate_peak_mb": mb(sampler.peak["VmRSS"]),
+        "rss_generate_peak_anon_mb": mb(sampler.peak["RssAnon"]),
+        "rss_generate_peak_file_mb": mb(sampler.peak["RssFile"]),
+        "vm_hwm_mb": mb(proc_status_kb("VmHWM")["VmHWM"]),
         **{k: v for k, v in run.items() if k != "tokens"},
-    }  # fmt: skip
+    }
     if args.profile_steps:
         section["profile"] = profile_decode(
             llm, prompt_ids(base_ids, args.decode_prompt_tokens, 77), args.profile_steps
@@ -466,18 +487,29 @@ def machine_info() -> dict[str, Any]:
         for line in open("/proc/meminfo", encoding="ascii")
         if line.startswith("MemTotal")
     )
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "nproc": os.cpu_count(), "cpu": cpu,
-            "ram_gib": round(mem_kb / 2**20, 1), "torch": torch.__version__, "python": sys.version.split()[0],
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "loadavg_start": os.getloadavg()}  # fmt: skip
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "ram_gib": round(mem_kb / 2**20, 1),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 def print_pair(title: str, results: dict[str, Any]) -> None:
     a, b = results["bitserve"], results["llama.cpp"]
     print(f"\n{title} (median of {a['repeats']} alternating runs)")
     print(f"  {'':22} {'bitserve':>10} {'llama.cpp':>10} {'ratio b/l':>10}")
-    for key, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"),
-                       ("decode_tok_s_median_step", "decode tok/s (med step)"), ("decode_median_step_ms", "decode ms/token (med)"),
-                       ("load_s", "load s")):  # fmt: skip
+    for key, label in (
+        ("prefill_tok_s", "prefill tok/s"),
+        ("decode_tok_s", "decode tok/s"),
+        ("decode_tok_s_median_step", "decode tok/s (med step)"),
+        ("decode_median_step_ms", "decode ms/token (med)"),
+        ("load_s", "load s"),
+    ):
         if key in a and key in b:
             print(f"  {label:22} {a[key]:10.2f} {b[key]:10.2f} {a[key] / b[key]:10.3f}")
     if "greedy_agreement" in results:
@@ -488,24 +520,32 @@ def print_pair(title: str, results: dict[str, Any]) -> None:
 
 def print_report(report: dict[str, Any]) -> None:
     info = report["machine"]
-    print(f"\n{info['date']}: {info['nproc']} CPUs ({info['cpu']}), {info['ram_gib']} GiB, torch {info['torch']}, "
-          f"OMP_WAIT_POLICY={info['omp_wait_policy']}, load average {info['loadavg_start']} -> {info.get('loadavg_end')}")  # fmt: skip
+    print(
+        f"\n{info['date']}: {info['nproc']} CPUs ({info['cpu']}), {info['ram_gib']} GiB, torch {info['torch']}, "
+        f"OMP_WAIT_POLICY={info['omp_wait_policy']}, load average {info['loadavg_start']} -> {info.get('loadavg_end')}"
+    )
     section = report.get("2b_i2s")
     if section:
         print(f"\n2B-4T-shaped I2_S ({section['file']}, {section['file_bytes'] / 1e9:.2f} GB)")
         print(
             f"  load: {section['load_auto_s']:.1f} s (auto; weights {section['weights_load_s']:.1f} s), {section['load_cpu_s']:.1f} s (cpu)"
         )
-        print(f"  RSS: {section['rss_before_load_mb']:.0f} MB before load, peak {section['rss_load_peak_mb']:.0f} MB while loading, "
-              f"{section['rss_after_load_mb']:.0f} MB after (anon {section['rss_after_load_anon_mb']:.0f} + file {section['rss_after_load_file_mb']:.0f})")  # fmt: skip
-        print(f"  RSS while generating: peak {section['rss_generate_peak_mb']:.0f} MB (anon {section['rss_generate_peak_anon_mb']:.0f} "
-              f"+ file {section['rss_generate_peak_file_mb']:.0f}); goal <= 2048 MB; VmHWM {section['vm_hwm_mb']:.0f} MB")  # fmt: skip
+        print(
+            f"  RSS: {section['rss_before_load_mb']:.0f} MB before load, peak {section['rss_load_peak_mb']:.0f} MB while loading, "
+            f"{section['rss_after_load_mb']:.0f} MB after (anon {section['rss_after_load_anon_mb']:.0f} + file {section['rss_after_load_file_mb']:.0f})"
+        )
+        print(
+            f"  RSS while generating: peak {section['rss_generate_peak_mb']:.0f} MB (anon {section['rss_generate_peak_anon_mb']:.0f} "
+            f"+ file {section['rss_generate_peak_file_mb']:.0f}); goal <= 2048 MB; VmHWM {section['vm_hwm_mb']:.0f} MB"
+        )
         print(
             f"  prefill: {section['prefill_tok_s']:.2f} tok/s ({section['prefill_tokens']} tokens, median of "
             f"{', '.join(f'{t:.2f}' for t in section['prefill_runs_s'])} s; time to first token)"
         )
-        print(f"  decode:  {section['decode_tok_s']:.3f} tok/s ({section['decode_tokens']} tokens in {section['decode_s']:.1f} s, "
-              f"median step {section['decode_median_step_ms']:.0f} ms = {section['decode_tok_s_median_step']:.3f} tok/s)")  # fmt: skip
+        print(
+            f"  decode:  {section['decode_tok_s']:.3f} tok/s ({section['decode_tokens']} tokens in {section['decode_s']:.1f} s, "
+            f"median step {section['decode_median_step_ms']:.0f} ms = {section['decode_tok_s_median_step']:.3f} tok/s)"
+        )
         if "profile" in section:
             print_profile(section["profile"])
     if "smollm2" in report:

@@ -90,12 +90,16 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> 
 
 
 def fmt(sample: dict[str, float]) -> str:
-    return (f"{sample.get('VmRSS', 0):,.0f} MB (anon {sample.get('RssAnon', 0):,.0f} + file "
-            f"{sample.get('RssFile', 0):,.0f})")  # fmt: skip
+    return (
+        f"{sample.get('VmRSS', 0):,.0f} MB (anon {sample.get('RssAnon', 0):,.0f} + file "
+        f"{sample.get('RssFile', 0):,.0f})"
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model", help="catalog name or GGUF path")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=None, help="default: --concurrency")
@@ -109,17 +113,37 @@ def main() -> int:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "bitserve", "serve", "--model", args.model, "--port", str(port),
-            "--num-threads", str(args.threads), "--log-format", "text", "--no-access-log"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "bitserve",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--num-threads",
+        str(args.threads),
+        "--log-format",
+        "text",
+        "--no-access-log",
+    ]
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         ready_s = wait_ready(url, server, args.ready_timeout_s)
         after_load = status_mb(server.pid)
-        config = BenchConfig(url=url, endpoint="completions", concurrency_levels=(args.concurrency,),
-                             num_requests=args.num_requests or args.concurrency, max_tokens=args.max_tokens,
-                             num_prompt_words=args.prompt_tokens, ignore_eos=True, num_warmup=0,
-                             timeout_s=args.request_timeout_s)  # fmt: skip
+        config = BenchConfig(
+            url=url,
+            endpoint="completions",
+            concurrency_levels=(args.concurrency,),
+            num_requests=args.num_requests or args.concurrency,
+            max_tokens=args.max_tokens,
+            num_prompt_words=args.prompt_tokens,
+            ignore_eos=True,
+            num_warmup=0,
+            timeout_s=args.request_timeout_s,
+        )
         with Sampler(server.pid, args.interval_s) as sampler:
             summary = summarise(asyncio.run(run_bench_async(config)))
         end = status_mb(server.pid)
@@ -134,10 +158,14 @@ def main() -> int:
         print(line)
     level = summary["levels"][0]
     print(f"\nserver RSS: ready after {ready_s:.1f} s at {fmt(after_load)}")
-    print(f"server RSS peak while streaming {args.concurrency} x {args.max_tokens} tokens: {fmt(sampler.peak)} "
-          f"({sampler.num_samples} samples); goal <= 2048 MB")  # fmt: skip
-    print(f"server VmHWM (whole life, load included): {end['VmHWM']:,.0f} MB; "
-          f"requests ok {level['num_ok']} / {level['num_requests']}")  # fmt: skip
+    print(
+        f"server RSS peak while streaming {args.concurrency} x {args.max_tokens} tokens: {fmt(sampler.peak)} "
+        f"({sampler.num_samples} samples); goal <= 2048 MB"
+    )
+    print(
+        f"server VmHWM (whole life, load included): {end['VmHWM']:,.0f} MB; "
+        f"requests ok {level['num_ok']} / {level['num_requests']}"
+    )
     return 0 if level["num_ok"] else 1
 
 

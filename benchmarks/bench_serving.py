@@ -54,8 +54,23 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
 def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str]) -> list[str]:
     """Side-by-side rows per concurrency level; latencies in ms."""
     a, b = names
-    header = ("conc", f"tok/s {a}", f"tok/s {b}", "ratio", f"e2e50 {a}", f"e2e50 {b}", "ratio", f"e2e99 {a}",
-              f"e2e99 {b}", "ratio", f"ttft50 {a}", f"ttft50 {b}", "ratio", f"err {a}/{b}", f"short {a}/{b}")  # fmt: skip
+    header = (
+        "conc",
+        f"tok/s {a}",
+        f"tok/s {b}",
+        "ratio",
+        f"e2e50 {a}",
+        f"e2e50 {b}",
+        "ratio",
+        f"e2e99 {a}",
+        f"e2e99 {b}",
+        "ratio",
+        f"ttft50 {a}",
+        f"ttft50 {b}",
+        "ratio",
+        f"err {a}/{b}",
+        f"short {a}/{b}",
+    )
     rows = [header]
     for left, right in zip(first["levels"], second["levels"], strict=True):
         cells = [str(left["concurrency"])]

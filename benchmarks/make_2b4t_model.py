@@ -57,9 +57,17 @@ Metadata = dict[str, tuple[GGUFValueType, Any, GGUFValueType | None]]
 def config_2b4t(num_layers: int = 30, seed: int = 0, architecture: str = "bitnet-b1.58") -> SyntheticConfig:
     """The 2B-4T hyperparameters (docs/formats.md §4.3) in the synthetic writer's config type."""
     return SyntheticConfig(
-        num_layers=num_layers, hidden_size=2560, intermediate_size=6912, num_heads=20, num_kv_heads=5,
-        context_length=4096, rope_theta=500000.0, rms_eps=1e-5, seed=seed, architecture=architecture,
-    )  # fmt: skip
+        num_layers=num_layers,
+        hidden_size=2560,
+        intermediate_size=6912,
+        num_heads=20,
+        num_kv_heads=5,
+        context_length=4096,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        seed=seed,
+        architecture=architecture,
+    )
 
 
 def smollm2_path() -> Path:
@@ -145,8 +153,15 @@ def _const(data: bytes) -> Callable[[], Iterator[bytes]]:
 def tensor_plans(config: SyntheticConfig, fmt: str, vocab_size: int) -> list[TensorPlan]:
     """Every tensor in file order: token_embd, then per layer its norms and projections, output_norm."""
     hidden, ffn = config.hidden_size, config.intermediate_size
-    plans = [TensorPlan("token_embd.weight", (hidden, vocab_size), int(GGMLType.F16), 2 * hidden * vocab_size,
-                        lambda: _embedding_chunks(config, vocab_size))]  # fmt: skip
+    plans = [
+        TensorPlan(
+            "token_embd.weight",
+            (hidden, vocab_size),
+            int(GGMLType.F16),
+            2 * hidden * vocab_size,
+            lambda: _embedding_chunks(config, vocab_size),
+        )
+    ]
     proj_type = int(GGMLType.I2_S) if fmt == "I2_S" else int(GGMLType.TQ2_0)
     for layer in range(config.num_layers):
         prefix = f"blk.{layer}"
@@ -156,18 +171,39 @@ def tensor_plans(config: SyntheticConfig, fmt: str, vocab_size: int) -> list[Ten
             ("ffn_norm", hidden),
             ("ffn_sub_norm", ffn),
         ):
-            plans.append(TensorPlan(f"{prefix}.{name}.weight", (width,), int(GGMLType.F32), 4 * width,
-                                    _const(np.ones(width, dtype="<f4").tobytes())))  # fmt: skip
+            plans.append(
+                TensorPlan(
+                    f"{prefix}.{name}.weight",
+                    (width,),
+                    int(GGMLType.F32),
+                    4 * width,
+                    _const(np.ones(width, dtype="<f4").tobytes()),
+                )
+            )
         for index, name in enumerate(PROJECTIONS):
             rows, cols = config.projection_shape(name)
             produce = functools.partial(_projection_bytes, config, layer, index, fmt)
-            plans.append(TensorPlan(f"{prefix}.{name}.weight", (cols, rows), proj_type,
-                                    _projection_nbytes(fmt, rows, cols), produce))  # fmt: skip
+            plans.append(
+                TensorPlan(
+                    f"{prefix}.{name}.weight",
+                    (cols, rows),
+                    proj_type,
+                    _projection_nbytes(fmt, rows, cols),
+                    produce,
+                )
+            )
             if fmt == "TQ2_0":  # upstream `bitnet`: the tensor scale as a separate multiplier
                 scale = np.float32(projection_scale(cols)).astype("<f4").tobytes()
                 plans.append(TensorPlan(f"{prefix}.{name}.scale", (1,), int(GGMLType.F32), 4, _const(scale)))
-    plans.append(TensorPlan("output_norm.weight", (hidden,), int(GGMLType.F32), 4 * hidden,
-                            _const(np.ones(hidden, dtype="<f4").tobytes())))  # fmt: skip
+    plans.append(
+        TensorPlan(
+            "output_norm.weight",
+            (hidden,),
+            int(GGMLType.F32),
+            4 * hidden,
+            _const(np.ones(hidden, dtype="<f4").tobytes()),
+        )
+    )
     return plans
 
 
@@ -184,8 +220,14 @@ def header_bytes(metadata: Metadata, plans: list[TensorPlan]) -> tuple[bytes, li
     return builder.to_bytes(), offsets
 
 
-def write_2b4t_model(path: str | Path, fmt: str = "I2_S", *, num_layers: int = 30, seed: int = 0,
-                     log: Callable[[str], None] | None = None) -> Path:  # fmt: skip
+def write_2b4t_model(
+    path: str | Path,
+    fmt: str = "I2_S",
+    *,
+    num_layers: int = 30,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """Write the file, streaming one tensor at a time. Returns the path."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
@@ -231,8 +273,10 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     path = write_2b4t_model(args.output, args.format, num_layers=args.layers, seed=args.seed, log=print)
-    print(f"wrote {path} ({path.stat().st_size:,} bytes, {args.format}, {args.layers} layers) "
-          f"in {time.perf_counter() - start:.1f} s")  # fmt: skip
+    print(
+        f"wrote {path} ({path.stat().st_size:,} bytes, {args.format}, {args.layers} layers) "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def write_f16(path: Path, config: SyntheticConfig, weights: SyntheticWeights, to
     builder = GGUFBuilder()
     for key, (value_type, value, array_type) in (model_metadata(config, vocab) | tokenizer).items():
         builder.add_kv(key, value_type, value, array_type)
-    builder.add_tensor("token_embd.weight", (hidden, vocab), int(weights.embedding_type), weights.embedding_bytes)
+    builder.add_tensor(
+        "token_embd.weight", (hidden, vocab), int(weights.embedding_type), weights.embedding_bytes
+    )
     for name, vector in weights.norms.items():
         builder.add_tensor(name, (vector.size,), int(GGMLType.F32), vector.tobytes())
     for key, values in weights.ternary.items():
@@ -79,7 +81,9 @@ def make_models(prefix: Path, config: SyntheticConfig, formats: tuple[str, ...] 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("prefix", type=Path, help="files are <prefix>-<format>.gguf")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -89,8 +93,14 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    config = SyntheticConfig(num_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                             num_heads=args.heads, num_kv_heads=args.kv_heads, seed=args.seed)  # fmt: skip
+    config = SyntheticConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        seed=args.seed,
+    )
     for fmt, path in make_models(args.prefix, config, tuple(args.formats.split(","))).items():
         print(f"{fmt:6} {path} {path.stat().st_size / 1e6:.1f} MB")
 

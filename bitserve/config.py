@@ -25,18 +25,30 @@ class ModelConfig:
     backend: str = field(default="auto", metadata=_help("kernel backend: auto, cpu or reference"))
     linear_mode: str = field(
         default="bitnet",
-        metadata=_help("ternary linear semantics: bitnet (per-token int8, bitnet.cpp), float, llamacpp-tq, "
-                       "bitnetcpp (bitnet plus bitnet.cpp's F16 attention / RoPE rounding)"),
+        metadata=_help(
+            "ternary linear semantics: bitnet (per-token int8, bitnet.cpp), float, llamacpp-tq, "
+            "bitnetcpp (bitnet plus bitnet.cpp's F16 attention / RoPE rounding)"
+        ),
     )
-    i2s_variant: str = field(default="A", metadata=_help("I2_S packing: A (x86 128-block), B (ARM 64-block), C (4-row interleave)"))
-    tl_config: str | None = field(default=None, metadata=_help("TL1/TL2 tile config: a kernel_config.ini path or preset:<name>"))
-    tokenizer_pre: str | None = field(default=None, metadata=_help("override the BPE pre-tokenizer (e.g. default, llama-bpe)"))
+    i2s_variant: str = field(
+        default="A", metadata=_help("I2_S packing: A (x86 128-block), B (ARM 64-block), C (4-row interleave)")
+    )
+    tl_config: str | None = field(
+        default=None, metadata=_help("TL1/TL2 tile config: a kernel_config.ini path or preset:<name>")
+    )
+    tokenizer_pre: str | None = field(
+        default=None, metadata=_help("override the BPE pre-tokenizer (e.g. default, llama-bpe)")
+    )
     kv_cache_dtype: str = field(default="float32", metadata=_help("KV cache dtype: float32 or float16"))
-    num_threads: int | None = field(default=None, metadata=_help("torch intra-op threads (default: all cores)"))
+    num_threads: int | None = field(
+        default=None, metadata=_help("torch intra-op threads (default: all cores)")
+    )
     max_dense_weight_bytes: int = field(
         default=1024 * 1024 * 1024,
-        metadata=_help("f32 copies of Q4/Q8 block weights kept for batched steps (8+ tokens: prefill, many streams); "
-                       "4 bytes per weight, faster GEMMs; 0 keeps only the packed blocks"),
+        metadata=_help(
+            "f32 copies of Q4/Q8 block weights kept for batched steps (8+ tokens: prefill, many streams); "
+            "4 bytes per weight, faster GEMMs; 0 keeps only the packed blocks"
+        ),
     )
 
 
@@ -47,7 +59,9 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_cache_memory_bytes: int = field(default=512 * 1024 * 1024, metadata=_help("memory for the paged KV cache"))
+    kv_cache_memory_bytes: int = field(
+        default=512 * 1024 * 1024, metadata=_help("memory for the paged KV cache")
+    )
 
 
 LOG_FORMATS = ("json", "text")
@@ -60,22 +74,35 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("address to bind (0.0.0.0 for all interfaces)"))
     port: int = field(default=8000, metadata=_help("TCP port to listen on"))
     served_model_name: str | None = field(
-        default=None, metadata=_help("model id clients send and /v1/models lists (default: catalog name or file stem)")
+        default=None,
+        metadata=_help("model id clients send and /v1/models lists (default: catalog name or file stem)"),
     )
-    max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_help("largest request body; larger gets 413"))
+    max_body_bytes: int = field(
+        default=4 * 1024 * 1024, metadata=_help("largest request body; larger gets 413")
+    )
     body_read_timeout_s: float = field(
-        default=30.0, metadata=_help("seconds to receive a whole request body; slower gets 408 and the connection closed")
+        default=30.0,
+        metadata=_help("seconds to receive a whole request body; slower gets 408 and the connection closed"),
     )
     header_read_timeout_s: float = field(
-        default=10.0, metadata=_help("seconds to receive a request's headers once a connection is open or busy (slowloris)")
+        default=10.0,
+        metadata=_help(
+            "seconds to receive a request's headers once a connection is open or busy (slowloris)"
+        ),
     )
-    max_header_bytes: int = field(default=16 * 1024, metadata=_help("largest request line plus headers; larger gets 431 (or 400 while still arriving)"))
+    max_header_bytes: int = field(
+        default=16 * 1024,
+        metadata=_help("largest request line plus headers; larger gets 431 (or 400 while still arriving)"),
+    )
     # NOTE: longer than the idle timeout of the proxies in front (AWS ALB 60 s, nginx upstream
     # keepalive 60 s): a server that closes an idle connection first races the proxy's or client's
     # next request on it, which then fails with a connection reset (measured: a few per thousand
     # requests with uvicorn's 5 s and a busy client pool).
     keep_alive_timeout_s: int = field(
-        default=75, metadata=_help("seconds an idle keep-alive connection stays open (keep above your proxy's idle timeout)")
+        default=75,
+        metadata=_help(
+            "seconds an idle keep-alive connection stays open (keep above your proxy's idle timeout)"
+        ),
     )
     max_num_waiting: int = field(
         default=256, metadata=_help("unfinished requests admitted at once; more get 429 with Retry-After")
@@ -84,40 +111,59 @@ class ServerConfig:
         default=262_144, metadata=_help("prompt tokens of unfinished requests admitted at once; more get 429")
     )
     drain_timeout_s: float = field(
-        default=30.0, metadata=_help("on SIGTERM, seconds in-flight requests get to finish before streams are ended")
+        default=30.0,
+        metadata=_help("on SIGTERM, seconds in-flight requests get to finish before streams are ended"),
     )
-    sse_keepalive_s: float = field(default=15.0, metadata=_help("seconds between ': ping' comments on an idle stream"))
+    sse_keepalive_s: float = field(
+        default=15.0, metadata=_help("seconds between ': ping' comments on an idle stream")
+    )
     liveness_stall_s: float = field(
-        default=120.0, metadata=_help("/health/live fails when work is pending and the engine made no step for this long")
+        default=120.0,
+        metadata=_help("/health/live fails when work is pending and the engine made no step for this long"),
     )
     model_roots: str | None = field(
         default=None,
-        metadata=_help("folders of GGUF files the admin API may load (':'-separated; --model-root is repeatable); "
-                       "catalog names are always allowed"),
+        metadata=_help(
+            "folders of GGUF files the admin API may load (':'-separated; --model-root is repeatable); "
+            "catalog names are always allowed"
+        ),
     )
     max_models_memory_bytes: int | None = field(
         default=None,
-        metadata=_help("memory budget for resident models (file + KV cache each); idle models are unloaded LRU to make room"),
+        metadata=_help(
+            "memory budget for resident models (file + KV cache each); idle models are unloaded LRU to make room"
+        ),
     )
     swap_drain_timeout_s: float = field(
-        default=300.0, metadata=_help("after a swap or unload, seconds the old version's in-flight requests get to finish")
+        default=300.0,
+        metadata=_help("after a swap or unload, seconds the old version's in-flight requests get to finish"),
     )
     swap_probation_s: float = field(
-        default=30.0, metadata=_help("after a swap, seconds the new version is watched and rolled back on failure (0: off)")
+        default=30.0,
+        metadata=_help(
+            "after a swap, seconds the new version is watched and rolled back on failure (0: off)"
+        ),
     )
     probation_max_error_rate: float = field(
-        default=0.5, metadata=_help("during probation, roll back when this share of the new version's requests fail")
+        default=0.5,
+        metadata=_help("during probation, roll back when this share of the new version's requests fail"),
     )
     probation_min_requests: int = field(
-        default=4, metadata=_help("finished requests needed before probation judges the error rate or latency")
+        default=4,
+        metadata=_help("finished requests needed before probation judges the error rate or latency"),
     )
     probation_max_itl_s: float | None = field(
-        default=None, metadata=_help("during probation, roll back when the mean inter-token latency exceeds this (off when unset)")
+        default=None,
+        metadata=_help(
+            "during probation, roll back when the mean inter-token latency exceeds this (off when unset)"
+        ),
     )
     warmup: bool = field(default=True, metadata=_help("run one short generation before reporting ready"))
     access_log: bool = field(default=True, metadata=_help("log one line per HTTP request"))
     log_format: str = field(default="json", metadata=_help("log format: json (one object per line) or text"))
-    log_level: str = field(default="INFO", metadata=_help("log level of the server (DEBUG, INFO, WARNING, ...)"))
+    log_level: str = field(
+        default="INFO", metadata=_help("log level of the server (DEBUG, INFO, WARNING, ...)")
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -132,14 +178,21 @@ class ServerConfig:
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not 0.0 <= self.probation_max_error_rate <= 1.0:
-            raise ValueError(f"probation_max_error_rate must be in [0, 1], got {self.probation_max_error_rate}")
+            raise ValueError(
+                f"probation_max_error_rate must be in [0, 1], got {self.probation_max_error_rate}"
+            )
         for name in ("swap_drain_timeout_s", "swap_probation_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_models_memory_bytes", "probation_max_itl_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 when set, got {getattr(self, name)}")
-        for name in ("keep_alive_timeout_s", "max_num_waiting", "max_num_queued_tokens", "probation_min_requests"):
+        for name in (
+            "keep_alive_timeout_s",
+            "max_num_waiting",
+            "max_num_queued_tokens",
+            "probation_min_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.log_format not in LOG_FORMATS:

@@ -1,8 +1,8 @@
 """LLM: synchronous offline generation over one Engine (no server, no threads).
 
-    from bitserve import LLM, SamplingParams
-    llm = LLM("smollm2-135m-instruct")
-    outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+from bitserve import LLM, SamplingParams
+llm = LLM("smollm2-135m-instruct")
+outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **model_options: Any) -> None:
+    def __init__(
+        self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **model_options: Any
+    ) -> None:
         if config is None:
             config = EngineConfig(model=ModelConfig(model=model, **model_options))
         self.instance = ModelInstance.load(config)
@@ -50,7 +52,8 @@ class LLM:
         return self._run([self.encode(p) for p in prompts], sampling_params or SamplingParams())
 
     def chat(
-        self, conversations: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        self,
+        conversations: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template and generate."""
@@ -64,11 +67,15 @@ class LLM:
         processor = OutputProcessor(tokenizer)
         results: dict[str, RequestOutput] = {}
         for ids in prompt_ids:
-            check_request(len(ids), params, max_model_len=self.instance.max_model_len, vocab_size=tokenizer.vocab_size)
+            check_request(
+                len(ids), params, max_model_len=self.instance.max_model_len, vocab_size=tokenizer.vocab_size
+            )
         for ids in prompt_ids:
             parent_id = f"offline-{self._num_requests}"
             self._num_requests += 1
-            results[parent_id] = RequestOutput(parent_id, ids, [CompletionOutput(i) for i in range(params.n)], False)
+            results[parent_id] = RequestOutput(
+                parent_id, ids, [CompletionOutput(i) for i in range(params.n)], False
+            )
             for request in processor.add_choices(parent_id, ids, params):
                 engine.add_request(request)
         while engine.has_unfinished_requests():
@@ -84,4 +91,3 @@ class LLM:
 
     def close(self) -> None:
         self.instance.close()
-

@@ -65,9 +65,13 @@ class SamplingParams:
     temperature: float = field(default=1.0, metadata=_help("sampling temperature; 0 = greedy"))
     top_p: float = field(default=1.0, metadata=_help("nucleus sampling: keep the smallest set of this mass"))
     top_k: int = field(default=0, metadata=_help("keep the k most likely tokens (0 = off)"))
-    min_p: float = field(default=0.0, metadata=_help("drop tokens below this fraction of the top probability"))
+    min_p: float = field(
+        default=0.0, metadata=_help("drop tokens below this fraction of the top probability")
+    )
     presence_penalty: float = field(default=0.0, metadata=_help("penalty for tokens already generated"))
-    frequency_penalty: float = field(default=0.0, metadata=_help("penalty per occurrence of a generated token"))
+    frequency_penalty: float = field(
+        default=0.0, metadata=_help("penalty per occurrence of a generated token")
+    )
     repetition_penalty: float = field(default=1.0, metadata=_help("divide logits of seen tokens (1 = off)"))
     seed: int | None = field(default=None, metadata=_help("seed for reproducible sampling"))
     stop: tuple[str, ...] = field(default=(), metadata=_help("stop strings (the text ends before them)"))
@@ -80,7 +84,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS, hint="null: until the end of the context")
+            _check_int(
+                "max_tokens", self.max_tokens, 1, MAX_MAX_TOKENS, hint="null: until the end of the context"
+            )
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens or MAX_MAX_TOKENS)
         self._set("temperature", _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE))
         self._set("top_p", _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True))

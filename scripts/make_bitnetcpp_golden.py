@@ -79,9 +79,17 @@ class Case:
 CASES = (
     Case("b158-256-s1", embedding_scale=1.0),
     Case("b158-256-s4", embedding_scale=4.0, seed=1),
-    Case("b158-512-s16", hidden_size=512, intermediate_size=1536, num_layers=3, num_heads=8, num_kv_heads=2,
-         seed=2, embedding_scale=16.0),
-)  # fmt: skip
+    Case(
+        "b158-512-s16",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=2,
+        seed=2,
+        embedding_scale=16.0,
+    ),
+)
 
 
 def smollm2_tokenizer() -> dict[str, tuple[GGUFValueType, Any, GGUFValueType | None]]:
@@ -107,8 +115,14 @@ def case_tensors(case: Case, vocab_size: int) -> list[tuple[str, tuple[int, ...]
     rng = np.random.default_rng([case.seed, 7])
     embedding = rng.standard_normal((vocab_size, case.hidden_size), dtype=np.float32) * np.float32(0.02)
     embedding *= np.float32(case.embedding_scale)
-    tensors = [("token_embd.weight", (case.hidden_size, vocab_size), int(GGMLType.F16),
-                embedding.astype("<f2").tobytes())]  # fmt: skip
+    tensors = [
+        (
+            "token_embd.weight",
+            (case.hidden_size, vocab_size),
+            int(GGMLType.F16),
+            embedding.astype("<f2").tobytes(),
+        )
+    ]
     for layer in range(case.num_layers):
         for name, width in (
             ("attn_norm", case.hidden_size),
@@ -126,8 +140,9 @@ def case_tensors(case: Case, vocab_size: int) -> list[tuple[str, tuple[int, ...]
             tensors.append(
                 (f"blk.{layer}.{name}.weight", (cols, rows), int(GGMLType.I2_S), quantize_i2s(weights))
             )
-    tensors.append(("output_norm.weight", (case.hidden_size,), int(GGMLType.F32),
-                    _norm(rng, case.hidden_size).tobytes()))  # fmt: skip
+    tensors.append(
+        ("output_norm.weight", (case.hidden_size,), int(GGMLType.F32), _norm(rng, case.hidden_size).tobytes())
+    )
     return tensors
 
 
@@ -194,8 +209,9 @@ def probe_binary(bin_dir: str | Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def run_bitnetcpp(bin_dir: str | Path, model: Path, prompt_ids: list[int], num_tokens: int,
-                  threads: int = 2) -> tuple[list[int], np.ndarray]:  # fmt: skip
+def run_bitnetcpp(
+    bin_dir: str | Path, model: Path, prompt_ids: list[int], num_tokens: int, threads: int = 2
+) -> tuple[list[int], np.ndarray]:
     """bitnet.cpp's greedy continuation of prompt_ids and its logits.
 
     Returns (greedy ids [num_tokens], logits f32 [len(prompt) + num_tokens - 1, vocab]): row r holds the
@@ -207,8 +223,19 @@ def run_bitnetcpp(bin_dir: str | Path, model: Path, prompt_ids: list[int], num_t
     with tempfile.TemporaryDirectory() as tmp:
         logits_path = Path(tmp) / "logits.f32"
         env = dict(os.environ, BNC_TOKENS=",".join(map(str, prompt_ids)), BNC_LOGITS=str(logits_path))
-        command = [str(probe), "-m", str(model), "-n", str(num_tokens), "-t", str(threads), "-c", "512",
-                   "-p", "unused"]  # fmt: skip
+        command = [
+            str(probe),
+            "-m",
+            str(model),
+            "-n",
+            str(num_tokens),
+            "-t",
+            str(threads),
+            "-c",
+            "512",
+            "-p",
+            "unused",
+        ]
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, timeout=600)
         result = json.loads(done.stdout.strip().splitlines()[-1])
         logits = np.fromfile(logits_path, dtype=np.float32).reshape(-1, result["n_vocab"])

@@ -48,7 +48,9 @@ CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging
 
 
 def chatml(user: str, system: str = CHATML_SYSTEM) -> str:
-    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    return (
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 SMOLLM2_PROMPTS: list[dict[str, str]] = [
@@ -73,7 +75,16 @@ def open_llama(path: Path, *, f32_kv: bool = False):  # noqa: ANN201 - llama_cpp
     from llama_cpp import Llama
 
     kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_kv else {}
-    return Llama(model_path=str(path), n_ctx=1024, n_threads=2, n_batch=512, logits_all=True, verbose=False, seed=0, **kv)
+    return Llama(
+        model_path=str(path),
+        n_ctx=1024,
+        n_threads=2,
+        n_batch=512,
+        logits_all=True,
+        verbose=False,
+        seed=0,
+        **kv,
+    )
 
 
 def top2_margin(logits: np.ndarray) -> float:
@@ -126,8 +137,14 @@ def smollm2_reference(llm, logits: dict[str, np.ndarray], key: str) -> list[dict
     for index, prompt in enumerate(SMOLLM2_PROMPTS):
         ids = llm.tokenize(prompt["text"].encode("utf-8"), add_bos=False, special=True)
         tokens, margins, prompt_logits = greedy(llm, ids, SMOLLM2_NUM_TOKENS)
-        cases.append({"prompt_token_ids": ids, "greedy_token_ids": tokens, "greedy_margins": margins,
-                      "prompt_argmax": prompt_logits.argmax(axis=1).tolist()})  # fmt: skip
+        cases.append(
+            {
+                "prompt_token_ids": ids,
+                "greedy_token_ids": tokens,
+                "greedy_margins": margins,
+                "prompt_argmax": prompt_logits.argmax(axis=1).tolist(),
+            }
+        )
         if index < NUM_LOGIT_PROMPTS:
             logits[f"{key}_prompt{index}"] = prompt_logits.astype(np.float16)
     return cases
@@ -154,17 +171,28 @@ def make_synthetic(out: Path) -> None:
     logits: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in ("F32", "TQ2_0"):
-            path = write_synthetic_model(Path(tmp) / f"bitnet-{fmt}.gguf", fmt, config=config, weights=weights, tokenizer=tokenizer)
+            path = write_synthetic_model(
+                Path(tmp) / f"bitnet-{fmt}.gguf", fmt, config=config, weights=weights, tokenizer=tokenizer
+            )
             llm = open_llama(path, f32_kv=True)
             cases = []
             for text in SYNTHETIC_PROMPTS:
                 ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
                 tokens, margins, prompt_logits = greedy(llm, ids, SYNTHETIC_NUM_TOKENS)
-                cases.append({"text": text, "prompt_token_ids": ids, "greedy_token_ids": tokens, "greedy_margins": margins})
+                cases.append(
+                    {
+                        "text": text,
+                        "prompt_token_ids": ids,
+                        "greedy_token_ids": tokens,
+                        "greedy_margins": margins,
+                    }
+                )
                 logits[f"{fmt}_{len(cases) - 1}"] = prompt_logits[-1].astype(np.float16)
             result[fmt] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "cases": cases}
             del llm
-    (out / "synthetic.json").write_text(json.dumps({"num_tokens": SYNTHETIC_NUM_TOKENS, "formats": result}, ensure_ascii=False, indent=1))
+    (out / "synthetic.json").write_text(
+        json.dumps({"num_tokens": SYNTHETIC_NUM_TOKENS, "formats": result}, ensure_ascii=False, indent=1)
+    )
     np.savez_compressed(out / "synthetic_last_logits.npz", **logits)
 
 

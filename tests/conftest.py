@@ -52,13 +52,17 @@ def synthetic_weights(smollm2_path: Path, synthetic_config):  # noqa: ANN001, AN
 
 
 @pytest.fixture(scope="session")
-def synthetic_models(tmp_path_factory: pytest.TempPathFactory, synthetic_config, synthetic_weights) -> dict[str, Path]:  # noqa: ANN001
+def synthetic_models(
+    tmp_path_factory: pytest.TempPathFactory, synthetic_config, synthetic_weights
+) -> dict[str, Path]:  # noqa: ANN001
     """The same random ternary BitNet model stored as F32, TQ1_0, TQ2_0, I2_S, TL1 and TL2."""
     from bitserve.testing.synthetic import FORMATS, write_synthetic_model
 
     folder = tmp_path_factory.mktemp("synthetic")
     tokenizer, weights = synthetic_weights
     return {
-        fmt: write_synthetic_model(folder / f"bitnet-{fmt}.gguf", fmt, config=synthetic_config, weights=weights, tokenizer=tokenizer)
+        fmt: write_synthetic_model(
+            folder / f"bitnet-{fmt}.gguf", fmt, config=synthetic_config, weights=weights, tokenizer=tokenizer
+        )
         for fmt in FORMATS
     }

@@ -18,8 +18,20 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 
 def test_generate_json_on_synthetic_model(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
-    code, out = run_cli(capsys, "generate", "--model", str(synthetic_models["I2_S"]), "--prompt", "Hello",
-                        "--max-tokens", "5", "--ignore-eos", "--json", "--backend", "reference")  # fmt: skip
+    code, out = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(synthetic_models["I2_S"]),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
+        "--backend",
+        "reference",
+    )
     assert code == 0
     result = json.loads(out)
     assert len(result["token_ids"]) == 5
@@ -28,7 +40,18 @@ def test_generate_json_on_synthetic_model(capsys, synthetic_models: dict[str, Pa
 
 
 def test_generate_chat_needs_a_template(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
-    code = main(["generate", "--model", str(synthetic_models["F32"]), "--prompt", "Hi", "--chat", "--backend", "reference"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(synthetic_models["F32"]),
+            "--prompt",
+            "Hi",
+            "--chat",
+            "--backend",
+            "reference",
+        ]
+    )
     assert code == 2
     assert "chat template" in capsys.readouterr().err
 
@@ -55,7 +78,12 @@ def test_verify_passes_on_a_good_file(capsys, synthetic_models: dict[str, Path])
     code, out = run_cli(capsys, "verify", str(synthetic_models["TQ2_0"]), "--json", "--num-tokens", "4")
     report = json.loads(out)
     assert code == 0, report
-    assert report["ok"] and {c["check"] for c in report["checks"]} >= {"structure", "kernels", "generate", "logits"}
+    assert report["ok"] and {c["check"] for c in report["checks"]} >= {
+        "structure",
+        "kernels",
+        "generate",
+        "logits",
+    }
 
 
 def test_verify_fails_on_a_truncated_file(capsys, tmp_path: Path, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
@@ -66,7 +94,10 @@ def test_verify_fails_on_a_truncated_file(capsys, tmp_path: Path, synthetic_mode
     assert code == 1
     report = json.loads(out)
     assert not report["ok"]
-    assert report["checks"][0]["check"] == "load" and "past the end of the data section" in report["checks"][0]["detail"]
+    assert (
+        report["checks"][0]["check"] == "load"
+        and "past the end of the data section" in report["checks"][0]["detail"]
+    )
 
 
 def test_unknown_model_name_is_a_clear_error(capsys) -> None:  # noqa: ANN001
@@ -76,7 +107,9 @@ def test_unknown_model_name_is_a_clear_error(capsys) -> None:  # noqa: ANN001
 
 
 def test_console_script_is_installed() -> None:
-    result = subprocess.run([sys.executable, "-m", "bitserve", "--help"], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "bitserve", "--help"], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0 and "generate" in result.stdout
 
 

@@ -14,8 +14,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "bitserve"
-PACKAGES = ("kernels", "loader", "models", "layers", "runner", "core", "engine", "frontend", "lifecycle",
-            "server", "metrics", "tokenizer", "cli")  # fmt: skip
+PACKAGES = (
+    "kernels",
+    "loader",
+    "models",
+    "layers",
+    "runner",
+    "core",
+    "engine",
+    "frontend",
+    "lifecycle",
+    "server",
+    "metrics",
+    "tokenizer",
+    "cli",
+)
 
 
 def module_name(path: Path) -> str:

@@ -26,7 +26,11 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_files_stay_under_the_ceiling() -> None:
-    too_long = {str(p.relative_to(PACKAGE)): n for p in python_files() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_FILE_LINES}
+    too_long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in python_files()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_FILE_LINES
+    }
     assert not too_long, f"files over {MAX_FILE_LINES} lines: {too_long}"
 
 
@@ -50,7 +54,11 @@ def package_of(module: str) -> str:
 def package_imports(package: str) -> dict[str, set[str]]:
     """File (relative to the package) -> the bitserve modules and third-party roots it imports."""
     files = (PACKAGE / package).rglob("*.py") if (PACKAGE / package).is_dir() else [PACKAGE / f"{package}.py"]
-    return {str(path.relative_to(PACKAGE)): imported_modules(path) for path in files if "__pycache__" not in path.parts}
+    return {
+        str(path.relative_to(PACKAGE)): imported_modules(path)
+        for path in files
+        if "__pycache__" not in path.parts
+    }
 
 
 # The import matrix (architecture note, section 2): who must not import whom. A forbidden entry is a
@@ -60,16 +68,48 @@ FORBIDDEN_IMPORTS = {
     "frontend": {"server", "cli", "core", "layers", "kernels", "runner", "models", "torch"},
     "lifecycle": {"server", "cli", "core", "layers", "kernels", "runner", "models", "torch"},
     "engine": {"server", "cli", "frontend", "lifecycle"},
-    "core": {"engine", "runner", "models", "layers", "kernels", "loader", "frontend", "lifecycle", "server",
-             "cli", "torch", "numpy"},
+    "core": {
+        "engine",
+        "runner",
+        "models",
+        "layers",
+        "kernels",
+        "loader",
+        "frontend",
+        "lifecycle",
+        "server",
+        "cli",
+        "torch",
+        "numpy",
+    },
     "runner": {"engine", "frontend", "lifecycle", "server", "cli"},
     "models": {"runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
     "layers": {"models", "runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
     "kernels": {"layers", "models", "runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
     "loader": {"runner", "engine", "frontend", "lifecycle", "server", "cli"},
-    "tokenizer": {"models", "layers", "kernels", "runner", "engine", "frontend", "lifecycle", "server", "cli",
-                  "torch"},
-    "metrics": {"server", "frontend", "lifecycle", "engine", "runner", "models", "layers", "kernels", "torch"},
+    "tokenizer": {
+        "models",
+        "layers",
+        "kernels",
+        "runner",
+        "engine",
+        "frontend",
+        "lifecycle",
+        "server",
+        "cli",
+        "torch",
+    },
+    "metrics": {
+        "server",
+        "frontend",
+        "lifecycle",
+        "engine",
+        "runner",
+        "models",
+        "layers",
+        "kernels",
+        "torch",
+    },
 }
 # Torch-free seam modules the server may use although their package is below it.
 SEAM_MODULES = {"bitserve.engine.messages"}
@@ -86,12 +126,18 @@ def _offences(package: str, forbidden: set[str]) -> list[str]:
 
 
 def test_import_matrix() -> None:
-    offences = [line for package, forbidden in FORBIDDEN_IMPORTS.items() for line in _offences(package, forbidden)]
+    offences = [
+        line for package, forbidden in FORBIDDEN_IMPORTS.items() for line in _offences(package, forbidden)
+    ]
     assert not offences, "imports against the architecture's direction:\n" + "\n".join(sorted(offences))
 
 
 def test_only_the_metrics_module_imports_prometheus_client() -> None:
-    offenders = [p.name for p in python_files() if "prometheus_client" in imported_modules(p) and p != PACKAGE / "metrics" / "prometheus.py"]
+    offenders = [
+        p.name
+        for p in python_files()
+        if "prometheus_client" in imported_modules(p) and p != PACKAGE / "metrics" / "prometheus.py"
+    ]
     assert not offenders
 
 

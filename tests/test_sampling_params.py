@@ -46,7 +46,9 @@ def _refused(param: str, **kwargs: object) -> InvalidRequest:
 
 def test_defaults_are_valid() -> None:
     params = SamplingParams()
-    assert params.n == 1 and params.max_tokens is None and params.temperature == 1.0  # None: to the end of the context
+    assert (
+        params.n == 1 and params.max_tokens is None and params.temperature == 1.0
+    )  # None: to the end of the context
     assert params.top_k == 0 and params.logprobs is None and params.stop == () and params.logit_bias == ()
     assert not params.is_greedy and not params.has_penalties and params.skip_special_tokens
 

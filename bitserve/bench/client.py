@@ -37,8 +37,9 @@ def check_url(url: str, *, allow_remote: bool) -> str:
     if not allow_remote and not is_loopback_host(parts.hostname):
         raise InvalidRequest(
             f"{parts.hostname!r} is not a loopback address; the bench sends load only to this machine",
-            param="url", hint="pass --allow-remote to load a server you are responsible for",
-        )  # fmt: skip
+            param="url",
+            hint="pass --allow-remote to load a server you are responsible for",
+        )
     return url.rstrip("/")
 
 
@@ -118,16 +119,26 @@ class RequestResult:
 class OpenAIClient:
     """Streams requests to one OpenAI-compatible server over a pooled httpx.AsyncClient."""
 
-    def __init__(self, url: str, *, timeout_s: float, max_connections: int, api_key: str | None = None,
-                 allow_remote: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        max_connections: int,
+        api_key: str | None = None,
+        allow_remote: bool = False,
+    ) -> None:
         self.url = check_url(url, allow_remote=allow_remote)
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s),
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            follow_redirects=False, trust_env=False,  # no proxies from the environment: load stays local
-        )  # fmt: skip
+            follow_redirects=False,
+            trust_env=False,  # no proxies from the environment: load stays local
+        )
 
     async def __aenter__(self) -> OpenAIClient:
         return self
@@ -143,8 +154,10 @@ class OpenAIClient:
             payload = response.json()
             return [str(entry["id"]) for entry in payload.get("data", [])]
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise BitserveError(f"could not list models at {self.url}/v1/models: {type(exc).__name__}: {exc}",
-                                hint="check that the server is up, or pass --model") from exc  # fmt: skip
+            raise BitserveError(
+                f"could not list models at {self.url}/v1/models: {type(exc).__name__}: {exc}",
+                hint="check that the server is up, or pass --model",
+            ) from exc
 
     async def stream(self, endpoint: str, body: dict[str, Any]) -> RequestResult:
         """Send one streaming request and time it; failures are recorded in the result, never raised.

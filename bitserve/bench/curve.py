@@ -95,8 +95,14 @@ def _prompt_ids(base_ids: Sequence[int], length: int, variant: int) -> tuple[int
     return tuple(ids)
 
 
-def run_level(llm: Any, base_ids: Sequence[int], concurrency: int, num_prompt_tokens: int,
-              num_output_tokens: int, tag: str) -> CurvePoint:  # fmt: skip
+def run_level(
+    llm: Any,
+    base_ids: Sequence[int],
+    concurrency: int,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    tag: str,
+) -> CurvePoint:
     """Start `concurrency` requests together and time the steps where all of them decode."""
     from bitserve.engine.messages import EngineRequest
     from bitserve.sampling_params import SamplingParams
@@ -119,7 +125,9 @@ def run_level(llm: Any, base_ids: Sequence[int], concurrency: int, num_prompt_to
             num_tokens += new_tokens
     if not step_times:
         raise RuntimeError(f"no pure decode step at concurrency {concurrency}: raise --max-tokens")
-    return CurvePoint(concurrency, len(step_times), num_tokens / sum(step_times), statistics.median(step_times) * 1e3)
+    return CurvePoint(
+        concurrency, len(step_times), num_tokens / sum(step_times), statistics.median(step_times) * 1e3
+    )
 
 
 def measure_prefill(llm: Any, base_ids: Sequence[int], num_tokens: int, tag: str) -> float:
@@ -138,8 +146,14 @@ def measure_prefill(llm: Any, base_ids: Sequence[int], num_tokens: int, tag: str
     return num_tokens / (time.perf_counter() - start)
 
 
-def curve_engine_config(model: str, levels: Sequence[int], num_prompt_tokens: int, prefill_tokens: int,
-                        backend: str, num_threads: int | None) -> Any:  # fmt: skip
+def curve_engine_config(
+    model: str,
+    levels: Sequence[int],
+    num_prompt_tokens: int,
+    prefill_tokens: int,
+    backend: str,
+    num_threads: int | None,
+) -> Any:
     """An EngineConfig whose limits never bind during the curve (they are what the curve measures)."""
     from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig
 
@@ -151,9 +165,18 @@ def curve_engine_config(model: str, levels: Sequence[int], num_prompt_tokens: in
     )
 
 
-def run_curve(model: str, levels: Sequence[int], *, num_prompt_tokens: int = 8, num_output_tokens: int = 16,
-              prefill_tokens: int = 128, backend: str = "auto", num_threads: int | None = None,
-              num_repeats: int = 1, rule: KneeRule | None = None) -> CurveResult:  # fmt: skip
+def run_curve(
+    model: str,
+    levels: Sequence[int],
+    *,
+    num_prompt_tokens: int = 8,
+    num_output_tokens: int = 16,
+    prefill_tokens: int = 128,
+    backend: str = "auto",
+    num_threads: int | None = None,
+    num_repeats: int = 1,
+    rule: KneeRule | None = None,
+) -> CurveResult:
     """Load `model`, warm up, measure every level `num_repeats` times (all levels in turn, so each
     level sees the same stretches of machine load; the fastest run of a level is kept: noise on a
     shared machine only slows a run down) and the prefill rate; apply `rule`."""
@@ -161,7 +184,9 @@ def run_curve(model: str, levels: Sequence[int], *, num_prompt_tokens: int = 8, 
     from bitserve.llm import LLM
 
     rule = rule or KneeRule()
-    llm = LLM(config=curve_engine_config(model, levels, num_prompt_tokens, prefill_tokens, backend, num_threads))
+    llm = LLM(
+        config=curve_engine_config(model, levels, num_prompt_tokens, prefill_tokens, backend, num_threads)
+    )
     try:
         # ordinary token ids (past the specials at the start of the vocabulary); prompts are cut from them
         base_ids = list(range(llm.tokenizer.vocab_size // 4, llm.tokenizer.vocab_size))[:4096]
@@ -172,18 +197,42 @@ def run_curve(model: str, levels: Sequence[int], *, num_prompt_tokens: int = 8, 
         prefill_tok_s = 0.0
         for repeat in range(num_repeats):
             for concurrency in levels:
-                point = run_level(llm, base_ids, concurrency, num_prompt_tokens, num_output_tokens, f"r{repeat}c{concurrency}")
-                logger.info("concurrency %d: %.1f tok/s, %.1f ms/step", concurrency, point.output_tokens_per_s, point.median_step_ms)
-                if concurrency not in best or point.output_tokens_per_s > best[concurrency].output_tokens_per_s:
+                point = run_level(
+                    llm,
+                    base_ids,
+                    concurrency,
+                    num_prompt_tokens,
+                    num_output_tokens,
+                    f"r{repeat}c{concurrency}",
+                )
+                logger.info(
+                    "concurrency %d: %.1f tok/s, %.1f ms/step",
+                    concurrency,
+                    point.output_tokens_per_s,
+                    point.median_step_ms,
+                )
+                if (
+                    concurrency not in best
+                    or point.output_tokens_per_s > best[concurrency].output_tokens_per_s
+                ):
                     best[concurrency] = point
-            prefill_tok_s = max(prefill_tok_s, measure_prefill(llm, base_ids, prefill_tokens, f"prefill-{repeat}"))
+            prefill_tok_s = max(
+                prefill_tok_s, measure_prefill(llm, base_ids, prefill_tokens, f"prefill-{repeat}")
+            )
         points = [best[concurrency] for concurrency in sorted(best)]
         weight_format = projection_format(llm.instance.loaded.gguf)
     finally:
         llm.close()
     max_num_seqs = pick_max_num_seqs(points, rule)
-    return CurveResult(model, weight_format, points, prefill_tokens, prefill_tok_s, max_num_seqs,
-                       pick_max_num_batched_tokens(prefill_tok_s, max_num_seqs, rule))  # fmt: skip
+    return CurveResult(
+        model,
+        weight_format,
+        points,
+        prefill_tokens,
+        prefill_tok_s,
+        max_num_seqs,
+        pick_max_num_batched_tokens(prefill_tok_s, max_num_seqs, rule),
+    )
 
 
 def format_curve(result: CurveResult, rule: KneeRule | None = None) -> list[str]:
@@ -194,8 +243,15 @@ def format_curve(result: CurveResult, rule: KneeRule | None = None) -> list[str]
     base = sorted(result.points, key=lambda p: p.concurrency)[0]
     rows: list[tuple[str, ...]] = [("concurrency", "tok/s", "ms/step", "ratio to c=1", "decode steps")]
     for point in result.points:
-        rows.append((str(point.concurrency), f"{point.output_tokens_per_s:.1f}", f"{point.median_step_ms:.1f}",
-                     f"{point.output_tokens_per_s / base.output_tokens_per_s:.2f}", str(point.num_decode_steps)))  # fmt: skip
+        rows.append(
+            (
+                str(point.concurrency),
+                f"{point.output_tokens_per_s:.1f}",
+                f"{point.median_step_ms:.1f}",
+                f"{point.output_tokens_per_s / base.output_tokens_per_s:.2f}",
+                str(point.num_decode_steps),
+            )
+        )
     return [
         f"curve: {result.model} (projections {result.weight_format}), offline engine, greedy, decode steps only",
         *render_rows(rows),

@@ -108,18 +108,48 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 def format_table(summary: dict[str, Any]) -> list[str]:
     """Text lines: a header, one row per level, then error details and caveats."""
-    lines = [f"bench {summary['url']} {summary['endpoint']} model={summary['model']} max_tokens={summary['max_tokens']} "
-             f"prompt={summary['prompt']}"]  # fmt: skip
-    header = ("conc", "reqs", "ok", "err", "tok/s", "req/s", "good/s", "ttft50", "ttft99", "itl50", "itl99", "tpot50",
-              "e2e50", "e2e90", "e2e99")  # fmt: skip
+    lines = [
+        f"bench {summary['url']} {summary['endpoint']} model={summary['model']} max_tokens={summary['max_tokens']} "
+        f"prompt={summary['prompt']}"
+    ]
+    header = (
+        "conc",
+        "reqs",
+        "ok",
+        "err",
+        "tok/s",
+        "req/s",
+        "good/s",
+        "ttft50",
+        "ttft99",
+        "itl50",
+        "itl99",
+        "tpot50",
+        "e2e50",
+        "e2e90",
+        "e2e99",
+    )
     rows = [header]
     for level in summary["levels"]:
-        rows.append((
-            str(level["concurrency"]), str(level["num_requests"]), str(level["num_ok"]), str(level["num_errors"]),
-            _num(level["output_tokens_per_s"], 1), _num(level["requests_per_s"]), _num(level["goodput_requests_per_s"]),
-            _ms(level["ttft_s"]["p50"]), _ms(level["ttft_s"]["p99"]), _ms(level["itl_s"]["p50"]), _ms(level["itl_s"]["p99"]),
-            _ms(level["tpot_s"]["p50"]), _ms(level["e2e_s"]["p50"]), _ms(level["e2e_s"]["p90"]), _ms(level["e2e_s"]["p99"]),
-        ))  # fmt: skip
+        rows.append(
+            (
+                str(level["concurrency"]),
+                str(level["num_requests"]),
+                str(level["num_ok"]),
+                str(level["num_errors"]),
+                _num(level["output_tokens_per_s"], 1),
+                _num(level["requests_per_s"]),
+                _num(level["goodput_requests_per_s"]),
+                _ms(level["ttft_s"]["p50"]),
+                _ms(level["ttft_s"]["p99"]),
+                _ms(level["itl_s"]["p50"]),
+                _ms(level["itl_s"]["p99"]),
+                _ms(level["tpot_s"]["p50"]),
+                _ms(level["e2e_s"]["p50"]),
+                _ms(level["e2e_s"]["p90"]),
+                _ms(level["e2e_s"]["p99"]),
+            )
+        )
     lines += render_rows(rows)
     lines.append("latencies in ms; tok/s and req/s over each level's wall time; good/s meets the SLOs")
     for level in summary["levels"]:

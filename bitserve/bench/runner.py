@@ -77,18 +77,30 @@ def validate_config(config: BenchConfig) -> None:
     check_url(config.url, allow_remote=config.allow_remote)
     checks = [
         (config.endpoint in ENDPOINT_PATHS, "endpoint", f"one of {sorted(ENDPOINT_PATHS)}"),
-        (bool(config.concurrency_levels) and all(1 <= c <= MAX_CONCURRENCY for c in config.concurrency_levels),
-         "concurrency", f"comma-separated integers in [1, {MAX_CONCURRENCY}]"),
-        (config.num_requests is None or 1 <= config.num_requests <= MAX_NUM_REQUESTS, "num-requests", f"in [1, {MAX_NUM_REQUESTS}]"),
+        (
+            bool(config.concurrency_levels)
+            and all(1 <= c <= MAX_CONCURRENCY for c in config.concurrency_levels),
+            "concurrency",
+            f"comma-separated integers in [1, {MAX_CONCURRENCY}]",
+        ),
+        (
+            config.num_requests is None or 1 <= config.num_requests <= MAX_NUM_REQUESTS,
+            "num-requests",
+            f"in [1, {MAX_NUM_REQUESTS}]",
+        ),
         (1 <= config.max_tokens <= 1_000_000, "max-tokens", "in [1, 1000000]"),
-        (config.prompt is not None or 1 <= config.num_prompt_words <= MAX_PROMPT_WORDS, "prompt-tokens", f"in [1, {MAX_PROMPT_WORDS}]"),
+        (
+            config.prompt is not None or 1 <= config.num_prompt_words <= MAX_PROMPT_WORDS,
+            "prompt-tokens",
+            f"in [1, {MAX_PROMPT_WORDS}]",
+        ),
         (0.0 <= config.temperature <= 2.0, "temperature", "in [0, 2]"),
         (0.0 < config.timeout_s <= 3600.0, "timeout", "in (0, 3600] seconds"),
         (0.0 < config.duration_s <= 86_400.0, "duration-s", "in (0, 86400] seconds"),
         (0 <= config.num_warmup <= 100, "num-warmup", "in [0, 100]"),
         (config.goodput_ttft_s is None or config.goodput_ttft_s > 0, "goodput-ttft-s", "positive"),
         (config.goodput_e2e_s is None or config.goodput_e2e_s > 0, "goodput-e2e-s", "positive"),
-    ]  # fmt: skip
+    ]
     for is_valid, flag, allowed in checks:
         if not is_valid:
             raise InvalidRequest(f"--{flag} must be {allowed}", param=flag)
@@ -112,8 +124,13 @@ async def run_bench_async(config: BenchConfig) -> BenchRun:
     """Resolve the model, warm up, then run every concurrency level in order."""
     validate_config(config)
     max_connections = max(config.concurrency_levels)
-    async with OpenAIClient(config.url, timeout_s=config.timeout_s, max_connections=max_connections,
-                            api_key=config.api_key, allow_remote=config.allow_remote) as client:  # fmt: skip
+    async with OpenAIClient(
+        config.url,
+        timeout_s=config.timeout_s,
+        max_connections=max_connections,
+        api_key=config.api_key,
+        allow_remote=config.allow_remote,
+    ) as client:
         model = config.model
         if model is None:
             model_ids = await client.list_models()
@@ -143,9 +160,15 @@ async def _warm_up(client: OpenAIClient, config: BenchConfig, model: str) -> Non
 
 
 def _body(config: BenchConfig, model: str, index: int) -> dict[str, object]:
-    return build_body(config.endpoint, model, prompt_for(config, index), max_tokens=config.max_tokens,
-                      temperature=config.temperature, ignore_eos=config.ignore_eos,
-                      include_usage=config.include_usage)  # fmt: skip
+    return build_body(
+        config.endpoint,
+        model,
+        prompt_for(config, index),
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        ignore_eos=config.ignore_eos,
+        include_usage=config.include_usage,
+    )
 
 
 async def run_level(

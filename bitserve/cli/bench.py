@@ -40,8 +40,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, has_url: bool = True
         )
     parser.add_argument("--endpoint", choices=["completions", "chat"], default=_default("endpoint"))
     parser.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
-    parser.add_argument("--concurrency", type=parse_levels, default=_default("concurrency_levels"),
-                        help="concurrency levels, comma-separated, e.g. 1,4,16,100")  # fmt: skip
+    parser.add_argument(
+        "--concurrency",
+        type=parse_levels,
+        default=_default("concurrency_levels"),
+        help="concurrency levels, comma-separated, e.g. 1,4,16,100",
+    )
     parser.add_argument(
         "--num-requests",
         type=int,
@@ -51,8 +55,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, has_url: bool = True
     parser.add_argument("--max-tokens", type=int, default=_default("max_tokens"))
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="the same prompt text for every request")
-    prompt.add_argument("--prompt-tokens", type=int, default=_default("num_prompt_words"),
-                        help="synthetic prompts of about this many words, distinct per request")  # fmt: skip
+    prompt.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=_default("num_prompt_words"),
+        help="synthetic prompts of about this many words, distinct per request",
+    )
     parser.add_argument("--temperature", type=float, default=_default("temperature"))
     parser.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos: true so requests run to max_tokens"
@@ -87,12 +95,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, has_url: bool = True
 def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
     """`--curve MODEL`: the offline throughput / step-latency curve instead of an HTTP load test."""
     group = parser.add_argument_group("offline curve (--curve): in-process engine, no server")
-    group.add_argument("--curve", metavar="MODEL", default=None,
-                       help="catalog name or GGUF path: print tok/s and ms/step per --concurrency level "
-                            "(decode steps, greedy, ignore_eos; --max-tokens tokens per sequence)")  # fmt: skip
+    group.add_argument(
+        "--curve",
+        metavar="MODEL",
+        default=None,
+        help="catalog name or GGUF path: print tok/s and ms/step per --concurrency level "
+        "(decode steps, greedy, ignore_eos; --max-tokens tokens per sequence)",
+    )
     group.add_argument("--curve-prompt-tokens", type=int, default=8, help="prompt tokens per sequence")
     group.add_argument("--curve-prefill-tokens", type=int, default=128, help="prompt of the prefill-rate run")
-    group.add_argument("--curve-repeats", type=int, default=1, help="runs of every level; the fastest is kept")
+    group.add_argument(
+        "--curve-repeats", type=int, default=1, help="runs of every level; the fastest is kept"
+    )
     group.add_argument("--backend", default="auto", help="kernel backend: auto, cpu or reference")
     group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -100,15 +114,24 @@ def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_curve_command(args: argparse.Namespace) -> int:
     from bitserve.bench.curve import format_curve, run_curve
 
-    if min(args.concurrency) < 1 or args.max_tokens < 3 or min(args.curve_prompt_tokens, args.curve_repeats) < 1:
+    if (
+        min(args.concurrency) < 1
+        or args.max_tokens < 3
+        or min(args.curve_prompt_tokens, args.curve_repeats) < 1
+    ):
         raise InvalidRequest(
             "--curve needs concurrency >= 1, --max-tokens >= 3, --curve-prompt-tokens and --curve-repeats >= 1"
         )
     result = run_curve(
-        args.curve, args.concurrency, num_prompt_tokens=args.curve_prompt_tokens, num_output_tokens=args.max_tokens,
-        prefill_tokens=args.curve_prefill_tokens, backend=args.backend, num_threads=args.threads,
+        args.curve,
+        args.concurrency,
+        num_prompt_tokens=args.curve_prompt_tokens,
+        num_output_tokens=args.max_tokens,
+        prefill_tokens=args.curve_prefill_tokens,
+        backend=args.backend,
+        num_threads=args.threads,
         num_repeats=args.curve_repeats,
-    )  # fmt: skip
+    )
     if args.json:
         emit_json(result.to_dict())
     else:
@@ -120,7 +143,8 @@ def run_curve_command(args: argparse.Namespace) -> int:
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` on the CLI's subparsers (the action add_subparsers returned)."""
     parser = subparsers.add_parser(
-        "bench", help="load-test an OpenAI-compatible server (TTFT, ITL, throughput), or --curve MODEL offline"
+        "bench",
+        help="load-test an OpenAI-compatible server (TTFT, ITL, throughput), or --curve MODEL offline",
     )
     add_bench_arguments(parser)
     add_curve_arguments(parser)
@@ -129,13 +153,25 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, url: str | None = None) -> BenchConfig:
     return BenchConfig(
-        url=url if url is not None else args.url, endpoint=args.endpoint, model=args.model,
-        concurrency_levels=tuple(args.concurrency), num_requests=args.num_requests, max_tokens=args.max_tokens,
-        prompt=args.prompt, num_prompt_words=args.prompt_tokens, temperature=args.temperature,
-        ignore_eos=args.ignore_eos, include_usage=not args.no_usage, timeout_s=args.timeout,
-        duration_s=args.duration_s, num_warmup=args.num_warmup, goodput_ttft_s=args.goodput_ttft_s,
-        goodput_e2e_s=args.goodput_e2e_s, api_key=args.api_key, allow_remote=args.allow_remote,
-    )  # fmt: skip
+        url=url if url is not None else args.url,
+        endpoint=args.endpoint,
+        model=args.model,
+        concurrency_levels=tuple(args.concurrency),
+        num_requests=args.num_requests,
+        max_tokens=args.max_tokens,
+        prompt=args.prompt,
+        num_prompt_words=args.prompt_tokens,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        include_usage=not args.no_usage,
+        timeout_s=args.timeout,
+        duration_s=args.duration_s,
+        num_warmup=args.num_warmup,
+        goodput_ttft_s=args.goodput_ttft_s,
+        goodput_e2e_s=args.goodput_e2e_s,
+        api_key=args.api_key,
+        allow_remote=args.allow_remote,
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:

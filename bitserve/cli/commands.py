@@ -46,12 +46,18 @@ def run_generate(args: argparse.Namespace) -> int:
         llm.close()
     output = result.outputs[0]
     if args.json:
-        emit_json({
-            "model": args.model, "text": output.text, "prompt_token_ids": result.prompt_token_ids,
-            "token_ids": output.token_ids, "finish_reason": output.finish_reason,
-            "num_prompt_tokens": result.num_prompt_tokens, "num_output_tokens": len(output.token_ids),
-            "seconds": round(seconds, 4),
-        })  # fmt: skip
+        emit_json(
+            {
+                "model": args.model,
+                "text": output.text,
+                "prompt_token_ids": result.prompt_token_ids,
+                "token_ids": output.token_ids,
+                "finish_reason": output.finish_reason,
+                "num_prompt_tokens": result.num_prompt_tokens,
+                "num_output_tokens": len(output.token_ids),
+                "seconds": round(seconds, 4),
+            }
+        )
     else:
         emit(output.text)
     return 0
@@ -73,7 +79,11 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from bitserve.cli.verify import verify_model
 
-    report = verify_model(resolve_model(args.model, fetch=False), model_config_from_args(args, args.model), num_tokens=args.num_tokens)
+    report = verify_model(
+        resolve_model(args.model, fetch=False),
+        model_config_from_args(args, args.model),
+        num_tokens=args.num_tokens,
+    )
     if args.json:
         emit_json(report.as_dict())
     else:
@@ -84,5 +94,15 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_crossval(args: argparse.Namespace) -> int:
     """Rerun the live llama.cpp comparisons (tests marked `crossval`)."""
     tests = Path(__file__).resolve().parent.parent / "tests"
-    command = [sys.executable, "-m", "pytest", str(tests), "-m", "crossval", "-p", "no:cacheprovider", *args.pytest_args]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(tests),
+        "-m",
+        "crossval",
+        "-p",
+        "no:cacheprovider",
+        *args.pytest_args,
+    ]
     return subprocess.call(command)

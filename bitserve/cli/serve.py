@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLAG_ALIASES = {"num_threads": ("--threads",), "model_roots": ("--model-root",)}
-REPEATABLE_PATH_LISTS = ("model_roots",)  # repeatable flags joined with os.pathsep, as the env var spells them
+REPEATABLE_PATH_LISTS = (
+    "model_roots",
+)  # repeatable flags joined with os.pathsep, as the env var spells them
 DEST_PREFIX = "setting_"  # argparse dests, so no flag collides with the top-level parser's
 # After the drain, uvicorn waits this long for connections to finish their last bytes.
 POST_DRAIN_GRACE_S = 5
@@ -35,9 +37,10 @@ POST_DRAIN_GRACE_S = 5
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `serve` to the CLI's subparsers; one flag per setting (default None = not given)."""
     parser = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over HTTP. Each flag may also be set as BITSERVE_<NAME> or in a TOML file.",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--config", default=None, help="TOML settings file (top-level keys and [dev]/[staging]/[prod] tables)"
     )
@@ -117,11 +120,18 @@ def serve(settings: Settings) -> int:
 
     app = build_app(config, settings.engine, on_fatal=on_fatal)
     uvicorn_config = uvicorn.Config(
-        app, host=config.host, port=config.port, loop="asyncio", lifespan="on", log_config=None,
-        access_log=config.access_log, http=header_timeout_protocol(config.header_read_timeout_s),
-        h11_max_incomplete_event_size=config.max_header_bytes, timeout_keep_alive=config.keep_alive_timeout_s,
+        app,
+        host=config.host,
+        port=config.port,
+        loop="asyncio",
+        lifespan="on",
+        log_config=None,
+        access_log=config.access_log,
+        http=header_timeout_protocol(config.header_read_timeout_s),
+        h11_max_incomplete_event_size=config.max_header_bytes,
+        timeout_keep_alive=config.keep_alive_timeout_s,
         timeout_graceful_shutdown=POST_DRAIN_GRACE_S,
-    )  # fmt: skip
+    )
     server = DrainingServer(uvicorn_config, app.state.bitserve)
     server.run()
     logger.info("server stopped (exit code %d)", exit_code)

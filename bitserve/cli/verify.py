@@ -37,7 +37,11 @@ class VerifyReport:
         self.checks.append((name, passed, detail))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "ok": self.ok, "checks": [{"check": n, "ok": p, "detail": d} for n, p, d in self.checks]}
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "checks": [{"check": n, "ok": p, "detail": d} for n, p, d in self.checks],
+        }
 
     def format(self) -> str:
         lines = [f"verify {self.path}"]
@@ -50,19 +54,27 @@ def _kernel_check(llm: LLM) -> tuple[bool, str]:
     """Layer 0's and the last layer's q projections: chosen backend vs reference, on random input."""
     instance = llm.instance
     reference = select_backend("reference")
-    source = GGUFWeightSource(instance.loaded.gguf, reference, instance.loaded.linear_mode, instance.loaded.decode_options)
+    source = GGUFWeightSource(
+        instance.loaded.gguf, reference, instance.loaded.linear_mode, instance.loaded.decode_options
+    )
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     for layer_id in sorted({0, instance.loaded.spec.num_layers - 1}):
         layer = instance.loaded.model.layers[layer_id]
         fast: PreparedLinear = layer.qkv.weights[0]
-        ref = source.linear(f"blk.{layer_id}.attn_q.weight", may_be_ternary=type(instance.loaded.model).projections_may_be_ternary)
+        ref = source.linear(
+            f"blk.{layer_id}.attn_q.weight",
+            may_be_ternary=type(instance.loaded.model).projections_may_be_ternary,
+        )
         x = torch.randn(3, fast.in_features, generator=generator)
         expected = reference.linear(x, ref)
         actual = instance.loaded.backend.linear(x, fast)
         exact = fast.is_ternary and instance.loaded.linear_mode is LinearMode.BITNET
         if exact and not torch.equal(expected, actual):
-            return False, f"layer {layer_id} q projection differs from the reference (integer path must be exact)"
+            return (
+                False,
+                f"layer {layer_id} q projection differs from the reference (integer path must be exact)",
+            )
         error = float((expected - actual).abs().max() / expected.abs().max().clamp_min(1e-12))
         worst = max(worst, error)
         if error > FLOAT_RELATIVE_TOLERANCE:
@@ -80,9 +92,21 @@ def verify_model(path: Path, model_config: ModelConfig, *, num_tokens: int = 8) 
         return report
     try:
         loaded = llm.instance.loaded
-        report.add("structure", True, f"GGUF v{loaded.gguf.version}, {len(loaded.gguf.tensors)} tensors, {loaded.gguf.dialect.value} dialect")
-        report.add("decode", True, f"every tensor decoded; model {loaded.spec.architecture} built in {time.perf_counter() - start:.1f} s")
-        report.add("tensor names", not loaded.unused_tensors, f"{len(loaded.unused_tensors)} unused tensors {loaded.unused_tensors[:4]}")
+        report.add(
+            "structure",
+            True,
+            f"GGUF v{loaded.gguf.version}, {len(loaded.gguf.tensors)} tensors, {loaded.gguf.dialect.value} dialect",
+        )
+        report.add(
+            "decode",
+            True,
+            f"every tensor decoded; model {loaded.spec.architecture} built in {time.perf_counter() - start:.1f} s",
+        )
+        report.add(
+            "tensor names",
+            not loaded.unused_tensors,
+            f"{len(loaded.unused_tensors)} unused tensors {loaded.unused_tensors[:4]}",
+        )
         report.add("kernels", *_kernel_check(llm))
         _generation_check(llm, report, num_tokens)
     except BitserveError as exc:
@@ -99,8 +123,12 @@ def _generation_check(llm: LLM, report: VerifyReport, num_tokens: int) -> None:
         ids = torch.tensor(prompt_ids)
         logits = model.compute_logits(model(ids, torch.arange(len(prompt_ids))))
     finite = bool(torch.isfinite(logits).all())
-    report.add("logits", finite, f"prompt logits {tuple(logits.shape)} {'finite' if finite else 'NOT finite'}")
-    result = llm.generate([prompt_ids], SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))[0]
+    report.add(
+        "logits", finite, f"prompt logits {tuple(logits.shape)} {'finite' if finite else 'NOT finite'}"
+    )
+    result = llm.generate(
+        [prompt_ids], SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    )[0]
     output = result.outputs[0]
     greedy_ok = len(output.token_ids) == num_tokens and output.token_ids[0] == int(logits[-1].argmax())
     report.add("generate", greedy_ok, f"{len(output.token_ids)} greedy tokens: {output.text!r}")

@@ -21,7 +21,9 @@ class SchedulerConfig:
     )
     max_num_batched_tokens: int | None = field(
         default=None,
-        metadata={"help": "Token budget of one step: decodes plus prefill chunks (default: per weight format)."},
+        metadata={
+            "help": "Token budget of one step: decodes plus prefill chunks (default: per weight format)."
+        },
     )
     max_model_len: int = field(
         default=4096,

@@ -28,7 +28,9 @@ class Engine:
         self.num_steps = 0
 
     @classmethod
-    def build(cls, runner: ModelRunner, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> Engine:
+    def build(
+        cls, runner: ModelRunner, scheduler_config: SchedulerConfig, cache_config: CacheConfig
+    ) -> Engine:
         kv = KVCacheManager(
             block_size=runner.layout.block_size,
             num_blocks=runner.layout.num_blocks,
@@ -40,7 +42,9 @@ class Engine:
         """Queue a request. Raises InvalidRequest if it can never be served (too long for the cache)."""
         self.scheduler.add_request(request.to_request())
 
-    def abort_requests(self, request_ids: list[str] | tuple[str, ...], reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort_requests(
+        self, request_ids: list[str] | tuple[str, ...], reason: FinishReason = FinishReason.ABORT
+    ) -> None:
         """Finish these requests before the next step; their blocks are freed now."""
         self.scheduler.abort_requests(request_ids, reason)
 

@@ -34,7 +34,9 @@ def parse_linear_mode(name: str) -> LinearMode:
         return LinearMode(name)
     except ValueError:
         choices = ", ".join(mode.value for mode in LinearMode)
-        raise InvalidRequest(f"unknown linear mode {name!r}", param="linear_mode", hint=f"one of {choices}") from None
+        raise InvalidRequest(
+            f"unknown linear mode {name!r}", param="linear_mode", hint=f"one of {choices}"
+        ) from None
 
 
 def projection_format(gguf: GGUFFile) -> str:
@@ -65,7 +67,9 @@ class ModelInstance:
             torch.set_num_threads(model_config.num_threads)
         path = resolve_model(model_config.model)
         options = LoadOptions(
-            backend=select_backend(model_config.backend, max_dense_weight_bytes=model_config.max_dense_weight_bytes),
+            backend=select_backend(
+                model_config.backend, max_dense_weight_bytes=model_config.max_dense_weight_bytes
+            ),
             linear_mode=parse_linear_mode(model_config.linear_mode),
             i2s_variant=model_config.i2s_variant,
             tl_config=model_config.tl_config,
@@ -84,8 +88,12 @@ class ModelInstance:
         try:
             chat_template: ChatTemplate | InvalidRequest = ChatTemplate(
                 metadata.get("tokenizer.chat_template"),
-                bos_token=tokenizer.id_to_piece(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else "",
-                eos_token=tokenizer.id_to_piece(tokenizer.eos_token_id) if tokenizer.eos_token_id is not None else "",
+                bos_token=tokenizer.id_to_piece(tokenizer.bos_token_id)
+                if tokenizer.bos_token_id is not None
+                else "",
+                eos_token=tokenizer.id_to_piece(tokenizer.eos_token_id)
+                if tokenizer.eos_token_id is not None
+                else "",
                 architecture=loaded.spec.architecture,
             )
         except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
@@ -106,11 +114,25 @@ class ModelInstance:
         logger.info(
             "model %s ready: max_model_len %d, %d KV blocks of %d tokens (%.1f MB), max_num_seqs %d, "
             "max_num_batched_tokens %d",
-            path.name, max_model_len, layout.num_blocks, layout.block_size, layout.total_bytes / 1e6,
-            scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
+            path.name,
+            max_model_len,
+            layout.num_blocks,
+            layout.block_size,
+            layout.total_bytes / 1e6,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
         )
-        return cls(config.model.model, path, loaded, tokenizer, chat_template, engine, config, max_model_len,
-                   scheduler_config)
+        return cls(
+            config.model.model,
+            path,
+            loaded,
+            tokenizer,
+            chat_template,
+            engine,
+            config,
+            max_model_len,
+            scheduler_config,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:

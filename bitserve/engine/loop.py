@@ -89,4 +89,6 @@ class EngineLoop:
 
     def _scheduler_dump(self) -> str:
         scheduler = self.engine.scheduler
-        return f"running={scheduler.num_running} waiting={scheduler.num_waiting} stats={scheduler.get_stats()}"
+        return (
+            f"running={scheduler.num_running} waiting={scheduler.num_waiting} stats={scheduler.get_stats()}"
+        )

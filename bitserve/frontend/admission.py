@@ -38,7 +38,9 @@ def check_request(
     the context: a 400 rather than a silently shortened answer, as OpenAI does. Token ids in the
     params must index the vocabulary. `prompt_param` names the field at fault (prompt / messages)."""
     if num_prompt_tokens == 0:
-        raise InvalidRequest("the prompt is empty (it has no tokens)", param=prompt_param, hint="send some text")
+        raise InvalidRequest(
+            "the prompt is empty (it has no tokens)", param=prompt_param, hint="send some text"
+        )
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise ContextLengthExceeded(

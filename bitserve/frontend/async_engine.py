@@ -43,8 +43,14 @@ class EngineSnapshot:
 
 
 class AsyncEngine:
-    def __init__(self, instance: ModelInstance, *, limits: AdmissionLimits | None = None,
-                 stats: StatsSink | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        instance: ModelInstance,
+        *,
+        limits: AdmissionLimits | None = None,
+        stats: StatsSink | None = None,
+        name: str | None = None,
+    ) -> None:
         self.instance = instance
         self.name = name or instance.name  # the model label of outputs and metrics (the served alias)
         self.limits = limits or AdmissionLimits.from_config(ServerConfig())
@@ -66,7 +72,9 @@ class AsyncEngine:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._client = ThreadEngineClient(self.instance.engine, loop, self._on_step, self._on_rejected, self._on_dead)
+        self._client = ThreadEngineClient(
+            self.instance.engine, loop, self._on_step, self._on_rejected, self._on_dead
+        )
 
     async def shutdown(self) -> None:
         if self._client is not None:
@@ -111,25 +119,40 @@ class AsyncEngine:
         self._admit(prompt_token_ids, params, prompt_param)
         assert self._client is not None, "AsyncEngine.start() was not called"
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = GenerationStream(request_id, list(prompt_token_ids), params.n, model=self.name, end=self._end)
+        stream = GenerationStream(
+            request_id, list(prompt_token_ids), params.n, model=self.name, end=self._end
+        )
         if not self._streams:
             self._busy_since = time.monotonic()
         self._streams[request_id] = stream
         self._queued_tokens += len(prompt_token_ids)
-        for request in self.processor.add_choices(request_id, prompt_token_ids, params, priority=priority,
-                                                  deadline=deadline):
+        for request in self.processor.add_choices(
+            request_id, prompt_token_ids, params, priority=priority, deadline=deadline
+        ):
             self._client.add_request(request)
         return stream
 
     def _admit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
         if self._dead is not None:
-            raise EngineDead("the model's engine has failed", hint="the server restarts or routes elsewhere; retry later")
+            raise EngineDead(
+                "the model's engine has failed", hint="the server restarts or routes elsewhere; retry later"
+            )
         if self.is_draining:
-            raise ModelUnavailable("the server is draining and accepts no new requests", hint="retry on another replica")
-        check_request(len(prompt_token_ids), params, max_model_len=self.instance.max_model_len,
-                      vocab_size=self.instance.tokenizer.vocab_size, prompt_param=prompt_param)
+            raise ModelUnavailable(
+                "the server is draining and accepts no new requests", hint="retry on another replica"
+            )
+        check_request(
+            len(prompt_token_ids),
+            params,
+            max_model_len=self.instance.max_model_len,
+            vocab_size=self.instance.tokenizer.vocab_size,
+            prompt_param=prompt_param,
+        )
         num_queued = self._queued_tokens + len(prompt_token_ids)
-        if len(self._streams) >= self.limits.max_num_waiting or num_queued > self.limits.max_num_queued_tokens:
+        if (
+            len(self._streams) >= self.limits.max_num_waiting
+            or num_queued > self.limits.max_num_queued_tokens
+        ):
             self.stats.record_rejected("queue_full")
             raise QueueFull("the server is at capacity", retry_after_s=self.expected_wait_s())
 
@@ -147,13 +170,17 @@ class AsyncEngine:
         timing, now = stream.timing, time.monotonic()
         self.itl_sum_s += timing.itl_sum_s
         self.itl_count += timing.itl_count
-        self.stats.record_request(RequestStats(
-            model=self.name, finish_reason=stream.finish_reason if stream.is_finished else "abort",
-            num_prompt_tokens=stream.num_prompt_tokens, num_output_tokens=timing.num_output_tokens,
-            e2e_s=now - timing.arrival,
-            ttft_s=None if timing.first_token_at is None else timing.first_token_at - timing.arrival,
-            mean_itl_s=None if not timing.itl_count else timing.itl_sum_s / timing.itl_count,
-        ))
+        self.stats.record_request(
+            RequestStats(
+                model=self.name,
+                finish_reason=stream.finish_reason if stream.is_finished else "abort",
+                num_prompt_tokens=stream.num_prompt_tokens,
+                num_output_tokens=timing.num_output_tokens,
+                e2e_s=now - timing.arrival,
+                ttft_s=None if timing.first_token_at is None else timing.first_token_at - timing.arrival,
+                mean_itl_s=None if not timing.itl_count else timing.itl_sum_s / timing.itl_count,
+            )
+        )
 
     def expire(self, error: BaseException) -> int:
         """The one "end every stream": deliver `error` to every stream in flight (a drain deadline,
@@ -190,8 +217,12 @@ class AsyncEngine:
 
     def _on_dead(self, error: BaseException) -> None:
         self._dead = error
-        self.expire(EngineDead(f"the model's engine failed: {type(error).__name__}: {error}",
-                               hint="retry; the replica is out of service"))
+        self.expire(
+            EngineDead(
+                f"the model's engine failed: {type(error).__name__}: {error}",
+                hint="retry; the replica is out of service",
+            )
+        )
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(

@@ -126,8 +126,13 @@ class GenerationStream:
 
     async def collect(self) -> RequestOutput:
         """Run to the end and return every choice's whole output (closes the stream)."""
-        result = RequestOutput(self.request_id, self.prompt_token_ids,
-                               [CompletionOutput(index) for index in range(self.num_choices)], False, model=self.model)
+        result = RequestOutput(
+            self.request_id,
+            self.prompt_token_ids,
+            [CompletionOutput(index) for index in range(self.num_choices)],
+            False,
+            model=self.model,
+        )
         try:
             async for output in self:
                 result.merge(output)

@@ -73,10 +73,16 @@ class OutputProcessor:
         for index in range(params.n):
             choice_id, choice = choice_request_id(parent_id, index), child_params(params, index)
             self.add_request(choice_id, parent_id, index, choice)
-            requests.append(EngineRequest(
-                choice_id, tuple(prompt_token_ids), choice, self.tokenizer.eos_token_ids, priority,
-                deadline=deadline,
-            ))
+            requests.append(
+                EngineRequest(
+                    choice_id,
+                    tuple(prompt_token_ids),
+                    choice,
+                    self.tokenizer.eos_token_ids,
+                    priority,
+                    deadline=deadline,
+                )
+            )
         return requests
 
     def drop_request(self, request_id: str) -> None:
@@ -121,6 +127,7 @@ class OutputProcessor:
         text_delta = state.text[state.num_emitted_chars : end]
         state.num_emitted_chars = max(state.num_emitted_chars, end)
         logprobs = list(output.new_logprobs) if state.wants_logprobs and output.new_logprobs else None
-        completion = CompletionOutput(state.index, text_delta, list(output.new_token_ids), finish_reason, stop_reason,
-                                      logprobs)
+        completion = CompletionOutput(
+            state.index, text_delta, list(output.new_token_ids), finish_reason, stop_reason, logprobs
+        )
         return ChoiceDelta(state.parent_id, completion, output.num_cached_tokens)

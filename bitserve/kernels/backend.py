@@ -77,9 +77,17 @@ class PreparedLinear:
 
     __slots__ = ("backend", "data", "extras", "in_features", "layout", "mode", "out_features", "scale")
 
-    def __init__(self, out_features: int, in_features: int, layout: Layout, mode: LinearMode | None,
-                 data: torch.Tensor, scale: torch.Tensor | None, backend: str,
-                 extras: Mapping[str, torch.Tensor] = NO_EXTRAS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        layout: Layout,
+        mode: LinearMode | None,
+        data: torch.Tensor,
+        scale: torch.Tensor | None,
+        backend: str,
+        extras: Mapping[str, torch.Tensor] = NO_EXTRAS,
+    ) -> None:
         self.out_features = out_features
         self.in_features = in_features
         self.layout = layout
@@ -128,8 +136,10 @@ class PreparedLinear:
 
     def __repr__(self) -> str:
         mode = self.mode.value if self.mode is not None else None
-        return (f"{type(self).__name__}({self.out_features}x{self.in_features}, {self.layout.value}, "
-                f"mode={mode}, backend={self.backend!r})")  # fmt: skip
+        return (
+            f"{type(self).__name__}({self.out_features}x{self.in_features}, {self.layout.value}, "
+            f"mode={mode}, backend={self.backend!r})"
+        )
 
 
 class LinearKernelGroup:
@@ -139,13 +149,19 @@ class LinearKernelGroup:
     `row_offsets`, when stacked, is where each original weight's rows start in the stacked output.
     """
 
-    def __init__(self, weights: Sequence[PreparedLinear], out_features: Sequence[int],
-                 row_offsets: Sequence[int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weights: Sequence[PreparedLinear],
+        out_features: Sequence[int],
+        row_offsets: Sequence[int] | None = None,
+    ) -> None:
         if not weights:
             raise ValueError("a linear group needs at least one weight")
         if len({weight.in_features for weight in weights}) != 1:
-            raise ValueError(f"a linear group's weights share one input, got in_features "
-                             f"{[weight.in_features for weight in weights]}")  # fmt: skip
+            raise ValueError(
+                f"a linear group's weights share one input, got in_features "
+                f"{[weight.in_features for weight in weights]}"
+            )
         self.weights = list(weights)
         self.out_features = list(out_features)
         self.row_offsets = list(row_offsets) if row_offsets is not None else None
@@ -156,8 +172,10 @@ class LinearKernelGroup:
         self._quantizers = [self.weights[index] for index in quantizers.values()]
         slot_of_key = {key: slot for slot, key in enumerate(quantizers)}
         # per weight: which quantize() result it runs on (-1: x itself)
-        self._slots = [slot_of_key.get(w.activation_key, -1) if w.activation_key is not None else -1
-                       for w in self.weights]  # fmt: skip
+        self._slots = [
+            slot_of_key.get(w.activation_key, -1) if w.activation_key is not None else -1
+            for w in self.weights
+        ]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x f32 [T, K] -> one f32 [T, M_i] per original weight, each equal to that weight's own call."""
@@ -167,8 +185,10 @@ class LinearKernelGroup:
         if x.shape[0] == 0:
             return [x.new_zeros(0, m) for m in self.out_features]
         acts = [weight.quantize(x) for weight in self._quantizers]
-        outputs = [weight.run(x, acts[slot] if slot >= 0 else None)
-                   for weight, slot in zip(self.weights, self._slots, strict=True)]  # fmt: skip
+        outputs = [
+            weight.run(x, acts[slot] if slot >= 0 else None)
+            for weight, slot in zip(self.weights, self._slots, strict=True)
+        ]
         if self.row_offsets is None:
             return outputs
         stacked = outputs[0]  # [T, stacked rows]
@@ -184,13 +204,28 @@ class FusedOps(Protocol):
         """x f32 [T, N], weight f32 [N] -> f32 [T, N]; bit-identical to layers.norm.RMSNorm."""
         ...
 
-    def rotary_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rope_dim: int, is_neox: bool) -> None:  # fmt: skip
+    def rotary_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rope_dim: int,
+        is_neox: bool,
+    ) -> None:
         """RoPE in place on contiguous f32 q [T, heads, D] and k [T, kv_heads, D]; bit-identical to the layer."""
         ...
 
-    def paged_decode_attention(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
-                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        key_pages: torch.Tensor,
+        value_pages: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """One query per sequence over f32 KV pages [num_blocks, block_size, kv_heads, D] -> f32 [n, heads, D]."""
         ...
 

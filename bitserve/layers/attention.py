@@ -49,8 +49,13 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [num_decodes] int64: keys of each sequence (this step's included)
 
 
-def make_decode_batch(seq_ids: list[int], metadata_block_table: torch.Tensor, seq_lens: list[int],
-                      query_start_loc: list[int], block_size: int) -> DecodeBatch:  # fmt: skip
+def make_decode_batch(
+    seq_ids: list[int],
+    metadata_block_table: torch.Tensor,
+    seq_lens: list[int],
+    query_start_loc: list[int],
+    block_size: int,
+) -> DecodeBatch:
     """Precompute the padded gather indices and key mask of the decode sequences `seq_ids`."""
     max_len = max(seq_lens[i] for i in seq_ids)
     num_blocks = -(-max_len // block_size)
@@ -67,8 +72,14 @@ def make_decode_batch(seq_ids: list[int], metadata_block_table: torch.Tensor, se
 class PagedAttention(nn.Module):
     """Multi-head attention with grouped KV heads; q/k/v arrive already projected and rotated."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, fused: FusedOps | None = None,
-                 ggml_numerics: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        fused: FusedOps | None = None,
+        ggml_numerics: bool = False,
+    ) -> None:
         super().__init__()
         self.fused = fused  # the backend's paged decode kernel, used for f32 KV caches
         # bitnet.cpp on x86 (ggml without flash attention, llamafile sgemm on): K and V live in an
@@ -112,7 +123,12 @@ class PagedAttention(nn.Module):
             decode = metadata.decode
             if self.fused is not None and kv_cache.dtype == torch.float32 and not round_weights:
                 out[decode.token_rows] = self.fused.paged_decode_attention(
-                    q[decode.token_rows], key_pages, value_pages, decode.block_table, decode.seq_lens, self.scale
+                    q[decode.token_rows],
+                    key_pages,
+                    value_pages,
+                    decode.block_table,
+                    decode.seq_lens,
+                    self.scale,
                 )
             else:
                 out[decode.token_rows] = self._attend_decodes(
@@ -131,8 +147,14 @@ class PagedAttention(nn.Module):
             )
         return out.reshape(num_tokens, -1)
 
-    def _attend_decodes(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
-                        batch: DecodeBatch, round_weights: bool = False) -> torch.Tensor:  # fmt: skip
+    def _attend_decodes(
+        self,
+        q: torch.Tensor,
+        key_pages: torch.Tensor,
+        value_pages: torch.Tensor,
+        batch: DecodeBatch,
+        round_weights: bool = False,
+    ) -> torch.Tensor:
         """One query per sequence, all decodes at once -> [num_decodes, num_heads, head_dim]."""
         num_decodes = batch.token_rows.shape[0]
         group = self.num_heads // self.num_kv_heads
@@ -146,13 +168,21 @@ class PagedAttention(nn.Module):
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
     @staticmethod
-    def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _write_kv(
+        k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         # view the pages as a flat slot array: [num_blocks * block_size, kv_heads, head_dim]
         kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_context: int,
-                round_weights: bool = False) -> torch.Tensor:  # fmt: skip
+    def _attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        num_context: int,
+        round_weights: bool = False,
+    ) -> torch.Tensor:
         """Queries are the last q.shape[0] positions of a context of num_context tokens (causal)."""
         num_queries = q.shape[0]
         group = self.num_heads // self.num_kv_heads

@@ -38,8 +38,9 @@ class LMHead(nn.Module):
     """logits = hidden @ W^T, W [vocab_size, hidden_size]: a backend-prepared weight (block-quantized
     heads stay packed), or a float32 / half tensor. Which of the three runs is decided here, once."""
 
-    def __init__(self, weight: PreparedLinear | torch.Tensor, backend: KernelBackend,
-                 ggml_f16: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, weight: PreparedLinear | torch.Tensor, backend: KernelBackend, ggml_f16: bool = False
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.kernel: Callable[[torch.Tensor], torch.Tensor]
@@ -75,6 +76,8 @@ def _ggml_f16_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch
         hidden_states = hidden_states.to(torch.float16).to(torch.float32)
     if weight.dtype == torch.float32:
         return F.linear(hidden_states, weight)
-    chunks = [F.linear(hidden_states, weight[start : start + HEAD_CHUNK_ROWS].to(torch.float32))
-              for start in range(0, weight.shape[0], HEAD_CHUNK_ROWS)]
+    chunks = [
+        F.linear(hidden_states, weight[start : start + HEAD_CHUNK_ROWS].to(torch.float32))
+        for start in range(0, weight.shape[0], HEAD_CHUNK_ROWS)
+    ]
     return torch.cat(chunks, dim=1)  # [T, V]

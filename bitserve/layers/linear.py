@@ -34,13 +34,18 @@ class LinearGroup(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         outputs = self.kernel(x)
-        return [out if scale is None else out * scale for out, scale in zip(outputs, self.output_scales, strict=True)]
+        return [
+            out if scale is None else out * scale
+            for out, scale in zip(outputs, self.output_scales, strict=True)
+        ]
 
 
 class Linear(nn.Module):
     """A single prepared weight: forward returns one tensor [num_tokens, out_features]."""
 
-    def __init__(self, backend: KernelBackend, weight: PreparedLinear, output_scale: float | None = None) -> None:
+    def __init__(
+        self, backend: KernelBackend, weight: PreparedLinear, output_scale: float | None = None
+    ) -> None:
         super().__init__()
         backend.check_owner(weight)
         self.weight = weight

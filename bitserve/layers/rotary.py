@@ -74,7 +74,9 @@ class RotaryEmbedding(nn.Module):
             # NOTE: in place: q and k are fresh projection outputs that nothing else holds (column
             # slices of a stacked q/k/v output when num_tokens > 1: made contiguous, a small copy)
             q, k = q.contiguous(), k.contiguous()
-            self.fused.rotary_(q, k, positions, self.cos, self.sin, self.rope_dim, self.style is RopeStyle.NEOX)
+            self.fused.rotary_(
+                q, k, positions, self.cos, self.sin, self.rope_dim, self.style is RopeStyle.NEOX
+            )
             return q, k
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rope_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
@@ -128,8 +130,13 @@ def _f32_map(name: str, fallback: Callable[[np.ndarray], np.ndarray], x: np.ndar
     return np.fromiter(values, dtype=np.float32, count=x.size).reshape(x.shape)
 
 
-def ggml_rope_tables(rope_dim: int, base: float, max_positions: int, freq_factors: torch.Tensor | None = None,
-                     position_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def ggml_rope_tables(
+    rope_dim: int,
+    base: float,
+    max_positions: int,
+    freq_factors: torch.Tensor | None = None,
+    position_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin f32 [max_positions, rope_dim / 2] exactly as ggml's rope cache builds them.
 
     ggml (no YaRN): theta_scale = powf(base, -2.0f / n_dims); theta_0 = (float) pos, then

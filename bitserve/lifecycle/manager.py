@@ -48,7 +48,9 @@ WARMUP_PROMPT = "Hello"
 async def warm_up(engine: AsyncEngine, request_id: str) -> None:
     """One short greedy generation so the first client does not pay for lazy initialisation."""
     prompt_ids = engine.instance.tokenizer.encode(WARMUP_PROMPT) or [0]
-    await engine.submit(prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id=request_id).collect()
+    await engine.submit(
+        prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id=request_id
+    ).collect()
 
 
 @dataclass(eq=False)
@@ -67,7 +69,9 @@ def check_alias(alias: str) -> str:
 
 
 class ModelManager:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, files: ModelFiles) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, files: ModelFiles
+    ) -> None:
         self.engine_config = engine_config
         self.config = server_config
         self.stats = stats
@@ -87,27 +91,45 @@ class ModelManager:
         """A lease on the READY slot `name` (the default alias when None). Raises ModelNotFound (404),
         ModelUnavailable (503: loading, draining, shutting down) or EngineDead."""
         if self.is_draining:
-            raise ServerShuttingDown("the server is shutting down and accepts no new requests", hint="retry on another replica")
+            raise ServerShuttingDown(
+                "the server is shutting down and accepts no new requests", hint="retry on another replica"
+            )
         alias = name if name is not None else self.default_alias
         entry = self.aliases.get(alias) if alias is not None else None
         if entry is None:
-            if alias is not None and any(slot.alias == alias and slot.state is SlotState.LOADING for slot in self._slots):
-                raise ModelUnavailable(f"the model {alias[:100]!r} is still loading", hint="retry after Retry-After seconds")
+            if alias is not None and any(
+                slot.alias == alias and slot.state is SlotState.LOADING for slot in self._slots
+            ):
+                raise ModelUnavailable(
+                    f"the model {alias[:100]!r} is still loading", hint="retry after Retry-After seconds"
+                )
             available = ", ".join(sorted(self.aliases)) or "(none)"
             shown = "(default)" if alias is None else repr(alias[:100])
-            raise ModelNotFound(f"the model {shown} does not exist on this server", param="model", hint=f"available: {available}")
+            raise ModelNotFound(
+                f"the model {shown} does not exist on this server",
+                param="model",
+                hint=f"available: {available}",
+            )
         slot = entry.current
         if slot.engine is not None and not slot.engine.is_alive:
-            raise EngineDead("the model's engine has failed", hint="roll back or reload the model; retry later")
+            raise EngineDead(
+                "the model's engine has failed", hint="roll back or reload the model; retry later"
+            )
         if not slot.is_routable:
-            raise ModelUnavailable(f"the model {slot.alias!r} is not ready", hint="retry after Retry-After seconds")
+            raise ModelUnavailable(
+                f"the model {slot.alias!r} is not ready", hint="retry after Retry-After seconds"
+            )
         return slot.acquire()
 
     def resident_slots(self) -> list[ModelSlot]:
         return list(self._slots)
 
     def serving_engines(self) -> list[AsyncEngine]:
-        return [slot.engine for slot in self._slots if slot.engine is not None and slot.state is not SlotState.UNLOADED]
+        return [
+            slot.engine
+            for slot in self._slots
+            if slot.engine is not None and slot.state is not SlotState.UNLOADED
+        ]
 
     @property
     def num_active_requests(self) -> int:
@@ -115,24 +137,46 @@ class ModelManager:
 
     # ----------------------------------------------------------------- admin actions
 
-    def submit(self, action: str, alias: str, model: str | None = None, *, source: ModelFile | None = None,
-               **options: Any) -> Operation:  # fmt: skip
+    def submit(
+        self,
+        action: str,
+        alias: str,
+        model: str | None = None,
+        *,
+        source: ModelFile | None = None,
+        **options: Any,
+    ) -> Operation:
         """Start `action` on `alias` in the background; Conflict when one is already running there.
         `model` is resolved through the model files (403 outside the roots); `source` is taken as is."""
         check_alias(alias)
         if self.is_draining:
             raise ServerShuttingDown("the server is shutting down", hint="retry on another replica")
         if alias in self._busy_aliases:
-            raise Conflict(f"another model operation is running on {alias!r}", param="alias",
-                           hint="wait for its operation to finish and retry")  # fmt: skip
-        runner = {"load": self._load, "swap": self._swap, "rollback": self._rollback, "unload": self._unload}[action]
+            raise Conflict(
+                f"another model operation is running on {alias!r}",
+                param="alias",
+                hint="wait for its operation to finish and retry",
+            )
+        runner = {"load": self._load, "swap": self._swap, "rollback": self._rollback, "unload": self._unload}[
+            action
+        ]
         if action != "load" and alias not in self.aliases:
-            raise ModelNotFound(f"no model is served as {alias!r}", param="alias", hint=f"available: {', '.join(sorted(self.aliases)) or '(none)'}")
+            raise ModelNotFound(
+                f"no model is served as {alias!r}",
+                param="alias",
+                hint=f"available: {', '.join(sorted(self.aliases)) or '(none)'}",
+            )
         if action == "load" and alias in self.aliases:
-            raise Conflict(f"{alias!r} is already served", param="alias", hint="swap it to replace the version it serves")
+            raise Conflict(
+                f"{alias!r} is already served", param="alias", hint="swap it to replace the version it serves"
+            )
         device = options.pop("device", None)
         if device is not None and device not in DEVICES:
-            raise InvalidRequest(f"device {device[:32]!r} is not available", param="device", hint=f"this server has: {', '.join(DEVICES)}")
+            raise InvalidRequest(
+                f"device {device[:32]!r} is not available",
+                param="device",
+                hint=f"this server has: {', '.join(DEVICES)}",
+            )
         if source is None and model is not None:
             source = self.files.resolve(model)
         operation = self.operations.new(action, alias, model or (source.name if source else None))
@@ -142,7 +186,11 @@ class ModelManager:
 
     async def _run(self, operation: Operation, runner: Any, source: ModelFile | None, **options: Any) -> None:
         try:
-            result = await runner(operation, source, **options) if source is not None else await runner(operation, **options)
+            result = (
+                await runner(operation, source, **options)
+                if source is not None
+                else await runner(operation, **options)
+            )
             operation.succeed(**result)
         except BitserveError as exc:
             operation.fail(exc)
@@ -161,7 +209,9 @@ class ModelManager:
         logger.info("serving %s as %r (version %s)", source.path.name, operation.alias, slot.version)
         return {"version": slot.version, "slot_id": slot.slot_id}
 
-    async def _swap(self, operation: Operation, source: ModelFile, validate: bool = True, action: str = "swap") -> dict[str, Any]:
+    async def _swap(
+        self, operation: Operation, source: ModelFile, validate: bool = True, action: str = "swap"
+    ) -> dict[str, Any]:
         try:
             slot = await self._bring_up(operation, source, validate=validate)
         except BitserveError:
@@ -177,7 +227,12 @@ class ModelManager:
     async def _rollback(self, operation: Operation) -> dict[str, Any]:
         entry = self.aliases[operation.alias]
         previous = entry.previous
-        if previous is not None and previous.state is SlotState.DRAINING and previous.engine is not None and previous.engine.is_alive:
+        if (
+            previous is not None
+            and previous.state is SlotState.DRAINING
+            and previous.engine is not None
+            and previous.engine.is_alive
+        ):
             current = self._flip_back(entry)
             self._record("rollback", operation.alias, previous.version, "success")
             self._spawn(self._retire(current))
@@ -185,11 +240,17 @@ class ModelManager:
         if entry.previous_source is None:
             raise Conflict(f"{operation.alias!r} has no previous version", param="alias")
         result = await self._swap(operation, entry.previous_source, validate=True, action="rollback")
-        return {"version": result["version"], "rolled_back_from": result["previous_version"], "reloaded": True}
+        return {
+            "version": result["version"],
+            "rolled_back_from": result["previous_version"],
+            "reloaded": True,
+        }
 
     async def _unload(self, operation: Operation) -> dict[str, Any]:
         entry = self._remove_alias(operation.alias)
-        await asyncio.gather(*(self._retire(slot) for slot in (entry.current, entry.previous) if slot is not None))
+        await asyncio.gather(
+            *(self._retire(slot) for slot in (entry.current, entry.previous) if slot is not None)
+        )
         self._record("unload", operation.alias, entry.current.version, "success")
         return {"version": entry.current.version}
 
@@ -216,8 +277,19 @@ class ModelManager:
         """Watch `new`; on failure flip back to `old` (still resident) and retire `new`; else retire `old`."""
         policy = ProbationPolicy.from_config(self.config)
         reason = await watch_probation(new, policy, lambda: entry.current is new and entry.previous is old)
-        if reason is not None and entry.current is new and entry.previous is old and self.aliases.get(new.alias) is entry:
-            logger.error("probation failed for %r version %s (%s): rolling back to %s", new.alias, new.version, reason, old.version)
+        if (
+            reason is not None
+            and entry.current is new
+            and entry.previous is old
+            and self.aliases.get(new.alias) is entry
+        ):
+            logger.error(
+                "probation failed for %r version %s (%s): rolling back to %s",
+                new.alias,
+                new.version,
+                reason,
+                old.version,
+            )
             self._flip_back(entry)
             self._record("auto_rollback", new.alias, old.version, "success")
             self._publish()
@@ -241,7 +313,10 @@ class ModelManager:
             slot.phase, slot.progress = "hashing", 0.05
             digest = await asyncio.to_thread(self.files.verify_sha256, source)
             slot.phase, slot.progress = "loading", 0.2
-            config = dataclasses.replace(self.engine_config, model=dataclasses.replace(self.engine_config.model, model=str(source.path)))
+            config = dataclasses.replace(
+                self.engine_config,
+                model=dataclasses.replace(self.engine_config.model, model=str(source.path)),
+            )
             slot.instance = await asyncio.to_thread(ModelInstance.load, config)
             slot.phase, slot.progress = "validating", 0.8
             engine = self._start_engine(slot, digest[:12])
@@ -261,7 +336,9 @@ class ModelManager:
 
     def _start_engine(self, slot: ModelSlot, version: str) -> AsyncEngine:
         assert slot.instance is not None
-        engine = AsyncEngine(slot.instance, limits=AdmissionLimits.from_config(self.config), stats=self.stats, name=slot.alias)
+        engine = AsyncEngine(
+            slot.instance, limits=AdmissionLimits.from_config(self.config), stats=self.stats, name=slot.alias
+        )
         engine.start()
         slot.engine = engine
         slot.info = model_info(slot.alias, version, slot.instance)
@@ -287,8 +364,12 @@ class ModelManager:
             return
         slot.state = SlotState.DRAINING
         if not await slot.wait_idle(self.config.swap_drain_timeout_s) and slot.engine is not None:
-            num_ended = slot.engine.expire(ModelUnavailable(f"the model version {slot.version} was unloaded before the request finished",
-                                                            hint="retry; the alias now serves another version"))  # fmt: skip
+            num_ended = slot.engine.expire(
+                ModelUnavailable(
+                    f"the model version {slot.version} was unloaded before the request finished",
+                    hint="retry; the alias now serves another version",
+                )
+            )
             logger.warning("drain deadline for %s: ended %d request(s)", slot.slot_id, num_ended)
             await slot.wait_idle(self.config.swap_drain_timeout_s)
         await self._free(slot)
@@ -314,17 +395,24 @@ class ModelManager:
             return
         needed = self._load_bytes(source)
         while self._resident_bytes() + needed > budget:
-            idle = [(entry.current.last_used, name) for name, entry in self.aliases.items()
-                    if name != alias and name not in self._busy_aliases and entry.current.num_leases == 0
-                    and (entry.previous is None or entry.previous.num_leases == 0)]  # fmt: skip
+            idle = [
+                (entry.current.last_used, name)
+                for name, entry in self.aliases.items()
+                if name != alias
+                and name not in self._busy_aliases
+                and entry.current.num_leases == 0
+                and (entry.previous is None or entry.previous.num_leases == 0)
+            ]
             if not idle:
                 raise ModelUnavailable(
                     f"not enough model memory: {needed / 1e6:.0f} MB needed, {self._resident_bytes() / 1e6:.0f} of {budget / 1e6:.0f} MB in use by busy models",
                     hint="unload a model, raise max_models_memory_bytes, or retry when traffic is lower",
-                )  # fmt: skip
+                )
             _, victim = min(idle)
             entry = self._remove_alias(victim)
-            logger.info("evicting idle model %r (least recently used) to make room for %s", victim, source.path.name)
+            logger.info(
+                "evicting idle model %r (least recently used) to make room for %s", victim, source.path.name
+            )
             for slot in (entry.current, entry.previous):
                 if slot is not None:
                     await self._free(slot)
@@ -334,7 +422,9 @@ class ModelManager:
         """What loading `source` will take before its real size is known: file bytes + the KV cache budget."""
         return source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
 
-    def _new_slot(self, alias: str, source: ModelFile, version: str, *, owns_instance: bool = True) -> ModelSlot:
+    def _new_slot(
+        self, alias: str, source: ModelFile, version: str, *, owns_instance: bool = True
+    ) -> ModelSlot:
         self._num_slots += 1
         return ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, source, owns_instance=owns_instance)
 
@@ -372,24 +462,45 @@ class ModelManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _record(self, action: str, alias: str, version: str, result: str, duration_s: float | None = None) -> None:
+    def _record(
+        self, action: str, alias: str, version: str, result: str, duration_s: float | None = None
+    ) -> None:
         self.stats.record_lifecycle(LifecycleEvent(action, alias, version, result, duration_s))
 
     def _publish(self) -> None:
-        self.stats.set_served_models([
-            SlotLabels(name, entry.current.version, entry.current.info.file_name, entry.current.info.architecture)
-            for name, entry in self.aliases.items() if entry.current.info is not None
-        ])  # fmt: skip
+        self.stats.set_served_models(
+            [
+                SlotLabels(
+                    name, entry.current.version, entry.current.info.file_name, entry.current.info.architecture
+                )
+                for name, entry in self.aliases.items()
+                if entry.current.info is not None
+            ]
+        )
 
     def describe(self) -> list[dict[str, Any]]:
         """One entry per alias (what serves, plus the version beside it), then loads of new aliases."""
         entries = []
         for name, entry in sorted(self.aliases.items()):
             pending = [s.describe() for s in self._slots if s.alias == name and s.state is SlotState.LOADING]
-            entries.append({"alias": name, "is_default": name == self.default_alias, **entry.current.describe(),
-                            "previous": entry.previous.describe() if entry.previous is not None else None,
-                            "pending": pending[0] if pending else None})  # fmt: skip
+            entries.append(
+                {
+                    "alias": name,
+                    "is_default": name == self.default_alias,
+                    **entry.current.describe(),
+                    "previous": entry.previous.describe() if entry.previous is not None else None,
+                    "pending": pending[0] if pending else None,
+                }
+            )
         for slot in self._slots:
             if slot.alias not in self.aliases and slot.state is SlotState.LOADING:
-                entries.append({"alias": slot.alias, "is_default": False, **slot.describe(), "previous": None, "pending": None})
+                entries.append(
+                    {
+                        "alias": slot.alias,
+                        "is_default": False,
+                        **slot.describe(),
+                        "previous": None,
+                        "pending": None,
+                    }
+                )
         return entries

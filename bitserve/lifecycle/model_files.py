@@ -71,7 +71,9 @@ def _read_sidecar(gguf_path: Path) -> dict[str, Any]:
     if not sidecar.is_file():
         return {}
     if sidecar.stat().st_size > MAX_SIDECAR_BYTES:
-        raise InvalidModelFile("model sidecar is too large", path=str(sidecar), expected=f"<= {MAX_SIDECAR_BYTES} bytes")
+        raise InvalidModelFile(
+            "model sidecar is too large", path=str(sidecar), expected=f"<= {MAX_SIDECAR_BYTES} bytes"
+        )
     try:
         data = json.loads(sidecar.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -82,8 +84,14 @@ def _read_sidecar(gguf_path: Path) -> dict[str, Any]:
 
 
 def _int_list(value: Any, what: str, path: Path, max_len: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or not 0 < len(value) <= max_len or not all(type(v) is int and v >= 0 for v in value):
-        raise InvalidModelFile(f"sidecar {what} must be a list of 1..{max_len} non-negative token ids", path=str(path))
+    if (
+        not isinstance(value, list)
+        or not 0 < len(value) <= max_len
+        or not all(type(v) is int and v >= 0 for v in value)
+    ):
+        raise InvalidModelFile(
+            f"sidecar {what} must be a list of 1..{max_len} non-negative token ids", path=str(path)
+        )
     return tuple(value)
 
 
@@ -92,7 +100,9 @@ def parse_golden(entries: Any, path: Path) -> tuple[GoldenPrompt, ...]:
     if entries is None:
         return ()
     if not isinstance(entries, list) or len(entries) > MAX_GOLDEN_PROMPTS:
-        raise InvalidModelFile(f"sidecar golden must be a list of at most {MAX_GOLDEN_PROMPTS} entries", path=str(path))
+        raise InvalidModelFile(
+            f"sidecar golden must be a list of at most {MAX_GOLDEN_PROMPTS} entries", path=str(path)
+        )
     prompts = []
     for entry in entries:
         if not isinstance(entry, dict):
@@ -100,13 +110,22 @@ def parse_golden(entries: Any, path: Path) -> tuple[GoldenPrompt, ...]:
         prompt = entry.get("prompt")
         if not isinstance(prompt, str):
             prompt = _int_list(prompt, "golden prompt", path, 4096)
-        prompts.append(GoldenPrompt(prompt, _int_list(entry.get("expected_token_ids"), "golden expected_token_ids", path, MAX_GOLDEN_TOKENS)))
+        prompts.append(
+            GoldenPrompt(
+                prompt,
+                _int_list(
+                    entry.get("expected_token_ids"), "golden expected_token_ids", path, MAX_GOLDEN_TOKENS
+                ),
+            )
+        )
     return tuple(prompts)
 
 
 def _registered(name: str, path: Path, sidecar: dict[str, Any], sidecar_path: Path) -> ModelFile:
     sha256 = sidecar.get("sha256")
-    if sha256 is not None and not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in sha256)):
+    if sha256 is not None and not (
+        isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdefABCDEF" for c in sha256)
+    ):
         raise InvalidModelFile("sidecar sha256 must be 64 hex digits", path=str(sidecar_path))
     defaults = sidecar.get("default_params") or {}
     if not isinstance(defaults, dict):
@@ -167,15 +186,22 @@ class ModelFiles:
         candidate = Path(text)
         if not candidate.is_absolute():
             if not self.roots:
-                raise ModelNotFound(f"unknown model {reference!r}", param="model", hint=f"available: {', '.join(self.names)}")
+                raise ModelNotFound(
+                    f"unknown model {reference!r}", param="model", hint=f"available: {', '.join(self.names)}"
+                )
             candidate = self.roots[0] / candidate
         resolved = candidate.resolve()
         if not self._is_inside_roots(resolved):
             logger.warning("refused model reference %r: resolves outside the model roots", reference)
-            raise Forbidden(f"model path {reference!r} is outside the configured model roots", param="model",
-                            hint="use a registered model name (the model list shows them) or a path inside a model root")  # fmt: skip
+            raise Forbidden(
+                f"model path {reference!r} is outside the configured model roots",
+                param="model",
+                hint="use a registered model name (the model list shows them) or a path inside a model root",
+            )
         if not resolved.is_file():
-            raise ModelNotFound(f"no model file at {reference!r}", param="model", hint=f"available: {', '.join(self.names)}")
+            raise ModelNotFound(
+                f"no model file at {reference!r}", param="model", hint=f"available: {', '.join(self.names)}"
+            )
         for model in self._models.values():
             if model.path == resolved:
                 return model
@@ -199,8 +225,12 @@ class ModelFiles:
         """The file's sha256 (hex); raise InvalidModelFile when it does not match the sidecar's."""
         digest = file_sha256(model.path)
         if model.sha256 is not None and digest != model.sha256.lower():
-            raise InvalidModelFile("sha256 mismatch", path=model.path.name, expected=model.sha256,
-                                   hint="the file changed or is corrupt; fix the file or its sidecar")  # fmt: skip
+            raise InvalidModelFile(
+                "sha256 mismatch",
+                path=model.path.name,
+                expected=model.sha256,
+                hint="the file changed or is corrupt; fix the file or its sidecar",
+            )
         return digest
 
 

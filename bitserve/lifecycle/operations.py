@@ -66,8 +66,14 @@ class Operation:
             "model": self.model,
             "state": self.state.value,
             "phase": slot.phase if slot is not None and self.state is OperationState.RUNNING else None,
-            "progress": 1.0 if self.state is OperationState.SUCCEEDED else round(slot.progress, 3) if slot else 0.0,
-            "error": None if self.error is None else {"message": self.error.message, "hint": self.error.hint, "type": type(self.error).__name__},
+            "progress": 1.0
+            if self.state is OperationState.SUCCEEDED
+            else round(slot.progress, 3)
+            if slot
+            else 0.0,
+            "error": None
+            if self.error is None
+            else {"message": self.error.message, "hint": self.error.hint, "type": type(self.error).__name__},
             "result": self.result,
             "started_at": round(self.started_at, 3),
             "finished_at": None if self.finished_at is None else round(self.finished_at, 3),

@@ -25,11 +25,21 @@ class ProbationPolicy:
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> ProbationPolicy:
-        return cls(config.swap_probation_s, config.probation_max_error_rate, config.probation_min_requests, config.probation_max_itl_s)
+        return cls(
+            config.swap_probation_s,
+            config.probation_max_error_rate,
+            config.probation_min_requests,
+            config.probation_max_itl_s,
+        )
 
 
-def probation_failure(slot: ModelSlot, policy: ProbationPolicy, base_finished: int, base_failed: int,
-                      base_itl: tuple[float, int]) -> str | None:  # fmt: skip
+def probation_failure(
+    slot: ModelSlot,
+    policy: ProbationPolicy,
+    base_finished: int,
+    base_failed: int,
+    base_itl: tuple[float, int],
+) -> str | None:
     """Why `slot` fails probation now, or None. Counts are taken relative to the flip."""
     engine = slot.engine
     if engine is None or not engine.is_alive:
@@ -42,11 +52,15 @@ def probation_failure(slot: ModelSlot, policy: ProbationPolicy, base_finished: i
     if policy.max_itl_s is not None and num_finished >= policy.min_requests and itl_count > 0:
         mean_itl = (engine.itl_sum_s - base_itl[0]) / itl_count
         if mean_itl > policy.max_itl_s:
-            return f"mean inter-token latency {mean_itl * 1000:.0f} ms exceeds {policy.max_itl_s * 1000:.0f} ms"
+            return (
+                f"mean inter-token latency {mean_itl * 1000:.0f} ms exceeds {policy.max_itl_s * 1000:.0f} ms"
+            )
     return None
 
 
-async def watch_probation(slot: ModelSlot, policy: ProbationPolicy, is_still_current: Callable[[], bool]) -> str | None:
+async def watch_probation(
+    slot: ModelSlot, policy: ProbationPolicy, is_still_current: Callable[[], bool]
+) -> str | None:
     """Poll until the window ends (None), the slot fails (the reason), or it stops being current (None)."""
     if policy.window_s <= 0:
         return None

@@ -21,7 +21,9 @@ class ModelValidationFailed(ModelLoadError):
     """A loaded model failed a check before the flip; nothing changed."""
 
 
-async def _greedy(engine: AsyncEngine, prompt_ids: list[int], num_tokens: int, request_id: str) -> tuple[list[int], list[float]]:
+async def _greedy(
+    engine: AsyncEngine, prompt_ids: list[int], num_tokens: int, request_id: str
+) -> tuple[list[int], list[float]]:
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     choice = (await engine.submit(prompt_ids, params, request_id=request_id).collect()).outputs[0]
     return choice.token_ids, [entry.logprob for entry in choice.logprobs or ()]
@@ -42,9 +44,13 @@ async def smoke_generation(engine: AsyncEngine, request_id: str) -> None:
     prompt_ids = engine.instance.tokenizer.encode(SMOKE_PROMPT) or [0]
     token_ids, logprobs = await _greedy(engine, prompt_ids, NUM_SMOKE_TOKENS, request_id)
     if len(token_ids) != NUM_SMOKE_TOKENS:
-        raise ModelValidationFailed(f"smoke generation returned {len(token_ids)} of {NUM_SMOKE_TOKENS} tokens")
+        raise ModelValidationFailed(
+            f"smoke generation returned {len(token_ids)} of {NUM_SMOKE_TOKENS} tokens"
+        )
     if not all(math.isfinite(value) for value in logprobs) or len(logprobs) != len(token_ids):
-        raise ModelValidationFailed("smoke generation produced non-finite logits", hint="the weights hold NaN or Inf")
+        raise ModelValidationFailed(
+            "smoke generation produced non-finite logits", hint="the weights hold NaN or Inf"
+        )
 
 
 async def golden_check(engine: AsyncEngine, golden: Sequence[GoldenPrompt], request_id: str) -> None:
@@ -57,7 +63,10 @@ async def golden_check(engine: AsyncEngine, golden: Sequence[GoldenPrompt], requ
         expected = list(case.expected_token_ids)
         token_ids, _ = await _greedy(engine, prompt_ids, len(expected), f"{request_id}-golden-{index}")
         if token_ids != expected:
-            first = next((i for i, (a, b) in enumerate(zip(token_ids, expected, strict=False)) if a != b), min(len(token_ids), len(expected)))
+            first = next(
+                (i for i, (a, b) in enumerate(zip(token_ids, expected, strict=False)) if a != b),
+                min(len(token_ids), len(expected)),
+            )
             raise ModelValidationFailed(
                 f"golden prompt {index}: greedy tokens differ from the expected ones at position {first}",
                 hint="the new file does not reproduce the recorded outputs; check the file or update its sidecar's golden list",

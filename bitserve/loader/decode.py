@@ -68,7 +68,9 @@ def as_uint8_tensor(raw: np.ndarray) -> torch.Tensor:
     if raw.flags.writeable:
         return torch.from_numpy(raw)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="The given NumPy array is not writable", category=UserWarning
+        )
         return torch.from_numpy(raw)
 
 
@@ -79,12 +81,15 @@ def _tl_params(info: TensorInfo, shape: tuple[int, int], options: DecodeOptions)
     tile = table.get(shape) if table is not None else None
     if tile is None:
         raise InvalidModelFile(
-            f"{kind} tensor {info.name} has shape (M,K)={shape} with no tile config in {source}", hint=_TL_HINT
+            f"{kind} tensor {info.name} has shape (M,K)={shape} with no tile config in {source}",
+            hint=_TL_HINT,
         )
     problem = tl_geometry_error(kind, shape[0], shape[1], tile.BM, tile.BK, tile.bm)
     if problem:
-        raise InvalidModelFile(f"{kind} tensor {info.name}: tile config {tile} from {source} does not fit: "
-                               f"{problem}", hint=_TL_HINT)
+        raise InvalidModelFile(
+            f"{kind} tensor {info.name}: tile config {tile} from {source} does not fit: {problem}",
+            hint=_TL_HINT,
+        )
     return {"BM": tile.BM, "BK": tile.BK, "bm": tile.bm}
 
 
@@ -98,19 +103,23 @@ def make_packed_weight(info: TensorInfo, raw: np.ndarray, *, options: DecodeOpti
     try:
         layout = Layout[type_name]
     except KeyError:
-        raise UnsupportedModel(f"tensor {info.name} has storage type {type_name}, which bitserve cannot decode",
-                               hint="requantize the model to a supported type (Q8_0, Q4_K, TQ2_0, I2_S, ...)"
-                               ) from None
+        raise UnsupportedModel(
+            f"tensor {info.name} has storage type {type_name}, which bitserve cannot decode",
+            hint="requantize the model to a supported type (Q8_0, Q4_K, TQ2_0, I2_S, ...)",
+        ) from None
     if raw.size != info.nbytes:
-        raise InvalidModelFile(f"tensor {info.name} ({type_name}) got {raw.size} bytes",
-                               expected=f"{info.nbytes} bytes")
+        raise InvalidModelFile(
+            f"tensor {info.name} ({type_name}) got {raw.size} bytes", expected=f"{info.nbytes} bytes"
+        )
     shape = matrix_shape(tuple(info.shape))
     params: dict[str, object] = {}
     if layout is Layout.I2_S:
         problem = i2s_geometry_error(options.i2s_variant, *shape)
         if problem:
-            raise InvalidModelFile(f"I2_S tensor {info.name} of shape (M,K)={shape}: {problem}",
-                                   hint="pick the I2_S variant the file was written with (A, B or C)")
+            raise InvalidModelFile(
+                f"I2_S tensor {info.name} of shape (M,K)={shape}: {problem}",
+                hint="pick the I2_S variant the file was written with (A, B or C)",
+            )
         params["i2s_variant"] = options.i2s_variant
     elif layout in (Layout.TL1, Layout.TL2):
         params.update(_tl_params(info, shape, options))

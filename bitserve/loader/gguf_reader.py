@@ -86,23 +86,41 @@ class _Cursor:
     def left(self) -> int:
         return self.end - self.pos
 
-    def fail(self, message: str, *, offset: int | None = None, expected: str | None = None,
-             hint: str = _HINT_TRUNCATED) -> InvalidModelFile:
-        return InvalidModelFile(message, path=self.path, offset=self.pos if offset is None else offset,
-                                expected=expected, hint=hint)
+    def fail(
+        self,
+        message: str,
+        *,
+        offset: int | None = None,
+        expected: str | None = None,
+        hint: str = _HINT_TRUNCATED,
+    ) -> InvalidModelFile:
+        return InvalidModelFile(
+            message,
+            path=self.path,
+            offset=self.pos if offset is None else offset,
+            expected=expected,
+            hint=hint,
+        )
 
-    def short(self, message: str, *, offset: int | None = None, expected: str | None = None) -> InvalidModelFile:
+    def short(
+        self, message: str, *, offset: int | None = None, expected: str | None = None
+    ) -> InvalidModelFile:
         """The error for "not enough bytes left": a truncated file, or metadata past max_metadata_bytes."""
         if self.end < self.file_size:
-            return self.fail(f"metadata runs past the max_metadata_bytes limit of {self.end} bytes ({message})",
-                             offset=offset, expected=f"metadata within {self.end} bytes",
-                             hint="raise max_metadata_bytes if the file is trusted")
+            return self.fail(
+                f"metadata runs past the max_metadata_bytes limit of {self.end} bytes ({message})",
+                offset=offset,
+                expected=f"metadata within {self.end} bytes",
+                hint="raise max_metadata_bytes if the file is trusted",
+            )
         return self.fail(message, offset=offset, expected=expected)
 
     def need(self, num_bytes: int, what: str) -> None:
         if num_bytes > self.end - self.pos:
-            raise self.short(f"truncated while reading {what}: needs {num_bytes} bytes, {self.left} left",
-                             expected=f"at least {num_bytes} more bytes")
+            raise self.short(
+                f"truncated while reading {what}: needs {num_bytes} bytes, {self.left} left",
+                expected=f"at least {num_bytes} more bytes",
+            )
 
     def unpack(self, st: struct.Struct, what: str) -> Any:
         self.need(st.size, what)
@@ -114,11 +132,18 @@ class _Cursor:
         start = self.pos
         length = self.unpack(_U64, f"{what} length")
         if length > self.left:
-            raise self.short(f"{what} length {length} exceeds the {self.left} bytes left", offset=start,
-                             expected=f"a length <= {self.left}")
+            raise self.short(
+                f"{what} length {length} exceeds the {self.left} bytes left",
+                offset=start,
+                expected=f"a length <= {self.left}",
+            )
         if length > max_bytes:
-            raise self.fail(f"{what} length {length} exceeds the limit of {max_bytes} bytes", offset=start,
-                            expected=f"a length <= {max_bytes}", hint="the file is corrupt or hostile")
+            raise self.fail(
+                f"{what} length {length} exceeds the limit of {max_bytes} bytes",
+                offset=start,
+                expected=f"a length <= {max_bytes}",
+                hint="the file is corrupt or hostile",
+            )
         data = self.buf[self.pos : self.pos + length]
         self.pos += length
         return data
@@ -128,25 +153,36 @@ class _Cursor:
         start = self.pos
         data = self.raw_string(what, max_bytes)
         if not data:
-            raise self.fail(f"{what} is empty", offset=start, expected="a non-empty name",
-                            hint="the file is corrupt")
+            raise self.fail(
+                f"{what} is empty", offset=start, expected="a non-empty name", hint="the file is corrupt"
+            )
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise self.fail(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}): {data[:64]!r}",
-                            offset=start, expected="a UTF-8 name", hint="the file is corrupt") from None
+            raise self.fail(
+                f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}): {data[:64]!r}",
+                offset=start,
+                expected="a UTF-8 name",
+                hint="the file is corrupt",
+            ) from None
 
     def count(self, what: str, min_element_bytes: int, max_count: int | None = None) -> int:
         """A u64 element count, bounded by the bytes left before anything is allocated."""
         start = self.pos
         num = self.unpack(_U64, f"{what} count")
         if max_count is not None and num > max_count:
-            raise self.fail(f"{what} count {num} exceeds the limit of {max_count}", offset=start,
-                            expected=f"a count <= {max_count}", hint="the file is corrupt or hostile")
+            raise self.fail(
+                f"{what} count {num} exceeds the limit of {max_count}",
+                offset=start,
+                expected=f"a count <= {max_count}",
+                hint="the file is corrupt or hostile",
+            )
         if num * min_element_bytes > self.left:
-            raise self.short(f"{what} count {num} needs at least {num * min_element_bytes} bytes, "
-                             f"{self.left} left", offset=start,
-                             expected=f"a count <= {self.left // min_element_bytes}")
+            raise self.short(
+                f"{what} count {num} needs at least {num * min_element_bytes} bytes, {self.left} left",
+                offset=start,
+                expected=f"a count <= {self.left // min_element_bytes}",
+            )
         return num
 
 
@@ -165,8 +201,12 @@ def _value_type(cur: _Cursor, what: str) -> GGUFValueType:
     try:
         return GGUFValueType(type_id)
     except ValueError:
-        raise cur.fail(f"unknown value type {type_id} for {what}", offset=start,
-                       expected="a GGUF value type 0..12", hint="the file is corrupt") from None
+        raise cur.fail(
+            f"unknown value type {type_id} for {what}",
+            offset=start,
+            expected="a GGUF value type 0..12",
+            hint="the file is corrupt",
+        ) from None
 
 
 def _read_scalar(cur: _Cursor, vtype: GGUFValueType, what: str) -> Any:
@@ -176,8 +216,9 @@ def _read_scalar(cur: _Cursor, vtype: GGUFValueType, what: str) -> Any:
         start = cur.pos
         byte = cur.unpack(_SCALAR_STRUCTS[GGUFValueType.UINT8], f"bool value of {what}")
         if byte > 1:
-            raise cur.fail(f"bool value of {what} is {byte}", offset=start, expected="0 or 1",
-                           hint="the file is corrupt")
+            raise cur.fail(
+                f"bool value of {what} is {byte}", offset=start, expected="0 or 1", hint="the file is corrupt"
+            )
         return bool(byte)
     return cur.unpack(_SCALAR_STRUCTS[vtype], f"value of {what}")
 
@@ -197,8 +238,10 @@ def _read_string_array(cur: _Cursor, num: int, what: str) -> list[str]:
         pos += 8
         if length > end - pos:
             cur.pos = pos - 8
-            raise cur.short(f"string {index} of {what}: string length {length} exceeds the "
-                            f"{end - pos} bytes left", expected=f"a length <= {end - pos}")
+            raise cur.short(
+                f"string {index} of {what}: string length {length} exceeds the {end - pos} bytes left",
+                expected=f"a length <= {end - pos}",
+            )
         data = buf[pos : pos + length]
         pos += length
         try:
@@ -208,8 +251,9 @@ def _read_string_array(cur: _Cursor, num: int, what: str) -> list[str]:
             append(data.decode("utf-8", "surrogateescape"))
     cur.pos = pos
     if num_invalid:
-        logger.warning("%s holds %d strings that are not valid UTF-8; kept with surrogate escapes", what,
-                       num_invalid)
+        logger.warning(
+            "%s holds %d strings that are not valid UTF-8; kept with surrogate escapes", what, num_invalid
+        )
     return out
 
 
@@ -218,8 +262,12 @@ def _read_array(cur: _Cursor, what: str, depth: int) -> Any:
     start = cur.pos
     elem_type = _value_type(cur, f"array elements of {what}")
     if elem_type is GGUFValueType.ARRAY and depth + 1 >= MAX_ARRAY_DEPTH:
-        raise cur.fail(f"{what} holds arrays nested deeper than {MAX_ARRAY_DEPTH} levels", offset=start,
-                       expected=f"at most {MAX_ARRAY_DEPTH} levels of arrays", hint="the file is corrupt or hostile")
+        raise cur.fail(
+            f"{what} holds arrays nested deeper than {MAX_ARRAY_DEPTH} levels",
+            offset=start,
+            expected=f"at most {MAX_ARRAY_DEPTH} levels of arrays",
+            hint="the file is corrupt or hostile",
+        )
     num = cur.count(f"array of {what}", _MIN_ELEMENT_BYTES[elem_type])
     if elem_type is GGUFValueType.STRING:
         return _read_string_array(cur, num, what)
@@ -229,8 +277,12 @@ def _read_array(cur: _Cursor, what: str, depth: int) -> Any:
         raw = np.frombuffer(cur.buf, dtype=np.uint8, count=num, offset=cur.pos)
         if num and int(raw.max()) > 1:
             bad = int(np.argmax(raw > 1))
-            raise cur.fail(f"bool element {bad} of {what} is {int(raw[bad])}", offset=cur.pos + bad,
-                           expected="0 or 1", hint="the file is corrupt")
+            raise cur.fail(
+                f"bool element {bad} of {what} is {int(raw[bad])}",
+                offset=cur.pos + bad,
+                expected="0 or 1",
+                hint="the file is corrupt",
+            )
         cur.pos += num
         return raw.astype(np.bool_)
     dtype = _NUMPY_DTYPES[elem_type]
@@ -256,8 +308,9 @@ def _read_kv_pairs(cur: _Cursor, num_kv: int) -> _Metadata:
         start = cur.pos
         key = cur.name(f"key {index}", MAX_KEY_BYTES)
         if key in metadata:
-            raise cur.fail(f"duplicate key {key!r}", offset=start, expected="unique keys",
-                           hint="the file is corrupt")
+            raise cur.fail(
+                f"duplicate key {key!r}", offset=start, expected="unique keys", hint="the file is corrupt"
+            )
         what = f"key {key!r}"
         vtype = _value_type(cur, what)
         key_offsets[key] = start
@@ -279,19 +332,31 @@ def _read_tensor_info(cur: _Cursor, index: int) -> validate.RawTensor:
     dims_offset = cur.pos
     n_dims = cur.unpack(_U32, f"n_dims of {what}")
     if n_dims > MAX_DIMS:
-        raise cur.fail(f"{what} has n_dims {n_dims}", offset=dims_offset, expected=f"n_dims <= {MAX_DIMS}",
-                       hint="the file is corrupt")
+        raise cur.fail(
+            f"{what} has n_dims {n_dims}",
+            offset=dims_offset,
+            expected=f"n_dims <= {MAX_DIMS}",
+            hint="the file is corrupt",
+        )
     cur.need(8 * n_dims, f"ne of {what}")
     shape = tuple(_I64.unpack_from(cur.buf, cur.pos + 8 * i)[0] for i in range(n_dims))
     num_elements = 1
     for i, dim in enumerate(shape):
         if dim < 0:
-            raise cur.fail(f"{what} has negative ne[{i}] = {dim}", offset=cur.pos + 8 * i,
-                           expected="ne >= 0", hint="the file is corrupt")
+            raise cur.fail(
+                f"{what} has negative ne[{i}] = {dim}",
+                offset=cur.pos + 8 * i,
+                expected="ne >= 0",
+                hint="the file is corrupt",
+            )
         num_elements *= dim
     if num_elements > _MAX_INT64:
-        raise cur.fail(f"{what} element count of shape {list(shape)} overflows int64", offset=cur.pos,
-                       expected="a product of ne below 2**63", hint="the file is corrupt")
+        raise cur.fail(
+            f"{what} element count of shape {list(shape)} overflows int64",
+            offset=cur.pos,
+            expected="a product of ne below 2**63",
+            hint="the file is corrupt",
+        )
     cur.pos += 8 * n_dims
     type_offset = cur.pos
     type_id = cur.unpack(_I32, f"type of {what}")
@@ -301,15 +366,22 @@ def _read_tensor_info(cur: _Cursor, index: int) -> validate.RawTensor:
 
 def _read_tensor_infos(cur: _Cursor, num_tensors: int) -> list[validate.RawTensor]:
     if num_tensors * _MIN_TENSOR_INFO_BYTES > cur.left:
-        raise cur.short(f"tensor count {num_tensors} needs at least {num_tensors * _MIN_TENSOR_INFO_BYTES} "
-                        f"bytes of tensor infos, {cur.left} left", expected="a count that fits the file")
+        raise cur.short(
+            f"tensor count {num_tensors} needs at least {num_tensors * _MIN_TENSOR_INFO_BYTES} "
+            f"bytes of tensor infos, {cur.left} left",
+            expected="a count that fits the file",
+        )
     raw: list[validate.RawTensor] = []
     names: set[str] = set()
     for index in range(num_tensors):
         record = _read_tensor_info(cur, index)
         if record.name in names:
-            raise cur.fail(f"duplicate tensor name {record.name!r}", offset=record.record_offset,
-                           expected="unique tensor names", hint="the file is corrupt")
+            raise cur.fail(
+                f"duplicate tensor name {record.name!r}",
+                offset=record.record_offset,
+                expected="unique tensor names",
+                hint="the file is corrupt",
+            )
         names.add(record.name)
         raw.append(record)
     return raw
@@ -321,12 +393,20 @@ def _read_alignment(cur: _Cursor, meta: _Metadata) -> int:
         return DEFAULT_ALIGNMENT
     vtype = meta.value_types[key]
     if vtype is not GGUFValueType.UINT32:
-        raise cur.fail(f"general.alignment must be UINT32 but is {vtype.name}", offset=meta.key_offsets[key],
-                       expected="a UINT32 alignment", hint="the file is corrupt")
+        raise cur.fail(
+            f"general.alignment must be UINT32 but is {vtype.name}",
+            offset=meta.key_offsets[key],
+            expected="a UINT32 alignment",
+            hint="the file is corrupt",
+        )
     alignment = meta.values[key]
     if alignment == 0 or alignment & (alignment - 1):
-        raise cur.fail(f"general.alignment {alignment} is not a power of two", offset=meta.key_offsets[key],
-                       expected="a nonzero power of two", hint="the file is corrupt")
+        raise cur.fail(
+            f"general.alignment {alignment} is not a power of two",
+            offset=meta.key_offsets[key],
+            expected="a nonzero power of two",
+            hint="the file is corrupt",
+        )
     return alignment
 
 
@@ -335,38 +415,69 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
     cur.need(4, "magic")
     magic = cur.buf[0:4]
     if magic != GGUF_MAGIC:
-        raise cur.fail(f"bad magic {magic!r}", offset=0, expected="b'GGUF'",
-                       hint="this is not a GGUF file (or it is damaged)")
+        raise cur.fail(
+            f"bad magic {magic!r}",
+            offset=0,
+            expected="b'GGUF'",
+            hint="this is not a GGUF file (or it is damaged)",
+        )
     cur.pos = 4
     version = cur.unpack(_U32, "version")
     if version and not version & 0xFFFF:
-        raise cur.fail(f"version reads {version:#010x}: a big-endian GGUF file", offset=4,
-                       expected="a little-endian file", hint="convert the model again as little-endian")
+        raise cur.fail(
+            f"version reads {version:#010x}: a big-endian GGUF file",
+            offset=4,
+            expected="a little-endian file",
+            hint="convert the model again as little-endian",
+        )
     if version == 1:
-        raise UnsupportedModel("GGUF version 1 is not supported", path=cur.path, offset=4,
-                               expected="version 2 or 3", hint="re-convert the model with a current converter")
+        raise UnsupportedModel(
+            "GGUF version 1 is not supported",
+            path=cur.path,
+            offset=4,
+            expected="version 2 or 3",
+            hint="re-convert the model with a current converter",
+        )
     if version not in SUPPORTED_VERSIONS:
         if version > SUPPORTED_VERSIONS[-1]:
-            raise UnsupportedModel(f"unsupported GGUF version {version}", path=cur.path, offset=4,
-                                   expected="version 2 or 3", hint="a GGUF version newer than bitserve reads")
-        raise cur.fail(f"unsupported GGUF version {version}", offset=4, expected="version 2 or 3",
-                       hint="the file is corrupt")
+            raise UnsupportedModel(
+                f"unsupported GGUF version {version}",
+                path=cur.path,
+                offset=4,
+                expected="version 2 or 3",
+                hint="a GGUF version newer than bitserve reads",
+            )
+        raise cur.fail(
+            f"unsupported GGUF version {version}",
+            offset=4,
+            expected="version 2 or 3",
+            hint="the file is corrupt",
+        )
     counts = []
     for what, cap in (("tensor count", MAX_TENSORS), ("key-value count", MAX_KV_PAIRS)):
         start = cur.pos
         num = cur.unpack(_I64, what)
         if num < 0:
-            raise cur.fail(f"negative {what} {num}", offset=start, expected="a count >= 0",
-                           hint="the file is corrupt")
+            raise cur.fail(
+                f"negative {what} {num}", offset=start, expected="a count >= 0", hint="the file is corrupt"
+            )
         if num > cap:
-            raise cur.fail(f"{what} {num} exceeds the limit of {cap}", offset=start,
-                           expected=f"a count <= {cap}", hint="the file is corrupt or hostile")
+            raise cur.fail(
+                f"{what} {num} exceeds the limit of {cap}",
+                offset=start,
+                expected=f"a count <= {cap}",
+                hint="the file is corrupt or hostile",
+            )
         counts.append(num)
     num_tensors, num_kv = counts
     min_bytes = num_tensors * _MIN_TENSOR_INFO_BYTES + num_kv * _MIN_KV_BYTES
     if min_bytes > cur.left:
-        raise cur.short(f"tensor count {num_tensors} and key-value count {num_kv} need at least {min_bytes} "
-                        f"bytes, {cur.left} left", offset=8, expected="counts that fit the file")
+        raise cur.short(
+            f"tensor count {num_tensors} and key-value count {num_kv} need at least {min_bytes} "
+            f"bytes, {cur.left} left",
+            offset=8,
+            expected="counts that fit the file",
+        )
     return version, num_tensors, num_kv
 
 
@@ -388,24 +499,35 @@ class GGUFFile:
         raw = _read_tensor_infos(cur, num_tensors)
         self.data_offset = pad_to(cur.pos, self.alignment)
         if raw and self.data_offset > file_size:
-            raise cur.fail(f"file ends at byte {file_size}, before the data section at {self.data_offset}",
-                           offset=file_size, expected=f"a file of at least {self.data_offset} bytes")
+            raise cur.fail(
+                f"file ends at byte {file_size}, before the data section at {self.data_offset}",
+                offset=file_size,
+                expected=f"a file of at least {self.data_offset} bytes",
+            )
         self.dialect, self.tensors = self._check_tensors(raw)
-        logger.debug("%s: GGUF v%d, %d keys, %d tensors, data at %d", path, self.version, num_kv,
-                     num_tensors, self.data_offset)
+        logger.debug(
+            "%s: GGUF v%d, %d keys, %d tensors, data at %d",
+            path,
+            self.version,
+            num_kv,
+            num_tensors,
+            self.data_offset,
+        )
 
     def _check_tensors(self, raw: list[validate.RawTensor]) -> tuple[Dialect, dict[str, TensorInfo]]:
         data_size = max(0, self.file_size - self.data_offset)
         arch = self.metadata.get("general.architecture")
         validate.check_offsets(raw, self.alignment, data_size, self.data_offset, self.path)
-        dialect = validate.detect_dialect(raw, arch if isinstance(arch, str) else None, self.alignment,
-                                          data_size, self.path)
+        dialect = validate.detect_dialect(
+            raw, arch if isinstance(arch, str) else None, self.alignment, data_size, self.path
+        )
         sized = validate.size_tensors(raw, dialect, self.path)
         validate.check_extents(raw, [n for _, n in sized], data_size, self.data_offset, self.path)
         validate.log_format_hints(self.metadata, raw, dialect, self.path)
         tensors = {
-            r.name: TensorInfo(r.name, r.shape, r.type_id, ggml_type, r.offset, self.data_offset + r.offset,
-                               nbytes)
+            r.name: TensorInfo(
+                r.name, r.shape, r.type_id, ggml_type, r.offset, self.data_offset + r.offset, nbytes
+            )
             for r, (ggml_type, nbytes) in zip(raw, sized, strict=True)
         }
         return dialect, tensors
@@ -416,9 +538,12 @@ class GGUFFile:
             raise RuntimeError(f"{self.path}: GGUFFile is closed")
         info = self.tensors.get(name)
         if info is None:
-            raise InvalidModelFile(f"tensor {name!r} is not in the file", path=self.path,
-                                   expected="a tensor the model needs", hint="the file is incomplete or "
-                                   "was converted for another architecture")
+            raise InvalidModelFile(
+                f"tensor {name!r} is not in the file",
+                path=self.path,
+                expected="a tensor the model needs",
+                hint="the file is incomplete or was converted for another architecture",
+            )
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.file_offset)
 
     def release_pages(self, name: str) -> None:
@@ -438,9 +563,12 @@ class GGUFFile:
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str) or not arch:
-            raise InvalidModelFile("general.architecture is missing or not a string", path=self.path,
-                                   expected="a STRING general.architecture",
-                                   hint="the file lacks the key every GGUF model must carry")
+            raise InvalidModelFile(
+                "general.architecture is missing or not a string",
+                path=self.path,
+                expected="a STRING general.architecture",
+                hint="the file lacks the key every GGUF model must carry",
+            )
         return arch
 
     def close(self) -> None:
@@ -452,8 +580,9 @@ class GGUFFile:
     def __enter__(self) -> GGUFFile:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -464,12 +593,18 @@ def read_gguf(path: str | os.PathLike[str], *, max_metadata_bytes: int | None = 
         with open(path_str, "rb") as fh:
             file_size = os.fstat(fh.fileno()).st_size
             if file_size == 0:
-                raise InvalidModelFile("empty file", path=path_str, offset=0, expected="a GGUF header",
-                                       hint="the download or conversion did not finish")
+                raise InvalidModelFile(
+                    "empty file",
+                    path=path_str,
+                    offset=0,
+                    expected="a GGUF header",
+                    hint="the download or conversion did not finish",
+                )
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as exc:
-        raise InvalidModelFile(f"cannot open: {exc.strerror or exc}", path=path_str,
-                               hint="check the path and its permissions") from exc
+        raise InvalidModelFile(
+            f"cannot open: {exc.strerror or exc}", path=path_str, hint="check the path and its permissions"
+        ) from exc
     try:
         return GGUFFile(path_str, mm, len(mm), max_metadata_bytes)
     except BaseException:

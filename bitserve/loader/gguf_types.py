@@ -155,9 +155,7 @@ def tensor_nbytes(ggml_type: GGMLType, shape: tuple[int, ...]) -> int:
         return num_values // 4 + SCALE_SLOT_BYTES
     fmt = BLOCK_FORMATS[ggml_type]
     if shape and shape[0] % fmt.block_size:
-        raise ValueError(
-            f"{ggml_type.name} needs ne[0] to be a multiple of {fmt.block_size}, got {shape[0]}"
-        )
+        raise ValueError(f"{ggml_type.name} needs ne[0] to be a multiple of {fmt.block_size}, got {shape[0]}")
     return num_values // fmt.block_size * fmt.type_size
 
 

@@ -18,11 +18,16 @@ import numpy as np
 from bitserve.loader.gguf_types import SCALAR_FORMATS, GGUFValueType, pad_to
 
 _NUMPY_TO_VALUE_TYPE = {
-    np.dtype(np.uint8): GGUFValueType.UINT8, np.dtype(np.int8): GGUFValueType.INT8,
-    np.dtype(np.uint16): GGUFValueType.UINT16, np.dtype(np.int16): GGUFValueType.INT16,
-    np.dtype(np.uint32): GGUFValueType.UINT32, np.dtype(np.int32): GGUFValueType.INT32,
-    np.dtype(np.float32): GGUFValueType.FLOAT32, np.dtype(np.bool_): GGUFValueType.BOOL,
-    np.dtype(np.uint64): GGUFValueType.UINT64, np.dtype(np.int64): GGUFValueType.INT64,
+    np.dtype(np.uint8): GGUFValueType.UINT8,
+    np.dtype(np.int8): GGUFValueType.INT8,
+    np.dtype(np.uint16): GGUFValueType.UINT16,
+    np.dtype(np.int16): GGUFValueType.INT16,
+    np.dtype(np.uint32): GGUFValueType.UINT32,
+    np.dtype(np.int32): GGUFValueType.INT32,
+    np.dtype(np.float32): GGUFValueType.FLOAT32,
+    np.dtype(np.bool_): GGUFValueType.BOOL,
+    np.dtype(np.uint64): GGUFValueType.UINT64,
+    np.dtype(np.int64): GGUFValueType.INT64,
     np.dtype(np.float64): GGUFValueType.FLOAT64,
 }
 
@@ -93,8 +98,9 @@ class GGUFBuilder:
             self.add_uint32("general.alignment", alignment)
 
     # ---- metadata ----
-    def add_kv(self, key: str, value_type: GGUFValueType, value: Any,
-               array_type: GGUFValueType | None = None) -> None:
+    def add_kv(
+        self, key: str, value_type: GGUFValueType, value: Any, array_type: GGUFValueType | None = None
+    ) -> None:
         self.add_raw_kv(key.encode("utf-8"), int(value_type), encode_value(value_type, value, array_type))
 
     def add_raw_kv(self, key: bytes, value_type_id: int, value_bytes: bytes) -> None:
@@ -122,16 +128,25 @@ class GGUFBuilder:
     def add_bool(self, key: str, value: bool) -> None:
         self.add_kv(key, GGUFValueType.BOOL, value)
 
-    def add_array(self, key: str, values: Sequence[Any] | np.ndarray,
-                  element_type: GGUFValueType | None = None) -> None:
+    def add_array(
+        self, key: str, values: Sequence[Any] | np.ndarray, element_type: GGUFValueType | None = None
+    ) -> None:
         self.add_kv(key, GGUFValueType.ARRAY, values, element_type)
 
     def add_architecture(self, arch: str) -> None:
         self.add_string("general.architecture", arch)
 
     # ---- tensors ----
-    def add_tensor(self, name: str | bytes, shape_ggml: tuple[int, ...], type_id: int,
-                   data: bytes | np.ndarray, *, extent: int | None = None, offset: int | None = None) -> None:
+    def add_tensor(
+        self,
+        name: str | bytes,
+        shape_ggml: tuple[int, ...],
+        type_id: int,
+        data: bytes | np.ndarray,
+        *,
+        extent: int | None = None,
+        offset: int | None = None,
+    ) -> None:
         """`shape_ggml` is in ggml order (ne[0] first). Nothing is checked: sizes and ids are written as given."""
         raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
         reserved = len(raw) if extent is None else extent
@@ -150,8 +165,9 @@ class GGUFBuilder:
                 running = max(running, pad_to(off + t.extent, self.alignment))
         return offsets, running
 
-    def _assemble(self, version: int, num_tensors: int | None, num_kv: int | None,
-                  magic: bytes) -> tuple[bytes, dict[str, int]]:
+    def _assemble(
+        self, version: int, num_tensors: int | None, num_kv: int | None, magic: bytes
+    ) -> tuple[bytes, dict[str, int]]:
         out = bytearray()
         layout: dict[str, int] = {"magic": 0, "version": 4, "num_tensors": 8, "num_kv": 16}
         out += magic + struct.pack("<I", version)
@@ -189,8 +205,14 @@ class GGUFBuilder:
         layout["end"] = len(out)
         return bytes(out), layout
 
-    def to_bytes(self, *, version: int = 3, num_tensors: int | None = None, num_kv: int | None = None,
-                 magic: bytes = b"GGUF") -> bytes:
+    def to_bytes(
+        self,
+        *,
+        version: int = 3,
+        num_tensors: int | None = None,
+        num_kv: int | None = None,
+        magic: bytes = b"GGUF",
+    ) -> bytes:
         """The file; the counts in the header can be overridden to lie about the records that follow."""
         return self._assemble(version, num_tensors, num_kv, magic)[0]
 

@@ -38,13 +38,17 @@ def summarize(gguf: GGUFFile) -> dict[str, Any]:
             name: {"count": type_counts[name], "bytes": type_bytes[name]} for name in sorted(type_counts)
         },
         "tokenizer": {key: metadata.get(f"tokenizer.ggml.{key}") for key in TOKENIZER_KEYS}
-        | {"vocab_size": len(tokens) if tokens is not None else None,
-           "has_chat_template": "tokenizer.chat_template" in metadata},
+        | {
+            "vocab_size": len(tokens) if tokens is not None else None,
+            "has_chat_template": "tokenizer.chat_template" in metadata,
+        },
     }
     try:
         spec = spec_from_metadata(metadata, tensor_names=set(gguf.tensors), path=str(gguf.path))
         summary["hyperparameters"] = {
-            field: getattr(spec, field).value if hasattr(getattr(spec, field), "value") else getattr(spec, field)
+            field: getattr(spec, field).value
+            if hasattr(getattr(spec, field), "value")
+            else getattr(spec, field)
             for field in spec.__dataclass_fields__
         }
     except (BitserveError, ValueError, TypeError) as exc:  # inspect reports the spec problem, not fails

@@ -57,7 +57,11 @@ class GGUFWeightSource:
     def packed(self, name: str) -> PackedWeight:
         info = self.gguf.tensors.get(name)
         if info is None:
-            raise InvalidModelFile(f"missing tensor {name!r}", path=self.gguf.path, hint="the file does not match its architecture's tensor layout")
+            raise InvalidModelFile(
+                f"missing tensor {name!r}",
+                path=self.gguf.path,
+                hint="the file does not match its architecture's tensor layout",
+            )
         self.used.add(name)
         return make_packed_weight(info, self.gguf.tensor_data(name), options=self.decode_options)
 
@@ -172,7 +176,22 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadResult:
     release_freed_heap()
     unused = sorted(set(gguf.tensors) - source.used)
     if unused:
-        logger.warning("%s: %d tensors not used by the %s model: %s", path.name, len(unused), spec.architecture, unused[:8])
+        logger.warning(
+            "%s: %d tensors not used by the %s model: %s",
+            path.name,
+            len(unused),
+            spec.architecture,
+            unused[:8],
+        )
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %d layers) in %.2f s on backend %s", path.name, spec.architecture, spec.num_layers, seconds, options.backend.name)
-    return LoadResult(path, gguf, spec, model, options.backend, options.linear_mode, seconds, unused, decode_options)
+    logger.info(
+        "loaded %s (%s, %d layers) in %.2f s on backend %s",
+        path.name,
+        spec.architecture,
+        spec.num_layers,
+        seconds,
+        options.backend.name,
+    )
+    return LoadResult(
+        path, gguf, spec, model, options.backend, options.linear_mode, seconds, unused, decode_options
+    )

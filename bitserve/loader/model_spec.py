@@ -24,7 +24,11 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_TRAITS)
 
 def _require(metadata: Mapping[str, Any], key: str, path: str | None) -> Any:
     if key not in metadata:
-        raise InvalidModelFile(f"missing metadata key {key!r}", path=path, hint="the file was not written by a complete GGUF converter")
+        raise InvalidModelFile(
+            f"missing metadata key {key!r}",
+            path=path,
+            hint="the file was not written by a complete GGUF converter",
+        )
     return metadata[key]
 
 
@@ -45,13 +49,21 @@ def _activation(metadata: Mapping[str, Any], arch: str, default: str) -> str:
 
 def _rope_position_scale(metadata: Mapping[str, Any], arch: str, path: str | None) -> float:
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear", 1.0)))
+    factor = float(
+        metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear", 1.0))
+    )
     if scaling in ("none", "linear") and factor > 0:
         return 1.0 / factor if scaling == "linear" else 1.0
-    raise UnsupportedModel(f"rope scaling {scaling!r} (factor {factor}) is not supported", path=path, hint="supported: none, linear")
+    raise UnsupportedModel(
+        f"rope scaling {scaling!r} (factor {factor}) is not supported",
+        path=path,
+        hint="supported: none, linear",
+    )
 
 
-def spec_from_metadata(metadata: Mapping[str, Any], *, tensor_names: set[str], path: str | None = None) -> ModelSpec:
+def spec_from_metadata(
+    metadata: Mapping[str, Any], *, tensor_names: set[str], path: str | None = None
+) -> ModelSpec:
     """Build a ModelSpec from GGUF metadata. `tensor_names` decides tied embeddings (no output.weight)."""
     arch = _require(metadata, "general.architecture", path)
     if arch not in ARCHITECTURE_TRAITS:
@@ -69,7 +81,9 @@ def spec_from_metadata(metadata: Mapping[str, Any], *, tensor_names: set[str], p
     vocab_default = len(tokens) if tokens is not None else None
     activation = _activation(metadata, arch, default_activation)
     if num_heads % num_kv_heads:
-        raise InvalidModelFile(f"head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}", path=path)
+        raise InvalidModelFile(
+            f"head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}", path=path
+        )
     return ModelSpec(
         architecture=arch,
         name=str(metadata.get("general.name", arch)),

@@ -84,12 +84,15 @@ def _tl_pair_tiles(idx: np.ndarray, BM: int, BY: int, bm: int, by: int) -> np.nd
     """Pair codes [M, K/2] cut into [M/BM][K/BY][BM/bm][BY/by][bm][by/2] (the common TL1/TL2 prefix)."""
     num_rows, num_pairs = idx.shape
     tm, tk = num_rows // BM, 2 * num_pairs // BY
-    return _retile(idx, [
-        ((tm, BM, num_pairs), (0, 2, 1)),  # row tiles of BM, pairs outer
-        ((tm, tk, BY // 2, BM), (0, 1, 3, 2)),  # column tiles of BY
-        ((tm, tk, BM // bm, bm, BY // 2), (0, 1, 2, 4, 3)),  # bm-row SIMD blocks
-        ((tm, tk, BM // bm, BY // by, by // 2, bm), (0, 1, 2, 3, 5, 4)),  # by-column chunks
-    ])
+    return _retile(
+        idx,
+        [
+            ((tm, BM, num_pairs), (0, 2, 1)),  # row tiles of BM, pairs outer
+            ((tm, tk, BY // 2, BM), (0, 1, 3, 2)),  # column tiles of BY
+            ((tm, tk, BM // bm, bm, BY // 2), (0, 1, 2, 4, 3)),  # bm-row SIMD blocks
+            ((tm, tk, BM // bm, BY // by, by // 2, bm), (0, 1, 2, 3, 5, 4)),  # by-column chunks
+        ],
+    )
 
 
 def pack_tl1(values: np.ndarray, scale: float, cfg: TileConfig) -> bytes:
@@ -103,10 +106,13 @@ def pack_tl1(values: np.ndarray, scale: float, cfg: TileConfig) -> bytes:
     by = 256 // bm
     tiles = _tl_pair_tiles(_pair_codes(values), BM, BY, bm, by)  # [tm][tk][sm][sk][bm][by/2]
     lead = tiles.shape[:4]
-    tiles = _retile(tiles, [
-        ((*lead, bm // 16, 16, by // 2), (0, 1, 2, 3, 4, 6, 5)),  # 16-row groups, pairs before rows
-        ((*lead, bm // 16, by // 4, 2, 16), (0, 1, 2, 3, 4, 5, 7, 6)),  # two pairs per byte, last
-    ])
+    tiles = _retile(
+        tiles,
+        [
+            ((*lead, bm // 16, 16, by // 2), (0, 1, 2, 3, 4, 6, 5)),  # 16-row groups, pairs before rows
+            ((*lead, bm // 16, by // 4, 2, 16), (0, 1, 2, 3, 4, 5, 7, 6)),  # two pairs per byte, last
+        ],
+    )
     byte_pairs = tiles.reshape(-1, 2)
     packed = (byte_pairs[:, 0] << 4) | byte_pairs[:, 1]  # the first pair in the high nibble
     return packed.astype(np.uint8).tobytes() + _scale_slot(scale)
@@ -127,17 +133,23 @@ def _tl2_three(values: np.ndarray, BM: int, BY: int) -> tuple[np.ndarray, np.nda
     code = 9 * triples[..., 0] + 3 * triples[..., 1] + triples[..., 2]  # [M, K3/3] in [-13, 13]
     magnitude, sign = np.abs(code).astype(np.uint8), (code < 0).astype(np.uint16)
     tm, tk = num_rows // BM, k3 // BY
-    mag_tiles = _retile(magnitude, [
-        ((tm, BM, k3 // 3), (0, 2, 1)),
-        ((tm, tk, BY // 3, BM), (0, 1, 3, 2)),
-        ((tm, tk, BM // bm, bm, BY // 3), (0, 1, 2, 4, 3)),
-        ((tm, tk, BM // bm, BY // by, by // 3, bm), (0, 1, 2, 3, 5, 4)),  # [..., 32 rows, 2 triples]
-    ])
-    sign_tiles = _retile(sign, [
-        ((tm, BM, k3 // 3), (0, 2, 1)),
-        ((tm, tk, BY // 3, BM), (0, 1, 3, 2)),
-        ((tm, tk, BM // bm, bm, BY // 3), (0, 1, 2, 4, 3)),  # [tm][tk][sm][triple in tile][32 rows]
-    ])
+    mag_tiles = _retile(
+        magnitude,
+        [
+            ((tm, BM, k3 // 3), (0, 2, 1)),
+            ((tm, tk, BY // 3, BM), (0, 1, 3, 2)),
+            ((tm, tk, BM // bm, bm, BY // 3), (0, 1, 2, 4, 3)),
+            ((tm, tk, BM // bm, BY // by, by // 3, bm), (0, 1, 2, 3, 5, 4)),  # [..., 32 rows, 2 triples]
+        ],
+    )
+    sign_tiles = _retile(
+        sign,
+        [
+            ((tm, BM, k3 // 3), (0, 2, 1)),
+            ((tm, tk, BY // 3, BM), (0, 1, 3, 2)),
+            ((tm, tk, BM // bm, bm, BY // 3), (0, 1, 2, 4, 3)),  # [tm][tk][sm][triple in tile][32 rows]
+        ],
+    )
     # 8 triples x 32 rows = 256 signs per group, read as 16 x 16: bit 15-i of word j is sign 16i + j
     sign_tiles = sign_tiles.reshape(tm, tk, BM // bm, BY // (by * 4), 16, 16)
     words = np.zeros(sign_tiles.shape[:4] + (16,), dtype=np.uint16)

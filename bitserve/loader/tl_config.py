@@ -94,8 +94,11 @@ def preset(name: str, kind: Literal["tl1", "tl2"]) -> TLConfigTable:
         raise InvalidRequest(f"TL kind must be 'tl1' or 'tl2', got {kind!r}", param="tl_config")
     shapes = _PRESETS.get(name)
     if shapes is None:
-        raise InvalidRequest(f"unknown TL preset {name!r}; known presets: {', '.join(preset_names())}",
-                             param="tl_config", hint="or pass a kernel_config.ini path")
+        raise InvalidRequest(
+            f"unknown TL preset {name!r}; known presets: {', '.join(preset_names())}",
+            param="tl_config",
+            hint="or pass a kernel_config.ini path",
+        )
     configs = {mk: TileConfig(*tile) for mk, tile in shapes[kind].items()}
     return TLConfigTable(configs, source=f"preset {name!r} ({kind})")
 
@@ -104,8 +107,11 @@ def _ini_int(parser: configparser.ConfigParser, section: str, key: str, path: Pa
     # configparser lower-cases keys, as BitNet's own reader does: codegen writes M/K/BM/BK/bmm, the
     # converter reads m/k/bm/bk/bmm.
     if not parser.has_option(section, key):
-        raise InvalidModelFile(f"section [{section}] has no key {key!r}", path=str(path),
-                               expected="keys m, k, bm (=BM), bk (=BK), bmm (=bm)")
+        raise InvalidModelFile(
+            f"section [{section}] has no key {key!r}",
+            path=str(path),
+            expected="keys m, k, bm (=BM), bk (=BK), bmm (=bm)",
+        )
     text = parser.get(section, key).strip()
     try:
         value = int(text)
@@ -140,13 +146,22 @@ def load_kernel_config_ini(path: str | Path) -> TLConfigTable:
         )
         if shape in configs:
             if configs[shape] != tile:
-                logger.warning("%s: [%s] repeats shape %s with %s; keeping the first, %s",
-                               path, section, shape, tile, configs[shape])
+                logger.warning(
+                    "%s: [%s] repeats shape %s with %s; keeping the first, %s",
+                    path,
+                    section,
+                    shape,
+                    tile,
+                    configs[shape],
+                )
             continue
         configs[shape] = tile
     if not configs:
-        raise InvalidModelFile("TL kernel config has no sections", path=str(path),
-                               expected="sections with keys m, k, bm, bk, bmm")
+        raise InvalidModelFile(
+            "TL kernel config has no sections",
+            path=str(path),
+            expected="sections with keys m, k, bm, bk, bmm",
+        )
     return TLConfigTable(configs, source=str(path))
 
 

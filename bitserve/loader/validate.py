@@ -50,20 +50,28 @@ def sizing_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape if shape else (1,)
 
 
-def check_offsets(tensors: Sequence[RawTensor], alignment: int, data_size: int, data_offset: int,
-                  path: str) -> None:
+def check_offsets(
+    tensors: Sequence[RawTensor], alignment: int, data_size: int, data_offset: int, path: str
+) -> None:
     """Alignment and start-within-data checks; they need no sizes, so they run before dialect detection."""
     for t in tensors:
         if t.offset % alignment:
             raise InvalidModelFile(
                 f"tensor {t.name!r} data offset {t.offset} is not a multiple of the alignment {alignment}",
-                path=path, offset=t.record_offset, expected=f"an offset divisible by {alignment}",
-                hint=_HINT_CORRUPT)
+                path=path,
+                offset=t.record_offset,
+                expected=f"an offset divisible by {alignment}",
+                hint=_HINT_CORRUPT,
+            )
         if t.offset > data_size:
             raise InvalidModelFile(
                 f"tensor {t.name!r} data offset {t.offset} (file offset {data_offset + t.offset}) is past the "
                 f"end of the data section ({data_size} bytes)",
-                path=path, offset=t.record_offset, expected=f"an offset <= {data_size}", hint=_HINT_CORRUPT)
+                path=path,
+                offset=t.record_offset,
+                expected=f"an offset <= {data_size}",
+                hint=_HINT_CORRUPT,
+            )
 
 
 def _stored_extents(tensors: Sequence[RawTensor], data_size: int) -> list[tuple[int, bool]]:
@@ -92,16 +100,21 @@ def _fits(extent: int, is_last: bool, need: int | None) -> bool:
     return extent >= need if is_last else extent == need
 
 
-def detect_dialect(tensors: Sequence[RawTensor], architecture: str | None, alignment: int,
-                   data_size: int, path: str) -> Dialect:
+def detect_dialect(
+    tensors: Sequence[RawTensor], architecture: str | None, alignment: int, data_size: int, path: str
+) -> Dialect:
     """docs/formats.md §1.3: type 37 rejects, 36/38 or a fork arch name pick the fork, type 39 is
     decided by extents."""
     for t in tensors:
         if t.type_id == I8_S_FILE_ID:
             raise UnsupportedModel(
                 f"tensor {t.name!r} has type 37 (bitnet.cpp I8_S), an activation type that is never valid "
-                "in a file", path=path, offset=t.type_offset, expected="a weight storage type",
-                hint="re-convert the model with bitnet.cpp (I2_S) or llama.cpp (TQ1_0/TQ2_0)")
+                "in a file",
+                path=path,
+                offset=t.type_offset,
+                expected="a weight storage type",
+                hint="re-convert the model with bitnet.cpp (I2_S) or llama.cpp (TQ1_0/TQ2_0)",
+            )
     if architecture in FORK_ARCHITECTURES or any(t.type_id in FORK_ONLY_IDS for t in tensors):
         return Dialect.BITNET_CPP
     extents = _stored_extents(tensors, data_size)
@@ -117,8 +130,11 @@ def detect_dialect(tensors: Sequence[RawTensor], architecture: str | None, align
             raise InvalidModelFile(
                 f"tensor {t.name!r} has type 39 and a stored extent of {extent} bytes, which fits neither "
                 f"TL2 (bitnet.cpp, needs {tl2_need}) nor MXFP4 (upstream, needs {mx_need})",
-                path=path, offset=t.record_offset,
-                expected="an extent matching one reading of type 39", hint=_HINT_CORRUPT)
+                path=path,
+                offset=t.record_offset,
+                expected="an extent matching one reading of type 39",
+                hint=_HINT_CORRUPT,
+            )
         verdicts.append(verdict)
     is_tl2 = all(v[0] for v in verdicts)
     is_mxfp4 = all(v[1] for v in verdicts)
@@ -129,8 +145,11 @@ def detect_dialect(tensors: Sequence[RawTensor], architecture: str | None, align
     raise InvalidModelFile(
         f"type-39 tensors (first: {first.name!r}) are ambiguous: their stored extents are consistent with "
         "both or, tensor by tensor, with different readings of TL2 (bitnet.cpp) and MXFP4 (upstream)",
-        path=path, offset=first.record_offset, expected="extents that fit exactly one of TL2 or MXFP4",
-        hint="the file mixes conventions or is corrupt; re-convert it")
+        path=path,
+        offset=first.record_offset,
+        expected="extents that fit exactly one of TL2 or MXFP4",
+        hint="the file mixes conventions or is corrupt; re-convert it",
+    )
 
 
 def size_tensors(tensors: Sequence[RawTensor], dialect: Dialect, path: str) -> list[tuple[GGMLType, int]]:
@@ -141,59 +160,87 @@ def size_tensors(tensors: Sequence[RawTensor], dialect: Dialect, path: str) -> l
             ggml_type = resolve_type(t.type_id, dialect)
         except ValueError as exc:
             raise UnsupportedModel(
-                f"tensor {t.name!r}: {exc}", path=path, offset=t.type_offset,
+                f"tensor {t.name!r}: {exc}",
+                path=path,
+                offset=t.type_offset,
                 expected="a tensor type bitserve decodes",
                 hint="re-quantize the model to a supported type (F32/F16/BF16, Q4_0..Q8_0, K-quants, "
-                     "TQ1_0/TQ2_0, I2_S, TL1/TL2)") from None
+                "TQ1_0/TQ2_0, I2_S, TL1/TL2)",
+            ) from None
         if ggml_type is GGMLType.MXFP4:
             raise UnsupportedModel(
-                f"tensor {t.name!r}: unsupported tensor type MXFP4 (id 39, upstream dialect)", path=path,
-                offset=t.type_offset, expected="a tensor type bitserve decodes",
-                hint="bitserve does not decode MXFP4; re-quantize the model")
+                f"tensor {t.name!r}: unsupported tensor type MXFP4 (id 39, upstream dialect)",
+                path=path,
+                offset=t.type_offset,
+                expected="a tensor type bitserve decodes",
+                hint="bitserve does not decode MXFP4; re-quantize the model",
+            )
         try:
             nbytes = tensor_nbytes(ggml_type, sizing_shape(t.shape))
         except ValueError as exc:
             raise InvalidModelFile(
-                f"tensor {t.name!r} ({ggml_type.name}) has shape {list(t.shape)}: {exc}", path=path,
-                offset=t.record_offset, expected=f"a shape that fits {ggml_type.name}'s block size",
-                hint=_HINT_CORRUPT) from None
+                f"tensor {t.name!r} ({ggml_type.name}) has shape {list(t.shape)}: {exc}",
+                path=path,
+                offset=t.record_offset,
+                expected=f"a shape that fits {ggml_type.name}'s block size",
+                hint=_HINT_CORRUPT,
+            ) from None
         if nbytes < 0:
             raise InvalidModelFile(
                 f"tensor {t.name!r} ({ggml_type.name}) shape {list(t.shape)} gives a negative size {nbytes}",
-                path=path, offset=t.record_offset, expected="a shape the format can hold", hint=_HINT_CORRUPT)
+                path=path,
+                offset=t.record_offset,
+                expected="a shape the format can hold",
+                hint=_HINT_CORRUPT,
+            )
         result.append((ggml_type, nbytes))
     return result
 
 
-def check_extents(tensors: Sequence[RawTensor], sizes: Sequence[int], data_size: int, data_offset: int,
-                  path: str) -> None:
+def check_extents(
+    tensors: Sequence[RawTensor], sizes: Sequence[int], data_size: int, data_offset: int, path: str
+) -> None:
     """Every tensor inside the data section, no two overlapping; gaps are legal (TL hidden scale slots)."""
     for t, nbytes in zip(tensors, sizes, strict=True):
         if t.offset + nbytes > data_size:
             raise InvalidModelFile(
                 f"tensor {t.name!r} ({nbytes} bytes at data offset {t.offset}) extends past the end of the "
                 f"data section ({data_size} bytes, file ends at {data_offset + data_size})",
-                path=path, offset=t.record_offset, expected=f"offset + size <= {data_size}",
-                hint=_HINT_CORRUPT)
-    spans = sorted((t.offset, t.offset + n, t.name, t.record_offset)
-                   for t, n in zip(tensors, sizes, strict=True) if n > 0)
+                path=path,
+                offset=t.record_offset,
+                expected=f"offset + size <= {data_size}",
+                hint=_HINT_CORRUPT,
+            )
+    spans = sorted(
+        (t.offset, t.offset + n, t.name, t.record_offset)
+        for t, n in zip(tensors, sizes, strict=True)
+        if n > 0
+    )
     for (_, prev_end, prev_name, _), (start, _, name, record_offset) in pairwise(spans):
         if start < prev_end:
             raise InvalidModelFile(
                 f"tensor {name!r} (data offset {start}) overlaps tensor {prev_name!r}, which ends at {prev_end}",
-                path=path, offset=record_offset, expected=f"a data offset >= {prev_end}", hint=_HINT_CORRUPT)
+                path=path,
+                offset=record_offset,
+                expected=f"a data offset >= {prev_end}",
+                hint=_HINT_CORRUPT,
+            )
 
 
-def log_format_hints(metadata: Mapping[str, Any], tensors: Sequence[RawTensor], dialect: Dialect,
-                     path: str) -> None:
+def log_format_hints(
+    metadata: Mapping[str, Any], tensors: Sequence[RawTensor], dialect: Dialect, path: str
+) -> None:
     """Log what the file claims about itself; none of it decides anything (docs/formats.md §1.3)."""
     file_type = metadata.get("general.file_type")
     if file_type is not None:
-        logger.info("%s: general.file_type = %s (informational; ids differ between dialects)", path, file_type)
+        logger.info(
+            "%s: general.file_type = %s (informational; ids differ between dialects)", path, file_type
+        )
     template = metadata.get("tokenizer.chat_template")
     if isinstance(template, str) and "BITNET" in template:
         logger.info("%s: chat template contains the BitNet converter's 'BITNET' placeholder", path)
     if metadata.get("general.architecture") == "llama" and any(t.type_id == 36 for t in tensors):
-        logger.info("%s: arch 'llama' with I2_S tensors (a ternary Llama/Falcon from the fork's quantizer)",
-                    path)
+        logger.info(
+            "%s: arch 'llama' with I2_S tensors (a ternary Llama/Falcon from the fork's quantizer)", path
+        )
     logger.debug("%s: dialect %s", path, dialect.value)

@@ -16,9 +16,67 @@ logger = logging.getLogger(__name__)
 
 # Buckets are sized for CPU serving of small models: a cold prefill of a long prompt on 2 cores can
 # take tens of seconds, while a decode step of a 135M model is a few milliseconds.
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)  # fmt: skip
-ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
-E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)  # fmt: skip
+TTFT_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+)
+ITL_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+E2E_BUCKETS_S = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    90.0,
+    120.0,
+    180.0,
+    300.0,
+    600.0,
+)
 QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 LOAD_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -50,21 +108,46 @@ class PrometheusStatsSink:
 
     def _build_request_metrics(self) -> None:
         reg, model = self.registry, ["model"]
-        self.ttft = Histogram("bitserve_time_to_first_token_seconds", "Time from arrival to the first output token.",
-                              model, buckets=TTFT_BUCKETS_S, registry=reg)  # fmt: skip
-        self.itl = Histogram("bitserve_inter_token_latency_seconds", "Mean gap between output tokens, one sample per request.",
-                             model, buckets=ITL_BUCKETS_S, registry=reg)  # fmt: skip
-        self.e2e = Histogram("bitserve_request_duration_seconds", "End-to-end request latency, arrival to finish.",
-                             model, buckets=E2E_BUCKETS_S, registry=reg)  # fmt: skip
-        self.queue = Histogram("bitserve_request_queue_seconds", "Time a request waited before its first schedule.",
-                               model, buckets=QUEUE_BUCKETS_S, registry=reg)  # fmt: skip
+        self.ttft = Histogram(
+            "bitserve_time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            model,
+            buckets=TTFT_BUCKETS_S,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "bitserve_inter_token_latency_seconds",
+            "Mean gap between output tokens, one sample per request.",
+            model,
+            buckets=ITL_BUCKETS_S,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "bitserve_request_duration_seconds",
+            "End-to-end request latency, arrival to finish.",
+            model,
+            buckets=E2E_BUCKETS_S,
+            registry=reg,
+        )
+        self.queue = Histogram(
+            "bitserve_request_queue_seconds",
+            "Time a request waited before its first schedule.",
+            model,
+            buckets=QUEUE_BUCKETS_S,
+            registry=reg,
+        )
         self.prompt_tokens = Counter(
             "bitserve_prompt_tokens_total", "Prompt tokens of finished requests.", model, registry=reg
         )
-        self.generation_tokens = Counter("bitserve_generation_tokens_total", "Output tokens of finished requests.",
-                                         model, registry=reg)  # fmt: skip
-        self.requests = Counter("bitserve_requests_total", "Finished requests by finish reason.",
-                                ["model", "finish_reason"], registry=reg)  # fmt: skip
+        self.generation_tokens = Counter(
+            "bitserve_generation_tokens_total", "Output tokens of finished requests.", model, registry=reg
+        )
+        self.requests = Counter(
+            "bitserve_requests_total",
+            "Finished requests by finish reason.",
+            ["model", "finish_reason"],
+            registry=reg,
+        )
 
     def _build_step_metrics(self) -> None:
         reg, model = self.registry, ["model"]
@@ -74,38 +157,93 @@ class PrometheusStatsSink:
         self.num_waiting = Gauge(
             "bitserve_num_requests_waiting", "Requests waiting to be scheduled.", model, registry=reg
         )
-        self.kv_usage = Gauge("bitserve_kv_cache_usage_ratio", "Fraction of usable KV-cache blocks in use (0..1).",
-                              model, registry=reg)  # fmt: skip
-        self.prefix_queries = Counter("bitserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-                                      model, registry=reg)  # fmt: skip
-        self.prefix_hits = Counter("bitserve_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
-                                   model, registry=reg)  # fmt: skip
-        self.preemptions = Counter("bitserve_preemptions_total", "Requests preempted (KV blocks reclaimed, recomputed later).",
-                                   model, registry=reg)  # fmt: skip
-        self.batched_tokens = Histogram("bitserve_batched_tokens_per_step", "Tokens (prefill + decode) computed in one step.",
-                                        model, buckets=BATCHED_TOKENS_BUCKETS, registry=reg)  # fmt: skip
-        self.step_time = Histogram("bitserve_step_duration_seconds", "Wall time of one engine step.",
-                                   model, buckets=STEP_BUCKETS_S, registry=reg)  # fmt: skip
+        self.kv_usage = Gauge(
+            "bitserve_kv_cache_usage_ratio",
+            "Fraction of usable KV-cache blocks in use (0..1).",
+            model,
+            registry=reg,
+        )
+        self.prefix_queries = Counter(
+            "bitserve_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            model,
+            registry=reg,
+        )
+        self.prefix_hits = Counter(
+            "bitserve_prefix_cache_hits_total",
+            "Prompt tokens served from the prefix cache.",
+            model,
+            registry=reg,
+        )
+        self.preemptions = Counter(
+            "bitserve_preemptions_total",
+            "Requests preempted (KV blocks reclaimed, recomputed later).",
+            model,
+            registry=reg,
+        )
+        self.batched_tokens = Histogram(
+            "bitserve_batched_tokens_per_step",
+            "Tokens (prefill + decode) computed in one step.",
+            model,
+            buckets=BATCHED_TOKENS_BUCKETS,
+            registry=reg,
+        )
+        self.step_time = Histogram(
+            "bitserve_step_duration_seconds",
+            "Wall time of one engine step.",
+            model,
+            buckets=STEP_BUCKETS_S,
+            registry=reg,
+        )
 
     def _build_edge_metrics(self) -> None:
         reg = self.registry
-        self.rejected = Counter("bitserve_requests_rejected_total", "Requests refused at admission, by reason.",
-                                ["reason"], registry=reg)  # fmt: skip
-        self.aborted = Counter("bitserve_requests_aborted_total", "Requests aborted before finishing, by reason.",
-                               ["reason"], registry=reg)  # fmt: skip
-        self.http_errors = Counter("bitserve_http_errors_total", "HTTP error responses, by status and error type.",
-                                   ["status", "reason"], registry=reg)  # fmt: skip
+        self.rejected = Counter(
+            "bitserve_requests_rejected_total",
+            "Requests refused at admission, by reason.",
+            ["reason"],
+            registry=reg,
+        )
+        self.aborted = Counter(
+            "bitserve_requests_aborted_total",
+            "Requests aborted before finishing, by reason.",
+            ["reason"],
+            registry=reg,
+        )
+        self.http_errors = Counter(
+            "bitserve_http_errors_total",
+            "HTTP error responses, by status and error type.",
+            ["status", "reason"],
+            registry=reg,
+        )
 
     def _build_lifecycle_metrics(self) -> None:
         reg = self.registry
-        self.swaps = Counter("bitserve_model_swaps_total", "Swaps and rollbacks of an alias, by action and result.",
-                             ["action", "result"], registry=reg)  # fmt: skip
-        self.lifecycle = Counter("bitserve_model_lifecycle_events_total", "Model loads, unloads and evictions, by result.",
-                                 ["action", "result"], registry=reg)  # fmt: skip
-        self.load_duration = Histogram("bitserve_model_load_duration_seconds", "Seconds to load and validate a model version.",
-                                       ["model"], buckets=LOAD_BUCKETS_S, registry=reg)  # fmt: skip
-        self.model_info = Gauge("bitserve_model_info", "1 for each alias and the version it serves now.",
-                                ["model", "version", "file", "architecture"], registry=reg)  # fmt: skip
+        self.swaps = Counter(
+            "bitserve_model_swaps_total",
+            "Swaps and rollbacks of an alias, by action and result.",
+            ["action", "result"],
+            registry=reg,
+        )
+        self.lifecycle = Counter(
+            "bitserve_model_lifecycle_events_total",
+            "Model loads, unloads and evictions, by result.",
+            ["action", "result"],
+            registry=reg,
+        )
+        self.load_duration = Histogram(
+            "bitserve_model_load_duration_seconds",
+            "Seconds to load and validate a model version.",
+            ["model"],
+            buckets=LOAD_BUCKETS_S,
+            registry=reg,
+        )
+        self.model_info = Gauge(
+            "bitserve_model_info",
+            "1 for each alias and the version it serves now.",
+            ["model", "version", "file", "architecture"],
+            registry=reg,
+        )
 
     # ----------------------------------------------------------------- StatsSink
 

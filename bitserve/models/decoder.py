@@ -38,8 +38,13 @@ class DecoderLayer(nn.Module):
             [weights.linear(f"{prefix}.attn_{n}.weight", may_be_ternary=ternary) for n in ("q", "k", "v")],
             [model.output_scale(weights, f"{prefix}.attn_{n}") for n in ("q", "k", "v")],
         )
-        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, fused,
-                                   ggml_numerics=weights.linear_mode.ggml_numerics)
+        self.attn = PagedAttention(
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            fused,
+            ggml_numerics=weights.linear_mode.ggml_numerics,
+        )
         self.attn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.attn_sub_norm.weight", fused)
         self.o_proj = Linear(
             weights.backend,
@@ -61,7 +66,9 @@ class DecoderLayer(nn.Module):
         )
 
     @staticmethod
-    def _sub_norm(spec: ModelSpec, weights: WeightSource, name: str, fused: FusedOps | None) -> RMSNorm | None:
+    def _sub_norm(
+        spec: ModelSpec, weights: WeightSource, name: str, fused: FusedOps | None
+    ) -> RMSNorm | None:
         return RMSNorm(weights.vector(name), spec.rms_norm_eps, fused) if spec.has_sub_norms else None
 
     def forward(

@@ -53,7 +53,9 @@ def build_batch_inputs(requests: Sequence[ScheduledRequest], block_size: int) ->
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         block_size=block_size,
-        decode=make_decode_batch(decode_ids, block_table, seq_lens, query_start_loc, block_size) if decode_ids else None,
+        decode=make_decode_batch(decode_ids, block_table, seq_lens, query_start_loc, block_size)
+        if decode_ids
+        else None,
         other_seq_ids=other_ids,
     )
     return BatchInputs(

@@ -33,11 +33,17 @@ class CacheLayout:
         return self.bytes_per_block * self.num_blocks
 
 
-def plan_cache(spec: ModelSpec, *, block_size: int, memory_bytes: int, dtype_name: str, num_blocks: int | None = None) -> CacheLayout:
+def plan_cache(
+    spec: ModelSpec, *, block_size: int, memory_bytes: int, dtype_name: str, num_blocks: int | None = None
+) -> CacheLayout:
     """Blocks that fit `memory_bytes` (or exactly `num_blocks` when given)."""
     if dtype_name not in KV_DTYPES:
-        raise ModelLoadError(f"unknown KV cache dtype {dtype_name!r}", hint=f"use one of {', '.join(KV_DTYPES)}")
-    layout = CacheLayout(0, block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, KV_DTYPES[dtype_name])
+        raise ModelLoadError(
+            f"unknown KV cache dtype {dtype_name!r}", hint=f"use one of {', '.join(KV_DTYPES)}"
+        )
+    layout = CacheLayout(
+        0, block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, KV_DTYPES[dtype_name]
+    )
     count = num_blocks if num_blocks is not None else memory_bytes // layout.bytes_per_block
     if count < 2:
         raise ModelLoadError(

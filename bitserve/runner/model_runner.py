@@ -47,11 +47,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[batch.sample_indices])  # [num_sampled, vocab]
         rows = self._sampling_rows([r for r in requests if r.sample])
         sampled = self.sampler(logits, rows)
-        token_ids = {rid: [tok] for rid, tok in zip(batch.sampled_request_ids, sampled.token_ids, strict=True)}
+        token_ids = {
+            rid: [tok] for rid, tok in zip(batch.sampled_request_ids, sampled.token_ids, strict=True)
+        }
         logprobs = None
         if sampled.logprobs is not None:
             logprobs = {
-                rid: [entry] for rid, entry in zip(batch.sampled_request_ids, sampled.logprobs, strict=True) if entry is not None
+                rid: [entry]
+                for rid, entry in zip(batch.sampled_request_ids, sampled.logprobs, strict=True)
+                if entry is not None
             }
         return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
 

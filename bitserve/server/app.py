@@ -88,7 +88,9 @@ async def _load_startup_model(state: AppState, on_fatal: Callable[[], None] | No
     reference = state.engine_config.model.model
     try:
         source = await asyncio.to_thread(state.models.files.trusted, reference)
-        operation = state.models.submit("load", served_model_id(reference, state.server_config.served_model_name), source=source)
+        operation = state.models.submit(
+            "load", served_model_id(reference, state.server_config.served_model_name), source=source
+        )
         await operation.wait()
         if operation.error is not None:
             raise operation.error
@@ -109,8 +111,13 @@ def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> App
     return AppState(server_config, engine_config, stats, read_build_info(), models)
 
 
-def build_app(server_config: ServerConfig | None = None, engine_config: EngineConfig | None = None, *,
-              instance: ModelInstance | None = None, on_fatal: Callable[[], None] | None = None) -> FastAPI:  # fmt: skip
+def build_app(
+    server_config: ServerConfig | None = None,
+    engine_config: EngineConfig | None = None,
+    *,
+    instance: ModelInstance | None = None,
+    on_fatal: Callable[[], None] | None = None,
+) -> FastAPI:
     """The bitserve ASGI app. With `instance` (tests), serve that already-loaded model (the caller
     closes it); otherwise load `engine_config`'s model in the background after startup, answering
     503 + Retry-After until it is warm. `on_fatal` runs if the model cannot be loaded. More models
@@ -122,7 +129,9 @@ def build_app(server_config: ServerConfig | None = None, engine_config: EngineCo
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         load_task: asyncio.Task[Any] | None = None
         if instance is not None:
-            await state.models.adopt(instance, served_model_id(instance.name, server_config.served_model_name))
+            await state.models.adopt(
+                instance, served_model_id(instance.name, server_config.served_model_name)
+            )
             state.is_starting = False
         else:
             load_task = asyncio.create_task(_load_startup_model(state, on_fatal))
@@ -141,8 +150,12 @@ def build_app(server_config: ServerConfig | None = None, engine_config: EngineCo
     register_routes(app)
     install_error_handlers(app, state.retry_after_s, state.stats.record_http_error)
     # add_middleware wraps: the last added is outermost.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=server_config.max_body_bytes,
-                       body_read_timeout_s=server_config.body_read_timeout_s,
-                       max_header_bytes=server_config.max_header_bytes, on_error=state.stats.record_http_error)  # fmt: skip
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=server_config.max_body_bytes,
+        body_read_timeout_s=server_config.body_read_timeout_s,
+        max_header_bytes=server_config.max_header_bytes,
+        on_error=state.stats.record_http_error,
+    )
     app.add_middleware(RequestContextMiddleware, on_error=state.stats.record_http_error)
     return app

@@ -77,8 +77,11 @@ def parse_request(body: bytes, model_cls: type[RequestT]) -> RequestT:
 def with_model_defaults(request: RequestT, defaults: dict[str, Any]) -> RequestT:
     """`request` with the model's default parameters (its sidecar's `default_params`) filled into the
     fields the client left unset; the merged body is validated again like a client's."""
-    missing = {name: value for name, value in defaults.items()
-               if name in type(request).model_fields and name not in request.model_fields_set}  # fmt: skip
+    missing = {
+        name: value
+        for name, value in defaults.items()
+        if name in type(request).model_fields and name not in request.model_fields_set
+    }
     if not missing:
         return request
     try:

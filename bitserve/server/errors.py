@@ -182,8 +182,11 @@ def install_error_handlers(
                 spec.code,
                 exc,
             )
-        return JSONResponse(error_payload(exc, spec), status_code=spec.status,
-                            headers=error_headers(exc, spec, retry_after_s()))  # fmt: skip
+        return JSONResponse(
+            error_payload(exc, spec),
+            status_code=spec.status,
+            headers=error_headers(exc, spec, retry_after_s()),
+        )
 
     async def on_bitserve_error(request: Request, exc: Exception) -> JSONResponse:
         return respond(exc, lookup(exc))

@@ -24,7 +24,9 @@ async def live(request: Request) -> Response:
     """The process and event loop answer, the model did not fail to load, the engines of the versions
     that serve live, and they make progress when work is pending (a wedged engine fails this probe)."""
     state = get_state(request)
-    engines = [entry.current.engine for entry in state.models.aliases.values() if entry.current.engine is not None]
+    engines = [
+        entry.current.engine for entry in state.models.aliases.values() if entry.current.engine is not None
+    ]
     stall_s = max((engine.seconds_since_progress for engine in engines), default=0.0)
     checks = {
         "model_load_ok": state.load_error is None,

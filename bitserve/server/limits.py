@@ -34,16 +34,25 @@ logger = logging.getLogger(__name__)
 def _header_timeout_response() -> bytes:
     """A complete raw HTTP/1.1 408 (written to the socket: h11 cannot answer a request it never parsed)."""
     body = json.dumps(error_payload(RequestTimeout("the request headers were not received in time"))).encode()
-    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            f"content-length: {len(body)}\r\n\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
     return head.encode() + body
 
 
 class BodyLimitMiddleware:
     """Reads each request body up front under a size cap and a deadline, then replays it."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_s: float, max_header_bytes: int,
-                 on_error: Callable[[int, str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        body_read_timeout_s: float,
+        max_header_bytes: int,
+        on_error: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.app = app
         self.on_error = on_error
         self.max_body_bytes = max_body_bytes
@@ -72,8 +81,10 @@ class BodyLimitMiddleware:
         num_bytes = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
         num_bytes += sum(len(name) + len(value) + 4 for name, value in scope["headers"])  # ": " and CRLF
         if num_bytes > self.max_header_bytes:
-            raise HeadersTooLarge(f"the request headers ({num_bytes} bytes) exceed the limit of {self.max_header_bytes} bytes",
-                                  hint="send fewer or shorter headers")  # fmt: skip
+            raise HeadersTooLarge(
+                f"the request headers ({num_bytes} bytes) exceed the limit of {self.max_header_bytes} bytes",
+                hint="send fewer or shorter headers",
+            )
         for name, value in scope["headers"]:
             if name != b"content-length":
                 continue
@@ -104,8 +115,10 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             num_bytes += len(chunk)
             if num_bytes > self.max_body_bytes:
-                raise PayloadTooLarge(f"the request body exceeds the limit of {self.max_body_bytes} bytes",
-                                      hint="send a smaller request")  # fmt: skip
+                raise PayloadTooLarge(
+                    f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                    hint="send a smaller request",
+                )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), False

@@ -82,14 +82,20 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
         instance = lease.engine.instance
         prompt = body.prompt_input()
         prompt_ids = await encode_prompt(instance, prompt)
-        stream = lease.engine.submit(prompt_ids, body.to_sampling_params(), request_id=new_request_id(id_prefix),
-                                     priority=body.priority_class, prompt_param=prompt.param)
+        stream = lease.engine.submit(
+            prompt_ids,
+            body.to_sampling_params(),
+            request_id=new_request_id(id_prefix),
+            priority=body.priority_class,
+            prompt_param=prompt.param,
+        )
         stream.on_close = lease.finish
     return Generation(state, body, lease, stream, started)
 
 
-async def respond(request: Request, generation: Generation, response_format: ResponseFormat, *,
-                  stream: bool) -> Response:
+async def respond(
+    request: Request, generation: Generation, response_format: ResponseFormat, *, stream: bool
+) -> Response:
     """SSE frames when `stream`, else run to the end: one JSON body (499 if the client leaves first)."""
     headers = version_header(generation.version)
     if stream:

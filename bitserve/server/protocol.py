@@ -63,8 +63,11 @@ class StrictModel(BaseModel):
 
 def _unsupported(param: str, value: Any, allowed: Callable[[Any], bool], what: str) -> None:
     if not allowed(value):
-        raise UnsupportedParameter(f"{param} is not supported by bitserve ({what})", param=param,
-                                   hint=f"remove {param} from the request")  # fmt: skip
+        raise UnsupportedParameter(
+            f"{param} is not supported by bitserve ({what})",
+            param=param,
+            hint=f"remove {param} from the request",
+        )
 
 
 class TextPart(StrictModel):
@@ -87,8 +90,11 @@ class ChatMessage(StrictModel):
         """The message's text; non-text parts and tool messages are refused (UnsupportedParameter)."""
         where = f"messages[{index}]"
         if self.role == "tool" or self.tool_calls is not None or self.tool_call_id is not None:
-            raise UnsupportedParameter(f"{where}: tool messages and tool calls are not supported by bitserve",
-                                       param=where, hint="send only system, user and assistant text messages")  # fmt: skip
+            raise UnsupportedParameter(
+                f"{where}: tool messages and tool calls are not supported by bitserve",
+                param=where,
+                hint="send only system, user and assistant text messages",
+            )
         if self.content is None:
             if self.role != "assistant":
                 raise InvalidRequest(
@@ -100,8 +106,11 @@ class ChatMessage(StrictModel):
         texts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
-                raise UnsupportedParameter(f"{where}.content[{j}]: content of type {part.type[:40]!r} is not supported by bitserve",
-                                           param=f"{where}.content[{j}].type", hint="send text parts only")  # fmt: skip
+                raise UnsupportedParameter(
+                    f"{where}.content[{j}]: content of type {part.type[:40]!r} is not supported by bitserve",
+                    param=f"{where}.content[{j}].type",
+                    hint="send text parts only",
+                )
             texts.append(part.text)
         return "".join(texts)
 
@@ -146,7 +155,9 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_NUM_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_MAX_TOKENS)
-    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]] | None = (
+        None
+    )
     skip_special_tokens: bool = True
     priority: Literal["high", "normal", "low"] = "normal"
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
@@ -197,11 +208,25 @@ class GenerationRequest(SamplingFields):
 
     def to_sampling_params(self) -> SamplingParams:
         """The engine's SamplingParams; unset fields keep SamplingParams' defaults (one source)."""
-        kwargs: dict[str, Any] = {"n": self.n, "max_tokens": self.requested_max_tokens, "min_tokens": self.min_tokens,
-                                  "ignore_eos": self.ignore_eos, "logprobs": self.num_logprobs,
-                                  "skip_special_tokens": self.skip_special_tokens}
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "stop", "logit_bias"):
+        kwargs: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": self.requested_max_tokens,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.num_logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+            "stop",
+            "logit_bias",
+        ):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -240,8 +265,12 @@ class ChatCompletionRequest(GenerationRequest):
         _unsupported("tool_choice", self.tool_choice, lambda v: v in (None, "none"), _NO_TOOLS)
         _unsupported("functions", self.functions, lambda v: v in (None, []), _NO_TOOLS)
         _unsupported("function_call", self.function_call, lambda v: v in (None, "none"), _NO_TOOLS)
-        _unsupported("response_format", self.response_format, lambda v: v is None or v == {"type": "text"},
-                     'only {"type": "text"} is implemented; JSON modes and schemas are not')  # fmt: skip
+        _unsupported(
+            "response_format",
+            self.response_format,
+            lambda v: v is None or v == {"type": "text"},
+            'only {"type": "text"} is implemented; JSON modes and schemas are not',
+        )
         _unsupported("audio", self.audio, lambda v: v is None, "text only")
         _unsupported("modalities", self.modalities, lambda v: v in (None, ["text"]), "text only")
         _unsupported(
@@ -298,15 +327,24 @@ class CompletionRequest(GenerationRequest):
             "insertion (fill-in-the-middle) is not implemented",
         )
         if self.best_of is not None and self.best_of > self.n:
-            raise UnsupportedParameter(f"best_of={self.best_of} > n={self.n} is not supported by bitserve",
-                                       param="best_of", hint="set best_of equal to n or leave it out")  # fmt: skip
+            raise UnsupportedParameter(
+                f"best_of={self.best_of} > n={self.n} is not supported by bitserve",
+                param="best_of",
+                hint="set best_of equal to n or leave it out",
+            )
         if self.echo and self.logprobs is not None:
-            raise UnsupportedParameter("echo with logprobs is not supported by bitserve (no prompt logprobs)",
-                                       param="echo", hint="use echo or logprobs, not both")  # fmt: skip
+            raise UnsupportedParameter(
+                "echo with logprobs is not supported by bitserve (no prompt logprobs)",
+                param="echo",
+                hint="use echo or logprobs, not both",
+            )
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
-                raise UnsupportedParameter(f"a batch of {len(self.prompt)} prompts is not supported by bitserve",
-                                           param="prompt", hint="send one prompt per request")  # fmt: skip
+                raise UnsupportedParameter(
+                    f"a batch of {len(self.prompt)} prompts is not supported by bitserve",
+                    param="prompt",
+                    hint="send one prompt per request",
+                )
         self.check_stream_options()
 
     def prompt_input(self) -> PromptInput:
@@ -373,8 +411,11 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
         raise InvalidRequest(f"{param} holds more than {MAX_PROMPT_TOKEN_IDS} token ids", param=param)
     bad = next((token_id for token_id in token_ids if not 0 <= token_id < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"{param} contains token id {bad}, outside this model's vocabulary (0..{vocab_size - 1})",
-                             param=param, hint="use ids from this model's /tokenize")  # fmt: skip
+        raise InvalidRequest(
+            f"{param} contains token id {bad}, outside this model's vocabulary (0..{vocab_size - 1})",
+            param=param,
+            hint="use ids from this model's /tokenize",
+        )
 
 
 # ----------------------------------------------------------------- response helpers

@@ -48,7 +48,13 @@ ROUTES: tuple[Route, ...] = (
     # Admin: one scope, so one auth policy covers every action that changes what is served.
     Route("GET", "/v1/models/operations/{operation_id}", serving_admin.get_operation, "admin"),
     Route("POST", "/v1/models/load", serving_admin.load_model, "admin", serving_admin.LoadModelRequest),
-    Route("POST", "/v1/models/{alias:path}/swap", serving_admin.swap_model, "admin", serving_admin.SwapModelRequest),
+    Route(
+        "POST",
+        "/v1/models/{alias:path}/swap",
+        serving_admin.swap_model,
+        "admin",
+        serving_admin.SwapModelRequest,
+    ),
     Route("POST", "/v1/models/{alias:path}/rollback", serving_admin.rollback_model, "admin"),
     Route("POST", "/v1/models/{alias:path}/unload", serving_admin.unload_model, "admin"),
     Route("GET", "/v1/models/{model_id:path}", serving_admin.get_model, "inference"),
@@ -76,9 +82,13 @@ def register_routes(app: FastAPI) -> None:
             definitions.update(nested)
             extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
         app.add_api_route(
-            route.path, route.handler, methods=[route.method], tags=[route.scope],
-            name=route.handler.__name__, openapi_extra=extra,
-        )  # fmt: skip
+            route.path,
+            route.handler,
+            methods=[route.method],
+            tags=[route.scope],
+            name=route.handler.__name__,
+            openapi_extra=extra,
+        )
     build_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -51,8 +51,17 @@ def _model_objects(state: AppState) -> list[dict[str, Any]]:
     for entry in state.models.describe():
         alias_entry = state.models.aliases.get(entry["alias"])
         info = alias_entry.current.info if alias_entry is not None else None
-        objects.append({"id": entry["alias"], "object": "model", "created": info.created if info else 0, "owned_by": "bitserve",
-                        "root": entry["file"], "max_model_len": info.max_model_len if info else None, **entry})  # fmt: skip
+        objects.append(
+            {
+                "id": entry["alias"],
+                "object": "model",
+                "created": info.created if info else 0,
+                "owned_by": "bitserve",
+                "root": entry["file"],
+                "max_model_len": info.max_model_len if info else None,
+                **entry,
+            }
+        )
     return objects
 
 
@@ -67,15 +76,21 @@ async def get_model(request: Request, model_id: str) -> Response:
     for obj in _model_objects(state):
         if obj["id"] == model_id:
             return JSONResponse(obj)
-    raise ModelNotFound(f"the model {model_id[:100]!r} does not exist on this server", param="model",
-                        hint=f"available: {', '.join(sorted(state.models.aliases)) or '(none)'}")  # fmt: skip
+    raise ModelNotFound(
+        f"the model {model_id[:100]!r} does not exist on this server",
+        param="model",
+        hint=f"available: {', '.join(sorted(state.models.aliases)) or '(none)'}",
+    )
 
 
 async def get_operation(request: Request, operation_id: str) -> Response:
     operation = get_state(request).models.operations.get(operation_id)
     if operation is None:
-        raise ModelNotFound(f"no model operation {operation_id[:64]!r}", param="operation_id",
-                            hint="operations are kept for the last 128 actions")  # fmt: skip
+        raise ModelNotFound(
+            f"no model operation {operation_id[:64]!r}",
+            param="operation_id",
+            hint="operations are kept for the last 128 actions",
+        )
     return JSONResponse(operation.describe())
 
 
@@ -83,7 +98,9 @@ async def _answer(operation: Operation, wait: bool) -> Response:
     """202 + status URL now, or (wait) the final state: 200, or the operation's error via the table."""
     if not wait:
         url = f"{OPERATIONS_PATH}/{operation.id}"
-        return JSONResponse({**operation.describe(), "status_url": url}, status_code=202, headers={"Location": url})
+        return JSONResponse(
+            {**operation.describe(), "status_url": url}, status_code=202, headers={"Location": url}
+        )
     await operation.wait()
     if operation.error is not None:
         raise operation.error

@@ -18,8 +18,11 @@ from bitserve.tokenizer.base import Tokenizer
 
 
 def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
-    return {"token": token_text(tokenizer, token_id), "logprob": finite_logprob(logprob),
-            "bytes": list(tokenizer.token_bytes(token_id))}
+    return {
+        "token": token_text(tokenizer, token_id),
+        "logprob": finite_logprob(logprob),
+        "bytes": list(tokenizer.token_bytes(token_id)),
+    }
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
@@ -43,18 +46,35 @@ class ChatFormat(OpenAIFormat):
         return chat_logprobs(self.tokenizer, output.logprobs or ()) if self.request.logprobs else None
 
     def prologue(self) -> list[dict[str, Any]]:
-        return [self.chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}) for index in range(self.request.n)]
+        return [
+            self.chunk(
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+            for index in range(self.request.n)
+        ]
 
     def choice_delta(self, delta: CompletionOutput) -> dict[str, Any]:
-        return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": self._logprobs(delta), "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason}
+        return {
+            "index": delta.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(delta),
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
 
     def choice(self, output: CompletionOutput) -> dict[str, Any]:
-        return {"index": output.index, "message": {"role": "assistant", "content": output.text},
-                "logprobs": self._logprobs(output), "finish_reason": output.finish_reason,
-                "stop_reason": output.stop_reason}
+        return {
+            "index": output.index,
+            "message": {"role": "assistant", "content": output.text},
+            "logprobs": self._logprobs(output),
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
 
 
 async def create_chat_completion(request: Request) -> Response:

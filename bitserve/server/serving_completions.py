@@ -17,17 +17,26 @@ from bitserve.server.protocol import CompletionRequest, finite_logprob, token_te
 from bitserve.tokenizer.base import Tokenizer
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprobs], text_offset: int
+) -> dict[str, Any]:
     """The legacy completions shape: parallel lists of tokens, logprobs, top alternatives, offsets."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for entry in entries:
         text = token_text(tokenizer, entry.token_id)
         tokens.append(text)
         token_logprobs.append(finite_logprob(entry.logprob))
-        top_logprobs.append({token_text(tokenizer, token_id): finite_logprob(lp) for token_id, lp in entry.top_logprobs})
+        top_logprobs.append(
+            {token_text(tokenizer, token_id): finite_logprob(lp) for token_id, lp in entry.top_logprobs}
+        )
         offsets.append(text_offset)
         text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 class CompletionFormat(OpenAIFormat):
@@ -41,7 +50,11 @@ class CompletionFormat(OpenAIFormat):
 
     def _echo_text(self, generation: Generation) -> str:
         prompt = self.request.prompt_input()
-        return prompt.text if prompt.text is not None else self.tokenizer.decode(generation.stream.prompt_token_ids)
+        return (
+            prompt.text
+            if prompt.text is not None
+            else self.tokenizer.decode(generation.stream.prompt_token_ids)
+        )
 
     def _logprobs(self, output: CompletionOutput, text_offset: int) -> dict[str, Any] | None:
         if self.request.logprobs is None:
@@ -51,19 +64,31 @@ class CompletionFormat(OpenAIFormat):
     def prologue(self) -> list[dict[str, Any]]:
         if not self.echo:
             return []
-        return [self.chunk({"index": index, "text": self.echo, "logprobs": None, "finish_reason": None})
-                for index in range(self.request.n)]
+        return [
+            self.chunk({"index": index, "text": self.echo, "logprobs": None, "finish_reason": None})
+            for index in range(self.request.n)
+        ]
 
     def choice_delta(self, delta: CompletionOutput) -> dict[str, Any]:
         logprobs = self._logprobs(delta, self.offsets[delta.index])
         if logprobs is not None:
             self.offsets[delta.index] += sum(len(text) for text in logprobs["tokens"])
-        return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+        return {
+            "index": delta.index,
+            "text": delta.text,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+            "stop_reason": delta.stop_reason,
+        }
 
     def choice(self, output: CompletionOutput) -> dict[str, Any]:
-        return {"index": output.index, "text": self.echo + output.text, "logprobs": self._logprobs(output, len(self.echo)),
-                "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+        return {
+            "index": output.index,
+            "text": self.echo + output.text,
+            "logprobs": self._logprobs(output, len(self.echo)),
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+        }
 
 
 async def create_completion(request: Request) -> Response:

@@ -45,12 +45,23 @@ PROC_STATUS = Path("/proc/self/status")
 
 
 def native_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
-    return [{
-        "token_id": entry.token_id, "token": token_text(tokenizer, entry.token_id),
-        "logprob": finite_logprob(entry.logprob), "rank": entry.rank,
-        "top_logprobs": [{"token_id": token_id, "token": token_text(tokenizer, token_id), "logprob": finite_logprob(lp)}
-                         for token_id, lp in entry.top_logprobs],
-    } for entry in entries]  # fmt: skip
+    return [
+        {
+            "token_id": entry.token_id,
+            "token": token_text(tokenizer, entry.token_id),
+            "logprob": finite_logprob(entry.logprob),
+            "rank": entry.rank,
+            "top_logprobs": [
+                {
+                    "token_id": token_id,
+                    "token": token_text(tokenizer, token_id),
+                    "logprob": finite_logprob(lp),
+                }
+                for token_id, lp in entry.top_logprobs
+            ],
+        }
+        for entry in entries
+    ]
 
 
 class NativeFormat:
@@ -59,14 +70,23 @@ class NativeFormat:
     def __init__(self, generation: Generation) -> None:
         self.tokenizer = generation.tokenizer
         self.wants_logprobs = generation.body.logprobs is not None
-        self.envelope = {"id": generation.stream.request_id, "model": generation.model_id,
-                         "model_version": generation.version}
+        self.envelope = {
+            "id": generation.stream.request_id,
+            "model": generation.model_id,
+            "model_version": generation.version,
+        }
         self.started = generation.started
 
     def _choice(self, output: CompletionOutput) -> dict[str, Any]:
         logprobs = native_logprobs(self.tokenizer, output.logprobs or ()) if self.wants_logprobs else None
-        return {"index": output.index, "text": output.text, "token_ids": output.token_ids,
-                "finish_reason": output.finish_reason, "stop_reason": output.stop_reason, "logprobs": logprobs}
+        return {
+            "index": output.index,
+            "text": output.text,
+            "token_ids": output.token_ids,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+            "logprobs": logprobs,
+        }
 
     def prologue(self) -> list[dict[str, Any]]:
         return []
@@ -78,8 +98,12 @@ class NativeFormat:
         return [{**self.envelope, "choices": [], "usage": usage}]
 
     def body(self, result: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]:
-        return {**self.envelope, "choices": [self._choice(output) for output in result.outputs], "usage": usage,
-                "e2e_s": round(time.monotonic() - self.started, 4)}
+        return {
+            **self.envelope,
+            "choices": [self._choice(output) for output in result.outputs],
+            "usage": usage,
+            "e2e_s": round(time.monotonic() - self.started, 4),
+        }
 
 
 async def inference(request: Request) -> Response:
@@ -111,28 +135,42 @@ async def stats(request: Request) -> Response:
     """Batching, throughput, queue, KV usage and memory, from cached counters (no model compute)."""
     state = get_state(request)
     config = state.server_config
-    payload: dict[str, Any] = {"phase": state.phase, "uptime_s": round(time.time() - state.started_at, 1),
-                               "memory": _memory(), "admission": {"max_num_waiting": config.max_num_waiting,
-                                                                  "max_num_queued_tokens": config.max_num_queued_tokens}}
+    payload: dict[str, Any] = {
+        "phase": state.phase,
+        "uptime_s": round(time.time() - state.started_at, 1),
+        "memory": _memory(),
+        "admission": {
+            "max_num_waiting": config.max_num_waiting,
+            "max_num_queued_tokens": config.max_num_queued_tokens,
+        },
+    }
     slot = state.default_slot()
     if slot is None or slot.engine is None:
         return JSONResponse(payload)
     payload.update(engine_stats(slot.engine.snapshot()))
-    payload["models"] = {name: engine_stats(alias.current.engine.snapshot())
-                         for name, alias in sorted(state.models.aliases.items()) if alias.current.engine is not None}
+    payload["models"] = {
+        name: engine_stats(alias.current.engine.snapshot())
+        for name, alias in sorted(state.models.aliases.items())
+        if alias.current.engine is not None
+    }
     return JSONResponse(payload)
 
 
 def engine_stats(snapshot: EngineSnapshot) -> dict[str, Any]:
     return {
         "model": snapshot.model,
-        "requests": {"num_active": snapshot.num_active_requests,
-                     "num_queued_prompt_tokens": snapshot.num_queued_prompt_tokens},
+        "requests": {
+            "num_active": snapshot.num_active_requests,
+            "num_queued_prompt_tokens": snapshot.num_queued_prompt_tokens,
+        },
         "throughput": {"tokens_per_s": snapshot.tokens_per_s},
         "batching": dataclasses.asdict(snapshot.last_step) if snapshot.last_step is not None else None,
         "kv_cache": dataclasses.asdict(snapshot.kv_cache),
-        "engine": {"is_alive": snapshot.is_alive, "is_draining": snapshot.is_draining,
-                   "seconds_since_progress": snapshot.seconds_since_progress},
+        "engine": {
+            "is_alive": snapshot.is_alive,
+            "is_draining": snapshot.is_draining,
+            "seconds_since_progress": snapshot.seconds_since_progress,
+        },
     }
 
 

@@ -84,7 +84,10 @@ def setting_fields() -> dict[str, SettingField]:
             if field.name in found:
                 raise TypeError(f"setting {field.name} is defined in two config sections")
             found[field.name] = SettingField(
-                field.name, _scalar_type(hints[field.name]), field.metadata.get("help", ""), ((section, field.name),)
+                field.name,
+                _scalar_type(hints[field.name]),
+                field.metadata.get("help", ""),
+                ((section, field.name),),
             )
     return found
 
@@ -111,12 +114,21 @@ def read_env() -> dict[str, Any]:
         model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", case_sensitive=False)
 
         @classmethod
-        def settings_customise_sources(cls, settings_cls: type[BaseSettings], *sources: PydanticBaseSettingsSource,
-                                       **named: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:  # fmt: skip
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            *sources: PydanticBaseSettingsSource,
+            **named: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
             return (named["env_settings"],)  # the environment only: no .env files, no secrets directory
 
-    env_model = create_model("BitserveEnv", __base__=EnvBase, config=(Optional[str], None),  # noqa: UP045
-                             profile=(Optional[str], None), **_field_definitions())  # noqa: UP045  # fmt: skip
+    env_model = create_model(
+        "BitserveEnv",
+        __base__=EnvBase,
+        config=(Optional[str], None),  # noqa: UP045
+        profile=(Optional[str], None),  # noqa: UP045
+        **_field_definitions(),
+    )
     try:
         values = env_model()
     except ValidationError as exc:
@@ -164,8 +176,11 @@ def load_settings(
         )
     if profile is not None and config_path is None:
         raise InvalidRequest("a profile needs a config file", param="profile", hint="pass --config path.toml")
-    layers = (("toml", read_toml(config_path, profile) if config_path else {}), ("env", env),
-              ("cli", {name: value for name, value in cli_values.items() if value is not None}))  # fmt: skip
+    layers = (
+        ("toml", read_toml(config_path, profile) if config_path else {}),
+        ("env", env),
+        ("cli", {name: value for name, value in cli_values.items() if value is not None}),
+    )
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for source, values in layers:

@@ -97,9 +97,13 @@ class AppState:
     def acquire(self, model: str | None) -> Lease:
         """A lease on the model a request names (the default one when None); see ModelManager.acquire."""
         if self.load_error is not None and not self.models.aliases:
-            raise ModelUnavailable("the model failed to load", hint="see the server log; the server needs a restart")
+            raise ModelUnavailable(
+                "the model failed to load", hint="see the server log; the server needs a restart"
+            )
         if not self.models.aliases and self.is_starting:
-            raise ModelUnavailable("the model is still loading", hint="retry after the number of seconds in Retry-After")
+            raise ModelUnavailable(
+                "the model is still loading", hint="retry after the number of seconds in Retry-After"
+            )
         return self.models.acquire(model)
 
     def require_instance(self, model: str | None) -> ModelInstance:
@@ -108,7 +112,9 @@ class AppState:
         entry = self.models.aliases.get(alias) if alias is not None else None
         if entry is None or entry.current.instance is None:
             self.acquire(model).release()  # raises the error a generation would get
-            raise ModelUnavailable("the model is not ready", hint="retry after the number of seconds in Retry-After")
+            raise ModelUnavailable(
+                "the model is not ready", hint="retry after the number of seconds in Retry-After"
+            )
         return entry.current.instance
 
     @property
@@ -134,8 +140,10 @@ class AppState:
         if self._num_active() == 0:
             logger.info("drained: no requests in flight")
             return
-        error = ServerShuttingDown(f"the server shut down before the request finished (drain timeout {timeout_s:g} s)",
-                                   hint="retry on another replica")  # fmt: skip
+        error = ServerShuttingDown(
+            f"the server shut down before the request finished (drain timeout {timeout_s:g} s)",
+            hint="retry on another replica",
+        )
         num_ended = sum(engine.expire(error) for engine in self.models.serving_engines())
         logger.warning("drain deadline: ending %d request(s) still in flight", num_ended)
         grace = loop.time() + DEADLINE_GRACE_S

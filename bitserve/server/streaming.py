@@ -128,8 +128,11 @@ class SSEResponse(Response):
                 await aclose()
 
 
-async def sse_events(stream: GenerationStream, keepalive_s: float, response_format: ResponseFormat,
-                     ) -> AsyncIterator[bytes]:
+async def sse_events(
+    stream: GenerationStream,
+    keepalive_s: float,
+    response_format: ResponseFormat,
+) -> AsyncIterator[bytes]:
     """SSE frames of one admitted stream: the format's prologue, its chunks per output, its epilogue
     (given the usage), [DONE]. Any error after the first frame becomes an error event followed by
     [DONE]. Closing this iterator (client disconnect) closes the stream, which aborts the request."""

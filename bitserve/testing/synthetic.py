@@ -24,10 +24,17 @@ from bitserve.loader.tl_config import TileConfig, sidecar_path
 FORMATS = ("F32", "TQ1_0", "TQ2_0", "I2_S", "TL1", "TL2")
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 TOKENIZER_KEYS = (
-    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
-)  # fmt: skip
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,19 +113,29 @@ def make_weights(config: SyntheticConfig, vocab_size: int) -> SyntheticWeights:
             key = f"blk.{layer}.{name}"
             ternary[key] = rng.integers(-1, 2, size=config.projection_shape(name), dtype=np.int8)
             scales[key] = config.projection_scale
-        for name, width in (("attn_norm", config.hidden_size), ("ffn_norm", config.hidden_size),
-                            ("attn_sub_norm", config.hidden_size), ("ffn_sub_norm", config.intermediate_size)):
+        for name, width in (
+            ("attn_norm", config.hidden_size),
+            ("ffn_norm", config.hidden_size),
+            ("attn_sub_norm", config.hidden_size),
+            ("ffn_sub_norm", config.intermediate_size),
+        ):
             norms[f"blk.{layer}.{name}.weight"] = np.ones(width, dtype=np.float32)
     norms["output_norm.weight"] = np.ones(config.hidden_size, dtype=np.float32)
     return SyntheticWeights(embedding, embedding_bytes, embedding_type, ternary, scales, norms)
 
 
-def model_metadata(config: SyntheticConfig, vocab_size: int) -> dict[str, tuple[GGUFValueType, Any, GGUFValueType | None]]:
+def model_metadata(
+    config: SyntheticConfig, vocab_size: int
+) -> dict[str, tuple[GGUFValueType, Any, GGUFValueType | None]]:
     arch = config.architecture
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     return {
         "general.architecture": (GGUFValueType.STRING, arch, None),
-        "general.name": (GGUFValueType.STRING, f"synthetic-{arch}-{config.num_layers}L-{config.hidden_size}", None),
+        "general.name": (
+            GGUFValueType.STRING,
+            f"synthetic-{arch}-{config.num_layers}L-{config.hidden_size}",
+            None,
+        ),
         f"{arch}.context_length": (u32, config.context_length, None),
         f"{arch}.embedding_length": (u32, config.hidden_size, None),
         f"{arch}.block_count": (u32, config.num_layers, None),
@@ -132,7 +149,9 @@ def model_metadata(config: SyntheticConfig, vocab_size: int) -> dict[str, tuple[
     }
 
 
-def _tensors(weights: SyntheticWeights, fmt: str, tl_tiles: Mapping[tuple[int, int], TileConfig]) -> Iterator[tuple[str, tuple[int, ...], int, bytes]]:
+def _tensors(
+    weights: SyntheticWeights, fmt: str, tl_tiles: Mapping[tuple[int, int], TileConfig]
+) -> Iterator[tuple[str, tuple[int, ...], int, bytes]]:
     """(name, ggml shape, type id, bytes) for every tensor in file order."""
     import gguf
 
@@ -172,14 +191,21 @@ def tl_tile_table(config: SyntheticConfig, fmt: str) -> dict[tuple[int, int], Ti
 
 
 def write_kernel_config_ini(path: Path, tiles: Mapping[tuple[int, int], TileConfig]) -> None:
-    sections = [f"[Kernels_{i}]\nm = {m}\nk = {k}\nbm = {t.BM}\nbk = {t.BK}\nbmm = {t.bm}\n" for i, ((m, k), t) in enumerate(tiles.items())]
+    sections = [
+        f"[Kernels_{i}]\nm = {m}\nk = {k}\nbm = {t.BM}\nbk = {t.BK}\nbmm = {t.bm}\n"
+        for i, ((m, k), t) in enumerate(tiles.items())
+    ]
     path.write_text("\n".join(sections), encoding="utf-8")
 
 
 def write_synthetic_model(
-    path: str | Path, fmt: str, *, config: SyntheticConfig, weights: SyntheticWeights,
+    path: str | Path,
+    fmt: str,
+    *,
+    config: SyntheticConfig,
+    weights: SyntheticWeights,
     tokenizer: Mapping[str, tuple[GGUFValueType, Any, GGUFValueType | None]],
-) -> Path:  # fmt: skip
+) -> Path:
     """Write `weights` stored as `fmt`. TL formats also get their `<model>.kernel_config.ini` sidecar."""
     path = Path(path)
     vocab = weights.embedding.shape[0]
@@ -199,8 +225,12 @@ def write_synthetic_model(
     return path
 
 
-def _write_with_gguf(path: Path, config: SyntheticConfig, metadata: Mapping[str, tuple[GGUFValueType, Any, GGUFValueType | None]],
-                     tensors: Iterator[tuple[str, tuple[int, ...], int, bytes]]) -> None:  # fmt: skip
+def _write_with_gguf(
+    path: Path,
+    config: SyntheticConfig,
+    metadata: Mapping[str, tuple[GGUFValueType, Any, GGUFValueType | None]],
+    tensors: Iterator[tuple[str, tuple[int, ...], int, bytes]],
+) -> None:
     import gguf
 
     writer = gguf.GGUFWriter(str(path), config.architecture)
@@ -216,7 +246,9 @@ def _write_with_gguf(path: Path, config: SyntheticConfig, metadata: Mapping[str,
             writer.add_tensor(name, raw.view(np.float32).reshape(tuple(reversed(shape))))
         else:
             num_rows = int(np.prod(shape[1:]))
-            writer.add_tensor(name, raw.reshape(num_rows, -1), raw_dtype=qtype)  # byte shape [rows, row bytes]
+            writer.add_tensor(
+                name, raw.reshape(num_rows, -1), raw_dtype=qtype
+            )  # byte shape [rows, row bytes]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -80,8 +80,13 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # HF's override: Jinja's own tojson HTML-escapes, which chat templates do not expect.
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
@@ -196,9 +201,10 @@ class ChatTemplate:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
             raise InvalidRequest(
-                f"the chat template failed on these messages: {type(exc).__name__}: {exc}", param="messages",
+                f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
+                param="messages",
                 hint="the model's chat template may not support this conversation shape",
-            ) from exc  # fmt: skip
+            ) from exc
         return ChatPrompt((PromptSegment(text, parse_special=True),), self.name)
 
 
@@ -215,9 +221,13 @@ def render_chat(
 ) -> ChatPrompt:
     """One-shot `ChatTemplate(...).render(...)`; servers should build the ChatTemplate once."""
     chat_template = ChatTemplate(
-        template, name=template_name, bos_token=bos_token, eos_token=eos_token,
-        architecture=architecture, bitnet_segmentwise=bitnet_segmentwise,
-    )  # fmt: skip
+        template,
+        name=template_name,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        architecture=architecture,
+        bitnet_segmentwise=bitnet_segmentwise,
+    )
     return chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
 

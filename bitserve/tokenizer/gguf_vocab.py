@@ -199,9 +199,10 @@ class GGUFTokenizer:
             or not 0 <= token_id < len(self._tokens)
         ):
             raise InvalidRequest(
-                f"token id {token_id!r} is out of range", param="token_ids",
+                f"token id {token_id!r} is out of range",
+                param="token_ids",
                 hint=f"token ids are integers in [0, {len(self._tokens)})",
-            )  # fmt: skip
+            )
 
     def __repr__(self) -> str:
         return (
@@ -219,9 +220,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], *, pre_policy: str | None =
     """
     if pre_policy is not None and pre_policy not in SUPPORTED_PRE_TOKENIZERS:
         raise InvalidRequest(
-            f"unknown pre_policy {pre_policy!r}", param="pre_policy",
+            f"unknown pre_policy {pre_policy!r}",
+            param="pre_policy",
             hint=f"one of {', '.join(SUPPORTED_PRE_TOKENIZERS)}",
-        )  # fmt: skip
+        )
     is_spm = _read_model(metadata) == "llama"
     tokens = _read_tokens(metadata)
     token_types = _read_number_array(metadata, KEY_TOKEN_TYPE, len(tokens), default=int(TokenType.NORMAL))
@@ -280,8 +282,11 @@ def _resolve_pre(metadata: Mapping[str, Any], pre_policy: str | None) -> PreToke
         policy = pre_policy or MISSING_PRE_POLICY
         logger.warning(
             "GGUF has no %s: tokenizing with the %r pre-tokenizer (pre_policy=%r; 'default' matches "
-            "llama.cpp / bitnet.cpp, 'llama-bpe' the Llama-3 split)", KEY_PRE, policy, pre_policy,
-        )  # fmt: skip
+            "llama.cpp / bitnet.cpp, 'llama-bpe' the Llama-3 split)",
+            KEY_PRE,
+            policy,
+            pre_policy,
+        )
         return pre_tokenizer_spec(policy)
     if pre_policy is not None and pre_policy != pre:
         logger.info("%s=%r is set in the file; pre_policy=%r is not used", KEY_PRE, pre, pre_policy)

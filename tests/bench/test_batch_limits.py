@@ -44,7 +44,9 @@ def test_knee_survives_a_noisy_dip() -> None:
 
 
 def test_knee_stops_at_the_step_latency_cap() -> None:
-    points = curve((1, 10.0, 100.0), (2, 20.0, 100.0), (4, 40.0, 100.0), (8, 80.0, 100.0), (16, 160.0, 1200.0))
+    points = curve(
+        (1, 10.0, 100.0), (2, 20.0, 100.0), (4, 40.0, 100.0), (8, 80.0, 100.0), (16, 160.0, 1200.0)
+    )
     assert pick_max_num_seqs(points, KneeRule()) == 8
     assert pick_max_num_seqs(points, KneeRule(max_step_ms=2000.0)) == 16
 
@@ -71,7 +73,9 @@ def test_every_table_row_is_a_valid_pair_and_unknown_formats_get_the_generic_row
     assert FORMAT_BATCH_LIMITS, "the per-format table is empty"
     for name, limits in FORMAT_BATCH_LIMITS.items():
         assert name == name.upper()
-        SchedulerConfig(max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens)
+        SchedulerConfig(
+            max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens
+        )
     assert batch_limits_for("no-such-format") == GENERIC_BATCH_LIMITS
     assert batch_limits_for("i2_s") == FORMAT_BATCH_LIMITS["I2_S"]
 
@@ -95,7 +99,9 @@ def test_explicit_values_win_and_the_other_limit_adjusts_to_stay_valid() -> None
     assert seqs.max_num_seqs == 256 and seqs.max_num_batched_tokens == max(256, limits.max_num_batched_tokens)
     budget = resolve_batch_limits(SchedulerConfig(max_num_batched_tokens=2), "I2_S")
     assert budget.max_num_batched_tokens == 2 and budget.max_num_seqs == min(2, limits.max_num_seqs)
-    no_chunking = resolve_batch_limits(SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096), "I2_S")
+    no_chunking = resolve_batch_limits(
+        SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096), "I2_S"
+    )
     assert no_chunking.max_num_batched_tokens >= 4096
 
 
@@ -118,7 +124,9 @@ def i2s_model(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> P
         write_synthetic_model,
     )
 
-    config = SyntheticConfig(num_layers=1, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2)
+    config = SyntheticConfig(
+        num_layers=1, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2
+    )
     tokenizer = tokenizer_metadata(smollm2_path)
     weights = make_weights(config, len(tokenizer["tokenizer.ggml.tokens"][1]))
     path = tmp_path_factory.mktemp("limits") / "tiny-i2s.gguf"
@@ -127,7 +135,9 @@ def i2s_model(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> P
 
 def load(path: Path, scheduler: SchedulerConfig) -> ModelInstance:
     model = ModelConfig(model=str(path), backend="reference")
-    return ModelInstance.load(EngineConfig(model=model, scheduler=dataclasses.replace(scheduler, max_model_len=64)))
+    return ModelInstance.load(
+        EngineConfig(model=model, scheduler=dataclasses.replace(scheduler, max_model_len=64))
+    )
 
 
 def test_a_loaded_model_gets_its_format_row_unless_the_operator_set_the_limits(i2s_model: Path) -> None:

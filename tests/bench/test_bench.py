@@ -183,10 +183,13 @@ def make_fake_app(state: FakeState) -> Starlette:
             )
         yield "data: [DONE]\n\n"
 
-    return Starlette(routes=[
-        Route("/v1/models", models), Route("/v1/completions", serve, methods=["POST"]),
-        Route("/v1/chat/completions", serve, methods=["POST"]),
-    ])  # fmt: skip
+    return Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/v1/completions", serve, methods=["POST"]),
+            Route("/v1/chat/completions", serve, methods=["POST"]),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -299,14 +302,45 @@ def test_cli_bench_json_and_remote_refusal(
     url, _ = fake_server
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--url", url, "--concurrency", "1,2", "--num-requests", "2", "--max-tokens", "4",
-                              "--prompt-tokens", "16", "--num-warmup", "0", "--json"])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "bench",
+            "--url",
+            url,
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--prompt-tokens",
+            "16",
+            "--num-warmup",
+            "0",
+            "--json",
+        ]
+    )
     assert run_bench(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert [level["concurrency"] for level in summary["levels"]] == [1, 2]
     assert all(level["num_output_tokens"] == 8 for level in summary["levels"])
-    text_args = parser.parse_args(["bench", "--url", url, "--model", "mixed", "--concurrency", "1", "--num-requests", "2",
-                                   "--max-tokens", "4", "--num-warmup", "0"])  # fmt: skip
+    text_args = parser.parse_args(
+        [
+            "bench",
+            "--url",
+            url,
+            "--model",
+            "mixed",
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--num-warmup",
+            "0",
+        ]
+    )
     assert run_bench(text_args) == 0
     out = capsys.readouterr().out
     assert "e2e50" in out and "http_500=1" in out
@@ -326,8 +360,23 @@ def test_bench_serving_script_compares_two_urls(
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    code = module.main([url, url.replace("127.0.0.1", "localhost"), "--peer-model", "coalesce", "--concurrency", "1,2",
-                        "--num-requests", "2", "--max-tokens", "4", "--num-warmup", "0", "--no-usage"])  # fmt: skip
+    code = module.main(
+        [
+            url,
+            url.replace("127.0.0.1", "localhost"),
+            "--peer-model",
+            "coalesce",
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--num-warmup",
+            "0",
+            "--no-usage",
+        ]
+    )
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     table = lines[lines.index(next(line for line in lines if line.startswith("bitserve vs peer"))) + 1 :]

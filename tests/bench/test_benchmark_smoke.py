@@ -34,12 +34,16 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) ->
         write_synthetic_model,
     )
 
-    config = SyntheticConfig(num_layers=1, hidden_size=256, intermediate_size=512, num_heads=2, num_kv_heads=2)
+    config = SyntheticConfig(
+        num_layers=1, hidden_size=256, intermediate_size=512, num_heads=2, num_kv_heads=2
+    )
     tokenizer = tokenizer_metadata(smollm2_path)
     weights = make_weights(config, len(tokenizer["tokenizer.ggml.tokens"][1]))
     folder = tmp_path_factory.mktemp("bench-smoke")
     return {
-        fmt: write_synthetic_model(folder / f"tiny-{fmt}.gguf", fmt, config=config, weights=weights, tokenizer=tokenizer)
+        fmt: write_synthetic_model(
+            folder / f"tiny-{fmt}.gguf", fmt, config=config, weights=weights, tokenizer=tokenizer
+        )
         for fmt in ("I2_S", "TQ2_0")
     }
 
@@ -47,22 +51,52 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) ->
 def run(*argv: str, timeout: float = 120.0) -> str:
     """Run a command from the repository root; assert exit 0; return stdout."""
     done = subprocess.run(argv, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{argv} exited {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, (
+        f"{argv} exited {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-4000:]}"
+    )
     return done.stdout
 
 
 def test_bench_kernels_prints_a_row_per_backend_shape_and_batch() -> None:
-    out = run(sys.executable, str(BENCHMARKS / "bench_kernels.py"), "--shapes", "64x256", "--tokens", "1", "9",
-              "--repeats", "1", "--seconds", "0", "--threads", "1")  # fmt: skip
+    out = run(
+        sys.executable,
+        str(BENCHMARKS / "bench_kernels.py"),
+        "--shapes",
+        "64x256",
+        "--tokens",
+        "1",
+        "9",
+        "--repeats",
+        "1",
+        "--seconds",
+        "0",
+        "--threads",
+        "1",
+    )
     assert "vs fp32" in out.splitlines()[1]
     rows = [line for line in out.splitlines()[2:] if "64x256" in line]
     assert len(rows) >= 2 and all(row.split()[6].endswith("x") for row in rows), out
 
 
 def test_bench_model_prints_the_bitserve_rates_and_the_ratios(tiny_models: dict[str, Path]) -> None:
-    argv = [sys.executable, str(BENCHMARKS / "bench_model.py"), "--model-2b", str(tiny_models["I2_S"]),
-            "--prefill-tokens", "8", "--decode-prompt-tokens", "4", "--decode-tokens", "3", "--repeats", "1",
-            "--profile-steps", "1", "--threads", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(BENCHMARKS / "bench_model.py"),
+        "--model-2b",
+        str(tiny_models["I2_S"]),
+        "--prefill-tokens",
+        "8",
+        "--decode-prompt-tokens",
+        "4",
+        "--decode-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--profile-steps",
+        "1",
+        "--threads",
+        "1",
+    ]
     if HAS_LLAMA_CPP:
         argv += ["--tq2", "--model-2b-tq2", str(tiny_models["TQ2_0"])]
     else:
@@ -70,8 +104,11 @@ def test_bench_model_prints_the_bitserve_rates_and_the_ratios(tiny_models: dict[
     out = run(*argv, timeout=180.0)
     assert "decode:" in out and "prefill:" in out and "cProfile of 1 decode steps" in out, out
     if HAS_LLAMA_CPP:
-        for title in ("SmolLM2-135M-Instruct Q4_1", "bitserve I2_S (bitnet-b1.58) vs llama.cpp TQ2_0",
-                      "bitserve TQ2_0 vs llama.cpp TQ2_0"):  # fmt: skip
+        for title in (
+            "SmolLM2-135M-Instruct Q4_1",
+            "bitserve I2_S (bitnet-b1.58) vs llama.cpp TQ2_0",
+            "bitserve TQ2_0 vs llama.cpp TQ2_0",
+        ):
             assert title in out, out
         ratio_rows = re.findall(r"^ +decode tok/s +[\d.]+ +[\d.]+ +([\d.]+)$", out, flags=re.MULTILINE)
         assert out.count("ratio b/l") == 3 and len(ratio_rows) == 3, out  # bitserve / llama.cpp per pair
@@ -102,17 +139,45 @@ def wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
 def servers(tiny_models: dict[str, Path]) -> Iterator[tuple[str, str, str]]:
     """bitserve on the I2_S file and a peer on the TQ2_0 file: llama_cpp.server, else a second bitserve."""
     ports = free_port(), free_port()
-    bitserve = [sys.executable, "-m", "bitserve", "serve", "--model", str(tiny_models["I2_S"]), "--port",
-                str(ports[0]), "--num-threads", "1", "--no-warmup", "--log-format", "text"]  # fmt: skip
+    bitserve = [
+        sys.executable,
+        "-m",
+        "bitserve",
+        "serve",
+        "--model",
+        str(tiny_models["I2_S"]),
+        "--port",
+        str(ports[0]),
+        "--num-threads",
+        "1",
+        "--no-warmup",
+        "--log-format",
+        "text",
+    ]
     if HAS_LLAMA_CPP:
-        peer = [sys.executable, "-m", "llama_cpp.server", "--model", str(tiny_models["TQ2_0"]), "--port",
-                str(ports[1]), "--n_threads", "1", "--n_ctx", "512", "--interrupt_requests", "False"]  # fmt: skip
+        peer = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(tiny_models["TQ2_0"]),
+            "--port",
+            str(ports[1]),
+            "--n_threads",
+            "1",
+            "--n_ctx",
+            "512",
+            "--interrupt_requests",
+            "False",
+        ]
         peer_name, peer_ready = "llama_cpp.server", "/v1/models"
     else:
         peer = [*bitserve[:5], str(tiny_models["TQ2_0"]), "--port", str(ports[1]), *bitserve[8:]]
         peer_name, peer_ready = "bitserve-tq2", "/health/ready"
-    processes = [subprocess.Popen(argv, cwd=REPO_ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for argv in (bitserve, peer)]  # fmt: skip
+    processes = [
+        subprocess.Popen(argv, cwd=REPO_ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for argv in (bitserve, peer)
+    ]
     try:
         urls = tuple(f"http://127.0.0.1:{port}" for port in ports)
         for url, ready, process in zip(urls, ("/health/ready", peer_ready), processes, strict=True):
@@ -131,9 +196,25 @@ def servers(tiny_models: dict[str, Path]) -> Iterator[tuple[str, str, str]]:
 
 def test_bench_serving_prints_the_side_by_side_ratio_rows(servers: tuple[str, str, str]) -> None:
     url, peer_url, peer_name = servers
-    out = run(sys.executable, str(BENCHMARKS / "bench_serving.py"), url, peer_url, "--names", f"bitserve,{peer_name}",
-              "--concurrency", "2", "--num-requests", "2", "--max-tokens", "3", "--ignore-eos", "--prompt-tokens", "4",
-              "--num-warmup", "0")  # fmt: skip
+    out = run(
+        sys.executable,
+        str(BENCHMARKS / "bench_serving.py"),
+        url,
+        peer_url,
+        "--names",
+        f"bitserve,{peer_name}",
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "2",
+        "--max-tokens",
+        "3",
+        "--ignore-eos",
+        "--prompt-tokens",
+        "4",
+        "--num-warmup",
+        "0",
+    )
     lines = out.splitlines()
     header = next(index for index, line in enumerate(lines) if line.startswith(f"bitserve vs {peer_name}"))
     assert lines[header + 1].split()[:4] == ["conc", "tok/s", "bitserve", "tok/s"], out
@@ -143,19 +224,48 @@ def test_bench_serving_prints_the_side_by_side_ratio_rows(servers: tuple[str, st
 
 
 def test_bench_curve_prints_the_table_and_the_picked_limits(tiny_models: dict[str, Path]) -> None:
-    out = run(sys.executable, "-m", "bitserve", "bench", "--curve", str(tiny_models["I2_S"]), "--concurrency",
-              "1,2", "--max-tokens", "3", "--curve-prefill-tokens", "8", "--threads", "1")  # fmt: skip
+    out = run(
+        sys.executable,
+        "-m",
+        "bitserve",
+        "bench",
+        "--curve",
+        str(tiny_models["I2_S"]),
+        "--concurrency",
+        "1,2",
+        "--max-tokens",
+        "3",
+        "--curve-prefill-tokens",
+        "8",
+        "--threads",
+        "1",
+    )
     lines = out.splitlines()
     assert "(projections I2_S)" in lines[0], out
-    assert lines[1].split() == ["concurrency", "tok/s", "ms/step", "ratio", "to", "c=1", "decode", "steps"], out
+    assert lines[1].split() == ["concurrency", "tok/s", "ms/step", "ratio", "to", "c=1", "decode", "steps"], (
+        out
+    )
     assert lines[2].split()[0] == "1" and lines[2].split()[3] == "1.00", out
     assert lines[3].split()[0] == "2" and int(lines[3].split()[4]) == 2, out  # 3 tokens: 2 decode steps
     assert lines[-1].startswith("picked: max_num_seqs "), out
 
 
 def test_bench_serve_rss_prints_the_server_memory_lines(tiny_models: dict[str, Path]) -> None:
-    out = run(sys.executable, str(BENCHMARKS / "bench_serve_rss.py"), str(tiny_models["I2_S"]), "--concurrency", "2",
-              "--max-tokens", "3", "--prompt-tokens", "4", "--threads", "1")  # fmt: skip
-    peak = next(line for line in out.splitlines() if line.startswith("server RSS peak while streaming 2 x 3 tokens"))
+    out = run(
+        sys.executable,
+        str(BENCHMARKS / "bench_serve_rss.py"),
+        str(tiny_models["I2_S"]),
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "3",
+        "--prompt-tokens",
+        "4",
+        "--threads",
+        "1",
+    )
+    peak = next(
+        line for line in out.splitlines() if line.startswith("server RSS peak while streaming 2 x 3 tokens")
+    )
     assert float(peak.split(": ")[1].split(" MB")[0].replace(",", "")) > 0, out
     assert "requests ok 2 / 2" in out, out

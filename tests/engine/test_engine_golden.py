@@ -30,7 +30,13 @@ def full_sequence_greedy(llm: LLM, prompt_ids: list[int], num_tokens: int) -> li
 
 def make_prompts(llm: LLM) -> list[list[int]]:
     shared = llm.encode("A shared system preamble that several requests start with, long enough for blocks. ")
-    texts = ["Hi", "The weather today is", "1, 2, 3,", "Ternary networks", "émigré 東京 🙂 and more text to fill a block or two"]
+    texts = [
+        "Hi",
+        "The weather today is",
+        "1, 2, 3,",
+        "Ternary networks",
+        "émigré 東京 🙂 and more text to fill a block or two",
+    ]
     prompts = [llm.encode(t) for t in texts]
     prompts += [shared + llm.encode(t) for t in texts[:3]]  # prefix-cache hits
     prompts.append(shared + llm.encode(texts[0]))  # an exact duplicate
@@ -77,7 +83,9 @@ def test_batched_paged_engine_equals_full_forward(tq2_path: Path, prefix_caching
         prompts = make_prompts(llm)
         generated = run_engine_staggered(llm, prompts)
         for index, ids in enumerate(prompts):
-            assert generated[f"r{index}"] == full_sequence_greedy(llm, ids, NUM_NEW_TOKENS), f"request {index}"
+            assert generated[f"r{index}"] == full_sequence_greedy(llm, ids, NUM_NEW_TOKENS), (
+                f"request {index}"
+            )
         if prefix_caching:
             stats = llm.engine.scheduler.get_stats()
             assert stats.num_preempted_total >= 0
@@ -86,8 +94,12 @@ def test_batched_paged_engine_equals_full_forward(tq2_path: Path, prefix_caching
 
 
 def test_prefix_cache_hits_happen_and_change_nothing(tq2_path: Path) -> None:
-    llm = LLM(config=dataclasses.replace(small_batch_config(tq2_path, prefix_caching=True),
-                                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)))
+    llm = LLM(
+        config=dataclasses.replace(
+            small_batch_config(tq2_path, prefix_caching=True),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        )
+    )
     try:
         prompt = make_prompts(llm)[5]
         params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -101,12 +113,16 @@ def test_prefix_cache_hits_happen_and_change_nothing(tq2_path: Path) -> None:
 
 def test_preemption_under_a_tiny_cache_changes_nothing(tq2_path: Path) -> None:
     config = small_batch_config(tq2_path, prefix_caching=False)
-    config = dataclasses.replace(config, cache=CacheConfig(block_size=4, num_blocks=12, enable_prefix_caching=False))
+    config = dataclasses.replace(
+        config, cache=CacheConfig(block_size=4, num_blocks=12, enable_prefix_caching=False)
+    )
     llm = LLM(config=config)
     try:
         prompts = make_prompts(llm)[:5]
         generated = run_engine_staggered(llm, prompts)
-        assert llm.engine.scheduler.get_stats().num_preempted_total > 0, "the cache should be too small to avoid preemption"
+        assert llm.engine.scheduler.get_stats().num_preempted_total > 0, (
+            "the cache should be too small to avoid preemption"
+        )
         for index, ids in enumerate(prompts):
             assert generated[f"r{index}"] == full_sequence_greedy(llm, ids, NUM_NEW_TOKENS)
     finally:

@@ -32,8 +32,12 @@ class StepBomb:
 def dying_client(synthetic_models: dict[str, Path]) -> Iterator[tuple[TestClient, StepBomb]]:
     from bitserve.server.app import build_app
 
-    instance = ModelInstance.load(EngineConfig(model=ModelConfig(model=str(synthetic_models["TQ2_0"]), backend="reference"),
-                                                  scheduler=SchedulerConfig(max_model_len=128)))
+    instance = ModelInstance.load(
+        EngineConfig(
+            model=ModelConfig(model=str(synthetic_models["TQ2_0"]), backend="reference"),
+            scheduler=SchedulerConfig(max_model_len=128),
+        )
+    )
     app = build_app(ServerConfig(warmup=False), instance=instance)
     bomb = StepBomb(instance.engine.runner.execute, fail_at=5)
     instance.engine.runner.execute = bomb
@@ -44,7 +48,9 @@ def dying_client(synthetic_models: dict[str, Path]) -> Iterator[tuple[TestClient
         instance.close()
 
 
-def test_engine_death_fails_the_request_the_probes_and_new_work(dying_client: tuple[TestClient, StepBomb]) -> None:
+def test_engine_death_fails_the_request_the_probes_and_new_work(
+    dying_client: tuple[TestClient, StepBomb],
+) -> None:
     client, bomb = dying_client
     assert client.get("/health/live").status_code == 200
     with client.stream("POST", "/v1/completions", json=BODY | {"stream": True}) as response:

@@ -116,7 +116,12 @@ def test_a_stacked_group_equals_its_weights_run_one_by_one(layout: Layout, dense
         x = torch.randn(num_tokens, 256, generator=gen)
         for out, weight in zip(group(x), weights, strict=True):
             assert torch.equal(out, backend.linear(x, weight))  # type: ignore[arg-type]
-    mixed = [weights[0], backend.prepare_block(make_weight(Layout.Q4_0 if layout is Layout.Q8_0 else Layout.Q8_0, 64, 256, seed=1))]
+    mixed = [
+        weights[0],
+        backend.prepare_block(
+            make_weight(Layout.Q4_0 if layout is Layout.Q8_0 else Layout.Q8_0, 64, 256, seed=1)
+        ),
+    ]
     assert backend.fuse_group(mixed) is None  # type: ignore[arg-type]
 
 

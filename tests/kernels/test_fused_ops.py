@@ -36,7 +36,9 @@ def test_rotary_is_bit_identical(style: RopeStyle, head_dim: int, rope_dim: int)
     q = torch.randn(5, 9, head_dim, generator=gen)
     k = torch.randn(5, 3, head_dim, generator=gen)
     eager = RotaryEmbedding(rope_dim, 10000.0, 4096, style, freq_factors=torch.linspace(1, 2, rope_dim // 2))
-    fused = RotaryEmbedding(rope_dim, 10000.0, 4096, style, freq_factors=torch.linspace(1, 2, rope_dim // 2), fused=BACKEND)
+    fused = RotaryEmbedding(
+        rope_dim, 10000.0, 4096, style, freq_factors=torch.linspace(1, 2, rope_dim // 2), fused=BACKEND
+    )
     expected_q, expected_k = eager(positions, q.clone(), k.clone())
     actual_q, actual_k = fused(positions, q.clone(), k.clone())
     assert torch.equal(actual_q, expected_q) and torch.equal(actual_k, expected_k)
@@ -56,15 +58,26 @@ def test_paged_decode_attention_matches_the_eager_path(num_heads: int, num_kv_he
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
     k_new = torch.randn(len(seq_lens), num_kv_heads, head_dim, generator=gen)
     v_new = torch.randn(len(seq_lens), num_kv_heads, head_dim, generator=gen)
-    slots = [int(block_table[row, (n - 1) // block_size]) * block_size + (n - 1) % block_size for row, n in enumerate(seq_lens)]
+    slots = [
+        int(block_table[row, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+        for row, n in enumerate(seq_lens)
+    ]
     query_start_loc = list(range(len(seq_lens) + 1))
     metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
-        block_size=block_size, decode=make_decode_batch(list(range(len(seq_lens))), block_table, seq_lens, query_start_loc, block_size),
+        slot_mapping=torch.tensor(slots),
+        block_table=block_table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        block_size=block_size,
+        decode=make_decode_batch(
+            list(range(len(seq_lens))), block_table, seq_lens, query_start_loc, block_size
+        ),
         other_seq_ids=(),
-    )  # fmt: skip
+    )
     eager = PagedAttention(num_heads, num_kv_heads, head_dim)(q, k_new, v_new, kv_cache.clone(), metadata)
-    fused = PagedAttention(num_heads, num_kv_heads, head_dim, BACKEND)(q, k_new, v_new, kv_cache.clone(), metadata)
+    fused = PagedAttention(num_heads, num_kv_heads, head_dim, BACKEND)(
+        q, k_new, v_new, kv_cache.clone(), metadata
+    )
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 

@@ -21,11 +21,19 @@ from bitserve.loader.gguf_types import GGMLType, tensor_nbytes
 from bitserve.loader.ternary_pack import quantize_i2s
 
 
-def _load(ggml_type: GGMLType, data: bytes | np.ndarray, ggml_shape: tuple[int, ...], **options: str
-          ) -> PackedWeight:
+def _load(
+    ggml_type: GGMLType, data: bytes | np.ndarray, ggml_shape: tuple[int, ...], **options: str
+) -> PackedWeight:
     raw = np.frombuffer(bytes(data), dtype=np.uint8)  # read-only, like the reader's mmap views
-    info = TensorInfo(name="t", shape=ggml_shape, type_id=int(ggml_type), ggml_type=ggml_type, offset=0,
-                      file_offset=0, nbytes=tensor_nbytes(ggml_type, ggml_shape))
+    info = TensorInfo(
+        name="t",
+        shape=ggml_shape,
+        type_id=int(ggml_type),
+        ggml_type=ggml_type,
+        offset=0,
+        file_offset=0,
+        nbytes=tensor_nbytes(ggml_type, ggml_shape),
+    )
     return make_packed_weight(info, raw, options=DecodeOptions(**options))
 
 
@@ -200,8 +208,11 @@ def _with_sane_f16(raw: np.ndarray, offsets: tuple[int, ...], rng: np.random.Gen
     return raw
 
 
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.F16, QType.BF16,
-                                   QType.F32], ids=lambda qtype: qtype.name)
+@pytest.mark.parametrize(
+    "qtype",
+    [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.F16, QType.BF16, QType.F32],
+    ids=lambda qtype: qtype.name,
+)
 def test_quantized_by_gguf_matches_gguf_dequantize(qtype: QType) -> None:
     rng = np.random.default_rng(int(qtype))
     weights = rng.normal(0.0, 1.0, size=(48, 512)).astype(np.float32)
@@ -212,10 +223,18 @@ def test_quantized_by_gguf_matches_gguf_dequantize(qtype: QType) -> None:
     _assert_matches_gguf(weight, data.view(np.uint8).reshape(48, -1), qtype)
 
 
-@pytest.mark.parametrize(("qtype", "scale_offsets"), [
-    (QType.Q4_K, (0, 2)), (QType.Q6_K, (208,)), (QType.Q8_0, (0,)), (QType.Q4_0, (0,)), (QType.Q4_1, (0, 2)),
-    (QType.Q5_0, (0,)),
-], ids=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize(
+    ("qtype", "scale_offsets"),
+    [
+        (QType.Q4_K, (0, 2)),
+        (QType.Q6_K, (208,)),
+        (QType.Q8_0, (0,)),
+        (QType.Q4_0, (0,)),
+        (QType.Q4_1, (0, 2)),
+        (QType.Q5_0, (0,)),
+    ],
+    ids=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"],
+)
 def test_random_blocks_match_gguf_dequantize(qtype: QType, scale_offsets: tuple[int, ...]) -> None:
     rng = np.random.default_rng(100 + int(qtype))
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -240,8 +259,9 @@ def test_f16_and_bf16_special_values_bitwise() -> None:
 def test_make_packed_weight_wraps_without_copying_or_warning() -> None:
     buffer = np.arange(4 * 64, dtype=np.float32)
     raw = np.frombuffer(buffer.tobytes(), dtype=np.uint8)  # read-only
-    info = TensorInfo(name="x", shape=(64, 4), type_id=0, ggml_type=GGMLType.F32, offset=0, file_offset=0,
-                      nbytes=raw.size)
+    info = TensorInfo(
+        name="x", shape=(64, 4), type_id=0, ggml_type=GGMLType.F32, offset=0, file_offset=0, nbytes=raw.size
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         weight = make_packed_weight(info, raw, options=DecodeOptions())
@@ -258,12 +278,14 @@ def test_matrix_shape_from_ggml_order() -> None:
 
 
 def test_make_packed_weight_rejects_bad_sizes_and_types() -> None:
-    info = TensorInfo(name="x", shape=(32, 2), type_id=8, ggml_type=GGMLType.Q8_0, offset=0, file_offset=0,
-                      nbytes=68)
+    info = TensorInfo(
+        name="x", shape=(32, 2), type_id=8, ggml_type=GGMLType.Q8_0, offset=0, file_offset=0, nbytes=68
+    )
     with pytest.raises(InvalidModelFile, match="got 67 bytes"):
         make_packed_weight(info, np.zeros(67, dtype=np.uint8), options=DecodeOptions())
-    q5_1 = TensorInfo(name="y", shape=(32, 2), type_id=7, ggml_type=GGMLType.Q5_1, offset=0, file_offset=0,
-                      nbytes=48)
+    q5_1 = TensorInfo(
+        name="y", shape=(32, 2), type_id=7, ggml_type=GGMLType.Q5_1, offset=0, file_offset=0, nbytes=48
+    )
     with pytest.raises(UnsupportedModel, match="Q5_1"):
         make_packed_weight(q5_1, np.zeros(48, dtype=np.uint8), options=DecodeOptions())
     with pytest.raises(ValueError, match="i2s_variant"):

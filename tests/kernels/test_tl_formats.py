@@ -65,8 +65,15 @@ def _ternary(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
 
 def _info(name: str, ggml_type: GGMLType, shape_mk: tuple[int, int], nbytes: int) -> TensorInfo:
     num_rows, num_cols = shape_mk
-    return TensorInfo(name=name, shape=(num_cols, num_rows), type_id=int(ggml_type), ggml_type=ggml_type,
-                      offset=0, file_offset=0, nbytes=nbytes)
+    return TensorInfo(
+        name=name,
+        shape=(num_cols, num_rows),
+        type_id=int(ggml_type),
+        ggml_type=ggml_type,
+        offset=0,
+        file_offset=0,
+        nbytes=nbytes,
+    )
 
 
 def _load(kind: GGMLType, packed: bytes, shape_mk: tuple[int, int], table: TLConfigTable) -> PackedWeight:
@@ -218,7 +225,9 @@ def test_tl2_bytes_follow_spec_index_formula() -> None:
         tm, tk2, sm, sk, pos = np.unravel_index(int(t), pair_dims)
         row = tm * cfg.BM + sm * 32 + perm[pos // 8] * 8 + pos % 8
         pair = k3 // 2 + 16 * tk2 + 2 * sk
-        assert packed[pair_start + t] == _tl1_pair_code(values, row, pair) << 4 | _tl1_pair_code(values, row, pair + 1)
+        assert packed[pair_start + t] == _tl1_pair_code(values, row, pair) << 4 | _tl1_pair_code(
+            values, row, pair + 1
+        )
 
 
 # ------------------------------------------------------------------------------------------ error paths
@@ -286,7 +295,9 @@ def test_tl_config_that_does_not_tile_the_shape_is_rejected() -> None:
     info = _info("w", GGMLType.TL2, shape, len(packed))
     bad = TLConfigTable({shape: TileConfig(BM=96, BK=96, bm=32)}, source="bad.ini")  # 256 % 96 != 0
     with pytest.raises(InvalidModelFile, match="does not fit"):
-        make_packed_weight(info, np.frombuffer(bytes(packed), dtype=np.uint8), options=DecodeOptions(tl_configs=bad))
+        make_packed_weight(
+            info, np.frombuffer(bytes(packed), dtype=np.uint8), options=DecodeOptions(tl_configs=bad)
+        )
     with pytest.raises(ValueError, match="bm == 32"):
         pack_tl2(np.zeros(shape, dtype=np.int8), 1.0, TileConfig(128, 96, 64))
 

@@ -23,7 +23,9 @@ def layout(tmp_path: Path) -> dict[str, Path]:
     (root / "team" / "other.gguf").write_bytes(b"GGUF-other")
     (outside / "secret.gguf").write_bytes(b"GGUF-secret")
     digest = hashlib.sha256(b"GGUF-tiny").hexdigest()
-    (root / "tiny.gguf.json").write_text(json.dumps({"alias": "tiny-v1", "sha256": digest, "default_params": {"temperature": 0.2}}))
+    (root / "tiny.gguf.json").write_text(
+        json.dumps({"alias": "tiny-v1", "sha256": digest, "default_params": {"temperature": 0.2}})
+    )
     os.symlink(outside / "secret.gguf", root / "escape.gguf")
     os.symlink(outside, root / "linked-dir")
     return {"root": root, "outside": outside}
@@ -47,16 +49,19 @@ def test_paths_inside_a_root_resolve(layout: dict[str, Path]) -> None:
     assert registry.resolve("team/../tiny.gguf").name == "tiny-v1"  # stays inside: allowed
 
 
-@pytest.mark.parametrize("reference", [
-    "../outside/secret.gguf",
-    "team/../../outside/secret.gguf",
-    "escape.gguf",  # symlink to a file outside
-    "linked-dir/secret.gguf",  # symlinked folder outside
-    "%2e%2e/outside/secret.gguf",
-    "%252e%252e%252foutside%252fsecret.gguf",  # double-encoded
-    "..%2Foutside%2Fsecret.gguf",
-    "/etc/passwd",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reference",
+    [
+        "../outside/secret.gguf",
+        "team/../../outside/secret.gguf",
+        "escape.gguf",  # symlink to a file outside
+        "linked-dir/secret.gguf",  # symlinked folder outside
+        "%2e%2e/outside/secret.gguf",
+        "%252e%252e%252foutside%252fsecret.gguf",  # double-encoded
+        "..%2Foutside%2Fsecret.gguf",
+        "/etc/passwd",
+    ],
+)
 def test_path_tricks_are_refused(layout: dict[str, Path], reference: str) -> None:
     registry = ModelFiles([layout["root"]])
     with pytest.raises(Forbidden):
@@ -91,7 +96,9 @@ def test_unknown_names_and_bad_sidecars(layout: dict[str, Path]) -> None:
         ({"golden": [{"prompt": "hi", "expected_token_ids": [1]}] * 17}, "at most 16"),
     ],
 )
-def test_bad_sidecar_fields_are_refused(layout: dict[str, Path], sidecar: dict, reason: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_sidecar_fields_are_refused(
+    layout: dict[str, Path], sidecar: dict, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
     (layout["root"] / "team" / "other.gguf.json").write_text(json.dumps(sidecar))
     registry = ModelFiles([layout["root"]])
     assert "other" not in registry.names
@@ -100,7 +107,9 @@ def test_bad_sidecar_fields_are_refused(layout: dict[str, Path], sidecar: dict, 
 
 def test_golden_and_defaults_from_the_sidecar(layout: dict[str, Path]) -> None:
     golden = [{"prompt": "hi", "expected_token_ids": [1, 2]}, {"prompt": [3, 4], "expected_token_ids": [5]}]
-    (layout["root"] / "team" / "other.gguf.json").write_text(json.dumps({"golden": golden, "default_params": {"top_k": 3}}))
+    (layout["root"] / "team" / "other.gguf.json").write_text(
+        json.dumps({"golden": golden, "default_params": {"top_k": 3}})
+    )
     model = ModelFiles([layout["root"]]).resolve("other")
     assert [(g.prompt, g.expected_token_ids) for g in model.golden] == [("hi", (1, 2)), ((3, 4), (5,))]
     assert model.default_params == {"top_k": 3}

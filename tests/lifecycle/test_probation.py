@@ -34,7 +34,9 @@ def test_error_rate_needs_enough_requests_and_counts_from_the_flip() -> None:
     assert probation_failure(slot, POLICY, 0, 0, (0.0, 0)) is None  # 3 < min_requests
     finish(slot, 1, 0)
     assert "3 of 4 requests failed" in str(probation_failure(slot, POLICY, 0, 0, (0.0, 0)))
-    assert probation_failure(slot, POLICY, base_finished=3, base_failed=3, base_itl=(0.0, 0)) is None  # before the flip
+    assert (
+        probation_failure(slot, POLICY, base_finished=3, base_failed=3, base_itl=(0.0, 0)) is None
+    )  # before the flip
 
 
 def test_inter_token_latency_threshold() -> None:
@@ -43,4 +45,6 @@ def test_inter_token_latency_threshold() -> None:
     assert probation_failure(slot, POLICY, 0, 0, (0.0, 0)) is None
     slot.engine.itl_sum_s, slot.engine.itl_count = 5.0, 40  # the last 20 gaps: 4 s / 20 = 200 ms
     assert "exceeds 100 ms" in str(probation_failure(slot, POLICY, 0, 0, (1.0, 20)))
-    assert probation_failure(slot, ProbationPolicy(10.0, 0.25, 4, None), 0, 0, (1.0, 20)) is None  # off when unset
+    assert (
+        probation_failure(slot, ProbationPolicy(10.0, 0.25, 4, None), 0, 0, (1.0, 20)) is None
+    )  # off when unset

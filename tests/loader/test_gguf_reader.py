@@ -181,7 +181,10 @@ def test_smollm2_known_facts(smollm2: tuple[GGUFFile, gguf.GGUFReader]) -> None:
     assert ours.dialect is Dialect.UPSTREAM and ours.version == 3 and ours.alignment == 32
     assert len(ours.tensors) == 272
     assert Counter(t.ggml_type for t in ours.tensors.values()) == {
-        GGMLType.Q4_1: 210, GGMLType.F32: 61, GGMLType.Q8_0: 1}
+        GGMLType.Q4_1: 210,
+        GGMLType.F32: 61,
+        GGMLType.Q8_0: 1,
+    }
     assert ours.tensors["token_embd.weight"].ggml_type is GGMLType.Q8_0
     tokens = ours.metadata["tokenizer.ggml.tokens"]
     assert len(tokens) == 49152 and tokens[1] == "<|im_start|>" and tokens[2] == "<|im_end|>"
@@ -215,8 +218,12 @@ def test_fork_types_are_sized_with_scale_slots(tmp_path: Path) -> None:
     path = b.write(tmp_path / "fork.gguf")
     with read_gguf(path) as g:
         assert g.dialect is Dialect.BITNET_CPP
-        assert [g.tensors[n].ggml_type for n in blobs] == [GGMLType.I2_S, GGMLType.TL1, GGMLType.TL2,
-                                                           GGMLType.F32]
+        assert [g.tensors[n].ggml_type for n in blobs] == [
+            GGMLType.I2_S,
+            GGMLType.TL1,
+            GGMLType.TL2,
+            GGMLType.F32,
+        ]
         assert g.tensors["tl2"].nbytes == 216_800  # S_TL2 = 216,746 (spec fixture) -> 216,768 + 32
         for name, (_, _, blob) in blobs.items():
             assert g.tensors[name].nbytes == len(blob)

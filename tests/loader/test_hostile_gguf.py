@@ -58,6 +58,7 @@ def patch(label: str, fmt: str, value: int, delta: int = 0) -> Callable[[], byte
         data = bytearray(base_bytes())
         struct.pack_into(fmt, data, at(label, delta), value)
         return bytes(data)
+
     return make
 
 
@@ -66,24 +67,36 @@ def with_kv(key: bytes, type_id: int, value: bytes, arch: str = "llama") -> Call
         b = base(arch)
         b.add_raw_kv(key, type_id, value)
         return b.to_bytes()
+
     return make
 
 
-def with_tensor(name: str, shape: tuple[int, ...], type_id: int, data: bytes, *, arch: str = "llama",
-                offset: int | None = None, extent: int | None = None) -> Callable[[], bytes]:
+def with_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    type_id: int,
+    data: bytes,
+    *,
+    arch: str = "llama",
+    offset: int | None = None,
+    extent: int | None = None,
+) -> Callable[[], bytes]:
     def make() -> bytes:
         b = base(arch)
         b.add_tensor(name, shape, type_id, data, offset=offset, extent=extent)
         return b.to_bytes()
+
     return make
 
 
-def builder(fn: Callable[[GGUFBuilder], None], *, arch: str = "llama", tensors: bool = True,
-            **to_bytes: int) -> Callable[[], bytes]:
+def builder(
+    fn: Callable[[GGUFBuilder], None], *, arch: str = "llama", tensors: bool = True, **to_bytes: int
+) -> Callable[[], bytes]:
     def make() -> bytes:
         b = base(arch, tensors=tensors)
         fn(b)
         return b.to_bytes(**to_bytes)
+
     return make
 
 
@@ -118,7 +131,11 @@ CASES = [
     P(cut_at(12), "truncated while reading tensor count", id="mid-tensor-count"),
     P(cut_at(20), "truncated while reading key-value count", id="mid-kv-count"),
     P(cut_at(24), "need at least", id="after-header"),
-    P(lambda: base().to_bytes(num_tensors=2**62), "tensor count 4611686018427387904 exceeds", id="huge-n-tensors"),
+    P(
+        lambda: base().to_bytes(num_tensors=2**62),
+        "tensor count 4611686018427387904 exceeds",
+        id="huge-n-tensors",
+    ),
     P(lambda: base().to_bytes(num_kv=2**62), "key-value count 4611686018427387904 exceeds", id="huge-n-kv"),
     P(lambda: base().to_bytes(num_tensors=100_000), "need at least", id="n-tensors-past-eof"),
     P(lambda: base().to_bytes(num_tensors=-1), "negative tensor count", id="negative-n-tensors"),
@@ -126,38 +143,77 @@ CASES = [
     # --- key-value section ---
     P(cut("kv.llama.block_count", 4), "truncated while reading key 2 length", id="mid-key-length"),
     P(cut("kv.llama.block_count", 12), "key 2 length 17 exceeds the 4 bytes left", id="mid-key"),
-    P(cut("kv.llama.block_count.type", 2), "truncated while reading value type of key 'llama.block_count'",
-      id="mid-value-type"),
-    P(cut("kv.llama.block_count.value", 2), "truncated while reading value of key 'llama.block_count'",
-      id="mid-value"),
-    P(cut("kv.general.name.value", 200), "string value of key 'general.name' length 301 exceeds",
-      id="mid-string-value"),
-    P(cut("kv.tokenizer.ggml.tokens.value", 6), "truncated while reading array of key", id="mid-array-header"),
-    P(cut("kv.tokenizer.ggml.tokens.value", 12 + 28 + 18), "string 1 of key 'tokenizer.ggml.tokens'",
-      id="mid-string-array"),
+    P(
+        cut("kv.llama.block_count.type", 2),
+        "truncated while reading value type of key 'llama.block_count'",
+        id="mid-value-type",
+    ),
+    P(
+        cut("kv.llama.block_count.value", 2),
+        "truncated while reading value of key 'llama.block_count'",
+        id="mid-value",
+    ),
+    P(
+        cut("kv.general.name.value", 200),
+        "string value of key 'general.name' length 301 exceeds",
+        id="mid-string-value",
+    ),
+    P(
+        cut("kv.tokenizer.ggml.tokens.value", 6),
+        "truncated while reading array of key",
+        id="mid-array-header",
+    ),
+    P(
+        cut("kv.tokenizer.ggml.tokens.value", 12 + 28 + 18),
+        "string 1 of key 'tokenizer.ggml.tokens'",
+        id="mid-string-array",
+    ),
     P(cut("kv.tokenizer.ggml.scores.value", 12 + 6), "count 3 needs at least 12 bytes", id="mid-f32-array"),
-    P(patch("kv.general.name.value", "<Q", 2**63), "length 9223372036854775808 exceeds", id="huge-string-len"),
+    P(
+        patch("kv.general.name.value", "<Q", 2**63),
+        "length 9223372036854775808 exceeds",
+        id="huge-string-len",
+    ),
     P(patch("kv.llama.block_count", "<Q", 2**64 - 1), "key 2 length 18446744073709551615", id="huge-key-len"),
     P(with_kv(b"k" * 70_000, VT.UINT8, b"\x01"), "exceeds the limit of 65536", id="key-over-cap"),
-    P(patch("kv.tokenizer.ggml.tokens.value", "<Q", 2**62, 4), "count 4611686018427387904 needs",
-      id="huge-array-count"),
+    P(
+        patch("kv.tokenizer.ggml.tokens.value", "<Q", 2**62, 4),
+        "count 4611686018427387904 needs",
+        id="huge-array-count",
+    ),
     P(with_kv(b"bomb", VT.ARRAY, nested_arrays(10_000)), "nested deeper than 2", id="nested-array-bomb"),
-    P(with_kv(b"wide", VT.ARRAY, struct.pack("<IQ", VT.ARRAY, 2**60)), "count 1152921504606846976 needs",
-      id="nested-array-huge-count"),
+    P(
+        with_kv(b"wide", VT.ARRAY, struct.pack("<IQ", VT.ARRAY, 2**60)),
+        "count 1152921504606846976 needs",
+        id="nested-array-huge-count",
+    ),
     P(with_kv(b"odd", 13, b"\x00" * 8), "unknown value type 13 for key 'odd'", id="unknown-value-type"),
     P(with_kv(b"odd", 0xFFFFFFFF, b""), "unknown value type 4294967295", id="negative-value-type"),
-    P(with_kv(b"odd", VT.ARRAY, struct.pack("<IQ", 99, 1)), "unknown value type 99 for array elements",
-      id="unknown-array-type"),
+    P(
+        with_kv(b"odd", VT.ARRAY, struct.pack("<IQ", 99, 1)),
+        "unknown value type 99 for array elements",
+        id="unknown-array-type",
+    ),
     P(with_kv(b"flag", VT.BOOL, b"\x02"), "bool value of key 'flag' is 2", id="bool-not-0-1"),
-    P(with_kv(b"flags", VT.ARRAY, struct.pack("<IQ", VT.BOOL, 3) + b"\x01\x00\x07"), "bool element 2",
-      id="bool-array-not-0-1"),
-    P(with_kv(b"llama.block_count", VT.UINT32, b"\x03\x00\x00\x00"), "duplicate key 'llama.block_count'",
-      id="duplicate-key"),
+    P(
+        with_kv(b"flags", VT.ARRAY, struct.pack("<IQ", VT.BOOL, 3) + b"\x01\x00\x07"),
+        "bool element 2",
+        id="bool-array-not-0-1",
+    ),
+    P(
+        with_kv(b"llama.block_count", VT.UINT32, b"\x03\x00\x00\x00"),
+        "duplicate key 'llama.block_count'",
+        id="duplicate-key",
+    ),
     P(with_kv(b"bad\xff\xfekey", VT.UINT8, b"\x01"), "not valid UTF-8", id="invalid-utf8-key"),
     P(with_kv(b"", VT.UINT8, b"\x01"), "is empty", id="empty-key"),
     P(builder(_alignment(VT.UINT32, 0)), "general.alignment 0 is not a power of two", id="alignment-0"),
     P(builder(_alignment(VT.UINT32, 48)), "general.alignment 48 is not a power of two", id="alignment-48"),
-    P(builder(_alignment(VT.INT32, 32)), "general.alignment must be UINT32 but is INT32", id="alignment-int32"),
+    P(
+        builder(_alignment(VT.INT32, 32)),
+        "general.alignment must be UINT32 but is INT32",
+        id="alignment-int32",
+    ),
     P(builder(_alignment(VT.STRING, "32")), "must be UINT32 but is STRING", id="alignment-string"),
     # --- tensor infos ---
     P(cut(f"tensor.{ATTN}", 4), "truncated while reading name of tensor 1 length", id="mid-tensor-name-len"),
@@ -165,15 +221,28 @@ CASES = [
     P(cut(f"tensor.{ATTN}.n_dims", 2), f"truncated while reading n_dims of tensor '{ATTN}'", id="mid-ndims"),
     P(cut(f"tensor.{ATTN}.ne", 12), f"truncated while reading ne of tensor '{ATTN}'", id="mid-ne"),
     P(cut(f"tensor.{ATTN}.type", 3), f"truncated while reading type of tensor '{ATTN}'", id="mid-type"),
-    P(cut(f"tensor.{ATTN}.offset", 5), f"truncated while reading data offset of tensor '{ATTN}'",
-      id="mid-offset"),
+    P(
+        cut(f"tensor.{ATTN}.offset", 5),
+        f"truncated while reading data offset of tensor '{ATTN}'",
+        id="mid-offset",
+    ),
     P(cut("data", -1), "before the data section", id="in-padding-before-data"),
     P(cut("data"), "past the end of the data section (0 bytes)", id="no-data"),
-    P(cut(f"data.{ATTN}", 30), f"tensor '{ATTN}' (68 bytes at data offset 64) extends past the end",
-      id="mid-data"),
-    P(patch(f"tensor.{EMBD}", "<Q", 2**63), "name of tensor 0 length 9223372036854775808", id="huge-name-len"),
-    P(builder(lambda b: b.add_tensor(b"\xc3\x28name", (4,), F32, bytes(16))), "not valid UTF-8",
-      id="invalid-utf8-name"),
+    P(
+        cut(f"data.{ATTN}", 30),
+        f"tensor '{ATTN}' (68 bytes at data offset 64) extends past the end",
+        id="mid-data",
+    ),
+    P(
+        patch(f"tensor.{EMBD}", "<Q", 2**63),
+        "name of tensor 0 length 9223372036854775808",
+        id="huge-name-len",
+    ),
+    P(
+        builder(lambda b: b.add_tensor(b"\xc3\x28name", (4,), F32, bytes(16))),
+        "not valid UTF-8",
+        id="invalid-utf8-name",
+    ),
     P(with_tensor(EMBD, (4,), F32, bytes(16)), f"duplicate tensor name '{EMBD}'", id="duplicate-tensor"),
     P(with_tensor("t", (1, 1, 1, 1, 1), F32, bytes(4)), "has n_dims 5", id="ndims-5"),
     P(patch(f"tensor.{EMBD}.n_dims", "<I", 2**32 - 1), "has n_dims 4294967295", id="ndims-huge"),
@@ -190,11 +259,21 @@ CASES = [
     P(with_tensor("t", (33, 2), Q8_0, bytes(68)), "multiple of 32", id="q8_0-block-mismatch"),
     P(with_tensor("t", (128, 2), 35, bytes(66)), "multiple of 256", id="tq2_0-block-mismatch"),
     P(with_tensor("t", (512,), 36, bytes(160), arch="bitnet-b1.58"), "must be 2-D", id="i2s-1d"),
-    P(with_tensor("t", (256, 8), 36, bytes(512), arch="bitnet-b1.58"), "extends past the end",
-      id="i2s-missing-scale-slot"),
-    P(with_tensor("t", (4,), F32, bytes(16), offset=16), "not a multiple of the alignment 32",
-      id="misaligned-offset"),
-    P(with_tensor("t", (4,), F32, b"", offset=2**40), "past the end of the data section", id="offset-past-eof"),
+    P(
+        with_tensor("t", (256, 8), 36, bytes(512), arch="bitnet-b1.58"),
+        "extends past the end",
+        id="i2s-missing-scale-slot",
+    ),
+    P(
+        with_tensor("t", (4,), F32, bytes(16), offset=16),
+        "not a multiple of the alignment 32",
+        id="misaligned-offset",
+    ),
+    P(
+        with_tensor("t", (4,), F32, b"", offset=2**40),
+        "past the end of the data section",
+        id="offset-past-eof",
+    ),
     P(with_tensor("t", (16,), F32, bytes(64), offset=64), "overlaps tensor", id="overlapping"),
     P(with_tensor("t", (1024,), F32, bytes(64)), "extends past the end", id="tensor-past-eof"),
 ]
@@ -250,15 +329,20 @@ def test_every_truncation_is_rejected(tmp_path: Path) -> None:
                 assert g.tensor_data(ATTN).tobytes() == bytes(range(68))
 
 
-@pytest.mark.parametrize(("make", "is_unsupported"), [
-    (lambda: base().to_bytes(version=1), True),
-    (with_tensor("t", (64, 2), 37, bytes(64)), True),
-    (with_tensor("t", (4,), 99, bytes(16)), True),
-    (builder(lambda b: _type39(b, 160)), True),
-    (patch("version", ">I", 3), False),
-    (with_tensor("t", (33, 2), Q8_0, bytes(68)), False),
-])
-def test_unsupported_versus_malformed(tmp_path: Path, make: Callable[[], bytes], is_unsupported: bool) -> None:
+@pytest.mark.parametrize(
+    ("make", "is_unsupported"),
+    [
+        (lambda: base().to_bytes(version=1), True),
+        (with_tensor("t", (64, 2), 37, bytes(64)), True),
+        (with_tensor("t", (4,), 99, bytes(16)), True),
+        (builder(lambda b: _type39(b, 160)), True),
+        (patch("version", ">I", 3), False),
+        (with_tensor("t", (33, 2), Q8_0, bytes(68)), False),
+    ],
+)
+def test_unsupported_versus_malformed(
+    tmp_path: Path, make: Callable[[], bytes], is_unsupported: bool
+) -> None:
     path = tmp_path / "f.gguf"
     path.write_bytes(make())
     with pytest.raises(InvalidModelFile) as info:
@@ -284,13 +368,14 @@ def fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mutations=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=8),
     truncate=st.one_of(st.none(), st.integers(0, 10_000)),
 )
-def test_fuzzed_mutations_parse_or_fail_cleanly(fuzz_dir: Path, mutations: list[tuple[int, int]],
-                                                truncate: int | None) -> None:
+def test_fuzzed_mutations_parse_or_fail_cleanly(
+    fuzz_dir: Path, mutations: list[tuple[int, int]], truncate: int | None
+) -> None:
     data = bytearray(base_bytes())
     for position, value in mutations:
         data[position % len(data)] = value
     if truncate is not None:
-        del data[truncate % (len(data) + 1):]
+        del data[truncate % (len(data) + 1) :]
     path = fuzz_dir / "fuzz.gguf"
     path.write_bytes(bytes(data))
     try:

@@ -17,17 +17,29 @@ from bitserve.loader.model_spec import SUPPORTED_ARCHITECTURES, spec_from_metada
 
 def bitnet_metadata(arch: str, **extra: object) -> dict[str, object]:
     return {
-        "general.architecture": arch, f"{arch}.embedding_length": 2560, f"{arch}.block_count": 30,
-        f"{arch}.feed_forward_length": 6912, f"{arch}.attention.head_count": 20,
-        f"{arch}.attention.head_count_kv": 5, f"{arch}.context_length": 4096, f"{arch}.vocab_size": 128256,
-        f"{arch}.rope.freq_base": 500000.0, f"{arch}.attention.layer_norm_rms_epsilon": 1e-5, **extra,
-    }  # fmt: skip
+        "general.architecture": arch,
+        f"{arch}.embedding_length": 2560,
+        f"{arch}.block_count": 30,
+        f"{arch}.feed_forward_length": 6912,
+        f"{arch}.attention.head_count": 20,
+        f"{arch}.attention.head_count_kv": 5,
+        f"{arch}.context_length": 4096,
+        f"{arch}.vocab_size": 128256,
+        f"{arch}.rope.freq_base": 500000.0,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        **extra,
+    }
 
 
 def test_smollm2_spec(smollm2_path: Path) -> None:
     with read_gguf(smollm2_path) as gguf:
         spec = spec_from_metadata(gguf.metadata, tensor_names=set(gguf.tensors))
-    assert (spec.architecture, spec.num_layers, spec.hidden_size, spec.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (spec.architecture, spec.num_layers, spec.hidden_size, spec.intermediate_size) == (
+        "llama",
+        30,
+        576,
+        1536,
+    )
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rope_dim) == (9, 3, 64, 64)
     assert spec.rope_theta == 100000.0 and spec.rope_style is RopeStyle.NORM
     assert spec.tie_word_embeddings and not spec.has_sub_norms and spec.activation == "silu"
@@ -61,7 +73,9 @@ def test_missing_required_key_names_it() -> None:
         spec_from_metadata(metadata, tensor_names=set())
 
 
-def test_tl_file_without_tile_config_fails_saying_so(tmp_path: Path, synthetic_models: dict[str, Path]) -> None:
+def test_tl_file_without_tile_config_fails_saying_so(
+    tmp_path: Path, synthetic_models: dict[str, Path]
+) -> None:
     lonely = tmp_path / "no-sidecar.gguf"
     shutil.copy(synthetic_models["TL2"], lonely)  # the sidecar ini stays behind
     with pytest.raises(InvalidModelFile) as info:
@@ -70,7 +84,9 @@ def test_tl_file_without_tile_config_fails_saying_so(tmp_path: Path, synthetic_m
     assert "tile config" in message and "kernel_config.ini" in message
 
 
-def test_catalog_resolves_the_default_and_explains_missing_models(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, smollm2_path: Path) -> None:
+def test_catalog_resolves_the_default_and_explains_missing_models(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, smollm2_path: Path
+) -> None:
     assert resolve_model("smollm2-135m-instruct") == smollm2_path
     with pytest.raises(ModelNotFound, match="smollm2-135m-instruct"):
         resolve_model("no-such-model")

@@ -25,9 +25,18 @@ def value(values: dict, name: str, **labels: str) -> float:
 
 
 def step(**overrides: float) -> StepStats:
-    fields = dict(num_running=2, num_waiting=3, num_preempted_total=0, kv_usage=0.25, num_batched_tokens=40,
-                  num_prefill_tokens=38, num_decode_tokens=2, num_prefix_hit_tokens=16, num_prefix_query_tokens=48,
-                  step_time_s=0.02)  # fmt: skip
+    fields = dict(
+        num_running=2,
+        num_waiting=3,
+        num_preempted_total=0,
+        kv_usage=0.25,
+        num_batched_tokens=40,
+        num_prefill_tokens=38,
+        num_decode_tokens=2,
+        num_prefix_hit_tokens=16,
+        num_prefix_query_tokens=48,
+        step_time_s=0.02,
+    )
     fields.update(overrides)
     return StepStats(**fields)  # type: ignore[arg-type]
 
@@ -66,8 +75,18 @@ def test_request_stats_become_histograms_and_counters() -> None:
 def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
     sink = PrometheusStatsSink()
     sink.record_step("m", step())
-    sink.record_step("m", step(num_running=1, num_waiting=0, kv_usage=0.5, num_preempted_total=2,
-                               num_prefix_hit_tokens=0, num_prefix_query_tokens=8, num_batched_tokens=1))  # fmt: skip
+    sink.record_step(
+        "m",
+        step(
+            num_running=1,
+            num_waiting=0,
+            kv_usage=0.5,
+            num_preempted_total=2,
+            num_prefix_hit_tokens=0,
+            num_prefix_query_tokens=8,
+            num_batched_tokens=1,
+        ),
+    )
     sink.record_step("m", step(num_preempted_total=5, num_prefix_hit_tokens=0, num_prefix_query_tokens=0))
     values = samples(sink)
     # gauges hold the last step's values

@@ -86,4 +86,3 @@ def test_bitnetcpp_crossval(
             assert cosine.min() >= MIN_COSINE, f"{case.name} {text!r}: min logit cosine {cosine.min():.6f}"
     finally:
         llm.close()
-

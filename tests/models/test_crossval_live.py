@@ -44,4 +44,9 @@ def test_live_llamacpp_equals_committed_fixtures(tmp_path: Path, smollm2_path: P
         live, committed = np.load(tmp_path / name), np.load(FIXTURES / name)
         assert sorted(live.files) == sorted(committed.files)
         for key in live.files:
-            np.testing.assert_allclose(live[key].astype(np.float32), committed[key].astype(np.float32), atol=2e-2, err_msg=f"{name}:{key}")
+            np.testing.assert_allclose(
+                live[key].astype(np.float32),
+                committed[key].astype(np.float32),
+                atol=2e-2,
+                err_msg=f"{name}:{key}",
+            )

@@ -76,8 +76,12 @@ def test_prompt_tokens_equal_llamacpp(smollm2: LLM, smollm2_golden: dict) -> Non
         assert smollm2.encode(prompt["text"]) == case["prompt_token_ids"], prompt["text"]
 
 
-def test_greedy_64_tokens_equal_llamacpp_on_equal_weights(smollm2_golden: dict, smollm2_greedy: list[list[int]]) -> None:
-    for prompt, case, ours in zip(smollm2_golden["prompts"], smollm2_golden["references"]["f32"], smollm2_greedy, strict=True):
+def test_greedy_64_tokens_equal_llamacpp_on_equal_weights(
+    smollm2_golden: dict, smollm2_greedy: list[list[int]]
+) -> None:
+    for prompt, case, ours in zip(
+        smollm2_golden["prompts"], smollm2_golden["references"]["f32"], smollm2_greedy, strict=True
+    ):
         assert ours == case["greedy_token_ids"], prompt["text"]
 
 
@@ -98,11 +102,15 @@ def test_native_q4_1_llamacpp_is_close_and_diverges_only_at_near_ties(
 ) -> None:
     logits_fixture = np.load(FIXTURES / "smollm2_logits.npz")
     agreeing = total = 0
-    for index, (case, ours) in enumerate(zip(smollm2_golden["references"]["native"], smollm2_greedy, strict=True)):
+    for index, (case, ours) in enumerate(
+        zip(smollm2_golden["references"]["native"], smollm2_greedy, strict=True)
+    ):
         reference_tokens = case["greedy_token_ids"]
         first = next((i for i, (a, b) in enumerate(zip(ours, reference_tokens, strict=True)) if a != b), None)
         if first is not None:
-            assert case["greedy_margins"][first] < NATIVE_NEAR_TIE, f"prompt {index} diverges at a clear choice"
+            assert case["greedy_margins"][first] < NATIVE_NEAR_TIE, (
+                f"prompt {index} diverges at a clear choice"
+            )
         logits = prompt_logits(smollm2, case["prompt_token_ids"])
         argmax = logits.argmax(dim=1).tolist()
         agreeing += sum(a == b for a, b in zip(argmax, case["prompt_argmax"], strict=True))
@@ -119,7 +127,10 @@ def synthetic_golden() -> dict:
     return load_fixture("synthetic.json")
 
 
-@pytest.mark.parametrize("fmt, linear_mode, exact", [("F32", "float", True), ("TQ2_0", "llamacpp-tq", True), ("TQ2_0", "bitnet", False)])
+@pytest.mark.parametrize(
+    "fmt, linear_mode, exact",
+    [("F32", "float", True), ("TQ2_0", "llamacpp-tq", True), ("TQ2_0", "bitnet", False)],
+)
 def test_synthetic_bitnet_matches_llamacpp(
     synthetic_models: dict[str, Path], synthetic_golden: dict, fmt: str, linear_mode: str, exact: bool
 ) -> None:
@@ -134,7 +145,9 @@ def test_synthetic_bitnet_matches_llamacpp(
         for index, (case, output) in enumerate(zip(golden["cases"], outputs, strict=True)):
             assert llm.encode(case["text"]) == case["prompt_token_ids"]
             if exact:
-                assert output.outputs[0].token_ids == case["greedy_token_ids"], f"{fmt}/{linear_mode} prompt {index}"
+                assert output.outputs[0].token_ids == case["greedy_token_ids"], (
+                    f"{fmt}/{linear_mode} prompt {index}"
+                )
             reference = torch.from_numpy(logits_fixture[f"{fmt}_{index}"].astype(np.float32))
             ours = prompt_logits(llm, case["prompt_token_ids"])[-1]
             assert F.cosine_similarity(reference, ours, dim=0) >= (0.9999 if exact else 0.99)

@@ -36,13 +36,20 @@ MAX_FLOAT_DIFF_FRACTION = 1e-4
 MAX_LINEAR_DIFF_FRACTION = 1e-5
 MIN_UNQUANTIZED_DIFF_FRACTION = 1e-3
 HF_PROJECTIONS = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 HF_NORMS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_sub_norm": "self_attn.attn_sub_norm", "ffn_sub_norm": "mlp.ffn_sub_norm",
-}  # fmt: skip
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_sub_norm": "self_attn.attn_sub_norm",
+    "ffn_sub_norm": "mlp.ffn_sub_norm",
+}
 
 
 def hf_state_dict(
@@ -70,7 +77,9 @@ def hf_state_dict(
             else:
                 state[prefix + HF_PROJECTIONS[name] + ".weight"] = ternary * scale
         for name, hf_name in HF_NORMS.items():
-            state[prefix + hf_name + ".weight"] = torch.from_numpy(weights.norms[f"blk.{layer}.{name}.weight"])
+            state[prefix + hf_name + ".weight"] = torch.from_numpy(
+                weights.norms[f"blk.{layer}.{name}.weight"]
+            )
     return state
 
 
@@ -79,18 +88,29 @@ def build_hf_model(
 ) -> BitNetForCausalLM:
     vocab_size, hidden_size = weights.embedding.shape
     hf_config = BitNetConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        rms_norm_eps=config.rms_eps, tie_word_embeddings=True, max_position_embeddings=config.context_length,
-        bos_token_id=None, eos_token_id=None, dtype=torch.float32,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        rms_norm_eps=config.rms_eps,
+        tie_word_embeddings=True,
+        max_position_embeddings=config.context_length,
+        bos_token_id=None,
+        eos_token_id=None,
+        dtype=torch.float32,
+    )
     model = BitNetForCausalLM(hf_config)
     if is_quantized:
         # Plain BitNetForCausalLM has nn.Linear layers; offline AutoBitLinear computes
         # F.linear(ActQuant(x), weight) * weight_scale, ActQuant being per-token absmax int8 fake-quantization.
         quant_config = BitNetQuantConfig(linear_class="autobitlinear", quantization_mode="offline")
-        model = replace_with_bitnet_linear(model, modules_to_not_convert=["lm_head"], quantization_config=quant_config)
+        model = replace_with_bitnet_linear(
+            model, modules_to_not_convert=["lm_head"], quantization_config=quant_config
+        )
     # strict: every parameter and buffer (weight_scale included) comes from the synthetic weights, none stays random
     state = hf_state_dict(config, weights, is_quantized=is_quantized, is_norm_rope=is_norm_rope)
     model.load_state_dict(state, strict=True)
@@ -119,7 +139,9 @@ def bitserve_logits(model: DecoderModel, token_ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden_states)  # [num_tokens, vocab]
 
 
-def parity_failures(expected: torch.Tensor, actual: torch.Tensor, max_diff_fraction: float | None) -> tuple[list[str], str]:
+def parity_failures(
+    expected: torch.Tensor, actual: torch.Tensor, max_diff_fraction: float | None
+) -> tuple[list[str], str]:
     """(failed checks, a summary with per-position cosines and max |diff|) of bitserve vs transformers logits."""
     max_logit = expected.abs().max().item()
     cosines = torch.nn.functional.cosine_similarity(expected, actual, dim=-1)  # [num_tokens]
@@ -127,15 +149,19 @@ def parity_failures(expected: torch.Tensor, actual: torch.Tensor, max_diff_fract
     top2 = expected.topk(2, dim=-1).values  # [num_tokens, 2]
     is_decisive = (top2[:, 0] - top2[:, 1]) >= MIN_TOP2_MARGIN
     mismatched = (is_decisive & (expected.argmax(-1) != actual.argmax(-1))).nonzero().flatten().tolist()
-    summary = (f"min cosine {cosines.min().item():.7f} (per position {[round(c, 6) for c in cosines.tolist()]}), "
-               f"max |diff| {max_abs_diff:.3g} on a max |logit| {max_logit:.3g}")  # fmt: skip
+    summary = (
+        f"min cosine {cosines.min().item():.7f} (per position {[round(c, 6) for c in cosines.tolist()]}), "
+        f"max |diff| {max_abs_diff:.3g} on a max |logit| {max_logit:.3g}"
+    )
     failures = []
     if cosines.min().item() < MIN_COSINE:
         failures.append(f"cosine < {MIN_COSINE}")
     if max_diff_fraction is not None and max_abs_diff > max_diff_fraction * max_logit:
         failures.append(f"max |diff| > {max_diff_fraction} * max |logit|")
     if mismatched:
-        failures.append(f"greedy argmax differs at positions {mismatched} (top-2 margin >= {MIN_TOP2_MARGIN})")
+        failures.append(
+            f"greedy argmax differs at positions {mismatched} (top-2 margin >= {MIN_TOP2_MARGIN})"
+        )
     return failures, summary
 
 
@@ -162,32 +188,50 @@ def varied_weights(synthetic_weights) -> SyntheticWeights:  # noqa: ANN001
     read from the wrong tensor (e.g. attn_norm for ffn_norm, one layer's scale for another's) shows."""
     weights = synthetic_weights[1]
     rng = np.random.default_rng(1)
-    norms = {name: rng.uniform(0.5, 1.5, size=vector.shape).astype(np.float32) for name, vector in weights.norms.items()}
+    norms = {
+        name: rng.uniform(0.5, 1.5, size=vector.shape).astype(np.float32)
+        for name, vector in weights.norms.items()
+    }
     scales = {key: float(np.float32(rng.uniform(0.02, 0.08))) for key in weights.scales}
     return dataclasses.replace(weights, norms=norms, scales=scales)
 
 
 @pytest.fixture(scope="module")
-def varied_paths(synthetic_config: SyntheticConfig, synthetic_weights, varied_weights: SyntheticWeights,  # noqa: ANN001
-                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # fmt: skip
+def varied_paths(
+    synthetic_config: SyntheticConfig,
+    synthetic_weights,
+    varied_weights: SyntheticWeights,  # noqa: ANN001
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("varied")
     tokenizer = synthetic_weights[0]
     return {
-        fmt: write_synthetic_model(folder / f"varied-{fmt}.gguf", fmt, config=synthetic_config, weights=varied_weights, tokenizer=tokenizer)
+        fmt: write_synthetic_model(
+            folder / f"varied-{fmt}.gguf",
+            fmt,
+            config=synthetic_config,
+            weights=varied_weights,
+            tokenizer=tokenizer,
+        )
         for fmt in ("F32", "I2_S")
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture(scope="module")
-def hf_models(synthetic_config: SyntheticConfig, synthetic_weights, varied_weights: SyntheticWeights,  # noqa: ANN001
-              ) -> Callable[[str, bool], BitNetForCausalLM]:  # fmt: skip
+def hf_models(
+    synthetic_config: SyntheticConfig,
+    synthetic_weights,
+    varied_weights: SyntheticWeights,  # noqa: ANN001
+) -> Callable[[str, bool], BitNetForCausalLM]:
     """get(weights "unit" | "varied", is_quantized) -> transformers model, each built once per module."""
     built: dict[tuple[str, bool], BitNetForCausalLM] = {}
     sources = {"unit": synthetic_weights[1], "varied": varied_weights}
 
     def get(name: str, is_quantized: bool) -> BitNetForCausalLM:
         if (name, is_quantized) not in built:
-            built[(name, is_quantized)] = build_hf_model(synthetic_config, sources[name], is_quantized=is_quantized)
+            built[(name, is_quantized)] = build_hf_model(
+                synthetic_config, sources[name], is_quantized=is_quantized
+            )
         return built[(name, is_quantized)]
 
     return get
@@ -207,7 +251,9 @@ def test_bitnet_mode_matches_transformers(llms, hf_models, fmt: str) -> None:  #
         # attention) can move x*s_act across a .5 tie, one int8 code differs, and later layers re-quantize
         # the shifted activations, a cascade measured at ~3% of the max logit (cosine ~0.9992) with the
         # varied weights; that is rounding, not a bug. test_projections_match_autobitlinear pins the math.
-        failures, summary = parity_failures(expected, bitserve_logits(llm.instance.loaded.model, token_ids), None)
+        failures, summary = parity_failures(
+            expected, bitserve_logits(llm.instance.loaded.model, token_ids), None
+        )
         assert not failures, f"{fmt} {prompt!r}: {'; '.join(failures)}; {summary}"
 
 
@@ -216,26 +262,41 @@ def test_projections_match_autobitlinear(hf_models, varied_paths, fmt: str) -> N
     """Each of the 14 projections, fed one random input [num_tokens, in] on both sides: bitserve's bitnet linear
     (scale included) equals HF's AutoBitLinear to summation order, and visibly differs from F.linear without ActQuant."""
     hf_model = hf_models("varied", True)
-    loaded = load_model(varied_paths[fmt], LoadOptions(backend=select_backend("reference"), linear_mode=LinearMode.BITNET))
+    loaded = load_model(
+        varied_paths[fmt], LoadOptions(backend=select_backend("reference"), linear_mode=LinearMode.BITNET)
+    )
     generator = torch.Generator().manual_seed(0)
     try:
         for layer_id, layer in enumerate(loaded.model.layers):
-            groups = {"attn_q": (layer.qkv, 0), "attn_k": (layer.qkv, 1), "attn_v": (layer.qkv, 2),
-                      "attn_output": (layer.o_proj, None), "ffn_gate": (layer.gate_up, 0), "ffn_up": (layer.gate_up, 1),
-                      "ffn_down": (layer.down_proj, None)}  # fmt: skip
+            groups = {
+                "attn_q": (layer.qkv, 0),
+                "attn_k": (layer.qkv, 1),
+                "attn_v": (layer.qkv, 2),
+                "attn_output": (layer.o_proj, None),
+                "ffn_gate": (layer.gate_up, 0),
+                "ffn_up": (layer.gate_up, 1),
+                "ffn_down": (layer.down_proj, None),
+            }
             for name, (module, index) in groups.items():
                 hf_linear = hf_model.model.layers[layer_id].get_submodule(HF_PROJECTIONS[name])
                 # rows of different magnitudes: per-token scales must not mix across rows
-                x = torch.randn(6, hf_linear.in_features, generator=generator) * torch.logspace(-2, 1, 6)[:, None]
+                x = (
+                    torch.randn(6, hf_linear.in_features, generator=generator)
+                    * torch.logspace(-2, 1, 6)[:, None]
+                )
                 expected = run_hf(hf_linear, x)  # [6, out]
                 with torch.inference_mode():
                     actual = module(x) if index is None else module(x)[index]
                     unquantized = torch.nn.functional.linear(x, hf_linear.weight) * hf_linear.weight_scale
                 diff = (expected - actual).abs().max().item()
                 max_y = expected.abs().max().item()
-                assert diff <= MAX_LINEAR_DIFF_FRACTION * max_y, f"blk.{layer_id}.{name}: max |diff| {diff:.3g} on max |y| {max_y:.3g}"
+                assert diff <= MAX_LINEAR_DIFF_FRACTION * max_y, (
+                    f"blk.{layer_id}.{name}: max |diff| {diff:.3g} on max |y| {max_y:.3g}"
+                )
                 quant_effect = (expected - unquantized).abs().max().item()
-                assert quant_effect > MIN_UNQUANTIZED_DIFF_FRACTION * max_y, f"blk.{layer_id}.{name}: ActQuant had no effect"
+                assert quant_effect > MIN_UNQUANTIZED_DIFF_FRACTION * max_y, (
+                    f"blk.{layer_id}.{name}: ActQuant had no effect"
+                )
     finally:
         loaded.close()
 
@@ -245,13 +306,17 @@ def test_float_mode_matches_transformers(llms, hf_models, varied_paths, fmt: str
     """bitserve's float mode (no activation quantization) against plain nn.Linear layers holding t * scale, on the
     varied norms and scales: continuous on both sides, so the whole model can be held to a tight bound."""
     hf_model = hf_models("varied", False)
-    loaded = load_model(varied_paths[fmt], LoadOptions(backend=select_backend("reference"), linear_mode=LinearMode.FLOAT))
+    loaded = load_model(
+        varied_paths[fmt], LoadOptions(backend=select_backend("reference"), linear_mode=LinearMode.FLOAT)
+    )
     try:
         for prompt in PROMPTS:
             token_ids = llms["F32"].encode(prompt)  # same tokenizer in every synthetic file
             expected = hf_logits(hf_model, token_ids)
             assert_not_degenerate(expected)
-            failures, summary = parity_failures(expected, bitserve_logits(loaded.model, token_ids), MAX_FLOAT_DIFF_FRACTION)
+            failures, summary = parity_failures(
+                expected, bitserve_logits(loaded.model, token_ids), MAX_FLOAT_DIFF_FRACTION
+            )
             assert not failures, f"varied {fmt} {prompt!r}: {'; '.join(failures)}; {summary}"
     finally:
         loaded.close()
@@ -262,5 +327,7 @@ def test_rope_pairing_is_visible(llms, synthetic_config, synthetic_weights) -> N
     the same rows permuted for NORM-style pairing (what a `llama` converter does) must break parity."""
     wrong = build_hf_model(synthetic_config, synthetic_weights[1], is_quantized=True, is_norm_rope=True)
     token_ids = llms["F32"].encode(PROMPTS[2])
-    failures, summary = parity_failures(hf_logits(wrong, token_ids), bitserve_logits(llms["F32"].instance.loaded.model, token_ids), None)
+    failures, summary = parity_failures(
+        hf_logits(wrong, token_ids), bitserve_logits(llms["F32"].instance.loaded.model, token_ids), None
+    )
     assert any(failure.startswith("cosine") for failure in failures), summary

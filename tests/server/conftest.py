@@ -15,8 +15,18 @@ from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerCo
 SYNTHETIC_MAX_MODEL_LEN = 128
 IN_PROCESS_SERVER = ServerConfig(max_body_bytes=64 * 1024, body_read_timeout_s=1.0, sse_keepalive_s=1.0)
 # The black-box server: short read timeouts so the hostile tests finish quickly.
-BLACKBOX_ARGS = ("--header-read-timeout-s", "2", "--body-read-timeout-s", "2", "--max-body-bytes", "262144",
-                 "--sse-keepalive-s", "1", "--drain-timeout-s", "5")  # fmt: skip
+BLACKBOX_ARGS = (
+    "--header-read-timeout-s",
+    "2",
+    "--body-read-timeout-s",
+    "2",
+    "--max-body-bytes",
+    "262144",
+    "--sse-keepalive-s",
+    "1",
+    "--drain-timeout-s",
+    "5",
+)
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +43,10 @@ def synthetic_instance(tq2_model_path: Path) -> Iterator[object]:
     from bitserve.engine.instance import ModelInstance
 
     instance = ModelInstance.load(
-        EngineConfig(model=ModelConfig(model=str(tq2_model_path)),
-                     scheduler=SchedulerConfig(max_model_len=SYNTHETIC_MAX_MODEL_LEN))
+        EngineConfig(
+            model=ModelConfig(model=str(tq2_model_path)),
+            scheduler=SchedulerConfig(max_model_len=SYNTHETIC_MAX_MODEL_LEN),
+        )
     )
     yield instance
     instance.close()

@@ -25,7 +25,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_until_ready(url: str, timeout_s: float, check: Callable[[], None] | None = None, *, poll_s: float = 0.1) -> bool:
+def wait_until_ready(
+    url: str, timeout_s: float, check: Callable[[], None] | None = None, *, poll_s: float = 0.1
+) -> bool:
     """Poll `url`/health/ready until it answers 200 (True) or `timeout_s` passes (False); `check`
     runs before each poll and may raise (the server died)."""
     deadline = time.monotonic() + timeout_s
@@ -60,8 +62,13 @@ class ServerProcess:
             *args,
         ]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})  # fmt: skip
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]

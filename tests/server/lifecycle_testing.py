@@ -26,7 +26,9 @@ from bitserve.testing.synthetic import (
 )
 
 T = TypeVar("T")
-TINY = dict(num_layers=1, hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=4, embedding_type="Q8_0")  # TQ2_0 needs K % 256 == 0
+TINY = dict(
+    num_layers=1, hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=4, embedding_type="Q8_0"
+)  # TQ2_0 needs K % 256 == 0
 KV_CACHE_BYTES = 4 * 1024 * 1024
 MAX_MODEL_LEN = 256
 
@@ -52,7 +54,10 @@ def build_model_root(base: Path, smollm2_path: Path) -> ModelRoot:
     root, outside = base / "models", base / "outside"
     root.mkdir()
     outside.mkdir()
-    files = {"v1": write_version(root / "v1.gguf", tokenizer, seed=1), "v2": write_version(root / "v2.gguf", tokenizer, seed=2)}
+    files = {
+        "v1": write_version(root / "v1.gguf", tokenizer, seed=1),
+        "v2": write_version(root / "v2.gguf", tokenizer, seed=2),
+    }
     data = files["v1"].read_bytes()
     files["truncated"] = root / "truncated.gguf"
     files["truncated"].write_bytes(data[: len(data) // 2])
@@ -77,8 +82,15 @@ class ThreadServer:
         from bitserve.server.app import build_app
 
         self.app = build_app(server_config, engine_config)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=server_config.port, log_config=None,
-                                lifespan="on", access_log=False, timeout_keep_alive=server_config.keep_alive_timeout_s)  # fmt: skip
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=server_config.port,
+            log_config=None,
+            lifespan="on",
+            access_log=False,
+            timeout_keep_alive=server_config.keep_alive_timeout_s,
+        )
         self.server = uvicorn.Server(config)
         self.url = f"http://127.0.0.1:{server_config.port}"
         self.loop = asyncio.new_event_loop()
@@ -108,11 +120,19 @@ class ThreadServer:
 
 @contextmanager
 def lifecycle_server(model_root: ModelRoot, **server_options: Any) -> Iterator[ThreadServer]:
-    options: dict[str, Any] = {"port": free_port(), "model_roots": str(model_root.root), "swap_probation_s": 0.0,
-                               "sse_keepalive_s": 1.0, "max_num_waiting": 1024, **server_options}  # fmt: skip
-    engine = EngineConfig(model=ModelConfig(model=str(model_root.files["v1"])),
-                          scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
-                          kv_cache_memory_bytes=KV_CACHE_BYTES)  # fmt: skip
+    options: dict[str, Any] = {
+        "port": free_port(),
+        "model_roots": str(model_root.root),
+        "swap_probation_s": 0.0,
+        "sse_keepalive_s": 1.0,
+        "max_num_waiting": 1024,
+        **server_options,
+    }
+    engine = EngineConfig(
+        model=ModelConfig(model=str(model_root.files["v1"])),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
     server = ThreadServer(ServerConfig(**options), engine)
     server.start()
     try:
@@ -132,19 +152,23 @@ class StreamResult:
     error: Any = None
 
 
-async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int, model: str | None = None) -> StreamResult:
+async def stream_completion(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, model: str | None = None
+) -> StreamResult:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0}
     if model is not None:
         body["model"] = model
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
-            return StreamResult(response.status_code, None, set(), "", None, False, response.json().get("error"))
+            return StreamResult(
+                response.status_code, None, set(), "", None, False, response.json().get("error")
+            )
         result = StreamResult(200, response.headers.get("x-model-version"), set(), "", None, False)
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             if payload == "[DONE]":
                 result.has_done = True
                 continue

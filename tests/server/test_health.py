@@ -46,7 +46,9 @@ def strict_client(tq2_model_path: Path) -> Iterator[TestClient]:
     from bitserve.server.app import build_app
 
     instance = ModelInstance.load(
-        EngineConfig(model=ModelConfig(model=str(tq2_model_path)), scheduler=SchedulerConfig(max_model_len=128))
+        EngineConfig(
+            model=ModelConfig(model=str(tq2_model_path)), scheduler=SchedulerConfig(max_model_len=128)
+        )
     )
     app = build_app(ServerConfig(liveness_stall_s=1e-9), instance=instance)
     try:
@@ -134,8 +136,14 @@ def _frames(stream: ScriptedStream) -> list[bytes]:
 def test_sse_framing_keepalive_and_errors() -> None:
     output = RequestOutput("r", [1, 2, 3], [CompletionOutput(0, "hi", [5])], finished=False)
     stream = ScriptedStream([None, output, None])
-    assert _frames(stream) == [b'data: {"hello":1}\n\n', PING_FRAME, b'data: {"text":"hi"}\n\n', PING_FRAME,
-                               b'data: {"bye":1}\n\n', DONE_FRAME]  # fmt: skip
+    assert _frames(stream) == [
+        b'data: {"hello":1}\n\n',
+        PING_FRAME,
+        b'data: {"text":"hi"}\n\n',
+        PING_FRAME,
+        b'data: {"bye":1}\n\n',
+        DONE_FRAME,
+    ]
     assert stream.is_closed
     failing = ScriptedStream([output, EngineDead("the engine failed")])
     frames = _frames(failing)

@@ -27,14 +27,28 @@ def error_of(response: object, status: int) -> dict[str, object]:
     return error
 
 
-@pytest.mark.parametrize("body", [
-    b"{", b'{"prompt": "x",}', b'{"prompt": "x"} trailing', b"[1, 2]", b'"just a string"', b"", b"   ", b"null",
-    b"\xff\xfe{}", b'{"prompt": "caf\xc3"}',  # bad UTF-8
-    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "temperature": Infinity}',
-    b'{"prompt": "x", "top_p": -Infinity}', b'{"prompt": "x", "temperature": 1e999}',
-    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's int-digit limit
-    b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",  # nesting deeper than the parser allows
-], ids=lambda body: repr(body[:24]))  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{",
+        b'{"prompt": "x",}',
+        b'{"prompt": "x"} trailing',
+        b"[1, 2]",
+        b'"just a string"',
+        b"",
+        b"   ",
+        b"null",
+        b"\xff\xfe{}",
+        b'{"prompt": "caf\xc3"}',  # bad UTF-8
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "x", "temperature": Infinity}',
+        b'{"prompt": "x", "top_p": -Infinity}',
+        b'{"prompt": "x", "temperature": 1e999}',
+        b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's int-digit limit
+        b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",  # nesting deeper than the parser allows
+    ],
+    ids=lambda body: repr(body[:24]),
+)
 def test_malformed_bodies_get_400(client: TestClient, body: bytes) -> None:
     error = error_of(
         client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400
@@ -42,19 +56,28 @@ def test_malformed_bodies_get_400(client: TestClient, body: bytes) -> None:
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"messages": "hi"}, "messages"),
-    ({"messages": [["user", "hi"]]}, "messages[0]"),
-    ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}] * 513}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 17}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": -1}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, "seed"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": -0.1}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),  # needs logprobs
-    ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [["user", "hi"]]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}] * 513}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 17}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": -1}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, "seed"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": -0.1}, "temperature"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+            "top_logprobs",
+        ),  # needs logprobs
+        (
+            {"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+    ],
+)
 def test_wrong_types_and_bounds_get_400(client: TestClient, body: dict[str, object], param: str) -> None:
     assert error_of(client.post("/v1/chat/completions", json=body), 400)["param"] == param
 
@@ -104,10 +127,16 @@ def test_unknown_routes_and_methods(client: TestClient) -> None:
     assert error_of(client.get("/v1/completions"), 405)["code"] == "method_not_allowed"
 
 
-@pytest.mark.parametrize("path", [
-    "/v1/models/..%2F..%2Fetc%2Fpasswd", "/v1/models/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
-    "/v1/models/....//....//etc/passwd", "/v1/models/%00", "/v1/models/bitnet-TQ2_0/../../../etc/passwd",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/models/..%2F..%2Fetc%2Fpasswd",
+        "/v1/models/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+        "/v1/models/....//....//etc/passwd",
+        "/v1/models/%00",
+        "/v1/models/bitnet-TQ2_0/../../../etc/passwd",
+    ],
+)
 def test_path_traversal_in_model_ids_is_404(client: TestClient, path: str) -> None:
     response = client.get(path)
     assert response.status_code == 404

@@ -47,8 +47,15 @@ def metric_value(url: str, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name}{{{wanted}}}")
 
 
-async def _clients(url: str, num_clients: int, stop: asyncio.Event, results: list[Any], *, model: str | None = None,
-                   max_tokens: int = 4) -> None:  # fmt: skip
+async def _clients(
+    url: str,
+    num_clients: int,
+    stop: asyncio.Event,
+    results: list[Any],
+    *,
+    model: str | None = None,
+    max_tokens: int = 4,
+) -> None:
     limits = httpx.Limits(max_connections=num_clients + 8, max_keepalive_connections=num_clients + 8)
     async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
 
@@ -57,8 +64,14 @@ async def _clients(url: str, num_clients: int, stop: asyncio.Event, results: lis
             while not stop.is_set():
                 started = time.monotonic()
                 try:
-                    result = await stream_completion(client, f"client {index} request {count}", max_tokens, model)
-                except (httpx.HTTPError, ValueError, KeyError) as exc:  # a broken stream is a failed request, not a hang
+                    result = await stream_completion(
+                        client, f"client {index} request {count}", max_tokens, model
+                    )
+                except (
+                    httpx.HTTPError,
+                    ValueError,
+                    KeyError,
+                ) as exc:  # a broken stream is a failed request, not a hang
                     result = StreamResult(-1, None, set(), "", None, False, f"{type(exc).__name__}: {exc}")
                 results.append((started, time.monotonic(), result))
                 count += 1
@@ -67,7 +80,14 @@ async def _clients(url: str, num_clients: int, stop: asyncio.Event, results: lis
 
 
 def failed(results: list[Any]) -> list[Any]:
-    return [r for _, _, r in results if r.status != 200 or r.error is not None or not r.has_done or r.finish_reason not in ("length", "stop")]
+    return [
+        r
+        for _, _, r in results
+        if r.status != 200
+        or r.error is not None
+        or not r.has_done
+        or r.finish_reason not in ("length", "stop")
+    ]
 
 
 # ----------------------------------------------------------------- acceptance: swap under load
@@ -87,7 +107,9 @@ def test_swap_under_load_loses_nothing(model_root: ModelRoot) -> None:
                 for index in range(6):
                     await asyncio.sleep(0.5)
                     target = "v2" if index % 2 == 0 else "v1"
-                    response = await admin_client.post(f"/v1/models/{ALIAS}/swap", json={"model": target, "wait": True})
+                    response = await admin_client.post(
+                        f"/v1/models/{ALIAS}/swap", json={"model": target, "wait": True}
+                    )
                     assert response.status_code == 200, response.text
                     swaps.append(response.json()["result"]["version"])
                 deadline = time.monotonic() + 300
@@ -123,21 +145,32 @@ def test_rejected_swaps_keep_the_old_version_serving(model_root: ModelRoot) -> N
             clients = asyncio.create_task(_clients(server.url, 8, stop, results))
             async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as admin_client:
                 for name in ("truncated", "wrongarch", "badgolden", "badsha"):
-                    answers[name] = await admin_client.post(f"/v1/models/{ALIAS}/swap", json={"model": name, "wait": True})
+                    answers[name] = await admin_client.post(
+                        f"/v1/models/{ALIAS}/swap", json={"model": name, "wait": True}
+                    )
             stop.set()
             await clients
 
         asyncio.run(scenario())
-        for name, reason in (("truncated", "truncated.gguf"), ("wrongarch", "mamba"), ("badgolden", "golden prompt 0"),
-                             ("badsha", "sha256 mismatch")):  # fmt: skip
+        for name, reason in (
+            ("truncated", "truncated.gguf"),
+            ("wrongarch", "mamba"),
+            ("badgolden", "golden prompt 0"),
+            ("badsha", "sha256 mismatch"),
+        ):
             response = answers[name]
             assert response.status_code == 422, (name, response.text)
-            assert response.json()["error"]["code"] == "model_rejected" and reason in response.json()["error"]["message"], response.text
+            assert (
+                response.json()["error"]["code"] == "model_rejected"
+                and reason in response.json()["error"]["message"]
+            ), response.text
         assert results and failed(results) == []
         assert {v for _, _, r in results for v in r.versions} == {v1}
         assert metric_value(server.url, "bitserve_model_swaps_total", action="swap", result="rejected") == 4
         models = httpx.get(f"{server.url}/v1/models").json()["data"]
-        assert [(m["id"], m["version"], m["state"], m["pending"]) for m in models] == [(ALIAS, v1, "ready", None)]
+        assert [(m["id"], m["version"], m["state"], m["pending"]) for m in models] == [
+            (ALIAS, v1, "ready", None)
+        ]
 
 
 # ----------------------------------------------------------------- probation and rollback
@@ -181,25 +214,41 @@ def test_probation_failure_rolls_back_automatically(model_root: ModelRoot) -> No
         asyncio.run(scenario())
         rolled_back_at = results.pop()
         assert httpx.get(f"{server.url}/v1/models/{ALIAS}").json()["version"] == v1
-        assert metric_value(server.url, "bitserve_model_swaps_total", action="auto_rollback", result="success") == 1
+        assert (
+            metric_value(server.url, "bitserve_model_swaps_total", action="auto_rollback", result="success")
+            == 1
+        )
         bad = failed(results)
         assert bad, "the injected fault failed no request"
         for result in bad:  # only requests that hit the broken version fail
-            assert result.error is not None and (result.versions <= {v2}) and result.error["code"] in ("engine_dead", "model_unavailable"), result
+            assert (
+                result.error is not None
+                and (result.versions <= {v2})
+                and result.error["code"] in ("engine_dead", "model_unavailable")
+            ), result
         later = [item for item in results if item[0] > rolled_back_at + 0.2]
-        assert len(later) >= 40 and failed(later) == [] and {v for _, _, r in later for v in r.versions} == {v1}
+        assert (
+            len(later) >= 40 and failed(later) == [] and {v for _, _, r in later for v in r.versions} == {v1}
+        )
 
 
 def test_manual_rollback_reloads_the_previous_version(model_root: ModelRoot) -> None:
     v1, v2 = version_of(model_root.files["v1"]), version_of(model_root.files["v2"])
     with lifecycle_server(model_root) as server:
-        assert admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2", "wait": True}).json()["result"]["version"] == v2
+        assert (
+            admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2", "wait": True}).json()["result"][
+                "version"
+            ]
+            == v2
+        )
         rollback = admin(server.url, f"/v1/models/{ALIAS}/rollback", {"wait": True})
         assert rollback.status_code == 200, rollback.text
         assert rollback.json()["result"] == {"version": v1, "rolled_back_from": v2, "reloaded": True}
         result = asyncio.run(_one(server.url))
         assert result.versions == {v1} and failed([(0, 0, result)]) == []
-        assert metric_value(server.url, "bitserve_model_swaps_total", action="rollback", result="success") == 1
+        assert (
+            metric_value(server.url, "bitserve_model_swaps_total", action="rollback", result="success") == 1
+        )
 
 
 async def _one(url: str, model: str | None = None) -> Any:
@@ -212,10 +261,18 @@ async def _one(url: str, model: str | None = None) -> Any:
 
 @pytest.mark.parametrize(
     "reference",
-    ["../outside/secret.gguf", "%2e%2e/outside/secret.gguf", "%252e%252e%252foutside%252fsecret.gguf",
-     "escape.gguf", "sub/../../outside/secret.gguf", "/etc/passwd"],
-)  # fmt: skip
-def test_path_tricks_are_refused(model_root: ModelRoot, reference: str, caplog: pytest.LogCaptureFixture) -> None:
+    [
+        "../outside/secret.gguf",
+        "%2e%2e/outside/secret.gguf",
+        "%252e%252e%252foutside%252fsecret.gguf",
+        "escape.gguf",
+        "sub/../../outside/secret.gguf",
+        "/etc/passwd",
+    ],
+)
+def test_path_tricks_are_refused(
+    model_root: ModelRoot, reference: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from bitserve.config import EngineConfig, ServerConfig
     from bitserve.server.app import build_state
 
@@ -232,9 +289,16 @@ def test_admin_http_edge(model_root: ModelRoot) -> None:
     404 for unknown aliases, 400 for unknown fields, 202 + status URL without wait."""
     v2 = version_of(model_root.files["v2"])
     with lifecycle_server(model_root) as server:
-        for reference in (str(model_root.outside), "../outside/secret.gguf", "%2e%2e%2foutside%2fsecret.gguf", "escape.gguf"):
+        for reference in (
+            str(model_root.outside),
+            "../outside/secret.gguf",
+            "%2e%2e%2foutside%2fsecret.gguf",
+            "escape.gguf",
+        ):
             response = admin(server.url, "/v1/models/load", {"model": reference, "alias": "x", "wait": True})
-            assert response.status_code == 403 and response.json()["error"]["code"] == "forbidden", response.text
+            assert response.status_code == 403 and response.json()["error"]["code"] == "forbidden", (
+                response.text
+            )
         first = admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2"})
         second = admin(server.url, f"/v1/models/{ALIAS}/swap", {"model": "v2"})
         assert first.status_code == 202 and second.status_code == 409, (first.text, second.text)
@@ -242,12 +306,21 @@ def test_admin_http_edge(model_root: ModelRoot) -> None:
         status_url = first.json()["status_url"]
         assert first.headers["location"] == status_url
         deadline = time.monotonic() + 60
-        while (operation := httpx.get(f"{server.url}{status_url}").json())["state"] == "running" and time.monotonic() < deadline:
+        while (operation := httpx.get(f"{server.url}{status_url}").json())[
+            "state"
+        ] == "running" and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert operation["state"] == "succeeded" and operation["result"]["version"] == v2 and operation["progress"] == 1.0
+        assert (
+            operation["state"] == "succeeded"
+            and operation["result"]["version"] == v2
+            and operation["progress"] == 1.0
+        )
         assert admin(server.url, "/v1/models/nope/rollback").status_code == 404
         assert admin(server.url, "/v1/models/load", {"model": "v2", "colour": "red"}).status_code == 400
-        assert admin(server.url, "/v1/models/load", {"model": "v2", "alias": ALIAS, "wait": True}).status_code == 409
+        assert (
+            admin(server.url, "/v1/models/load", {"model": "v2", "alias": ALIAS, "wait": True}).status_code
+            == 409
+        )
         assert admin(server.url, "/v1/models/load", {"model": "v2", "device": "cuda:7"}).status_code == 400
 
 
@@ -267,8 +340,15 @@ def test_several_models_routed_by_name_with_lru_budget(model_root: ModelRoot) ->
         unknown = asyncio.run(_one(server.url, "nope"))
         assert unknown.status == 404 and "second, v1" in unknown.error["hint"]
         listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
-        assert set(listed) == {ALIAS, "second"} and listed["second"]["quant_formats"] == ["F32", "Q8_0", "TQ2_0"]
-        assert listed["second"]["memory_bytes"] > files["v2"].stat().st_size and listed["second"]["state"] == "ready"
+        assert set(listed) == {ALIAS, "second"} and listed["second"]["quant_formats"] == [
+            "F32",
+            "Q8_0",
+            "TQ2_0",
+        ]
+        assert (
+            listed["second"]["memory_bytes"] > files["v2"].stat().st_size
+            and listed["second"]["state"] == "ready"
+        )
 
         # v1 is now the least recently used, but busy (a held lease = a request in flight): the
         # third load must evict "second", never v1.
@@ -278,7 +358,12 @@ def test_several_models_routed_by_name_with_lru_budget(model_root: ModelRoot) ->
         third = admin(server.url, "/v1/models/load", {"model": "v1", "alias": "third", "wait": True})
         assert third.status_code == 200, third.text
         assert set(server.state.models.aliases) == {ALIAS, "third"}
-        assert metric_value(server.url, "bitserve_model_lifecycle_events_total", action="evict", result="success") == 1
+        assert (
+            metric_value(
+                server.url, "bitserve_model_lifecycle_events_total", action="evict", result="success"
+            )
+            == 1
+        )
         # both resident models busy: no room, a clear 503, nothing evicted
         lease_third = server.run(_acquire(server, "third"))
         fourth = admin(server.url, "/v1/models/load", {"model": "v2", "alias": "fourth", "wait": True})
@@ -301,24 +386,35 @@ async def _release(lease: Any) -> None:
 # ----------------------------------------------------------------- CLI
 
 
-def test_models_cli_against_a_running_server(model_root: ModelRoot, capsys: pytest.CaptureFixture[str]) -> None:
+def test_models_cli_against_a_running_server(
+    model_root: ModelRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
     from bitserve.cli.main import main
 
     v2 = version_of(model_root.files["v2"])
     with lifecycle_server(model_root) as server:
         assert main(["models", "--url", server.url, "swap", ALIAS, "v2"]) == 0
         captured = capsys.readouterr()
-        assert f"'version': '{v2}'" in captured.out and "100.0%" in captured.err  # the progress bar's last frame
+        assert (
+            f"'version': '{v2}'" in captured.out and "100.0%" in captured.err
+        )  # the progress bar's last frame
         assert main(["models", "--url", server.url, "list"]) == 0
         table = capsys.readouterr().out.splitlines()
-        assert table[0].split()[:3] == ["ALIAS", "VERSION", "STATE"] and table[1].split()[:4] == [ALIAS, "*", v2, "ready"]
+        assert table[0].split()[:3] == ["ALIAS", "VERSION", "STATE"] and table[1].split()[:4] == [
+            ALIAS,
+            "*",
+            v2,
+            "ready",
+        ]
         assert main(["models", "--url", server.url, "load", "badgolden", "--alias", "bad"]) == 2
         assert "golden prompt 0" in capsys.readouterr().err
         assert main(["models", "--url", server.url, "unload", "nope"]) == 2
         assert "404" in capsys.readouterr().err
 
 
-def test_pull_checks_and_hashes_a_catalog_model(smollm2_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_pull_checks_and_hashes_a_catalog_model(
+    smollm2_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import json
 
     from bitserve.cli.main import main
@@ -334,7 +430,9 @@ def test_pull_checks_and_hashes_a_catalog_model(smollm2_path: Path, capsys: pyte
 # ----------------------------------------------------------------- black box
 
 
-def test_blackbox_serve_with_a_model_root_and_the_openai_client(model_root: ModelRoot, tmp_path: Path) -> None:
+def test_blackbox_serve_with_a_model_root_and_the_openai_client(
+    model_root: ModelRoot, tmp_path: Path
+) -> None:
     """`bitserve serve --model-root` in a subprocess: the official client sees the version that served
     it change with a swap made by `bitserve models`, and GET /v1/models lists the new version."""
     import subprocess
@@ -344,15 +442,31 @@ def test_blackbox_serve_with_a_model_root_and_the_openai_client(model_root: Mode
     from http_testing import ServerProcess
 
     v1, v2 = version_of(model_root.files["v1"]), version_of(model_root.files["v2"])
-    server = ServerProcess(tmp_path / "server.log", "--model", str(model_root.files["v1"]), "--model-root", str(model_root.root),
-                           "--swap-probation-s", "0", "--max-model-len", "256")  # fmt: skip
+    server = ServerProcess(
+        tmp_path / "server.log",
+        "--model",
+        str(model_root.files["v1"]),
+        "--model-root",
+        str(model_root.root),
+        "--swap-probation-s",
+        "0",
+        "--max-model-len",
+        "256",
+    )
     try:
         server.wait_ready()
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60.0) as api:
-            first = api.completions.with_raw_response.create(model=ALIAS, prompt="Hello", max_tokens=3, temperature=0)
+            first = api.completions.with_raw_response.create(
+                model=ALIAS, prompt="Hello", max_tokens=3, temperature=0
+            )
             assert first.headers["x-model-version"] == v1 and first.parse().model_extra["model_version"] == v1
-            swap = subprocess.run([sys.executable, "-m", "bitserve", "models", "--url", server.url, "swap", ALIAS, "v2"],
-                                  capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+            swap = subprocess.run(
+                [sys.executable, "-m", "bitserve", "models", "--url", server.url, "swap", ALIAS, "v2"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
             assert swap.returncode == 0, swap.stderr
             second = api.completions.create(model=ALIAS, prompt="Hello", max_tokens=3, temperature=0)
             assert second.model_extra["model_version"] == v2
@@ -361,7 +475,9 @@ def test_blackbox_serve_with_a_model_root_and_the_openai_client(model_root: Mode
         server.stop()
 
 
-def test_load_progress_is_visible_while_loading(model_root: ModelRoot, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_progress_is_visible_while_loading(
+    model_root: ModelRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """While a load runs (held at the weights phase here), GET /v1/models lists the new alias as
     loading with its phase and progress, and the running operation; requests to it get 503."""
     import threading
@@ -387,11 +503,16 @@ def test_load_progress_is_visible_while_loading(model_root: ModelRoot, monkeypat
                 break
             time.sleep(0.05)
         assert loading and loading[0]["state"] == "loading" and 0 < loading[0]["progress"] < 1, listing
-        assert [(op["action"], op["alias"], op["state"]) for op in listing["operations"]] == [("load", "second", "running")]
+        assert [(op["action"], op["alias"], op["state"]) for op in listing["operations"]] == [
+            ("load", "second", "running")
+        ]
         assert asyncio.run(_one(server.url, "second")).status == 503
         release.set()
         operation_url = started.json()["status_url"]
-        while httpx.get(f"{server.url}{operation_url}").json()["state"] == "running" and time.monotonic() < deadline:
+        while (
+            httpx.get(f"{server.url}{operation_url}").json()["state"] == "running"
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         assert httpx.get(f"{server.url}{operation_url}").json()["state"] == "succeeded"
         assert asyncio.run(_one(server.url, "second")).versions == {version_of(model_root.files["v2"])}

@@ -47,8 +47,16 @@ def test_chat_completion(client: openai.OpenAI) -> None:
 
 def test_chat_stream_matches_the_whole_answer(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(chunk.object == "chat.completion.chunk" and chunk.id == chunks[0].id for chunk in chunks)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
@@ -118,8 +126,9 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
 
 
 def test_logprobs_with_top_logprobs(client: openai.OpenAI) -> None:
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0,
-                                              logprobs=True, top_logprobs=3)  # fmt: skip
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == response.usage.completion_tokens
     assert "".join(entry.token for entry in content) == response.choices[0].message.content
@@ -137,14 +146,43 @@ def test_logprobs_with_top_logprobs(client: openai.OpenAI) -> None:
     assert legacy.text_offset == [0, len(legacy.tokens[0]), len(legacy.tokens[0]) + len(legacy.tokens[1])]
 
 
-@pytest.mark.parametrize(("call", "error_type", "status", "code"), [
-    (lambda api: api.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=5), openai.BadRequestError, 400, "invalid_value"),
-    (lambda api: api.chat.completions.create(model="no-such-model", messages=MESSAGES), openai.NotFoundError, 404, "model_not_found"),
-    (lambda api: api.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]),
-     openai.BadRequestError, 400, "unsupported_parameter"),
-    (lambda api: api.completions.create(model=MODEL, prompt="hi " * 5000), openai.BadRequestError, 400, "context_length_exceeded"),
-    (lambda api: api.completions.create(model=MODEL, prompt="hi", max_tokens=5000), openai.BadRequestError, 400, "context_length_exceeded"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("call", "error_type", "status", "code"),
+    [
+        (
+            lambda api: api.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=5),
+            openai.BadRequestError,
+            400,
+            "invalid_value",
+        ),
+        (
+            lambda api: api.chat.completions.create(model="no-such-model", messages=MESSAGES),
+            openai.NotFoundError,
+            404,
+            "model_not_found",
+        ),
+        (
+            lambda api: api.chat.completions.create(
+                model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]
+            ),
+            openai.BadRequestError,
+            400,
+            "unsupported_parameter",
+        ),
+        (
+            lambda api: api.completions.create(model=MODEL, prompt="hi " * 5000),
+            openai.BadRequestError,
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            lambda api: api.completions.create(model=MODEL, prompt="hi", max_tokens=5000),
+            openai.BadRequestError,
+            400,
+            "context_length_exceeded",
+        ),
+    ],
+)
 def test_error_classes(
     client: openai.OpenAI, call: Any, error_type: type[openai.APIStatusError], status: int, code: str
 ) -> None:
@@ -187,8 +225,12 @@ def test_health_and_metrics(blackbox: ServerProcess) -> None:
 
 
 async def _one_stream(http: httpx.AsyncClient, index: int) -> tuple[int, bool, str | None]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Say a number: {index % 7}"}],
-            "max_tokens": 8, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Say a number: {index % 7}"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = [line async for line in response.aiter_lines()]
     chunks, is_done = parse_stream(lines) if response.status_code == 200 else ([], False)

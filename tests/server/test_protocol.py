@@ -26,16 +26,41 @@ def chat(**fields: object) -> ChatCompletionRequest:
 
 
 def test_chat_fields_map_onto_sampling_params() -> None:
-    request = chat(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5,
-                   repetition_penalty=1.1, seed=42, stop="END", logit_bias={"17": -100, "5": 2.5}, n=3,
-                   logprobs=True, top_logprobs=4, priority="high", max_tokens=9, max_completion_tokens=7)  # fmt: skip
+    request = chat(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=-1,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        seed=42,
+        stop="END",
+        logit_bias={"17": -100, "5": 2.5},
+        n=3,
+        logprobs=True,
+        top_logprobs=4,
+        priority="high",
+        max_tokens=9,
+        max_completion_tokens=7,
+    )
     assert request.requested_max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
     params = request.to_sampling_params()
     assert params == SamplingParams(
-        n=3, max_tokens=7, temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, presence_penalty=0.5,
-        frequency_penalty=-0.5, repetition_penalty=1.1, seed=42, stop=("END",), logit_bias={5: 2.5, 17: -100.0},
+        n=3,
+        max_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=0,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        seed=42,
+        stop=("END",),
+        logit_bias={5: 2.5, 17: -100.0},
         logprobs=4,
-    )  # fmt: skip
+    )
     assert request.priority_class is Priority.HIGH
 
 
@@ -47,8 +72,20 @@ def test_unset_fields_keep_sampling_params_defaults() -> None:
 
 
 def test_completion_fields_map_onto_sampling_params() -> None:
-    request = parse_request(json.dumps({"prompt": [[1, 2, 3]], "logprobs": 2, "stop": ["a", "b"], "n": 2, "best_of": 2,
-                                        "ignore_eos": True, "stop_token_ids": [7]}).encode(), CompletionRequest)  # fmt: skip
+    request = parse_request(
+        json.dumps(
+            {
+                "prompt": [[1, 2, 3]],
+                "logprobs": 2,
+                "stop": ["a", "b"],
+                "n": 2,
+                "best_of": 2,
+                "ignore_eos": True,
+                "stop_token_ids": [7],
+            }
+        ).encode(),
+        CompletionRequest,
+    )
     assert request.prompt_input().token_ids == [1, 2, 3]
     params = request.to_sampling_params()
     assert (params.n, params.logprobs, params.stop, params.ignore_eos, params.stop_token_ids) == (
@@ -74,35 +111,38 @@ def error_of(response: object, status: int) -> dict[str, object]:
     return error
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"temperature": 2.5}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"n": 17}, "n"),
-    ({"n": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": -5}, "max_tokens"),
-    ({"max_tokens": 10**30}, "max_tokens"),
-    ({"max_tokens": 1.5}, "max_tokens"),
-    ({"seed": -1}, "seed"),
-    ({"presence_penalty": 3}, "presence_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"stop": ["x"] * 17}, "stop"),
-    ({"stop": ["y" * 257]}, "stop"),
-    ({"stop": [""]}, "stop"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"tok": 1}}, "logit_bias"),
-    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ({"logit_bias": {"999999": 1}}, "logit_bias"),  # beyond the vocabulary
-    ({"priority": "urgent"}, "priority"),
-    ({"prompt": {"text": "x"}}, "prompt"),
-    ({"prompt": [0, 10**6]}, "prompt"),  # token id outside the vocabulary
-    ({"prompt": [True, False]}, "prompt"),
-    ({"stream": "yes"}, "stream"),
-    ({"model": "other-model"}, "model"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"max_tokens": 10**30}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": ["y" * 257]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"tok": 1}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),  # beyond the vocabulary
+        ({"priority": "urgent"}, "priority"),
+        ({"prompt": {"text": "x"}}, "prompt"),
+        ({"prompt": [0, 10**6]}, "prompt"),  # token id outside the vocabulary
+        ({"prompt": [True, False]}, "prompt"),
+        ({"stream": "yes"}, "stream"),
+        ({"model": "other-model"}, "model"),
+    ],
+)
 def test_bad_values_get_400_naming_the_field(
     client: TestClient, fields: dict[str, object], param: str
 ) -> None:
@@ -113,20 +153,30 @@ def test_bad_values_get_400_naming_the_field(
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize(("path", "fields", "param"), [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"store": True}, "store"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0].type"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0]"),
-    ("/v1/completions", {"suffix": "tail"}, "suffix"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"store": True}, "store"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+            "messages[0]",
+        ),
+        ("/v1/completions", {"suffix": "tail"}, "suffix"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
+    ],
+)
 def test_unimplemented_fields_get_400_saying_so(
     client: TestClient, path: str, fields: dict[str, object], param: str
 ) -> None:
@@ -153,8 +203,17 @@ def test_prompt_too_long_and_max_tokens_past_the_context(client: TestClient) -> 
 
 
 def test_completion_round_trip_on_the_synthetic_model(client: TestClient) -> None:
-    response = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "n": 2,
-                                                    "temperature": 0, "ignore_eos": True})  # fmt: skip
+    response = client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": [1, 2, 3],
+            "max_tokens": 4,
+            "n": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["object"] == "text_completion" and body["model"] == MODEL

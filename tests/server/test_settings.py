@@ -77,16 +77,19 @@ def test_max_model_len_has_one_home(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine.scheduler.max_model_len == 8192 and not hasattr(engine.model, "max_model_len")
 
 
-@pytest.mark.parametrize(("setup", "message"), [
-    ({"env": {"BITSERVE_PORT": "eighty"}}, "BITSERVE_PORT: Input should be a valid integer"),
-    ({"env": {"BITSERVE_PORT": "70000"}}, "port must be in"),
-    ({"toml": 'port = "9000"\n'}, "bad.toml port: Input should be a valid integer"),
-    ({"toml": "colour = 3\n"}, "bad.toml colour: Extra inputs are not permitted"),
-    ({"toml": "port = 1\n", "profile": "staging"}, "no [staging] table"),
-    ({"toml": "port = \n"}, "not valid TOML"),
-    ({"profile": "prod"}, "needs a config file"),
-    ({"env": {"BITSERVE_PROFILE": "qa"}}, "unknown profile"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ({"env": {"BITSERVE_PORT": "eighty"}}, "BITSERVE_PORT: Input should be a valid integer"),
+        ({"env": {"BITSERVE_PORT": "70000"}}, "port must be in"),
+        ({"toml": 'port = "9000"\n'}, "bad.toml port: Input should be a valid integer"),
+        ({"toml": "colour = 3\n"}, "bad.toml colour: Extra inputs are not permitted"),
+        ({"toml": "port = 1\n", "profile": "staging"}, "no [staging] table"),
+        ({"toml": "port = \n"}, "not valid TOML"),
+        ({"profile": "prod"}, "needs a config file"),
+        ({"env": {"BITSERVE_PROFILE": "qa"}}, "unknown profile"),
+    ],
+)
 def test_bad_settings_are_clear_errors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setup: dict, message: str
 ) -> None:
@@ -101,10 +104,24 @@ def test_bad_settings_are_clear_errors(
 
 
 def test_serve_flags_are_generated_from_the_fields(config_file: Path) -> None:
-    args = build_parser().parse_args([
-        "serve", "--port", "9400", "--max-num-seqs", "8", "--no-enable-prefix-caching", "--threads", "2",
-        "--drain-timeout-s", "1.5", "--config", str(config_file), "--profile", "prod",
-    ])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9400",
+            "--max-num-seqs",
+            "8",
+            "--no-enable-prefix-caching",
+            "--threads",
+            "2",
+            "--drain-timeout-s",
+            "1.5",
+            "--config",
+            str(config_file),
+            "--profile",
+            "prod",
+        ]
+    )
     values = cli_values(args)
     assert values["port"] == 9400 and values["num_threads"] == 2 and values["enable_prefix_caching"] is False
     assert values["host"] is None  # not given: lower layers decide
@@ -117,7 +134,9 @@ def test_serve_flags_are_generated_from_the_fields(config_file: Path) -> None:
     assert settings.engine.scheduler.max_num_seqs == 8 and settings.engine.model.num_threads == 2
 
 
-def test_model_roots_from_repeated_flags_or_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_model_roots_from_repeated_flags_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import os
 
     from bitserve.server.app import build_state

@@ -23,15 +23,27 @@ EXIT_TIMEOUT_S = 60.0
 
 
 def chat_body(max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about rivers."}],
-            "max_tokens": max_tokens, "stream": True, **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me about rivers."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[ServerProcess]:
     """A server admitting at most 3 requests, with a drain long enough for in-flight streams."""
-    server = ServerProcess(tmp_path_factory.mktemp("capped") / "server.log", "--max-num-waiting", str(MAX_NUM_WAITING),
-                           "--drain-timeout-s", "60", "--sse-keepalive-s", "1")  # fmt: skip
+    server = ServerProcess(
+        tmp_path_factory.mktemp("capped") / "server.log",
+        "--max-num-waiting",
+        str(MAX_NUM_WAITING),
+        "--drain-timeout-s",
+        "60",
+        "--sse-keepalive-s",
+        "1",
+    )
     try:
         server.wait_ready()
         yield server

@@ -41,7 +41,11 @@ def test_timeout_returns_none_and_keeps_later_items() -> None:
         stream.put(_delta("out"))
         stream.put(_delta("put"))
         output = await stream.next(0.01)
-        assert output is not None and output.outputs[0].text == "output" and output.outputs[0].token_ids == [7, 7]
+        assert (
+            output is not None
+            and output.outputs[0].text == "output"
+            and output.outputs[0].token_ids == [7, 7]
+        )
         assert not output.finished
 
     asyncio.run(scenario())

@@ -142,8 +142,9 @@ class CpuBackend(KernelBackend):
         packed = kernels.pack_ternary(codes.values)  # [M, Kp / 4]
         scale_copy = codes.scale.clone(memory_format=torch.contiguous_format)  # kernels need C order
         frozen_extras = MappingProxyType(extras)
-        return strategy(m, k, Layout.TERNARY_2BIT, mode, packed, scale_copy, self.name, frozen_extras,
-                        tuning=self.tuning)
+        return strategy(
+            m, k, Layout.TERNARY_2BIT, mode, packed, scale_copy, self.name, frozen_extras, tuning=self.tuning
+        )
 
     def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
         """Dense f32 [M, K] weights run through torch.nn.functional.linear (MKL / oneDNN)."""
@@ -159,7 +160,9 @@ class CpuBackend(KernelBackend):
             return None
         m, k = weight.shape
         if k % blockquant.QK:
-            raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {blockquant.QK}, got K={k}")
+            raise InvalidModelFile(
+                f"{weight.layout.name} needs K to be a multiple of {blockquant.QK}, got K={k}"
+            )
         row_bytes = k // blockquant.QK * type_size
         if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
             raise InvalidModelFile(
@@ -200,7 +203,9 @@ class CpuBackend(KernelBackend):
         offsets, num_padded = [], 0
         for weight in weights:
             offsets.append(num_padded)
-            num_padded += weight.data.shape[0] * blockquant.GROUP_ROWS  # each weight's groups, padding included
+            num_padded += (
+                weight.data.shape[0] * blockquant.GROUP_ROWS
+            )  # each weight's groups, padding included
         data = torch.cat([weight.data for weight in weights])  # [sum G, ...]: the groups one after another
         scale = torch.cat([weight.scale for weight in weights if weight.scale is not None])
         extras: dict[str, torch.Tensor] = {}
@@ -210,8 +215,17 @@ class CpuBackend(KernelBackend):
             padded = [_pad_rows(w.extras["dense"], w.data.shape[0] * blockquant.GROUP_ROWS) for w in weights]
             extras["dense"] = torch.cat(padded)  # [num_padded, K]
         first = weights[0]
-        stacked = strategy(num_padded, first.in_features, first.layout, None, data, scale, self.name,
-                           MappingProxyType(extras), tuning=self.tuning)  # fmt: skip
+        stacked = strategy(
+            num_padded,
+            first.in_features,
+            first.layout,
+            None,
+            data,
+            scale,
+            self.name,
+            MappingProxyType(extras),
+            tuning=self.tuning,
+        )
         return stacked, offsets
 
     # ------------------------------------------------------------ fused small ops (FusedOps)
@@ -227,19 +241,43 @@ class CpuBackend(KernelBackend):
         fused.rms_norm_kernel(x.numpy(), weight.detach().numpy(), eps, out.numpy())
         return out
 
-    def rotary_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rope_dim: int, is_neox: bool) -> None:  # fmt: skip
+    def rotary_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rope_dim: int,
+        is_neox: bool,
+    ) -> None:
         """RoPE in place on contiguous q [T, heads, D] / k [T, kv_heads, D]; bit-identical to RotaryEmbedding."""
-        fused.rotary_kernel(q.numpy(), k.numpy(), positions.numpy(), cos.numpy(), sin.numpy(), rope_dim, is_neox)
+        fused.rotary_kernel(
+            q.numpy(), k.numpy(), positions.numpy(), cos.numpy(), sin.numpy(), rope_dim, is_neox
+        )
 
-    def paged_decode_attention(self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
-                               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        key_pages: torch.Tensor,
+        value_pages: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """q f32 [n, heads, D], f32 pages [num_blocks, block_size, kv_heads, D] -> f32 [n, heads, D]."""
         if self.num_threads is not None:
             numba.set_num_threads(self.num_threads)
         out = torch.empty_like(q)
-        fused.paged_decode_attention_kernel(q.contiguous().numpy(), key_pages.numpy(), value_pages.numpy(),
-                                            block_table.numpy(), seq_lens.numpy(), scale, out.numpy())  # fmt: skip
+        fused.paged_decode_attention_kernel(
+            q.contiguous().numpy(),
+            key_pages.numpy(),
+            value_pages.numpy(),
+            block_table.numpy(),
+            seq_lens.numpy(),
+            scale,
+            out.numpy(),
+        )
         return out
 
 

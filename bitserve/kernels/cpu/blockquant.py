@@ -35,7 +35,9 @@ def _group_rows(a: torch.Tensor) -> torch.Tensor:
     return padded.view(num_groups, GROUP_ROWS, num_cols).transpose(1, 2).contiguous()
 
 
-def repack_q4(rows: torch.Tensor, num_cols: int, has_min: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def repack_q4(
+    rows: torch.Tensor, num_cols: int, has_min: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 (has_min) or Q4_0 rows uint8 [M, row_bytes] -> grouped (codes uint8 [G, K/2, 64], d f32
     [G, nb, 64], m f32 [G, nb, 64]) with G = ceil(M / 64). Always copies (the file pages may be released)."""
     num_rows, num_blocks = rows.shape[0], num_cols // QK

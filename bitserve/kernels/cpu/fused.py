@@ -31,7 +31,9 @@ def rms_norm_kernel(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarr
 
 
 @numba.njit(cache=True)
-def _rotate_rows(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, is_neox: bool) -> None:
+def _rotate_rows(
+    x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, is_neox: bool
+) -> None:
     """In place: x f32 [T, heads, head_dim]; cos / sin f32 [max_positions, rope_dim / 2]."""
     half = rope_dim // 2
     for t in range(x.shape[0]):
@@ -46,16 +48,30 @@ def _rotate_rows(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.
 
 
 @numba.njit(cache=True)
-def rotary_kernel(q: np.ndarray, k: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                  rope_dim: int, is_neox: bool) -> None:  # fmt: skip
+def rotary_kernel(
+    q: np.ndarray,
+    k: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    rope_dim: int,
+    is_neox: bool,
+) -> None:
     """RoPE on q [T, heads, D] and k [T, kv_heads, D] in place (first rope_dim dims of each head)."""
     _rotate_rows(q, positions, cos, sin, rope_dim, is_neox)
     _rotate_rows(k, positions, cos, sin, rope_dim, is_neox)
 
 
 @numba.njit(cache=True, parallel=True, fastmath=True)
-def paged_decode_attention_kernel(q: np.ndarray, key_pages: np.ndarray, value_pages: np.ndarray, block_table: np.ndarray,
-                                  seq_lens: np.ndarray, scale: float, out: np.ndarray) -> None:  # fmt: skip
+def paged_decode_attention_kernel(
+    q: np.ndarray,
+    key_pages: np.ndarray,
+    value_pages: np.ndarray,
+    block_table: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+    out: np.ndarray,
+) -> None:
     """One query per sequence, keys read from the pages in place (no gather copy).
 
     q f32 [n, heads, D]; key_pages / value_pages f32 [num_blocks, block_size, kv_heads, D];

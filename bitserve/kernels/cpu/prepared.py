@@ -41,9 +41,19 @@ class CpuLinear(PreparedLinear):
 
     __slots__ = ("num_threads", "tuning")
 
-    def __init__(self, out_features: int, in_features: int, layout: Layout, mode: LinearMode | None,
-                 data: torch.Tensor, scale: torch.Tensor | None, backend: str,
-                 extras: Mapping[str, torch.Tensor] = NO_EXTRAS, *, tuning: CpuTuning) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        layout: Layout,
+        mode: LinearMode | None,
+        data: torch.Tensor,
+        scale: torch.Tensor | None,
+        backend: str,
+        extras: Mapping[str, torch.Tensor] = NO_EXTRAS,
+        *,
+        tuning: CpuTuning,
+    ) -> None:
         super().__init__(out_features, in_features, layout, mode, data, scale, backend, extras)
         self.tuning = tuning
         self.num_threads = tuning.num_threads

@@ -16,7 +16,9 @@ from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 
 logger = logging.getLogger(__name__)
 
-SCALE_SLOT_BYTES = 32  # bitnet.cpp formats end with a 32-byte slot whose first 4 bytes are the f32 tensor scale
+SCALE_SLOT_BYTES = (
+    32  # bitnet.cpp formats end with a 32-byte slot whose first 4 bytes are the f32 tensor scale
+)
 I2S_VARIANTS = ("A", "B", "C")
 # (values per block, bytes per block) of the row-decodable formats (ggml-common.h)
 BLOCK_GEOMETRY: dict[Layout, tuple[int, int]] = {
@@ -88,11 +90,15 @@ def _tail_scale(data: torch.Tensor, offset: int, what: str) -> torch.Tensor:
 
 def _expect_nbytes(weight: PackedWeight, expected: int) -> None:
     if weight.data.dim() != 1 or weight.data.dtype != torch.uint8:
-        raise ValueError(f"{weight.layout.name} data must be uint8 [nbytes], got {weight.data.dtype} "
-                         f"{tuple(weight.data.shape)}")
+        raise ValueError(
+            f"{weight.layout.name} data must be uint8 [nbytes], got {weight.data.dtype} "
+            f"{tuple(weight.data.shape)}"
+        )
     if weight.data.numel() != expected:
-        raise InvalidModelFile(f"{weight.layout.name} tensor of shape {weight.shape} holds "
-                               f"{weight.data.numel()} bytes", expected=f"{expected} bytes")
+        raise InvalidModelFile(
+            f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
+            expected=f"{expected} bytes",
+        )
 
 
 # ------------------------------------------------------------------------------------- block formats
@@ -186,8 +192,14 @@ def _decode_rows(layout: Layout, rows: torch.Tensor, num_cols: int) -> torch.Ten
         values, d = _tq_values(blocks, layout)
         out = values.float().mul_(d)  # ggml: (code - 1) * d
     else:
-        decoder = {Layout.Q8_0: _q8_0, Layout.Q4_0: _q4_0, Layout.Q4_1: _q4_1, Layout.Q5_0: _q5_0,
-                   Layout.Q4_K: _q4_k, Layout.Q6_K: _q6_k}[layout]
+        decoder = {
+            Layout.Q8_0: _q8_0,
+            Layout.Q4_0: _q4_0,
+            Layout.Q4_1: _q4_1,
+            Layout.Q5_0: _q5_0,
+            Layout.Q4_K: _q4_k,
+            Layout.Q6_K: _q6_k,
+        }[layout]
         out = decoder(blocks)
     return out.reshape(num_rows, num_cols)
 
@@ -247,8 +259,10 @@ def _i2s_values(weight: PackedWeight, row_ids: torch.Tensor | None = None) -> to
         num_rows = row_ids.numel()
     values = i2s_values(packed, variant, num_rows, num_cols)
     if values.numel() and int(values.max()) > 1:
-        raise InvalidModelFile("I2_S code 3: wrong packing or offsets",
-                               hint="code 3 never occurs in bitnet.cpp's I2_S; check the tensor offset and size")
+        raise InvalidModelFile(
+            "I2_S code 3: wrong packing or offsets",
+            hint="code 3 never occurs in bitnet.cpp's I2_S; check the tensor offset and size",
+        )
     if row_ids is not None and variant == "C":
         values = values.index_select(0, row_ids)
     return values
@@ -281,8 +295,10 @@ def tl_geometry_error(kind: str, num_rows: int, num_cols: int, BM: int, BK: int,
 def _tile(weight: PackedWeight) -> tuple[int, int, int]:
     params = weight.params
     if not all(key in params for key in ("BM", "BK", "bm")):
-        raise InvalidModelFile(f"{weight.layout.name} weight has no tile config (params BM, BK, bm)",
-                               hint="TL files do not record their tiling; pass a kernel_config.ini or a preset")
+        raise InvalidModelFile(
+            f"{weight.layout.name} weight has no tile config (params BM, BK, bm)",
+            hint="TL files do not record their tiling; pass a kernel_config.ini or a preset",
+        )
     tile = (int(params["BM"]), int(params["BK"]), int(params["bm"]))
     problem = tl_geometry_error(weight.layout.name, *weight.shape, *tile)
     if problem:
@@ -297,7 +313,8 @@ def _tl1_values(weight: PackedWeight) -> torch.Tensor:
     _expect_nbytes(weight, num_rows * num_cols // 4 + SCALE_SLOT_BYTES)
     # byte order [tm][tk][sm][sk][g16][kp][i16]; a byte holds pairs 2kp (high nibble) and 2kp+1 (low)
     tiles = weight.data[: num_rows * num_cols // 4].view(
-        num_rows // BM, num_cols // BK, BM // bm, BK // by, bm // 16, by // 4, 16)
+        num_rows // BM, num_cols // BK, BM // bm, BK // by, bm // 16, by // 4, 16
+    )
     # reorder the bytes to row = tm*BM + sm*bm + 16*g16 + i16, column = tk*BK + sk*by + 4*kp (+ 0..3 from
     # the byte), then decode each byte into its 4 columns in place
     row_major = tiles.permute(0, 2, 4, 6, 1, 3, 5).reshape(num_rows, num_cols // 4)
@@ -363,8 +380,9 @@ def _tl2_triples(packed: torch.Tensor, out: torch.Tensor, BM: int, BK: int) -> N
     signs = _tl2_sign_bits(packed[num_mag_bytes : num_mag_bytes + num_rows * k3 // 24], num_rows, k3, BM, BK)
     zero_mags = torch.stack(((mag_bytes >> 4) == 0, (mag_bytes & 15) == 0), dim=-1)  # [M, K3/6, u]
     if bool((zero_mags & (signs == 1)).any()):
-        logger.warning("TL2 tensor with %d rows has sign bits on zero magnitudes: the tile config may be wrong",
-                       num_rows)
+        logger.warning(
+            "TL2 tensor with %d rows has sign bits on zero magnitudes: the tile config may be wrong", num_rows
+        )
     index = mag_bytes.to(torch.int32) | (signs[..., 0] | signs[..., 1] << 1).to(torch.int32) << 8
     out.view(num_rows, k3 // 6, 6).copy_(_lookup(index, _tl2_fields()))
     _check_range(out, "TL2 magnitude > 13: wrong tile config or offsets")
@@ -399,7 +417,9 @@ def _tl2_values(weight: PackedWeight) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ public API
 def _check_file_layout(weight: PackedWeight) -> None:
     if weight.layout not in BLOCK_GEOMETRY and weight.layout not in (Layout.I2_S, Layout.TL1, Layout.TL2):
-        raise ValueError(f"{weight.layout} is not a file layout; runtime layouts are decoded by their backend")
+        raise ValueError(
+            f"{weight.layout} is not a file layout; runtime layouts are decoded by their backend"
+        )
 
 
 def unpack_ternary(weight: PackedWeight) -> TernaryCodes:
@@ -464,7 +484,9 @@ def dense_rows(weight: PackedWeight, row_ids: torch.Tensor) -> torch.Tensor:
     num_rows, num_cols = weight.shape
     row_ids = row_ids.reshape(-1).to(torch.int64)
     if row_ids.numel() and (int(row_ids.min()) < 0 or int(row_ids.max()) >= num_rows):
-        raise IndexError(f"row ids must lie in [0, {num_rows}), got {int(row_ids.min())}..{int(row_ids.max())}")
+        raise IndexError(
+            f"row ids must lie in [0, {num_rows}), got {int(row_ids.min())}..{int(row_ids.max())}"
+        )
     if weight.layout is Layout.I2_S:
         scale = _tail_scale(weight.data, num_rows * num_cols // 4, "I2_S")
         return _i2s_values(weight, row_ids).float() * scale
