@@ -360,12 +360,14 @@ def profile_decode(llm: LLM, ids: Sequence[int], num_steps: int, top: int = 15) 
 def print_profile(profile: dict[str, Any]) -> None:
     total = profile["categories"][0]["ms_per_step"] or 1.0
     print(
-        f"\ncProfile of {profile['steps']} decode steps (wall {profile['wall_ms_per_step']:.1f} ms/step under the profiler)"
+        f"\ncProfile of {profile['steps']} decode steps "
+        f"(wall {profile['wall_ms_per_step']:.1f} ms/step under the profiler)"
     )
     print(f"  {'part of the step':45} {'ms/step':>9} {'share':>6} {'calls':>6}")
     for row in profile["categories"]:
         print(
-            f"  {row['label']:45} {row['ms_per_step']:9.1f} {row['ms_per_step'] / total:6.1%} {row['calls_per_step']:6.0f}"
+            f"  {row['label']:45} {row['ms_per_step']:9.1f} "
+            f"{row['ms_per_step'] / total:6.1%} {row['calls_per_step']:6.0f}"
         )
     print(f"  top functions by own time:\n  {'function':60} {'ms/step':>9} {'calls':>6}")
     for row in profile["top_tottime"]:
@@ -514,37 +516,46 @@ def print_pair(title: str, results: dict[str, Any]) -> None:
             print(f"  {label:22} {a[key]:10.2f} {b[key]:10.2f} {a[key] / b[key]:10.3f}")
     if "greedy_agreement" in results:
         print(
-            f"  greedy tokens identical before the first difference: {results['greedy_agreement']} of {len(a['tokens'])}"
+            f"  greedy tokens identical before the first difference: "
+            f"{results['greedy_agreement']} of {len(a['tokens'])}"
         )
 
 
 def print_report(report: dict[str, Any]) -> None:
     info = report["machine"]
     print(
-        f"\n{info['date']}: {info['nproc']} CPUs ({info['cpu']}), {info['ram_gib']} GiB, torch {info['torch']}, "
-        f"OMP_WAIT_POLICY={info['omp_wait_policy']}, load average {info['loadavg_start']} -> {info.get('loadavg_end')}"
+        f"\n{info['date']}: {info['nproc']} CPUs ({info['cpu']}), {info['ram_gib']} GiB, "
+        f"torch {info['torch']}, OMP_WAIT_POLICY={info['omp_wait_policy']}, "
+        f"load average {info['loadavg_start']} -> {info.get('loadavg_end')}"
     )
     section = report.get("2b_i2s")
     if section:
         print(f"\n2B-4T-shaped I2_S ({section['file']}, {section['file_bytes'] / 1e9:.2f} GB)")
         print(
-            f"  load: {section['load_auto_s']:.1f} s (auto; weights {section['weights_load_s']:.1f} s), {section['load_cpu_s']:.1f} s (cpu)"
+            f"  load: {section['load_auto_s']:.1f} s (auto; weights {section['weights_load_s']:.1f} s), "
+            f"{section['load_cpu_s']:.1f} s (cpu)"
         )
         print(
-            f"  RSS: {section['rss_before_load_mb']:.0f} MB before load, peak {section['rss_load_peak_mb']:.0f} MB while loading, "
-            f"{section['rss_after_load_mb']:.0f} MB after (anon {section['rss_after_load_anon_mb']:.0f} + file {section['rss_after_load_file_mb']:.0f})"
+            f"  RSS: {section['rss_before_load_mb']:.0f} MB before load, "
+            f"peak {section['rss_load_peak_mb']:.0f} MB while loading, "
+            f"{section['rss_after_load_mb']:.0f} MB after (anon {section['rss_after_load_anon_mb']:.0f} "
+            f"+ file {section['rss_after_load_file_mb']:.0f})"
         )
         print(
-            f"  RSS while generating: peak {section['rss_generate_peak_mb']:.0f} MB (anon {section['rss_generate_peak_anon_mb']:.0f} "
-            f"+ file {section['rss_generate_peak_file_mb']:.0f}); goal <= 2048 MB; VmHWM {section['vm_hwm_mb']:.0f} MB"
+            f"  RSS while generating: peak {section['rss_generate_peak_mb']:.0f} MB "
+            f"(anon {section['rss_generate_peak_anon_mb']:.0f} "
+            f"+ file {section['rss_generate_peak_file_mb']:.0f}); goal <= 2048 MB; "
+            f"VmHWM {section['vm_hwm_mb']:.0f} MB"
         )
         print(
             f"  prefill: {section['prefill_tok_s']:.2f} tok/s ({section['prefill_tokens']} tokens, median of "
             f"{', '.join(f'{t:.2f}' for t in section['prefill_runs_s'])} s; time to first token)"
         )
         print(
-            f"  decode:  {section['decode_tok_s']:.3f} tok/s ({section['decode_tokens']} tokens in {section['decode_s']:.1f} s, "
-            f"median step {section['decode_median_step_ms']:.0f} ms = {section['decode_tok_s_median_step']:.3f} tok/s)"
+            f"  decode:  {section['decode_tok_s']:.3f} tok/s "
+            f"({section['decode_tokens']} tokens in {section['decode_s']:.1f} s, "
+            f"median step {section['decode_median_step_ms']:.0f} ms = "
+            f"{section['decode_tok_s_median_step']:.3f} tok/s)"
         )
         if "profile" in section:
             print_profile(section["profile"])

@@ -1,7 +1,8 @@
 """Serving benchmark: the same `bitserve bench` load against bitserve and a peer OpenAI-compatible server.
 
     bitserve serve --model smollm2 --port 8000 &
-    python -m llama_cpp.server --model SmolLM2-135M-Instruct.Q4_1.gguf --interrupt_requests False --port 8001 &
+    python -m llama_cpp.server --model SmolLM2-135M-Instruct.Q4_1.gguf --interrupt_requests False \
+        --port 8001 &
     python benchmarks/bench_serving.py http://127.0.0.1:8000 http://127.0.0.1:8001 --concurrency 1,4,16 \
         --max-tokens 100 --ignore-eos --prompt-tokens 64
 

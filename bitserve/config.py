@@ -69,7 +69,8 @@ LOG_FORMATS = ("json", "text")
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """The HTTP edge: bind address, request limits, timeouts, admission and drain. Invalid values raise ValueError."""
+    """The HTTP edge: bind address, request limits, timeouts, admission and drain. Invalid values raise
+    ValueError."""
 
     host: str = field(default="127.0.0.1", metadata=_help("address to bind (0.0.0.0 for all interfaces)"))
     port: int = field(default=8000, metadata=_help("TCP port to listen on"))
@@ -131,7 +132,8 @@ class ServerConfig:
     max_models_memory_bytes: int | None = field(
         default=None,
         metadata=_help(
-            "memory budget for resident models (file + KV cache each); idle models are unloaded LRU to make room"
+            "memory budget for resident models (file + KV cache each); "
+            "idle models are unloaded LRU to make room"
         ),
     )
     swap_drain_timeout_s: float = field(

@@ -178,7 +178,8 @@ class OpenAIClient:
         except (asyncio.TimeoutError, httpx.TimeoutException):
             result.fail("timeout", f"no complete response within {self.timeout_s} s")
         except httpx.TransportError as exc:
-            # after the headers, a dropped connection is a truncated stream; before, the server was unreachable
+            # after the headers, a dropped connection is a truncated stream; before, the server was
+            # unreachable
             result.fail("truncated" if has_response else "connect_error", f"{type(exc).__name__}: {exc}")
         result.e2e_s = time.perf_counter() - result.start
         return result

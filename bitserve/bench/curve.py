@@ -37,10 +37,10 @@ class KneeRule:
     at least `min_gain_per_doubling` per doubling between them (1.10x for 16 over 8, 1.21x for 16 over
     4) and whose median decode step is <= `max_step_ms` (every stream still gets >= 1000 / max_step_ms
     tok/s); the smallest level when none does. Comparing with the best smaller level, not only the
-    previous one, keeps one noisy dip on a shared machine from ending the curve early. max_num_batched_tokens: the largest power of
-    two, at least max_num_seqs, whose prefill chunk takes <= `max_prefill_stall_s` at the measured
-    prefill rate (how long one step of prompt work may stall every running stream), capped at
-    `max_budget`.
+    previous one, keeps one noisy dip on a shared machine from ending the curve early.
+    max_num_batched_tokens: the largest power of two, at least max_num_seqs, whose prefill chunk takes
+    <= `max_prefill_stall_s` at the measured prefill rate (how long one step of prompt work may stall
+    every running stream), capped at `max_budget`.
     """
 
     min_gain_per_doubling: float = 0.10
@@ -253,11 +253,12 @@ def format_curve(result: CurveResult, rule: KneeRule | None = None) -> list[str]
             )
         )
     return [
-        f"curve: {result.model} (projections {result.weight_format}), offline engine, greedy, decode steps only",
+        f"curve: {result.model} (projections {result.weight_format}), offline engine, greedy, "
+        "decode steps only",
         *render_rows(rows),
         f"prefill: {result.prefill_tokens} tokens at {result.prefill_tokens_per_s:.1f} tok/s",
-        f"rule: gain over the best smaller level >= {rule.min_gain_per_doubling:.0%} per doubling and step <= "
-        f"{rule.max_step_ms:.0f} ms; "
+        f"rule: gain over the best smaller level >= {rule.min_gain_per_doubling:.0%} per doubling "
+        f"and step <= {rule.max_step_ms:.0f} ms; "
         f"budget = power of two of prefill <= {rule.max_prefill_stall_s:g} s, cap {rule.max_budget}",
         f"picked: max_num_seqs {result.max_num_seqs}, max_num_batched_tokens {result.max_num_batched_tokens}",
     ]

@@ -16,7 +16,8 @@ PERCENTILES = (50, 90, 99)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); `sorted_values` is non-empty, ascending."""
+    """Linear interpolation between closest ranks (numpy's default); `sorted_values` is non-empty,
+    ascending."""
     position = (len(sorted_values) - 1) * q / 100.0
     low = math.floor(position)
     high = min(low + 1, len(sorted_values) - 1)
@@ -109,8 +110,8 @@ def _num(value: float | None, digits: int = 2) -> str:
 def format_table(summary: dict[str, Any]) -> list[str]:
     """Text lines: a header, one row per level, then error details and caveats."""
     lines = [
-        f"bench {summary['url']} {summary['endpoint']} model={summary['model']} max_tokens={summary['max_tokens']} "
-        f"prompt={summary['prompt']}"
+        f"bench {summary['url']} {summary['endpoint']} model={summary['model']} "
+        f"max_tokens={summary['max_tokens']} prompt={summary['prompt']}"
     ]
     header = (
         "conc",

@@ -120,7 +120,8 @@ def run_curve_command(args: argparse.Namespace) -> int:
         or min(args.curve_prompt_tokens, args.curve_repeats) < 1
     ):
         raise InvalidRequest(
-            "--curve needs concurrency >= 1, --max-tokens >= 3, --curve-prompt-tokens and --curve-repeats >= 1"
+            "--curve needs concurrency >= 1, --max-tokens >= 3, "
+            "--curve-prompt-tokens and --curve-repeats >= 1"
         )
     result = run_curve(
         args.curve,

@@ -1,4 +1,5 @@
-"""`bitserve` command line: generate | inspect | verify | crossval | bench | models | pull (serve comes with the server)."""
+"""`bitserve` command line: generate | inspect | verify | crossval | bench | models | pull
+(serve comes with the server)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "crossval",
-        help="live comparison against llama.cpp (needs llama-cpp-python); other arguments go to pytest (e.g. -q -k smollm2)",
+        help=(
+            "live comparison against llama.cpp (needs llama-cpp-python); "
+            "other arguments go to pytest (e.g. -q -k smollm2)"
+        ),
     )
 
     from bitserve.cli.bench import add_bench_parser

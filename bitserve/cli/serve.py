@@ -39,7 +39,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve a model over HTTP. Each flag may also be set as BITSERVE_<NAME> or in a TOML file.",
+        description=(
+            "Serve a model over HTTP. Each flag may also be set as BITSERVE_<NAME> or in a TOML file."
+        ),
     )
     parser.add_argument(
         "--config", default=None, help="TOML settings file (top-level keys and [dev]/[staging]/[prod] tables)"

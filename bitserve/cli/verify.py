@@ -95,12 +95,14 @@ def verify_model(path: Path, model_config: ModelConfig, *, num_tokens: int = 8) 
         report.add(
             "structure",
             True,
-            f"GGUF v{loaded.gguf.version}, {len(loaded.gguf.tensors)} tensors, {loaded.gguf.dialect.value} dialect",
+            f"GGUF v{loaded.gguf.version}, {len(loaded.gguf.tensors)} tensors, "
+            f"{loaded.gguf.dialect.value} dialect",
         )
         report.add(
             "decode",
             True,
-            f"every tensor decoded; model {loaded.spec.architecture} built in {time.perf_counter() - start:.1f} s",
+            f"every tensor decoded; model {loaded.spec.architecture} built in "
+            f"{time.perf_counter() - start:.1f} s",
         )
         report.add(
             "tensor names",

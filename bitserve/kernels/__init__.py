@@ -1,1 +1,2 @@
-"""Device compute: PackedWeight layouts, the KernelBackend protocol and its backends; no nn.Module, no scheduling."""
+"""Device compute: PackedWeight layouts, the KernelBackend protocol and its backends;
+no nn.Module, no scheduling."""

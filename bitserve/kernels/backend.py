@@ -214,7 +214,8 @@ class FusedOps(Protocol):
         rope_dim: int,
         is_neox: bool,
     ) -> None:
-        """RoPE in place on contiguous f32 q [T, heads, D] and k [T, kv_heads, D]; bit-identical to the layer."""
+        """RoPE in place on contiguous f32 q [T, heads, D] and k [T, kv_heads, D]; bit-identical to the
+        layer."""
         ...
 
     def paged_decode_attention(
@@ -226,7 +227,8 @@ class FusedOps(Protocol):
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """One query per sequence over f32 KV pages [num_blocks, block_size, kv_heads, D] -> f32 [n, heads, D]."""
+        """One query per sequence over f32 KV pages [num_blocks, block_size, kv_heads, D]
+        -> f32 [n, heads, D]."""
         ...
 
 

@@ -1,1 +1,2 @@
-"""Model building blocks (nn.Modules) and the batched sampler; kernels are reached only through a KernelBackend."""
+"""Model building blocks (nn.Modules) and the batched sampler;
+kernels are reached only through a KernelBackend."""

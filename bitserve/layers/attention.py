@@ -104,7 +104,8 @@ class PagedAttention(nn.Module):
         kv_cache: torch.Tensor | None,
         metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
-        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim].
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
+        -> [num_tokens, num_heads * head_dim].
 
         With metadata None the batch is one sequence starting at position 0 and nothing is cached
         (the plain full-sequence forward used as the golden reference).

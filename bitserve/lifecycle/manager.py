@@ -405,7 +405,8 @@ class ModelManager:
             ]
             if not idle:
                 raise ModelUnavailable(
-                    f"not enough model memory: {needed / 1e6:.0f} MB needed, {self._resident_bytes() / 1e6:.0f} of {budget / 1e6:.0f} MB in use by busy models",
+                    f"not enough model memory: {needed / 1e6:.0f} MB needed, "
+                    f"{self._resident_bytes() / 1e6:.0f} of {budget / 1e6:.0f} MB in use by busy models",
                     hint="unload a model, raise max_models_memory_bytes, or retry when traffic is lower",
                 )
             _, victim = min(idle)
@@ -429,7 +430,8 @@ class ModelManager:
         return ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, source, owns_instance=owns_instance)
 
     def _remove_alias(self, alias: str) -> Alias:
-        """Stop routing `alias` (new requests get 404); the default moves to another alias if it was this one."""
+        """Stop routing `alias` (new requests get 404); the default moves to another alias if it was this
+        one."""
         entry = self.aliases.pop(alias)
         if self.default_alias == alias:
             self.default_alias = next(iter(self.aliases), None)

@@ -2,8 +2,9 @@
 
 A model root is a folder of GGUF files; each may have a sidecar `<file>.json` with `alias`, `sha256`,
 `default_params` (request fields applied when a request leaves them unset) and `golden` (prompts whose
-greedy tokens a new version must reproduce before a swap flips to it). A model is loadable only by a registered name (a file's alias or stem, or a catalog
-name) or by a path that, after URL-decoding and resolving every symlink, lies inside a root. Anything
+greedy tokens a new version must reproduce before a swap flips to it). A model is loadable only by a
+registered name (a file's alias or stem, or a catalog name) or by a path that, after URL-decoding and
+resolving every symlink, lies inside a root. Anything
 else is refused with Forbidden and logged: `..` segments, absolute paths elsewhere, symlinks that point
 out of a root, and their percent-encoded spellings. sha256 is verified before a load when given.
 """

@@ -34,7 +34,8 @@ def check_vocabulary(engine: AsyncEngine) -> None:
     model_vocab = instance.loaded.spec.vocab_size
     if instance.tokenizer.vocab_size > model_vocab:
         raise ModelValidationFailed(
-            f"the tokenizer has {instance.tokenizer.vocab_size} tokens but the model's embedding only {model_vocab}",
+            f"the tokenizer has {instance.tokenizer.vocab_size} tokens "
+            f"but the model's embedding only {model_vocab}",
             hint="the GGUF's tokenizer and weights do not belong together",
         )
 
@@ -69,7 +70,10 @@ async def golden_check(engine: AsyncEngine, golden: Sequence[GoldenPrompt], requ
             )
             raise ModelValidationFailed(
                 f"golden prompt {index}: greedy tokens differ from the expected ones at position {first}",
-                hint="the new file does not reproduce the recorded outputs; check the file or update its sidecar's golden list",
+                hint=(
+                    "the new file does not reproduce the recorded outputs; "
+                    "check the file or update its sidecar's golden list"
+                ),
             )
 
 

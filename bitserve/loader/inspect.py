@@ -58,7 +58,8 @@ def summarize(gguf: GGUFFile) -> dict[str, Any]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [
-        f"file          {Path(summary['path']).name}  ({summary['file_size'] / 1e6:.1f} MB, GGUF v{summary['gguf_version']}, {summary['dialect']} dialect, alignment {summary['alignment']})",
+        f"file          {Path(summary['path']).name}  ({summary['file_size'] / 1e6:.1f} MB, "
+        f"GGUF v{summary['gguf_version']}, {summary['dialect']} dialect, alignment {summary['alignment']})",
         f"architecture  {summary['architecture']}  name={summary['name']}  file_type={summary['file_type']}",
         f"parameters    {summary['num_parameters']:,} in {summary['num_tensors']} tensors",
         "hyperparameters",

@@ -1,9 +1,9 @@
 """Independent producers of bitnet.cpp's ternary file layouts (I2_S, TL1, TL2), in plain numpy.
 
 Each follows the structure of the code that writes real files (docs/formats.md §2.2-2.3; quantize_i2_s in
-ggml-bitnet-mad.cpp, preprocess_weights_tl1/tl2 in convert-hf-to-gguf-bitnet.py), not the inverse of bitserve's
-decoder, so tests that pack here and decode with `kernels.reference.dequant` check the two against each other.
-Used by tests, the GGUF test writer and benchmarks.
+ggml-bitnet-mad.cpp, preprocess_weights_tl1/tl2 in convert-hf-to-gguf-bitnet.py), not the inverse of
+bitserve's decoder, so tests that pack here and decode with `kernels.reference.dequant` check the two
+against each other. Used by tests, the GGUF test writer and benchmarks.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def _ini_int(parser: configparser.ConfigParser, section: str, key: str, path: Pa
 
 
 def load_kernel_config_ini(path: str | Path) -> TLConfigTable:
-    """Parse BitNet's include/kernel_config.ini: one section per shape with keys m, k, bm (BM), bk (BK), bmm (bm).
+    """Parse BitNet's include/kernel_config.ini: one section per shape with keys m, k, bm (BM), bk (BK),
+    bmm (bm).
 
     As in BitNet's converter, the first section naming a shape wins; a later, different one is logged.
     """

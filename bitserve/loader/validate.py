@@ -65,8 +65,8 @@ def check_offsets(
             )
         if t.offset > data_size:
             raise InvalidModelFile(
-                f"tensor {t.name!r} data offset {t.offset} (file offset {data_offset + t.offset}) is past the "
-                f"end of the data section ({data_size} bytes)",
+                f"tensor {t.name!r} data offset {t.offset} (file offset {data_offset + t.offset}) "
+                f"is past the end of the data section ({data_size} bytes)",
                 path=path,
                 offset=t.record_offset,
                 expected=f"an offset <= {data_size}",
@@ -219,7 +219,8 @@ def check_extents(
     for (_, prev_end, prev_name, _), (start, _, name, record_offset) in pairwise(spans):
         if start < prev_end:
             raise InvalidModelFile(
-                f"tensor {name!r} (data offset {start}) overlaps tensor {prev_name!r}, which ends at {prev_end}",
+                f"tensor {name!r} (data offset {start}) overlaps tensor {prev_name!r}, "
+                f"which ends at {prev_end}",
                 path=path,
                 offset=record_offset,
                 expected=f"a data offset >= {prev_end}",

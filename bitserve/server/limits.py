@@ -92,7 +92,8 @@ class BodyLimitMiddleware:
                 raise InvalidRequest("the Content-Length header is not a valid length")
             if int(value) > self.max_body_bytes:
                 raise PayloadTooLarge(
-                    f"the request body of {int(value)} bytes exceeds the limit of {self.max_body_bytes} bytes",
+                    f"the request body of {int(value)} bytes "
+                    f"exceeds the limit of {self.max_body_bytes} bytes",
                     hint="send a smaller request",
                 )
 

@@ -1,4 +1,5 @@
-"""bitserve's GGUF reader against the independent gguf-py reader/writer, the real SmolLM2 file, and our builder."""
+"""bitserve's GGUF reader against the independent gguf-py reader/writer, the real SmolLM2 file,
+and our builder."""
 
 from __future__ import annotations
 

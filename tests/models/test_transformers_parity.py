@@ -106,12 +106,14 @@ def build_hf_model(
     model = BitNetForCausalLM(hf_config)
     if is_quantized:
         # Plain BitNetForCausalLM has nn.Linear layers; offline AutoBitLinear computes
-        # F.linear(ActQuant(x), weight) * weight_scale, ActQuant being per-token absmax int8 fake-quantization.
+        # F.linear(ActQuant(x), weight) * weight_scale, ActQuant being per-token absmax int8
+        # fake-quantization.
         quant_config = BitNetQuantConfig(linear_class="autobitlinear", quantization_mode="offline")
         model = replace_with_bitnet_linear(
             model, modules_to_not_convert=["lm_head"], quantization_config=quant_config
         )
-    # strict: every parameter and buffer (weight_scale included) comes from the synthetic weights, none stays random
+    # strict: every parameter and buffer (weight_scale included) comes from the synthetic weights, none
+    # stays random
     state = hf_state_dict(config, weights, is_quantized=is_quantized, is_norm_rope=is_norm_rope)
     model.load_state_dict(state, strict=True)
     model.eval()
@@ -142,7 +144,8 @@ def bitserve_logits(model: DecoderModel, token_ids: list[int]) -> torch.Tensor:
 def parity_failures(
     expected: torch.Tensor, actual: torch.Tensor, max_diff_fraction: float | None
 ) -> tuple[list[str], str]:
-    """(failed checks, a summary with per-position cosines and max |diff|) of bitserve vs transformers logits."""
+    """(failed checks, a summary with per-position cosines and max |diff|) of bitserve vs transformers
+    logits."""
     max_logit = expected.abs().max().item()
     cosines = torch.nn.functional.cosine_similarity(expected, actual, dim=-1)  # [num_tokens]
     max_abs_diff = (expected - actual).abs().max().item()
@@ -259,8 +262,9 @@ def test_bitnet_mode_matches_transformers(llms, hf_models, fmt: str) -> None:  #
 
 @pytest.mark.parametrize("fmt", ["F32", "I2_S"])
 def test_projections_match_autobitlinear(hf_models, varied_paths, fmt: str) -> None:  # noqa: ANN001
-    """Each of the 14 projections, fed one random input [num_tokens, in] on both sides: bitserve's bitnet linear
-    (scale included) equals HF's AutoBitLinear to summation order, and visibly differs from F.linear without ActQuant."""
+    """Each of the 14 projections, fed one random input [num_tokens, in] on both sides: bitserve's bitnet
+    linear (scale included) equals HF's AutoBitLinear to summation order, and visibly differs from
+    F.linear without ActQuant."""
     hf_model = hf_models("varied", True)
     loaded = load_model(
         varied_paths[fmt], LoadOptions(backend=select_backend("reference"), linear_mode=LinearMode.BITNET)
@@ -303,8 +307,9 @@ def test_projections_match_autobitlinear(hf_models, varied_paths, fmt: str) -> N
 
 @pytest.mark.parametrize("fmt", ["F32", "I2_S"])
 def test_float_mode_matches_transformers(llms, hf_models, varied_paths, fmt: str) -> None:  # noqa: ANN001
-    """bitserve's float mode (no activation quantization) against plain nn.Linear layers holding t * scale, on the
-    varied norms and scales: continuous on both sides, so the whole model can be held to a tight bound."""
+    """bitserve's float mode (no activation quantization) against plain nn.Linear layers holding t * scale,
+    on the varied norms and scales: continuous on both sides, so the whole model can be held to a tight
+    bound."""
     hf_model = hf_models("varied", False)
     loaded = load_model(
         varied_paths[fmt], LoadOptions(backend=select_backend("reference"), linear_mode=LinearMode.FLOAT)

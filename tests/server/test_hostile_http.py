@@ -179,7 +179,10 @@ def test_slow_headers_are_cut_off(blackbox: ServerProcess) -> None:
 
 
 def test_slow_body_is_cut_off_and_closed(blackbox: ServerProcess) -> None:
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+    )
     reply = exchange(blackbox, head + b'{"prompt": ', pause_s=3.0, more=b'"hello", "max_tokens": 2}')
     assert reply.startswith(b"HTTP/1.1 408")
     assert b"connection: close" in reply.lower()

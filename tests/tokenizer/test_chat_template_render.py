@@ -104,7 +104,10 @@ def test_at_most_one_bos(llama3_tokenizer: GGUFTokenizer) -> None:
 
 def test_jinja_environment_matches_hf() -> None:
     """trim_blocks / lstrip_blocks, HF's tojson (no HTML escaping), strftime_now, loop controls."""
-    source = "{% for m in messages %}\n  {% if loop.index > 2 %}{% break %}{% endif %}\n{{ m['content'] }}\n{% endfor %}"
+    source = (
+        "{% for m in messages %}\n  {% if loop.index > 2 %}{% break %}{% endif %}\n"
+        "{{ m['content'] }}\n{% endfor %}"
+    )
     messages = [{"role": "user", "content": c} for c in ("a", "b", "c")]
     assert render_chat(source, messages).text == "a\nb\n"
     tojson = render_chat("{{ messages[0]['content'] | tojson }}", [{"role": "user", "content": "héllo <b>"}])

@@ -251,7 +251,8 @@ class CpuBackend(KernelBackend):
         rope_dim: int,
         is_neox: bool,
     ) -> None:
-        """RoPE in place on contiguous q [T, heads, D] / k [T, kv_heads, D]; bit-identical to RotaryEmbedding."""
+        """RoPE in place on contiguous q [T, heads, D] / k [T, kv_heads, D]; bit-identical to
+        RotaryEmbedding."""
         fused.rotary_kernel(
             q.numpy(), k.numpy(), positions.numpy(), cos.numpy(), sin.numpy(), rope_dim, is_neox
         )

@@ -3,8 +3,9 @@
 Runtime form (made once at load from the GGUF blocks), rows interleaved in groups of 64 so the inner
 loop runs over 64 output rows (vectorizable with no float reassociation): codes uint8 [G, K / 2, 64]
 (Q4_*: the 16 `qs` bytes of each block, low nibble = value j, high nibble = value j + 16) or int8
-[G, K, 64] (Q8_0), block scales d f32 [G, K / 32, 64] and, for Q4_1, mins m (f16 -> f32 is exact). Q4_0 is stored as Q4_1 with m = -8 d, so one kernel serves both; its dequantized values
-then round differently from ggml's (code - 8) * d, hence the same tolerance as the dot products.
+[G, K, 64] (Q8_0), block scales d f32 [G, K / 32, 64] and, for Q4_1, mins m (f16 -> f32 is exact).
+Q4_0 is stored as Q4_1 with m = -8 d, so one kernel serves both; its dequantized values then round
+differently from ggml's (code - 8) * d, hence the same tolerance as the dot products.
 Numerics: f32 accumulation in a fixed lane order, NOT bit-exact with F.linear(x, dequantize(w)):
 agreement is within fp32 summation-order error (about 1e-6 of max |y| at K = 1536).
 """

@@ -128,7 +128,8 @@ def _dot(codes: np.ndarray, q: np.ndarray, start: int, stop: int) -> np.int32:
 def bitnet_linear_kernel(
     w: np.ndarray, qp: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
 ) -> None:
-    """Per-tensor scale. w uint8 [M, Kp/4], qp int16 [T, Kp], q_sum int32 [T], s_act f32 [T] -> out f32 [T, M].
+    """Per-tensor scale. w uint8 [M, Kp/4], qp int16 [T, Kp], q_sum int32 [T], s_act f32 [T]
+    -> out f32 [T, M].
 
     D = sum(code * q) - sum(q) exactly; y = f32(f32(f32(D) / s_act) * w_scale), one rounding per op.
     """

@@ -103,7 +103,8 @@ def _expect_nbytes(weight: PackedWeight, expected: int) -> None:
 
 # ------------------------------------------------------------------------------------- block formats
 def _low_nibbles_first(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_0/Q4_1/Q5_0 low bits, uint8 [N, 16] -> [N, 32]: value j < 16 is the low nibble of qs[j], j+16 the high."""
+    """Q4_0/Q4_1/Q5_0 low bits, uint8 [N, 16] -> [N, 32]: value j < 16 is the low nibble of qs[j],
+    j+16 the high."""
     return torch.cat((qs & 15, qs >> 4), dim=1)
 
 
@@ -336,7 +337,8 @@ def tl2_stored_bytes(num_rows: int, num_cols: int) -> int:
 
 
 def _tl2_rows32(packed: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-    """TL2 rows of 32 bytes [*lead, 32] -> [*lead, 4, 8] in tile-row order (stored group g is row group perm[g])."""
+    """TL2 rows of 32 bytes [*lead, 32] -> [*lead, 4, 8] in tile-row order (stored group g is row
+    group perm[g])."""
     return packed.view(*lead, 4, 8)[..., list(_TL2_ROW_GROUP_PERM), :]
 
 
