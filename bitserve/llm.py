@@ -68,7 +68,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         for ids in prompt_ids:
             check_request(
-                len(ids), params, max_model_len=self.instance.max_model_len, vocab_size=tokenizer.vocab_size
+                ids, params, max_model_len=self.instance.max_model_len, vocab_size=tokenizer.vocab_size
             )
         for ids in prompt_ids:
             parent_id = f"offline-{self._num_requests}"

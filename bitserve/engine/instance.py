@@ -15,7 +15,7 @@ import torch
 
 from bitserve.config import EngineConfig, SchedulerConfig, resolve_batch_limits
 from bitserve.engine.engine import Engine
-from bitserve.errors import InvalidRequest
+from bitserve.errors import InvalidModelFile, InvalidRequest
 from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.select import select_backend
 from bitserve.loader.catalog import resolve_model
@@ -85,6 +85,13 @@ class ModelInstance:
     def _assemble(cls, config: EngineConfig, path: Path, loaded: LoadResult) -> ModelInstance:
         metadata = loaded.gguf.metadata
         tokenizer = tokenizer_from_gguf(metadata, pre_policy=config.model.tokenizer_pre)
+        if tokenizer.vocab_size > loaded.spec.vocab_size:  # an id past the embedding would break a step
+            raise InvalidModelFile(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
+                f"{loaded.spec.vocab_size}",
+                path=str(path),
+                hint="the GGUF's tokenizer and weights do not belong together",
+            )
         try:
             chat_template: ChatTemplate | InvalidRequest = ChatTemplate(
                 metadata.get("tokenizer.chat_template"),

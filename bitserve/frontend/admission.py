@@ -6,6 +6,7 @@ error before any token is generated. Knows nothing of HTTP: the server maps the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bitserve.config import ServerConfig
@@ -27,7 +28,7 @@ class AdmissionLimits:
 
 
 def check_request(
-    num_prompt_tokens: int,
+    prompt_token_ids: Sequence[int],
     params: SamplingParams,
     *,
     max_model_len: int,
@@ -36,7 +37,9 @@ def check_request(
 ) -> None:
     """The prompt must leave room for one output token, and prompt + max_tokens (when set) must fit
     the context: a 400 rather than a silently shortened answer, as OpenAI does. Token ids in the
-    params must index the vocabulary. `prompt_param` names the field at fault (prompt / messages)."""
+    prompt and the params must index the vocabulary (the engine step relies on it: an id outside it
+    would address another row's logits). `prompt_param` names the field at fault (prompt / messages)."""
+    num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens == 0:
         raise InvalidRequest(
             "the prompt is empty (it has no tokens)", param=prompt_param, hint="send some text"
@@ -55,5 +58,11 @@ def check_request(
             f"model's context of {max_model_len} tokens",
             param="max_tokens",
             hint=f"lower max_tokens to at most {room} or shorten the prompt",
+        )
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        raise InvalidRequest(
+            f"{prompt_param} holds a token id outside 0..{vocab_size - 1}, this model's vocabulary",
+            param=prompt_param,
+            hint="token ids must come from this model's tokenizer",
         )
     params.validate_for_vocab(vocab_size)

@@ -142,7 +142,7 @@ class AsyncEngine:
                 "the server is draining and accepts no new requests", hint="retry on another replica"
             )
         check_request(
-            len(prompt_token_ids),
+            prompt_token_ids,
             params,
             max_model_len=self.instance.max_model_len,
             vocab_size=self.instance.tokenizer.vocab_size,

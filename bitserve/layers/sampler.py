@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from bitserve.core.step_outputs import TokenLogprobs
-from bitserve.errors import InvalidRequest
 from bitserve.sampling_params import SamplingParams
 
 TokenIds = Sequence[int] | torch.Tensor
@@ -357,13 +356,9 @@ def _token_keys(sequences: Sequence[TokenIds], row_indices: Sequence[int], vocab
     if not arrays:
         return torch.empty(0, dtype=torch.int64)
     token_ids = torch.from_numpy(np.concatenate(arrays))  # [num_tokens]
-    # An id outside the vocabulary would land in another row's logits: refuse it.
-    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
-        raise InvalidRequest(
-            f"a token id is outside 0..{vocab_size - 1}, this model's vocabulary",
-            param="prompt",
-            hint="token ids must come from this model's tokenizer",
-        )
+    # Invariant: ids index the vocabulary (admission, frontend/admission.py, checks prompts and the
+    # params; the engine only samples inside it); one outside would land in another row's logits.
+    assert not token_ids.numel() or (int(token_ids.min()) >= 0 and int(token_ids.max()) < vocab_size)
     lengths = torch.tensor([len(array) for array in arrays])
     return token_ids + torch.repeat_interleave(torch.tensor(row_indices), lengths) * vocab_size
 

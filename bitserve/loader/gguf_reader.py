@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -20,7 +19,17 @@ import numpy as np
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.loader import validate
-from bitserve.loader.gguf_types import SCALAR_FORMATS, Dialect, GGMLType, GGUFValueType, pad_to
+from bitserve.loader.gguf_cursor import (
+    I32,
+    I64,
+    U32,
+    U64,
+    Cursor,
+    read_array,
+    read_scalar,
+    read_value_type,
+)
+from bitserve.loader.gguf_types import Dialect, GGMLType, GGUFValueType, pad_to
 
 logger = logging.getLogger(__name__)
 
@@ -33,27 +42,9 @@ MAX_KEY_BYTES = 1 << 16
 # ggml itself caps names at 63 bytes; we accept longer ones but bound them.
 MAX_TENSOR_NAME_BYTES = 1 << 12
 MAX_DIMS = 4
-# An array may hold arrays (gguf-py writes them), whose elements may not be arrays again.
-MAX_ARRAY_DEPTH = 2
 _MAX_INT64 = (1 << 63) - 1
 _MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, 1-byte key, value type, 1-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 4 + 8  # name length, 1-byte name, n_dims (0), type, offset
-_HINT_TRUNCATED = "the file is truncated or corrupt; re-download it or re-run the converter"
-
-_U32 = struct.Struct("<I")
-_I32 = struct.Struct("<i")
-_U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
-_NUMPY_DTYPES: dict[GGUFValueType, np.dtype] = {
-    vt: np.dtype(fmt) for vt, (fmt, _) in SCALAR_FORMATS.items() if vt is not GGUFValueType.BOOL
-}
-_SCALAR_STRUCTS = {vt: struct.Struct(fmt) for vt, (fmt, _) in SCALAR_FORMATS.items()}
-# Smallest encoding of one array element, used to bound counts before allocating.
-_MIN_ELEMENT_BYTES: dict[GGUFValueType, int] = {
-    **{vt: width for vt, (_, width) in SCALAR_FORMATS.items()},
-    GGUFValueType.STRING: 8,  # the length of an empty string
-    GGUFValueType.ARRAY: 4 + 8,  # element type and count of an empty array
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,223 +65,6 @@ class TensorInfo:
         return count
 
 
-class _Cursor:
-    """Reads little-endian fields from the mmap; `need` fails before anything past `end` is touched."""
-
-    __slots__ = ("buf", "pos", "end", "file_size", "path")
-
-    def __init__(self, buf: mmap.mmap, pos: int, end: int, file_size: int, path: str) -> None:
-        self.buf, self.pos, self.end, self.file_size, self.path = buf, pos, end, file_size, path
-
-    @property
-    def left(self) -> int:
-        return self.end - self.pos
-
-    def fail(
-        self,
-        message: str,
-        *,
-        offset: int | None = None,
-        expected: str | None = None,
-        hint: str = _HINT_TRUNCATED,
-    ) -> InvalidModelFile:
-        return InvalidModelFile(
-            message,
-            path=self.path,
-            offset=self.pos if offset is None else offset,
-            expected=expected,
-            hint=hint,
-        )
-
-    def short(
-        self, message: str, *, offset: int | None = None, expected: str | None = None
-    ) -> InvalidModelFile:
-        """The error for "not enough bytes left": a truncated file, or metadata past max_metadata_bytes."""
-        if self.end < self.file_size:
-            return self.fail(
-                f"metadata runs past the max_metadata_bytes limit of {self.end} bytes ({message})",
-                offset=offset,
-                expected=f"metadata within {self.end} bytes",
-                hint="raise max_metadata_bytes if the file is trusted",
-            )
-        return self.fail(message, offset=offset, expected=expected)
-
-    def need(self, num_bytes: int, what: str) -> None:
-        if num_bytes > self.end - self.pos:
-            raise self.short(
-                f"truncated while reading {what}: needs {num_bytes} bytes, {self.left} left",
-                expected=f"at least {num_bytes} more bytes",
-            )
-
-    def unpack(self, st: struct.Struct, what: str) -> Any:
-        self.need(st.size, what)
-        (value,) = st.unpack_from(self.buf, self.pos)
-        self.pos += st.size
-        return value
-
-    def raw_string(self, what: str, max_bytes: int) -> bytes:
-        start = self.pos
-        length = self.unpack(_U64, f"{what} length")
-        if length > self.left:
-            raise self.short(
-                f"{what} length {length} exceeds the {self.left} bytes left",
-                offset=start,
-                expected=f"a length <= {self.left}",
-            )
-        if length > max_bytes:
-            raise self.fail(
-                f"{what} length {length} exceeds the limit of {max_bytes} bytes",
-                offset=start,
-                expected=f"a length <= {max_bytes}",
-                hint="the file is corrupt or hostile",
-            )
-        data = self.buf[self.pos : self.pos + length]
-        self.pos += length
-        return data
-
-    def name(self, what: str, max_bytes: int) -> str:
-        """A key or tensor name: non-empty, strict UTF-8."""
-        start = self.pos
-        data = self.raw_string(what, max_bytes)
-        if not data:
-            raise self.fail(
-                f"{what} is empty", offset=start, expected="a non-empty name", hint="the file is corrupt"
-            )
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise self.fail(
-                f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}): {data[:64]!r}",
-                offset=start,
-                expected="a UTF-8 name",
-                hint="the file is corrupt",
-            ) from None
-
-    def count(self, what: str, min_element_bytes: int, max_count: int | None = None) -> int:
-        """A u64 element count, bounded by the bytes left before anything is allocated."""
-        start = self.pos
-        num = self.unpack(_U64, f"{what} count")
-        if max_count is not None and num > max_count:
-            raise self.fail(
-                f"{what} count {num} exceeds the limit of {max_count}",
-                offset=start,
-                expected=f"a count <= {max_count}",
-                hint="the file is corrupt or hostile",
-            )
-        if num * min_element_bytes > self.left:
-            raise self.short(
-                f"{what} count {num} needs at least {num * min_element_bytes} bytes, {self.left} left",
-                offset=start,
-                expected=f"a count <= {self.left // min_element_bytes}",
-            )
-        return num
-
-
-def _decode_value_string(data: bytes, what: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        logger.warning("%s holds a string that is not valid UTF-8; kept with surrogate escapes", what)
-        # Keep the bytes recoverable (str.encode("utf-8", "surrogateescape")) rather than fail a tokenizer.
-        return data.decode("utf-8", "surrogateescape")
-
-
-def _value_type(cur: _Cursor, what: str) -> GGUFValueType:
-    start = cur.pos
-    type_id = cur.unpack(_U32, f"value type of {what}")
-    try:
-        return GGUFValueType(type_id)
-    except ValueError:
-        raise cur.fail(
-            f"unknown value type {type_id} for {what}",
-            offset=start,
-            expected="a GGUF value type 0..12",
-            hint="the file is corrupt",
-        ) from None
-
-
-def _read_scalar(cur: _Cursor, vtype: GGUFValueType, what: str) -> Any:
-    if vtype is GGUFValueType.STRING:
-        return _decode_value_string(cur.raw_string(f"string value of {what}", cur.left), what)
-    if vtype is GGUFValueType.BOOL:
-        start = cur.pos
-        byte = cur.unpack(_SCALAR_STRUCTS[GGUFValueType.UINT8], f"bool value of {what}")
-        if byte > 1:
-            raise cur.fail(
-                f"bool value of {what} is {byte}", offset=start, expected="0 or 1", hint="the file is corrupt"
-            )
-        return bool(byte)
-    return cur.unpack(_SCALAR_STRUCTS[vtype], f"value of {what}")
-
-
-def _read_string_array(cur: _Cursor, num: int, what: str) -> list[str]:
-    """Tight loop: tokenizer arrays hold 49k..262k strings."""
-    buf, pos, end = cur.buf, cur.pos, cur.end
-    unpack = _U64.unpack_from
-    out: list[str] = []
-    append = out.append
-    num_invalid = 0
-    for index in range(num):
-        if end - pos < 8:
-            cur.pos = pos
-            cur.need(8, f"length of string {index} of {what}")
-        (length,) = unpack(buf, pos)
-        pos += 8
-        if length > end - pos:
-            cur.pos = pos - 8
-            raise cur.short(
-                f"string {index} of {what}: string length {length} exceeds the {end - pos} bytes left",
-                expected=f"a length <= {end - pos}",
-            )
-        data = buf[pos : pos + length]
-        pos += length
-        try:
-            append(data.decode("utf-8"))
-        except UnicodeDecodeError:
-            num_invalid += 1
-            append(data.decode("utf-8", "surrogateescape"))
-    cur.pos = pos
-    if num_invalid:
-        logger.warning(
-            "%s holds %d strings that are not valid UTF-8; kept with surrogate escapes", what, num_invalid
-        )
-    return out
-
-
-def _read_array(cur: _Cursor, what: str, depth: int) -> Any:
-    """Element type, count, elements. Numbers come back as a copied little-endian numpy array."""
-    start = cur.pos
-    elem_type = _value_type(cur, f"array elements of {what}")
-    if elem_type is GGUFValueType.ARRAY and depth + 1 >= MAX_ARRAY_DEPTH:
-        raise cur.fail(
-            f"{what} holds arrays nested deeper than {MAX_ARRAY_DEPTH} levels",
-            offset=start,
-            expected=f"at most {MAX_ARRAY_DEPTH} levels of arrays",
-            hint="the file is corrupt or hostile",
-        )
-    num = cur.count(f"array of {what}", _MIN_ELEMENT_BYTES[elem_type])
-    if elem_type is GGUFValueType.STRING:
-        return _read_string_array(cur, num, what)
-    if elem_type is GGUFValueType.ARRAY:
-        return [_read_array(cur, f"{what}[{index}]", depth + 1) for index in range(num)]
-    if elem_type is GGUFValueType.BOOL:
-        raw = np.frombuffer(cur.buf, dtype=np.uint8, count=num, offset=cur.pos)
-        if num and int(raw.max()) > 1:
-            bad = int(np.argmax(raw > 1))
-            raise cur.fail(
-                f"bool element {bad} of {what} is {int(raw[bad])}",
-                offset=cur.pos + bad,
-                expected="0 or 1",
-                hint="the file is corrupt",
-            )
-        cur.pos += num
-        return raw.astype(np.bool_)
-    dtype = _NUMPY_DTYPES[elem_type]
-    values = np.frombuffer(cur.buf, dtype=dtype, count=num, offset=cur.pos).copy()
-    cur.pos += num * dtype.itemsize
-    return values
-
-
 @dataclass(slots=True)
 class _Metadata:
     values: dict[str, Any]
@@ -299,7 +73,7 @@ class _Metadata:
     key_offsets: dict[str, int]  # file offset of each key's record, for messages
 
 
-def _read_kv_pairs(cur: _Cursor, num_kv: int) -> _Metadata:
+def _read_kv_pairs(cur: Cursor, num_kv: int) -> _Metadata:
     metadata: dict[str, Any] = {}
     value_types: dict[str, GGUFValueType] = {}
     array_types: dict[str, GGUFValueType] = {}
@@ -312,25 +86,25 @@ def _read_kv_pairs(cur: _Cursor, num_kv: int) -> _Metadata:
                 f"duplicate key {key!r}", offset=start, expected="unique keys", hint="the file is corrupt"
             )
         what = f"key {key!r}"
-        vtype = _value_type(cur, what)
+        vtype = read_value_type(cur, what)
         key_offsets[key] = start
         if vtype is GGUFValueType.ARRAY:
             elem_type_offset = cur.pos
-            metadata[key] = _read_array(cur, what, 0)
-            # _read_array has validated the element type stored there
-            array_types[key] = GGUFValueType(_U32.unpack_from(cur.buf, elem_type_offset)[0])
+            metadata[key] = read_array(cur, what, 0)
+            # read_array has validated the element type stored there
+            array_types[key] = GGUFValueType(U32.unpack_from(cur.buf, elem_type_offset)[0])
         else:
-            metadata[key] = _read_scalar(cur, vtype, what)
+            metadata[key] = read_scalar(cur, vtype, what)
         value_types[key] = vtype
     return _Metadata(metadata, value_types, array_types, key_offsets)
 
 
-def _read_tensor_info(cur: _Cursor, index: int) -> validate.RawTensor:
+def _read_tensor_info(cur: Cursor, index: int) -> validate.RawTensor:
     record_offset = cur.pos
     name = cur.name(f"name of tensor {index}", MAX_TENSOR_NAME_BYTES)
     what = f"tensor {name!r}"
     dims_offset = cur.pos
-    n_dims = cur.unpack(_U32, f"n_dims of {what}")
+    n_dims = cur.unpack(U32, f"n_dims of {what}")
     if n_dims > MAX_DIMS:
         raise cur.fail(
             f"{what} has n_dims {n_dims}",
@@ -339,7 +113,7 @@ def _read_tensor_info(cur: _Cursor, index: int) -> validate.RawTensor:
             hint="the file is corrupt",
         )
     cur.need(8 * n_dims, f"ne of {what}")
-    shape = tuple(_I64.unpack_from(cur.buf, cur.pos + 8 * i)[0] for i in range(n_dims))
+    shape = tuple(I64.unpack_from(cur.buf, cur.pos + 8 * i)[0] for i in range(n_dims))
     num_elements = 1
     for i, dim in enumerate(shape):
         if dim < 0:
@@ -359,12 +133,12 @@ def _read_tensor_info(cur: _Cursor, index: int) -> validate.RawTensor:
         )
     cur.pos += 8 * n_dims
     type_offset = cur.pos
-    type_id = cur.unpack(_I32, f"type of {what}")
-    offset = cur.unpack(_U64, f"data offset of {what}")
+    type_id = cur.unpack(I32, f"type of {what}")
+    offset = cur.unpack(U64, f"data offset of {what}")
     return validate.RawTensor(name, shape, type_id, offset, record_offset, type_offset)
 
 
-def _read_tensor_infos(cur: _Cursor, num_tensors: int) -> list[validate.RawTensor]:
+def _read_tensor_infos(cur: Cursor, num_tensors: int) -> list[validate.RawTensor]:
     if num_tensors * _MIN_TENSOR_INFO_BYTES > cur.left:
         raise cur.short(
             f"tensor count {num_tensors} needs at least {num_tensors * _MIN_TENSOR_INFO_BYTES} "
@@ -387,7 +161,7 @@ def _read_tensor_infos(cur: _Cursor, num_tensors: int) -> list[validate.RawTenso
     return raw
 
 
-def _read_alignment(cur: _Cursor, meta: _Metadata) -> int:
+def _read_alignment(cur: Cursor, meta: _Metadata) -> int:
     key = "general.alignment"
     if key not in meta.values:
         return DEFAULT_ALIGNMENT
@@ -410,7 +184,7 @@ def _read_alignment(cur: _Cursor, meta: _Metadata) -> int:
     return alignment
 
 
-def _read_header(cur: _Cursor) -> tuple[int, int, int]:
+def _read_header(cur: Cursor) -> tuple[int, int, int]:
     """Magic, version, tensor and kv counts; counts are bounded against the bytes left."""
     cur.need(4, "magic")
     magic = cur.buf[0:4]
@@ -422,7 +196,7 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
             hint="this is not a GGUF file (or it is damaged)",
         )
     cur.pos = 4
-    version = cur.unpack(_U32, "version")
+    version = cur.unpack(U32, "version")
     if version and not version & 0xFFFF:
         raise cur.fail(
             f"version reads {version:#010x}: a big-endian GGUF file",
@@ -456,7 +230,7 @@ def _read_header(cur: _Cursor) -> tuple[int, int, int]:
     counts = []
     for what, cap in (("tensor count", MAX_TENSORS), ("key-value count", MAX_KV_PAIRS)):
         start = cur.pos
-        num = cur.unpack(_I64, what)
+        num = cur.unpack(I64, what)
         if num < 0:
             raise cur.fail(
                 f"negative {what} {num}", offset=start, expected="a count >= 0", hint="the file is corrupt"
@@ -489,7 +263,7 @@ class GGUFFile:
         self._mm: mmap.mmap | None = mm
         self.file_size = file_size
         end = file_size if max_metadata_bytes is None else min(file_size, max_metadata_bytes)
-        cur = _Cursor(mm, 0, end, file_size, path)
+        cur = Cursor(mm, 0, end, file_size, path)
         self.version, num_tensors, num_kv = _read_header(cur)
         meta = _read_kv_pairs(cur, num_kv)
         self.metadata: dict[str, Any] = meta.values
