@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -164,13 +165,19 @@ def write_bitnet_b158(path: str | Path, case: Case, tokenizer: dict | None = Non
 
 
 def incremental_logits(
-    model: Any, prompt_ids: list[int], continuation: list[int], block_size: int = 16
+    model: Any,
+    prompt_ids: list[int],
+    continuation: list[int],
+    block_size: int = 16,
+    prompt_logits: bool = True,
 ) -> Any:
     """bitserve's logits the way bitnet.cpp's probe reads them: the prompt prefilled in one batch
     (logits of every prompt position), then one token per step over a paged f32 KV cache.
 
-    model: a loaded DecoderModel. Returns f32 [len(prompt_ids) + len(continuation), vocab]. The batch
-    shapes matter in the bitnetcpp mode, as they do in ggml (one-token steps round more to F16).
+    model: a loaded DecoderModel. Returns f32 [len(prompt_ids) + len(continuation), vocab], or with
+    prompt_logits False only the continuation's rows [len(continuation), vocab] (the bitnetcpp mode's
+    multi-row F16 head emulation costs ~1 s per row). The batch shapes matter in the bitnetcpp mode, as
+    they do in ggml (a one-token step rounds its softmax weights and head input to F16).
     """
     import torch
 
@@ -192,7 +199,9 @@ def incremental_logits(
                 query_start_loc=[0, len(ids)],
                 block_size=block_size,
             )
-            rows.append(model.compute_logits(model(torch.tensor(ids), positions, caches, metadata)))
+            hidden = model(torch.tensor(ids), positions, caches, metadata)
+            if prompt_logits or start > 0:
+                rows.append(model.compute_logits(hidden))
             start += len(ids)
     return torch.cat(rows)
 
@@ -207,6 +216,65 @@ def first_divergence(ours: list[int], reference: list[int]) -> int | None:
 def probe_binary(bin_dir: str | Path) -> Path | None:
     path = Path(bin_dir) / "bnc-probe"
     return path if path.is_file() else None
+
+
+def llama_cli_binary(bin_dir: str | Path) -> Path | None:
+    path = Path(bin_dir) / "llama-cli"
+    return path if path.is_file() else None
+
+
+# llama-cli -v logs every llama_decode's tokens on stderr: "eval: [ 'Once':6403, ' upon':1980 ]"
+EVAL_LINE = re.compile(r"^eval: \[(.*)\]\s*$")
+EVAL_ID = re.compile(r"':(-?\d+)(?=, '|\s*$)")
+
+
+def run_llama_cli(
+    bin_dir: str | Path, model: Path, text: str, num_tokens: int, threads: int = 2
+) -> tuple[list[int], list[int]]:
+    """bitnet.cpp's greedy continuation of `text` through its own llama-cli (no logits, no probe).
+
+    Returns (prompt ids as llama-cli tokenized them, greedy ids [num_tokens]). llama-cli evaluates each
+    generated token but the last, so it runs num_tokens + 1 tokens and reads its `eval:` log lines (-v);
+    its prefill computes the last prompt row's logits only (a one-row F16 head, as bitserve's engine).
+    """
+    cli = llama_cli_binary(bin_dir)
+    if cli is None:
+        raise FileNotFoundError(f"no llama-cli in {bin_dir}")
+    command = [
+        str(cli),
+        "-m",
+        str(model),
+        "-p",
+        text,
+        "-n",
+        str(num_tokens + 1),
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "-t",
+        str(threads),
+        "-c",
+        "512",
+        "-v",
+        "--no-display-prompt",
+        "--no-warmup",
+    ]
+    # errors="replace": the continuation may split a UTF-8 character across tokens
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        check=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    batches = [EVAL_ID.findall(m.group(1)) for m in map(EVAL_LINE.match, done.stderr.splitlines()) if m]
+    if len(batches) < num_tokens + 1:
+        raise RuntimeError(f"llama-cli logged {len(batches)} eval batches, expected {num_tokens + 1}")
+    prompt = [int(i) for i in batches[0]]  # a prompt longer than n_batch would span several batches
+    tokens = [int(batch[0]) for batch in batches[1 : num_tokens + 1]]
+    return prompt, tokens
 
 
 def run_bitnetcpp(
@@ -252,7 +320,7 @@ def step_summary(logits: np.ndarray, num_prompt: int) -> dict[str, Any]:
     spread = steps.max(axis=1) - steps.min(axis=1)
     return {
         "top_ids": order.tolist(),
-        "top_logits": np.round(top.astype(np.float64), 5).tolist(),
+        "top_logits": top.astype(np.float64).tolist(),  # exact: each f64 is the f32 value
         "relative_margins": np.round((top[:, 0] - top[:, 1]) / spread, 6).tolist(),
         "logit_ranges": np.round(spread.astype(np.float64), 5).tolist(),
     }

@@ -114,10 +114,22 @@ def test_console_script_is_installed() -> None:
 
 
 def test_crossval_passes_pytest_options_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[list[str]] = []
-    monkeypatch.setattr(subprocess, "call", lambda command: calls.append(command) or 0)
+    calls: list[tuple[list[str], dict[str, str] | None]] = []
+    monkeypatch.setattr(subprocess, "call", lambda command, env=None: calls.append((command, env)) or 0)
     assert main(["crossval", "-q", "-k", "smollm2"]) == 0
-    assert calls and calls[0][-3:] == ["-q", "-k", "smollm2"] and "crossval" in calls[0]
+    command, env = calls[0]
+    assert command[-3:] == ["-q", "-k", "smollm2"] and "crossval" in command and env is None
+
+
+def test_crossval_bitnet_cpp_runs_its_own_tests_with_the_binary_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[tuple[list[str], dict[str, str] | None]] = []
+    monkeypatch.setattr(subprocess, "call", lambda command, env=None: calls.append((command, env)) or 0)
+    assert main(["crossval", "--bitnet-cpp", str(tmp_path)]) == 0
+    command, env = calls[0]
+    assert env is not None and env["BITNET_CPP"] == str(tmp_path)
+    assert any(part.endswith("test_bitnetcpp_crossval.py") for part in command)
 
 
 def test_unknown_options_are_rejected_outside_crossval() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -92,17 +93,34 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_crossval(args: argparse.Namespace) -> int:
-    """Rerun the live llama.cpp comparisons (tests marked `crossval`)."""
-    tests = Path(__file__).resolve().parent.parent / "tests"
+    """Rerun the live comparisons (tests marked `crossval`): llama.cpp's, or bitnet.cpp's with
+    --bitnet-cpp."""
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    env = None
+    target = tests
+    if args.bitnet_cpp:
+        env = {**os.environ, "BITNET_CPP": str(args.bitnet_cpp)}
+        target = tests / "models" / "test_bitnetcpp_crossval.py"
+        emit(f"bitnet.cpp crossval ({bitnet_cpp_mode(Path(args.bitnet_cpp))}): {args.bitnet_cpp}")
     command = [
         sys.executable,
         "-m",
         "pytest",
-        str(tests),
+        str(target),
         "-m",
         "crossval",
         "-p",
         "no:cacheprovider",
+        "-rs",
         *args.pytest_args,
     ]
-    return subprocess.call(command)
+    return subprocess.call(command, env=env)
+
+
+def bitnet_cpp_mode(bin_dir: Path) -> str:
+    """What the bitnet.cpp crossval can run with the binaries in bin_dir (the test skips on the last)."""
+    if (bin_dir / "bnc-probe").is_file():
+        return "bnc-probe mode: greedy tokens and every position's logits"
+    if (bin_dir / "llama-cli").is_file():
+        return "llama-cli mode: greedy tokens only (no bnc-probe, no logits)"
+    return "no bnc-probe or llama-cli there: the tests will skip"

@@ -1,5 +1,6 @@
-"""`bitserve` command line: generate | inspect | verify | crossval | bench | models | pull
-(serve comes with the server)."""
+"""`bitserve` command line: generate | inspect | verify | crossval | bench | models | pull.
+
+`serve` comes with the server (cli/serve.py)."""
 
 from __future__ import annotations
 
@@ -62,12 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--num-tokens", type=int, default=8, help="greedy tokens in the generation check")
     _add_model_options(verify)
 
-    sub.add_parser(
+    crossval = sub.add_parser(
         "crossval",
-        help=(
-            "live comparison against llama.cpp (needs llama-cpp-python); "
-            "other arguments go to pytest (e.g. -q -k smollm2)"
-        ),
+        help="live comparison against llama.cpp (needs llama-cpp-python), or with --bitnet-cpp against "
+        "bitnet.cpp; other arguments go to pytest (e.g. -q -k smollm2)",
+    )
+    crossval.add_argument(
+        "--bitnet-cpp",
+        metavar="DIR",
+        help="bitnet.cpp's bin dir: compare the bitnetcpp numerics mode with it (tokens and logits with its "
+        "bnc-probe, greedy tokens with llama-cli alone) instead of llama.cpp",
     )
 
     from bitserve.cli.bench import add_bench_parser

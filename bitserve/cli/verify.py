@@ -69,7 +69,7 @@ def _kernel_check(llm: LLM) -> tuple[bool, str]:
         x = torch.randn(3, fast.in_features, generator=generator)
         expected = reference.linear(x, ref)
         actual = instance.loaded.backend.linear(x, fast)
-        exact = fast.is_ternary and instance.loaded.linear_mode is LinearMode.BITNET
+        exact = fast.is_ternary and instance.loaded.linear_mode.kernel_mode is LinearMode.BITNET
         if exact and not torch.equal(expected, actual):
             return (
                 False,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bitserve.kernels.backend import FusedOps
+from bitserve.layers import ggml_ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +83,9 @@ class PagedAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.fused = fused  # the backend's paged decode kernel, used for f32 KV caches
-        # bitnet.cpp on x86 (ggml without flash attention, llamafile sgemm on): K and V live in an
-        # F16 cache, and mul_mat(F16, F32 x) takes x as f32 only where llamafile's tinyBLAS runs it
-        # (x contiguous with >= 2 columns); otherwise it rounds x to F16 first. So Q (a permuted view)
-        # is always rounded, the softmax weights [keys, tokens] only in a one-token batch (decode).
-        # Products of F16 values are exact in f32: rounding the same operands here reproduces ggml up
-        # to the f32 summation order.
+        # bitnet.cpp on x86 (ggml without flash attention, llamafile sgemm on): an F16 KV cache, Q
+        # rounded to F16, ggml's f32 summation orders, its polynomial exp and, in a one-token batch,
+        # F16 softmax weights; layers/ggml_ops.py reproduces it bit for bit, per sequence
         self.ggml_numerics = ggml_numerics
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -111,18 +109,21 @@ class PagedAttention(nn.Module):
         (the plain full-sequence forward used as the golden reference).
         """
         num_tokens = q.shape[0]
+        one_token_step = num_tokens == 1  # ggml numerics: a one-token batch rounds its softmax weights
         if self.ggml_numerics:
             q, k, v = round_to_f16(q), round_to_f16(k), round_to_f16(v)
-        round_weights = self.ggml_numerics and num_tokens == 1  # see __init__
         if metadata is None or kv_cache is None:
-            out = self._attend(q, k, v, num_context=num_tokens, round_weights=round_weights)
+            out = self._attend(q, k, v, num_context=num_tokens, one_token_step=one_token_step)
             return out.reshape(num_tokens, -1)
         self._write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         key_pages, value_pages = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
-        if metadata.decode is not None:
+        seq_ids = metadata.other_seq_ids if metadata.other_seq_ids is not None else range(metadata.num_seqs)
+        if self.ggml_numerics:
+            seq_ids = range(metadata.num_seqs)  # every sequence on its own, decodes included
+        elif metadata.decode is not None:
             decode = metadata.decode
-            if self.fused is not None and kv_cache.dtype == torch.float32 and not round_weights:
+            if self.fused is not None and kv_cache.dtype == torch.float32:
                 out[decode.token_rows] = self.fused.paged_decode_attention(
                     q[decode.token_rows],
                     key_pages,
@@ -132,10 +133,7 @@ class PagedAttention(nn.Module):
                     self.scale,
                 )
             else:
-                out[decode.token_rows] = self._attend_decodes(
-                    q, key_pages, value_pages, decode, round_weights
-                )
-        seq_ids = metadata.other_seq_ids if metadata.other_seq_ids is not None else range(metadata.num_seqs)
+                out[decode.token_rows] = self._attend_decodes(q, key_pages, value_pages, decode)
         for seq_idx in seq_ids:
             seq_len = metadata.seq_lens[seq_idx]
             start, end = metadata.query_start_loc[seq_idx], metadata.query_start_loc[seq_idx + 1]
@@ -144,17 +142,12 @@ class PagedAttention(nn.Module):
             keys = key_pages[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
             values = value_pages[block_ids].flatten(0, 1)[:seq_len]
             out[start:end] = self._attend(
-                q[start:end], keys, values, num_context=seq_len, round_weights=round_weights
+                q[start:end], keys, values, num_context=seq_len, one_token_step=one_token_step
             )
         return out.reshape(num_tokens, -1)
 
     def _attend_decodes(
-        self,
-        q: torch.Tensor,
-        key_pages: torch.Tensor,
-        value_pages: torch.Tensor,
-        batch: DecodeBatch,
-        round_weights: bool = False,
+        self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, batch: DecodeBatch
     ) -> torch.Tensor:
         """One query per sequence, all decodes at once -> [num_decodes, num_heads, head_dim]."""
         num_decodes = batch.token_rows.shape[0]
@@ -165,7 +158,7 @@ class PagedAttention(nn.Module):
         queries = q[batch.token_rows].view(num_decodes, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("nkgd,nlkd->nkgl", queries, keys) * self.scale  # [n, kv_heads, group, max_keys]
         scores = scores.masked_fill(~batch.key_mask[:, None, None, :], float("-inf"))
-        out = torch.einsum("nkgl,nlkd->nkgd", softmax_weights(scores, round_weights), values)
+        out = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(scores, dim=-1), values)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
     @staticmethod
@@ -182,9 +175,11 @@ class PagedAttention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         num_context: int,
-        round_weights: bool = False,
+        one_token_step: bool = False,
     ) -> torch.Tensor:
-        """Queries are the last q.shape[0] positions of a context of num_context tokens (causal)."""
+        """Queries are the last q.shape[0] positions of a context of num_context tokens (causal).
+
+        one_token_step: the whole step holds one token (ggml numerics then round the softmax weights)."""
         num_queries = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = keys.to(torch.float32)
@@ -193,6 +188,10 @@ class PagedAttention(nn.Module):
             keys = keys.repeat_interleave(group, dim=1)  # [num_context, num_heads, head_dim]
             values = values.repeat_interleave(group, dim=1)
         q_t, k_t, v_t = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # [heads, len, dim]
+        if self.ggml_numerics:
+            scale = ggml_ops.kq_scale(self.head_dim)
+            out = ggml_ops.attention(q_t, k_t, v_t, num_context, scale, one_token_step)
+            return out.transpose(0, 1)  # [num_queries, num_heads, head_dim]
         # NOTE: explicit matmul + softmax, not F.scaled_dot_product_attention: on CPU, SDPA costs
         # ~6 ms per call at decode shapes (9 heads x 1 query x 10 keys) against ~0.5 ms for this.
         scores = torch.matmul(q_t, k_t.transpose(1, 2)) * self.scale  # [heads, num_queries, num_context]
@@ -200,14 +199,8 @@ class PagedAttention(nn.Module):
             query_pos = torch.arange(num_context - num_queries, num_context).unsqueeze(1)
             future = torch.arange(num_context).unsqueeze(0) > query_pos  # [num_queries, num_context]
             scores = scores.masked_fill(future, float("-inf"))
-        out = torch.matmul(softmax_weights(scores, round_weights), v_t)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v_t)
         return out.transpose(0, 1)  # [num_queries, num_heads, head_dim]
-
-
-def softmax_weights(scores: torch.Tensor, round_to_half: bool) -> torch.Tensor:
-    """softmax over the last dim (keys) in f32, optionally rounded to F16 as ggml's decode step does."""
-    weights = torch.softmax(scores, dim=-1)
-    return round_to_f16(weights) if round_to_half else weights
 
 
 def round_to_f16(x: torch.Tensor) -> torch.Tensor:

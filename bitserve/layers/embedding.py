@@ -19,8 +19,7 @@ from torch import nn
 from bitserve.kernels.backend import KernelBackend, PreparedLinear
 from bitserve.kernels.packed import PackedWeight
 from bitserve.kernels.reference.dequant import dense_rows
-
-HEAD_CHUNK_ROWS = 8192  # rows of a half head upcast at a time: 84 MB of f32 at width 2560
+from bitserve.layers import ggml_ops
 
 
 class TokenEmbedding(nn.Module):
@@ -44,40 +43,32 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = weight
         self.kernel: Callable[[torch.Tensor], torch.Tensor]
+        # bitnetcpp numerics for an F16-stored head (float32 copy or kept half), bit for bit
+        # (layers/ggml_ops.py): ggml on x86 rounds a single row to F16 and runs ggml_vec_dot_f16;
+        # llamafile's tinyBLAS takes two or more rows as f32 (FMA lanes, slow to emulate: ~1.5 s per
+        # row on a 49152 x 512 head, so only batches that need it pay it)
+        self.ggml_f16 = ggml_f16 and not isinstance(weight, PreparedLinear)
         if isinstance(weight, PreparedLinear):
             backend.check_owner(weight)
             self.kernel = weight
-        elif ggml_f16:
-            # bitnetcpp numerics for an F16-stored head (float32 copy or kept half): ggml on x86 takes
-            # the activations [H, rows] as f32 where llamafile's tinyBLAS runs (>= 2 rows) and rounds a
-            # single row to F16 first. Products are exact in f32 either way, so a kept-half head is
-            # upcast chunk by chunk (about 1.2 s against 0.12 s per token on the 2B head), never run in
-            # half (which also rounds the logits to F16).
-            self.kernel = functools.partial(_ggml_f16_linear, weight=weight)
         elif weight.dtype == torch.float32:
             self.kernel = functools.partial(F.linear, weight=weight)
         else:
             self.kernel = functools.partial(_half_linear, weight=weight)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32
+    def forward(self, hidden_states: torch.Tensor, ggml_batch_rows: int | None = None) -> torch.Tensor:
+        """hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32.
+
+        ggml_batch_rows: the rows of the ggml batch these come from (ggml numerics pick the kernel by
+        it; default num_sampled): a caller may ask for the logits of a few rows of a larger batch."""
+        if self.ggml_f16:
+            rows = ggml_batch_rows if ggml_batch_rows is not None else hidden_states.shape[0]
+            if rows == 1:
+                return ggml_ops.f16_head_one_row(hidden_states, self.weight)
+            return ggml_ops.f16_head_tinyblas(hidden_states, self.weight)
         return self.kernel(hidden_states)
 
 
 def _half_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F16 / BF16 weight [vocab, hidden]: activations rounded to its dtype, as llama.cpp's dot does."""
     return F.linear(hidden_states.to(weight.dtype), weight).to(torch.float32)
-
-
-def _ggml_f16_linear(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """bitnet.cpp's F16 head: one row rounded to F16, then an f32 matmul (a half weight upcast
-    HEAD_CHUNK_ROWS rows at a time). hidden f32 [T, H], weight [V, H] -> logits f32 [T, V]."""
-    if hidden_states.shape[0] == 1:
-        hidden_states = hidden_states.to(torch.float16).to(torch.float32)
-    if weight.dtype == torch.float32:
-        return F.linear(hidden_states, weight)
-    chunks = [
-        F.linear(hidden_states, weight[start : start + HEAD_CHUNK_ROWS].to(torch.float32))
-        for start in range(0, weight.shape[0], HEAD_CHUNK_ROWS)
-    ]
-    return torch.cat(chunks, dim=1)  # [T, V]

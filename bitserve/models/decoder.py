@@ -31,8 +31,9 @@ class DecoderLayer(nn.Module):
         ternary = model.projections_may_be_ternary
         eps = spec.rms_norm_eps
         fused = model.fused  # the backend's fused ops, looked up once per model
+        ggml = weights.linear_mode.ggml_numerics  # bitnet.cpp's f32 arithmetic (layers/ggml_ops.py)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.attn_norm = RMSNorm(weights.vector(f"{prefix}.attn_norm.weight"), eps, fused)
+        self.attn_norm = RMSNorm(weights.vector(f"{prefix}.attn_norm.weight"), eps, fused, ggml)
         self.qkv = LinearGroup(
             weights.backend,
             [weights.linear(f"{prefix}.attn_{n}.weight", may_be_ternary=ternary) for n in ("q", "k", "v")],
@@ -51,7 +52,7 @@ class DecoderLayer(nn.Module):
             weights.linear(f"{prefix}.attn_output.weight", may_be_ternary=ternary),
             model.output_scale(weights, f"{prefix}.attn_output"),
         )
-        self.ffn_norm = RMSNorm(weights.vector(f"{prefix}.ffn_norm.weight"), eps, fused)
+        self.ffn_norm = RMSNorm(weights.vector(f"{prefix}.ffn_norm.weight"), eps, fused, ggml)
         self.gate_up = LinearGroup(
             weights.backend,
             [weights.linear(f"{prefix}.ffn_{n}.weight", may_be_ternary=ternary) for n in ("gate", "up")],
@@ -69,7 +70,9 @@ class DecoderLayer(nn.Module):
     def _sub_norm(
         spec: ModelSpec, weights: WeightSource, name: str, fused: FusedOps | None
     ) -> RMSNorm | None:
-        return RMSNorm(weights.vector(name), spec.rms_norm_eps, fused) if spec.has_sub_norms else None
+        if not spec.has_sub_norms:
+            return None
+        return RMSNorm(weights.vector(name), spec.rms_norm_eps, fused, weights.linear_mode.ggml_numerics)
 
     def forward(
         self,
@@ -124,7 +127,9 @@ class DecoderModel(nn.Module):
             ggml_numerics=weights.linear_mode.ggml_numerics,
         )
         self.layers = nn.ModuleList(DecoderLayer(spec, weights, i, self) for i in range(spec.num_layers))
-        self.norm = RMSNorm(weights.vector("output_norm.weight"), spec.rms_norm_eps, fused)
+        self.norm = RMSNorm(
+            weights.vector("output_norm.weight"), spec.rms_norm_eps, fused, weights.linear_mode.ggml_numerics
+        )
         head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
         ggml_f16_head = weights.linear_mode.ggml_numerics and weights.packed(head_name).layout is Layout.F16
         self.lm_head = LMHead(weights.head(head_name), weights.backend, ggml_f16_head)
