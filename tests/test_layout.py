@@ -152,6 +152,6 @@ def test_no_print_calls_in_the_package() -> None:
 
 def test_every_registered_architecture_has_traits() -> None:
     from bitserve.loader.model_spec import ARCHITECTURE_TRAITS
-    from bitserve.models.registry import ARCHITECTURES
+    from bitserve.models.architectures import ARCHITECTURES
 
     assert set(ARCHITECTURES) == set(ARCHITECTURE_TRAITS)

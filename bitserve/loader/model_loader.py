@@ -19,8 +19,8 @@ from bitserve.loader.decode import DecodeOptions, make_packed_weight
 from bitserve.loader.gguf_reader import GGUFFile, read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
 from bitserve.loader.tl_config import TLConfigTable, load_kernel_config_ini, preset, sidecar_path
+from bitserve.models.architectures import ARCHITECTURES
 from bitserve.models.decoder import DecoderModel
-from bitserve.models.registry import ARCHITECTURES
 from bitserve.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """GGUF metadata -> ModelSpec (models/spec.py): the load-time facts every other part reads. Derived once.
 
 An unsupported architecture fails here with the list of supported ones (the keys of
-models.registry.ARCHITECTURES).
+models.architectures.ARCHITECTURES).
 """
 
 from __future__ import annotations
