@@ -3,8 +3,7 @@
 The int8 kernels (kernels/cpu/int8dot.py) emit LLVM x86 intrinsics through numba `@intrinsic`s. LLVM
 cannot lower such an intrinsic for a target that lacks the feature (it aborts the process, no Python
 exception), so a variant is only compiled, and only called, where the target numba compiles for has it:
-that target is the host CPU unless NUMBA_CPU_NAME says otherwise, so the features are read from the same
-source numba uses (llvmlite's host features, or NUMBA_CPU_FEATURES).
+the features are read the way numba sets its target's (host features, or NUMBA_CPU_FEATURES).
 
 Variants, best first:
 - VNNI: `vpdpbusd` (u8 x s8 products summed into int32 lanes) on 256-bit vectors: AVX512-VNNI with
@@ -44,14 +43,23 @@ _REQUIRED_FEATURES: dict[Isa, tuple[frozenset[str], ...]] = {  # any one of thes
 
 @functools.cache
 def target_features() -> frozenset[str]:
-    """CPU features of the target numba compiles for, without the '+' (e.g. {"avx2", "fma", ...})."""
-    cpu_name = numba.config.CPU_NAME
-    if cpu_name in (None, "", "host"):
-        import llvmlite.binding as llvm  # NOTE: numba's own dependency; imported here to keep it local
+    """CPU features of the target numba compiles for, without the '+' (e.g. {"avx2", "fma", ...}).
 
-        return frozenset(name for name, enabled in llvm.get_host_cpu_features().items() if enabled)
-    # NUMBA_CPU_NAME names another CPU (e.g. "generic" for portable caches): trust only explicit features
-    spec = numba.config.CPU_FEATURES or ""
+    numba's rule (numba.core.codegen): NUMBA_CPU_FEATURES when set, else the host's features (with the
+    avx* ones dropped under NUMBA_ENABLE_AVX=0). An empty NUMBA_CPU_FEATURES leaves the features implied
+    by NUMBA_CPU_NAME, which only LLVM knows: trusted for the host, taken as none for a named CPU.
+    """
+    spec = numba.config.CPU_FEATURES
+    if spec is None:
+        from numba.core.codegen import get_host_cpu_features  # NOTE: deferred, numba internals
+
+        spec = get_host_cpu_features()
+    elif spec == "" and numba.config.CPU_NAME not in (None, "host"):
+        return frozenset()
+    elif spec == "":
+        import llvmlite.binding as llvm  # NOTE: deferred, numba's own dependency
+
+        spec = llvm.get_host_cpu_features().flatten()
     return frozenset(item[1:] for item in spec.split(",") if item.startswith("+"))
 
 
