@@ -12,11 +12,11 @@ each (backend, mode, path) includes numba compilation, or loading it from numba'
 
 --isa-compare times the cpu backend's bitnet-mode ternary kernel variants (kernels/cpu/isa.py: generic =
 the int16 numba kernels, avx2 / vnni = the int8 ones) on the same weights and inputs, rounds alternating
-between variants, best of --repeats calls per round, best round kept; at 1 and 2 threads. G weights/s =
-M * K / time (a step reads each weight once whatever T). --bandwidth measures read bandwidth with numpy
-sums over a 1 GB array (2 threads: two halves summed concurrently; numpy drops the GIL) and prints the
-bytes-per-token bound of the 2B-4T shape. --model loads that file once per variant in this process and
-alternates greedy decode runs between them.
+between variants, best of --repeats calls per round, best round kept; at 1 and 2 threads. GMAC/s =
+M * K * T / time of the whole prepared-weight call (quantize + kernel); at T = 1 it is G weights/s.
+--bandwidth measures read bandwidth with numpy sums over a 1 GB array (2 threads: two halves summed
+concurrently; numpy drops the GIL) and prints the bytes-per-token bound of the 2B-4T shape. --model loads
+that file once per variant in this process and alternates greedy decode runs between them.
 
 OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads libgomp): with libgomp's default
 spin-waiting, a machine whose cores are busy with other work makes each parallel kernel call wait for
@@ -85,12 +85,14 @@ def best_seconds(fn: Callable[[], object], calls: int) -> float:
 def isa_compare(
     isas: Sequence[str], thread_counts: Sequence[int], tokens: Sequence[int], args: argparse.Namespace
 ) -> None:
-    """G weights/s of each ternary kernel variant (the whole prepared-weight call: quantize + kernel)."""
+    """GMAC/s of each ternary kernel variant (the whole prepared-weight call: quantize + kernel)."""
     from bitserve.kernels.cpu.backend import CpuBackend
 
     backends = {name: CpuBackend(isa=name) for name in isas}
     gen = torch.Generator().manual_seed(0)
-    print(f"{'thr':>3} {'shape':>10} {'T':>3} " + " ".join(f"{n + ' Gw/s':>12}" for n in isas) + "  speedup")
+    print(
+        f"{'thr':>3} {'shape':>10} {'T':>3} " + " ".join(f"{n + ' GMAC/s':>14}" for n in isas) + "  speedup"
+    )
     for num_threads in thread_counts:
         set_threads(num_threads)
         for shape in args.shapes or ISA_SHAPES:
@@ -108,9 +110,9 @@ def isa_compare(
                 for _ in range(args.rounds):
                     for name, fn in calls.items():
                         best[name] = min(best[name], best_seconds(fn, args.repeats))
-                rates = {n: m * k / s / 1e9 for n, s in best.items()}
+                rates = {n: m * k * num_tokens / s / 1e9 for n, s in best.items()}
                 ratio = rates[isas[-1]] / rates[isas[0]]
-                cells = " ".join(f"{rates[n]:12.1f}" for n in isas)
+                cells = " ".join(f"{rates[n]:14.1f}" for n in isas)
                 print(f"{num_threads:>3} {shape:>10} {num_tokens:>3} {cells}  {ratio:6.2f}x", flush=True)
 
 
