@@ -12,7 +12,8 @@ each (backend, mode, path) includes numba compilation, or loading it from numba'
 
 --isa-compare times the cpu backend's bitnet-mode ternary kernel variants (kernels/cpu/isa.py: generic =
 the int16 numba kernels, avx2 / vnni = the int8 ones) on the same weights and inputs, rounds alternating
-between variants, best of --repeats calls per round, best round kept; at 1 and 2 threads. GMAC/s =
+between variants, best of --repeats calls per round, best round kept; at 1 and 2 threads (--cold: each timed
+call runs over copies of the weight totalling 128 MB, so they come from DRAM as in a model). GMAC/s =
 M * K * T / time of the whole prepared-weight call (quantize + kernel); at T = 1 it is G weights/s.
 --bandwidth measures read bandwidth with numpy sums over a 1 GB array (2 threads: two halves summed
 concurrently; numpy drops the GIL) and prints the bytes-per-token bound of the 2B-4T shape. --model loads
@@ -50,6 +51,7 @@ ISA_SHAPES = ["6912x2560", "2560x6912", "2560x2560"]
 # 2B-4T per layer (M, K, count): q, o; k, v; gate, up; down. 30 layers, F16 tied embedding / LM head.
 LAYER_SHAPES_2B = [(2560, 2560, 2), (640, 2560, 2), (6912, 2560, 2), (2560, 6912, 1)]
 LAYERS_2B, VOCAB_2B, HIDDEN_2B = 30, 128256, 2560
+COLD_BYTES = 128 << 20  # --cold: packed weights cycled through per timed call (more than the L3)
 
 
 def time_ms(fn: Callable[[], object], min_repeats: int, min_seconds: float) -> float:
@@ -99,18 +101,22 @@ def isa_compare(
             m, k = (int(v) for v in shape.lower().split("x"))
             values = torch.randint(-1, 2, (m, k), generator=gen, dtype=torch.int8)
             codes = TernaryCodes(values=values, scale=torch.tensor(0.0371))
-            weights = {n: b.prepare_ternary(codes, mode=LinearMode.BITNET) for n, b in backends.items()}
+            copies = -(-COLD_BYTES // (m * k // 4)) if args.cold else 1  # cold: more weights than L3 holds
+            weights = {
+                n: [b.prepare_ternary(codes, mode=LinearMode.BITNET) for _ in range(copies)]
+                for n, b in backends.items()
+            }
             for num_tokens in tokens:
                 x = torch.randn(num_tokens, k, generator=gen)
-                calls = {n: (lambda w=w: w(x)) for n, w in weights.items()}  # noqa: B023
-                outputs = {n: fn() for n, fn in calls.items()}  # compiles; all must agree bit for bit
+                calls = {n: (lambda ws=ws: [w(x) for w in ws]) for n, ws in weights.items()}  # noqa: B023
+                outputs = {n: fn()[0] for n, fn in calls.items()}  # compiles; all must agree bit for bit
                 first = next(iter(outputs.values()))
                 assert all(torch.equal(first, y) for y in outputs.values()), "variants disagree"
                 best = dict.fromkeys(calls, float("inf"))
                 for _ in range(args.rounds):
                     for name, fn in calls.items():
                         best[name] = min(best[name], best_seconds(fn, args.repeats))
-                rates = {n: m * k * num_tokens / s / 1e9 for n, s in best.items()}
+                rates = {n: copies * m * k * num_tokens / s / 1e9 for n, s in best.items()}
                 ratio = rates[isas[-1]] / rates[isas[0]]
                 cells = " ".join(f"{rates[n]:14.1f}" for n in isas)
                 print(f"{num_threads:>3} {shape:>10} {num_tokens:>3} {cells}  {ratio:6.2f}x", flush=True)
@@ -202,6 +208,7 @@ def main() -> None:
     )
     parser.add_argument("--thread-counts", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (--isa-compare, --model)")
+    parser.add_argument("--cold", action="store_true", help="--isa-compare from DRAM: cycle >128 MB weights")
     parser.add_argument("--bandwidth", action="store_true", help="read bandwidth and the 2B-4T decode bound")
     parser.add_argument("--model", type=Path, default=None, help="2B-4T I2_S file: decode tok/s per variant")
     parser.add_argument("--decode-tokens", type=int, default=32)
