@@ -1,7 +1,12 @@
 """CpuBackend: ternary linears on packed 2-bit weights with numba kernels; dense linears via torch.
 
 Runtime layout of every ternary weight: Layout.TERNARY_2BIT (uint8 [M, pad128(K) / 4], ~2 bits per
-weight). bitnet mode is bit-exact with the reference backend for every batch size:
+weight). bitnet mode is bit-exact with the reference backend for every batch size. Its kernels depend on
+the ISA variant chosen once per backend (`CpuBackend.isa`, kernels/cpu/isa.py):
+- vnni / avx2 (x86 with AVX2): int8 activations and `vpdpbusd` / `vpmaddubsw` integer dots emitted
+  through numba intrinsics (kernels/cpu/int8dot.py), one GEMV tile for T = 1 and one GEMM tile (weights
+  read once per step) above, for every batch size: ~3-5x the generic kernels, 2-3x the sgemm path.
+generic (no AVX2, or forced):
 - T < gemm_min_tokens (decode): numba kernel; per output row, unpack to int16 codes once, then an int32
   dot (vpmaddwd) per token. ~2.3-3.3x faster than torch fp32 F.linear at T = 1 (2 threads);
 - T >= gemm_min_tokens (prefill): rows are unpacked in chunks to f32 t values and multiplied with the
@@ -91,7 +96,7 @@ class CpuBackend(KernelBackend):
         max_dense_weight_bytes: int = 0,
         isa: Isa | str | None = None,
     ) -> None:
-        """gemm_min_tokens: batch size from which bitnet mode uses the chunked exact sgemm.
+        """gemm_min_tokens: batch size from which bitnet mode uses the chunked exact sgemm (generic ISA).
         num_threads: numba threads for this backend's kernels (numba's setting is per calling thread,
         so it is applied on every call); None keeps numba's default (all cores).
         block_kernels: keep Q4_0 / Q4_1 / Q8_0 weights packed (False: the loader dequantizes them to f32).
