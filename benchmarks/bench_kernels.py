@@ -7,6 +7,17 @@ each (backend, mode, path) includes numba compilation, or loading it from numba'
 
     python benchmarks/bench_kernels.py                      # cpu backend, bitnet mode, 2 threads
     python benchmarks/bench_kernels.py --backends reference cpu --mode float --tokens 1 64
+    python benchmarks/bench_kernels.py --isa-compare --bandwidth          # cpu ternary kernel variants
+    python benchmarks/bench_kernels.py --isa-compare --model /tmp/2b4t-i2s.gguf   # + decode tok/s
+
+--isa-compare times the cpu backend's bitnet-mode ternary kernel variants (kernels/cpu/isa.py: generic =
+the int16 numba kernels, avx2 / vnni = the int8 ones) on the same weights and inputs, rounds alternating
+between variants, best of --repeats calls per round, best round kept; at 1 and 2 threads (--cold: each timed
+call runs over copies of the weight totalling 128 MB, so they come from DRAM as in a model). GMAC/s =
+M * K * T / time of the whole prepared-weight call (quantize + kernel); at T = 1 it is G weights/s.
+--bandwidth measures read bandwidth with numpy sums over a 1 GB array (2 threads: two halves summed
+concurrently; numpy drops the GIL) and prints the bytes-per-token bound of the 2B-4T shape. --model loads
+that file once per variant in this process and alternates greedy decode runs between them.
 
 OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads libgomp): with libgomp's default
 spin-waiting, a machine whose cores are busy with other work makes each parallel kernel call wait for
@@ -21,9 +32,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / numba load
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -32,6 +47,11 @@ from bitserve.kernels.packed import TernaryCodes  # noqa: E402
 from bitserve.kernels.select import available_backends, select_backend  # noqa: E402
 
 DEFAULT_SHAPES = ["2560x2560", "640x2560", "6912x2560", "2560x6912"]
+ISA_SHAPES = ["6912x2560", "2560x6912", "2560x2560"]
+# 2B-4T per layer (M, K, count): q, o; k, v; gate, up; down. 30 layers, F16 tied embedding / LM head.
+LAYER_SHAPES_2B = [(2560, 2560, 2), (640, 2560, 2), (6912, 2560, 2), (2560, 6912, 1)]
+LAYERS_2B, VOCAB_2B, HIDDEN_2B = 30, 128256, 2560
+COLD_BYTES = 128 << 20  # --cold: packed weights cycled through per timed call (more than the L3)
 
 
 def time_ms(fn: Callable[[], object], min_repeats: int, min_seconds: float) -> float:
@@ -55,6 +75,122 @@ def set_threads(num_threads: int) -> None:
         pass
 
 
+def best_seconds(fn: Callable[[], object], calls: int) -> float:
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def isa_compare(
+    isas: Sequence[str], thread_counts: Sequence[int], tokens: Sequence[int], args: argparse.Namespace
+) -> None:
+    """GMAC/s of each ternary kernel variant (the whole prepared-weight call: quantize + kernel)."""
+    from bitserve.kernels.cpu.backend import CpuBackend
+
+    backends = {name: CpuBackend(isa=name) for name in isas}
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"{'thr':>3} {'shape':>10} {'T':>3} " + " ".join(f"{n + ' GMAC/s':>14}" for n in isas) + "  speedup"
+    )
+    for num_threads in thread_counts:
+        set_threads(num_threads)
+        for shape in args.shapes or ISA_SHAPES:
+            m, k = (int(v) for v in shape.lower().split("x"))
+            values = torch.randint(-1, 2, (m, k), generator=gen, dtype=torch.int8)
+            codes = TernaryCodes(values=values, scale=torch.tensor(0.0371))
+            copies = -(-COLD_BYTES // (m * k // 4)) if args.cold else 1  # cold: more weights than L3 holds
+            weights = {
+                n: [b.prepare_ternary(codes, mode=LinearMode.BITNET) for _ in range(copies)]
+                for n, b in backends.items()
+            }
+            for num_tokens in tokens:
+                x = torch.randn(num_tokens, k, generator=gen)
+                calls = {n: (lambda ws=ws: [w(x) for w in ws]) for n, ws in weights.items()}  # noqa: B023
+                outputs = {n: fn()[0] for n, fn in calls.items()}  # compiles; all must agree bit for bit
+                first = next(iter(outputs.values()))
+                assert all(torch.equal(first, y) for y in outputs.values()), "variants disagree"
+                best = dict.fromkeys(calls, float("inf"))
+                for _ in range(args.rounds):
+                    for name, fn in calls.items():
+                        best[name] = min(best[name], best_seconds(fn, args.repeats))
+                rates = {n: copies * m * k * num_tokens / s / 1e9 for n, s in best.items()}
+                ratio = rates[isas[-1]] / rates[isas[0]]
+                cells = " ".join(f"{rates[n]:14.1f}" for n in isas)
+                print(f"{num_threads:>3} {shape:>10} {num_tokens:>3} {cells}  {ratio:6.2f}x", flush=True)
+
+
+def read_bandwidth(thread_counts: Sequence[int], rounds: int = 5) -> dict[int, float]:
+    """GB/s of numpy sums over a 1 GB float32 array, best of `rounds`, split over n threads."""
+    data = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, touched once by np.ones
+    results = {}
+    with ThreadPoolExecutor(max(thread_counts)) as pool:
+        for n in thread_counts:
+            parts = np.array_split(data, n)
+            best = min(
+                best_seconds(lambda parts=parts: list(pool.map(np.sum, parts)), 1) for _ in range(rounds)
+            )
+            results[n] = data.nbytes / best / 1e9
+    return results
+
+
+def bandwidth_bound(thread_counts: Sequence[int]) -> None:
+    """Decode tok/s ceiling of the 2B-4T shape: weight bytes read per token / measured read bandwidth."""
+    ternary = sum(m * k * c for m, k, c in LAYER_SHAPES_2B) * LAYERS_2B // 4  # 2 bits per weight
+    head = VOCAB_2B * HIDDEN_2B * 2  # F16 LM head, read whole every step
+    for n, gbps in read_bandwidth(thread_counts).items():
+        total = ternary + head
+        print(
+            f"{n} thread(s): read {gbps:.1f} GB/s; per token {ternary / 1e6:.0f} MB ternary + "
+            f"{head / 1e6:.0f} MB F16 head = {total / 1e6:.0f} MB -> bound {gbps * 1e9 / total:.1f} tok/s "
+            f"({gbps * 1e9 / ternary:.1f} tok/s for the ternary linears alone)"
+        )
+
+
+def model_decode(path: Path, isas: Sequence[str], args: argparse.Namespace) -> None:
+    """Greedy decode tok/s of the model file under each variant: one LLM per variant in this process,
+    decode runs alternating between them; best and median of --rounds runs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_model import TEXT, BitserveRunner, prompt_ids
+
+    from bitserve.kernels.cpu.isa import ISA_ENV_VAR
+    from bitserve.llm import LLM
+
+    set_threads(args.threads)
+    runners = {}
+    for name in isas:
+        os.environ[ISA_ENV_VAR] = name  # read when the backend is made, at load
+        t0 = time.perf_counter()
+        runners[name] = BitserveRunner(LLM(str(path), backend="cpu"))
+        print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    os.environ.pop(ISA_ENV_VAR)
+    base = next(iter(runners.values())).llm.tokenizer.encode(TEXT, add_special=False)
+    for runner in runners.values():
+        runner.decode(prompt_ids(base, 8, 999), 2)  # compile / load kernels, touch the weights
+    rates: dict[str, list[float]] = {n: [] for n in isas}
+    prefill: dict[str, list[float]] = {n: [] for n in isas}
+    tokens: dict[str, list[int]] = {}
+    for r in range(args.rounds):
+        for name, runner in runners.items():
+            times, tokens[name] = runner.decode(prompt_ids(base, 8, r), args.decode_tokens)
+            rates[name].append(len(times) / sum(times))
+            prefill[name].append(
+                args.prefill_tokens / runner.prefill(prompt_ids(base, args.prefill_tokens, 50 + r))
+            )
+    same = len({tuple(t) for t in tokens.values()}) == 1
+    print(
+        f"{args.threads} threads, {args.decode_tokens} decode tokens after an 8-token prompt; "
+        f"greedy ids equal: {same}"
+    )
+    for name in isas:
+        print(
+            f"{name:8} decode tok/s best {max(rates[name]):.2f} median {statistics.median(rates[name]):.2f}; "
+            f"prefill ({args.prefill_tokens} tokens) tok/s best {max(prefill[name]):.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -66,7 +202,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=0.5, help="minimum timing window per cell")
+    parser.add_argument("--isa-compare", action="store_true", help="compare the cpu ternary kernel variants")
+    parser.add_argument(
+        "--isas", nargs="+", default=None, help="variants to compare (default: generic + best)"
+    )
+    parser.add_argument("--thread-counts", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (--isa-compare, --model)")
+    parser.add_argument("--cold", action="store_true", help="--isa-compare from DRAM: cycle >128 MB weights")
+    parser.add_argument("--bandwidth", action="store_true", help="read bandwidth and the 2B-4T decode bound")
+    parser.add_argument("--model", type=Path, default=None, help="2B-4T I2_S file: decode tok/s per variant")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.isa_compare or args.bandwidth or args.model:
+        run_isa_benchmarks(args)
+        return
 
     set_threads(args.threads)
     names = args.backends or [n for n in available_backends() if n != "reference"] or ["reference"]
@@ -98,6 +248,20 @@ def main() -> None:
                     f"{fp32_ms / ms:7.2f}x   (first call {first_s:.2f} s, prepare {prepare_s:.2f} s, "
                     f"{weight.nbytes / 1e6:.1f} MB)"
                 )
+
+
+def run_isa_benchmarks(args: argparse.Namespace) -> None:
+    from bitserve.kernels.cpu.isa import supported_isas
+
+    isas = args.isas or ["generic", supported_isas()[0].value]
+    print(f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, variants {isas}")
+    if args.bandwidth:
+        bandwidth_bound(args.thread_counts)
+    if args.isa_compare:
+        tokens = args.tokens if args.tokens != [1, 8, 64] else [1, 16]
+        isa_compare(isas, args.thread_counts, tokens, args)
+    if args.model:
+        model_decode(args.model, isas, args)
 
 
 if __name__ == "__main__":

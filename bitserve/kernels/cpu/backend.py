@@ -1,7 +1,12 @@
 """CpuBackend: ternary linears on packed 2-bit weights with numba kernels; dense linears via torch.
 
 Runtime layout of every ternary weight: Layout.TERNARY_2BIT (uint8 [M, pad128(K) / 4], ~2 bits per
-weight). bitnet mode is bit-exact with the reference backend for every batch size:
+weight). bitnet mode is bit-exact with the reference backend for every batch size. Its kernels depend on
+the ISA variant chosen once per backend (`CpuBackend.isa`, kernels/cpu/isa.py):
+- vnni / avx2 (x86 with AVX2): int8 activations and `vpdpbusd` / `vpmaddubsw` integer dots emitted
+  through numba intrinsics (kernels/cpu/int8dot.py), one GEMV tile for T = 1 and one GEMM tile (weights
+  read once per step) above, for every batch size: ~3-5x the generic kernels, 2-3x the sgemm path.
+generic (no AVX2, or forced):
 - T < gemm_min_tokens (decode): numba kernel; per output row, unpack to int16 codes once, then an int32
   dot (vpmaddwd) per token. ~2.3-3.3x faster than torch fp32 F.linear at T = 1 (2 threads);
 - T >= gemm_min_tokens (prefill): rows are unpacked in chunks to f32 t values and multiplied with the
@@ -40,6 +45,7 @@ from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.cpu import blockquant, fused
 from bitserve.kernels.cpu import ternary as kernels
+from bitserve.kernels.cpu.isa import Isa, resolve_isa, supported_isas
 from bitserve.kernels.cpu.prepared import (
     BitnetBlockLinear,
     BitnetLinear,
@@ -47,6 +53,8 @@ from bitserve.kernels.cpu.prepared import (
     CpuTuning,
     DenseLinear,
     FloatTernaryLinear,
+    Int8BitnetBlockLinear,
+    Int8BitnetLinear,
     Q4Linear,
     Q8Linear,
     TqLinear,
@@ -86,13 +94,16 @@ class CpuBackend(KernelBackend):
         block_kernels: bool = True,
         block_gemm_min_tokens: int = DEFAULT_BLOCK_GEMM_MIN_TOKENS,
         max_dense_weight_bytes: int = 0,
+        isa: Isa | str | None = None,
     ) -> None:
-        """gemm_min_tokens: batch size from which bitnet mode uses the chunked exact sgemm.
+        """gemm_min_tokens: batch size from which bitnet mode uses the chunked exact sgemm (generic ISA).
         num_threads: numba threads for this backend's kernels (numba's setting is per calling thread,
         so it is applied on every call); None keeps numba's default (all cores).
         block_kernels: keep Q4_0 / Q4_1 / Q8_0 weights packed (False: the loader dequantizes them to f32).
         block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm.
-        max_dense_weight_bytes: budget of f32 copies of block weights for those batches (0: none)."""
+        max_dense_weight_bytes: budget of f32 copies of block weights for those batches (0: none).
+        isa: the bitnet-mode ternary kernel variant (an Isa or its name; kernels/cpu/isa.py): None reads
+        $BITSERVE_CPU_ISA, default "auto", the best this CPU supports. ValueError if it cannot run here."""
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in 1..{numba.config.NUMBA_NUM_THREADS}, got {num_threads}")
         self.gemm_min_tokens = gemm_min_tokens
@@ -102,7 +113,18 @@ class CpuBackend(KernelBackend):
         if max_dense_weight_bytes < 0:
             raise ValueError(f"max_dense_weight_bytes must be >= 0, got {max_dense_weight_bytes}")
         self.dense_bytes_left = max_dense_weight_bytes  # spent at load, weight by weight, in load order
-        self.tuning = CpuTuning(gemm_min_tokens, block_gemm_min_tokens, num_threads)
+        self._isa = resolve_isa(isa)
+        logger.info(
+            "cpu backend: ternary kernels %s (supported here: %s)",
+            self._isa.value,
+            ", ".join(s.value for s in supported_isas()),
+        )
+        self.tuning = CpuTuning(gemm_min_tokens, block_gemm_min_tokens, num_threads, self._isa)
+
+    @property
+    def isa(self) -> Isa:
+        """The bitnet-mode ternary kernel variant chosen at construction (for logs, /health, benchmarks)."""
+        return self._isa
 
     # ------------------------------------------------------------ load time: strategy chosen here
 
@@ -135,8 +157,10 @@ class CpuBackend(KernelBackend):
             scale = codes.scale.reshape(1, 1) if codes.is_per_tensor else codes.scale
             extras["decode_scale"] = scale.contiguous().clone()  # [1, 1] or [M, nb]
             strategy = FloatTernaryLinear
-        elif mode is LinearMode.BITNET:
+        elif mode is LinearMode.BITNET and self._isa is Isa.GENERIC:
             strategy = BitnetLinear if codes.is_per_tensor else BitnetBlockLinear
+        elif mode is LinearMode.BITNET:
+            strategy = Int8BitnetLinear if codes.is_per_tensor else Int8BitnetBlockLinear
         else:
             raise ValueError(f"unknown linear mode {mode!r}")
         packed = kernels.pack_ternary(codes.values)  # [M, Kp / 4]

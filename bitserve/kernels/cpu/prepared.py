@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from bitserve.kernels.backend import NO_EXTRAS, LinearMode, PreparedLinear, check_linear_input
-from bitserve.kernels.cpu import blockquant
+from bitserve.kernels.cpu import blockquant, int8dot
 from bitserve.kernels.cpu import ternary as kernels
+from bitserve.kernels.cpu.isa import Isa
 from bitserve.kernels.packed import Layout
 from bitserve.kernels.reference import ternary as reference
 
@@ -33,6 +34,7 @@ class CpuTuning:
     gemm_min_tokens: int
     block_gemm_min_tokens: int
     num_threads: int | None  # numba's setting is per calling thread: applied on every call
+    isa: Isa = Isa.GENERIC  # the ternary kernel variant (kernels/cpu/isa.py); GENERIC: the int16 kernels
 
 
 class CpuLinear(PreparedLinear):
@@ -139,6 +141,65 @@ class BitnetBlockLinear(_BitnetActivations):
         block_q_sum = qp.reshape(num_tokens, self._num_blocks, -1).sum(axis=2, dtype=np.int32)  # [T, nb]
         out = np.empty((num_tokens, self.out_features), dtype=np.float32)
         kernels.bitnet_block_linear_kernel(self._w, qp, block_q_sum, s_act, self._scale_np, out)
+        return torch.from_numpy(out)
+
+
+class _Int8Activations(CpuLinear):
+    """bitnet-mode activations for the int8 kernels (kernels/cpu/int8dot.py): per-token int8 in the
+    permuted column order, rows padded to the GEMM token tile when T > 1."""
+
+    __slots__ = ("_kernels",)
+    activation_key = "bitnet-int8"
+
+    def _bind(self) -> None:
+        self._kernels = int8dot.KERNELS[self.tuning.isa]
+
+    def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(q int8 [Tp, Kp] permuted, s_act f32 [T], q_sum int32 [T]); Tp = T, or T padded to the tile."""
+        num_tokens = x.shape[0]
+        padded = 1 if num_tokens == 1 else int8dot.padded_token_count(num_tokens, int8dot.GEMM_TOKENS)
+        return int8dot.quantize_permute_i8(x.numpy(), kernels.padded_in_features(self.in_features), padded)
+
+
+class Int8BitnetLinear(_Int8Activations):
+    """bitnet mode, one scale per tensor, on the int8 kernels of the backend's ISA for every batch size:
+    the GEMV tile for T = 1, the GEMM tile (weights read once per step for all tokens) above."""
+
+    __slots__ = ("_scale32", "_w")
+
+    def _bind(self) -> None:
+        assert self.scale is not None and self.scale.dim() == 0  # invariant: chosen for per-tensor scales
+        super()._bind()
+        self._w = self.data.numpy()  # uint8 [M, Kp / 4]
+        self._scale32 = np.float32(self.scale.item())
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        q, s_act, q_sum = acts  # type: ignore[misc]
+        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
+        kernel = self._kernels.gemv if x.shape[0] == 1 else self._kernels.gemm
+        kernel(self._w, q, q_sum, s_act, self._scale32, out)
+        return torch.from_numpy(out)
+
+
+class Int8BitnetBlockLinear(_Int8Activations):
+    """bitnet mode with per-block scales f32 [M, nb] (blocks a multiple of 128 columns), int8 kernels."""
+
+    __slots__ = ("_num_blocks", "_scale_np", "_w")
+
+    def _bind(self) -> None:
+        assert self.scale is not None and self.scale.dim() == 2  # invariant: chosen for per-block scales
+        super()._bind()
+        self._w = self.data.numpy()
+        self._scale_np = self.scale.numpy()
+        self._num_blocks = self.scale.shape[1]
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        q, s_act, _ = acts  # type: ignore[misc]
+        num_tokens = x.shape[0]
+        blocks = q[:num_tokens].reshape(num_tokens, self._num_blocks, -1)  # [T, nb, Kp / nb]
+        block_q_sum = blocks.sum(axis=2, dtype=np.int32)  # [T, nb]
+        out = np.empty((num_tokens, self.out_features), dtype=np.float32)
+        self._kernels.block(self._w, q, block_q_sum, s_act, self._scale_np, out)
         return torch.from_numpy(out)
 
 

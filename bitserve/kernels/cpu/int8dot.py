@@ -1,0 +1,435 @@
+"""int8-activation ternary GEMV / GEMM on the packed 2-bit layout, with x86 integer-dot instructions.
+
+Weights stay in Layout.TERNARY_2BIT (kernels/cpu/ternary.py): per row, 32-byte groups of 128 columns,
+byte m's 2-bit field s (bits 2s, 2s + 1) holding code t + 1 of column 128g + 4m + s. Activations are int8
+in the matching permuted order (position 128g + 32s + m), so one 32-byte load of codes gives, after a
+shift by 2s and an AND with 3, the 32 codes of "plane" s, lined up with the 32 contiguous activations
+q[128g + 32s : 128g + 32s + 32]. Per group and (row, token) pair that is four u8 x s8 dot steps:
+- AVX2: `vpmaddubsw` (pairs of code * q summed into int16 lanes), int16 sums of FLUSH_GROUPS groups,
+  then `vpmaddwd` by 1 widens them into int32 lanes;
+- VNNI: `vpdpbusd` (quads summed straight into int32 lanes), no int16 stage.
+Then D = sum(code * q) - sum(q) (code = t + 1), exact, and the f32 epilogue of docs/formats.md §3.3.
+
+numba's auto-vectorizer never emits these instructions, so `_tile` is an `@intrinsic` writing the loop in
+LLVM IR with the x86 intrinsics; it computes a tile of `rows` weight rows x `toks` tokens, loading each
+row's codes once per group (decoded once for all tokens) and each token's activations once per group
+(shared by all rows). The kernels only run on a CPU with the variant's features (kernels/cpu/isa.py):
+they are compiled on first call, so an unsupported variant is never compiled either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import literally, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from bitserve.kernels.cpu.isa import Isa
+from bitserve.kernels.cpu.ternary import GROUP_BYTES, GROUP_COLS
+
+PLANES = 4  # 2-bit fields per byte
+PLANE_BYTES = GROUP_COLS // PLANES  # 32 codes / activations per plane: one 256-bit vector
+# int16 lanes hold the sum of FLUSH_GROUPS groups: per group a lane gets 4 planes x 2 products of code (<= 2)
+# times q (in [-128, 127]), so |sum| <= 16 * 8 * 256 = 32768, and the extremes are -32768 (all codes 2,
+# all q -128) and 16 * 8 * 254 = 32512: both fit int16. vpaddw wraps, but the wrapped sum of terms
+# whose true total fits is that total, so only the total at the flush has to fit.
+FLUSH_GROUPS = 16
+ROWS_PER_TASK = 16  # rows per prange task (a multiple of every row tile)
+TOKEN_BLOCK = 32  # tokens per pass over a task's rows: 32 x Kp int8 activations stay in L2
+PREFETCH_BYTES = 12288  # software prefetch distance along the weights (Zen 3, 6912x2560 / 2560x6912)
+ISA_CODES = {Isa.AVX2: 1, Isa.VNNI: 2}  # the `isa` literal the kernels take
+_AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V32xI8 = ir.VectorType(_I8, 32)
+_V16xI16 = ir.VectorType(_I16, 16)
+_V8xI32 = ir.VectorType(_I32, 8)
+
+
+def _splat(vector_type: ir.VectorType, value: int) -> ir.Constant:
+    return ir.Constant(vector_type, [ir.Constant(vector_type.element, value)] * vector_type.count)
+
+
+def _declare(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: ir.Type) -> ir.Function:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, list(args)), name)
+
+
+class _TileEmitter:
+    """Writes the IR of one tile: rows x toks int32 sums of code * q over a range of groups."""
+
+    def __init__(self, builder: ir.IRBuilder, row_ptrs: list, tok_ptrs: list, ahead: list) -> None:
+        self.b = builder
+        self.row_ptrs = row_ptrs  # i8* of each row's first group
+        self.tok_ptrs = tok_ptrs  # i8* of each token's first group
+        self.ahead = ahead  # i8* PREFETCH_BYTES past each row pointer: prefetched as we go
+
+    def load(self, base: ir.Value, offset: ir.Value) -> ir.Value:
+        """An unaligned 32-byte load at base + offset."""
+        ptr = self.b.bitcast(self.b.gep(base, [offset]), _V32xI8.as_pointer())
+        return self.b.load(ptr, align=1)
+
+    def group_operands(self, g: ir.Value) -> tuple[list[list[ir.Value]], list[list[ir.Value]]]:
+        """Group g -> (planes[row][s] code vectors, acts[tok][s] activation vectors)."""
+        b = self.b
+        planes = []
+        prefetch = _declare(b, "llvm.prefetch.p0", ir.VoidType(), _I8.as_pointer(), _I32, _I32, _I32)
+        offset = b.mul(g, ir.Constant(g.type, GROUP_BYTES))
+        for ptr, next_ptr in zip(self.row_ptrs, self.ahead, strict=True):
+            # read, all cache levels, data; x86 prefetches never fault, so past the end is harmless
+            b.call(
+                prefetch,
+                [b.gep(next_ptr, [offset]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)],
+            )
+            codes = self.load(ptr, offset)  # [32] u8, 4 fields each
+            three = _splat(_V32xI8, 3)
+            planes.append([b.and_(b.lshr(codes, _splat(_V32xI8, 2 * s)), three) for s in range(PLANES)])
+        acts = []
+        for ptr in self.tok_ptrs:
+            base = b.mul(g, ir.Constant(g.type, GROUP_COLS))
+            offsets = [b.add(base, ir.Constant(g.type, PLANE_BYTES * s)) for s in range(PLANES)]
+            acts.append([self.load(ptr, offset) for offset in offsets])
+        return planes, acts
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(r, t) for r in range(len(self.row_ptrs)) for t in range(len(self.tok_ptrs))]
+
+    def emit_avx2(self, g0: ir.Value, num_groups: ir.Value) -> list[ir.Value]:
+        """vpmaddubsw into int16 sums, widened every FLUSH_GROUPS groups. -> <8 x i32> per pair."""
+        b = self.b
+        maddubs = _declare(b, "llvm.x86.avx2.pmadd.ub.sw", _V16xI16, _V32xI8, _V32xI8)
+        maddwd = _declare(b, "llvm.x86.avx2.pmadd.wd", _V8xI32, _V16xI16, _V16xI16)
+        acc32 = [cgutils.alloca_once_value(b, _splat(_V8xI32, 0)) for _ in self.pairs()]
+        acc16 = [cgutils.alloca_once(b, _V16xI16) for _ in self.pairs()]
+        flush = ir.Constant(num_groups.type, FLUSH_GROUPS)
+        num_chunks = b.udiv(b.add(num_groups, ir.Constant(num_groups.type, FLUSH_GROUPS - 1)), flush)
+        with cgutils.for_range(b, num_chunks) as chunk:
+            start = b.mul(chunk.index, flush)
+            left = b.sub(num_groups, start)
+            count = b.select(b.icmp_signed("<", left, flush), left, flush)
+            for slot in acc16:
+                b.store(_splat(_V16xI16, 0), slot)
+            with cgutils.for_range(b, count) as step:
+                planes, acts = self.group_operands(b.add(g0, b.add(start, step.index)))
+                for slot, (r, t) in zip(acc16, self.pairs(), strict=True):
+                    m = [b.call(maddubs, [planes[r][s], acts[t][s]]) for s in range(PLANES)]
+                    b.store(b.add(b.load(slot), b.add(b.add(m[0], m[1]), b.add(m[2], m[3]))), slot)
+            for slot32, slot16 in zip(acc32, acc16, strict=True):
+                widened = b.call(maddwd, [b.load(slot16), _splat(_V16xI16, 1)])
+                b.store(b.add(b.load(slot32), widened), slot32)
+        return [b.load(slot) for slot in acc32]
+
+    def emit_vnni(self, g0: ir.Value, num_groups: ir.Value) -> list[ir.Value]:
+        """vpdpbusd straight into int32 lanes. -> <8 x i32> per pair. Small tiles get two accumulators per
+        pair (planes 0-1, 2-3) to halve the dependency chain; large ones have enough chains already (and
+        AVX-VNNI has only 16 vector registers)."""
+        b = self.b
+        dpbusd = _declare(b, "llvm.x86.avx512.vpdpbusd.256", _V8xI32, _V8xI32, _V8xI32, _V8xI32)
+        per_pair = 2 if len(self.pairs()) <= 4 else 1
+        accs = [
+            [cgutils.alloca_once_value(b, _splat(_V8xI32, 0)) for _ in range(per_pair)] for _ in self.pairs()
+        ]
+        with cgutils.for_range(b, num_groups) as step:
+            planes, acts = self.group_operands(b.add(g0, step.index))
+            for slots, (r, t) in zip(accs, self.pairs(), strict=True):
+                for s in range(PLANES):
+                    slot = slots[s * len(slots) // PLANES]
+                    codes = b.bitcast(planes[r][s], _V8xI32)
+                    act = b.bitcast(acts[t][s], _V8xI32)
+                    b.store(b.call(dpbusd, [b.load(slot), codes, act]), slot)
+        return [
+            b.add(b.load(slots[0]), b.load(slots[-1])) if len(slots) > 1 else b.load(slots[0])
+            for slots in accs
+        ]
+
+
+def _is_c_matrix(ty: types.Type, dtype: types.Type) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == dtype and ty.ndim == 2 and ty.layout == "C"
+
+
+def _hsum(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
+    total = builder.extract_element(vector, ir.Constant(_I32, 0))
+    for lane in range(1, vector.type.count):
+        total = builder.add(total, builder.extract_element(vector, ir.Constant(_I32, lane)))
+    return total
+
+
+@intrinsic
+def _tile(
+    typingctx: object,
+    isa: types.Type,
+    rows: types.Type,
+    toks: types.Type,
+    w: types.Type,
+    w_row: types.Type,
+    q: types.Type,
+    q_row: types.Type,
+    g0: types.Type,
+    num_groups: types.Type,
+) -> tuple | None:
+    """_tile(isa, rows, toks, w, w_row, q, q_row, g0, num_groups) -> UniTuple(int32, rows * toks).
+
+    isa, rows, toks: integer literals. w uint8 [M, Kp/4] and q int8 [Tp, Kp], C order. Entry r * toks + t
+    is sum(code * q) of row w_row + r and token q_row + t over groups g0 .. g0 + num_groups - 1.
+    """
+    literals = (isa, rows, toks)
+    if not all(isinstance(v, types.IntegerLiteral) for v in literals):
+        return None  # numba retries with the literal types
+    if not (_is_c_matrix(w, types.uint8) and _is_c_matrix(q, types.int8)):
+        return None
+    isa_code, num_rows, num_toks = (v.literal_value for v in literals)
+    sig = types.UniTuple(types.int32, num_rows * num_toks)(
+        isa, rows, toks, w, w_row, q, q_row, g0, num_groups
+    )
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, llargs: tuple) -> ir.Value:
+        w_val, w_row_val, q_val, q_row_val, g0_val, num_groups_val = llargs[3:]
+        w_arr = context.make_array(w)(context, builder, w_val)
+        q_arr = context.make_array(q)(context, builder, q_val)
+        w_stride = builder.extract_value(w_arr.strides, 0)  # bytes per weight row
+        q_stride = builder.extract_value(q_arr.strides, 0)  # bytes per token
+        w_base = builder.gep(w_arr.data, [builder.mul(w_row_val, w_stride)])
+        q_base = builder.gep(q_arr.data, [builder.mul(q_row_val, q_stride)])
+        row_ptrs = [
+            builder.gep(w_base, [builder.mul(w_stride, ir.Constant(w_stride.type, r))])
+            for r in range(num_rows)
+        ]
+        tok_ptrs = [
+            builder.gep(q_base, [builder.mul(q_stride, ir.Constant(q_stride.type, t))])
+            for t in range(num_toks)
+        ]
+        # a GEMV streams its weights once, from DRAM: the hardware prefetchers alone left it at ~40% of
+        # the read bandwidth; software prefetch PREFETCH_BYTES ahead of each row roughly doubled it
+        ahead = [builder.gep(ptr, [ir.Constant(w_stride.type, PREFETCH_BYTES)]) for ptr in row_ptrs]
+        emitter = _TileEmitter(builder, row_ptrs, tok_ptrs, ahead)
+        emit = emitter.emit_vnni if isa_code == _VNNI else emitter.emit_avx2
+        sums = emit(g0_val, num_groups_val)
+        return context.make_tuple(builder, signature.return_type, [_hsum(builder, v) for v in sums])
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------- activations
+
+
+@njit(nogil=True, cache=True)
+def quantize_permute_i8(
+    x: np.ndarray, kp: int, padded_tokens: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activation quantization (docs/formats.md §3.1), written as int8 in the permuted column order.
+
+    x f32 [T, K] -> (q int8 [padded_tokens, Kp] permuted, zero rows / columns as padding, s_act f32 [T],
+    q_sum int32 [T]). Same arithmetic as ternary.quantize_permute: amax in f64 with the 1e-5 floor,
+    s_act = f32(127 / amax) divided in f64, q = clamp(rne(f32 product)).
+    """
+    num_tokens, k = x.shape
+    q = np.zeros((padded_tokens, kp), dtype=np.int8)
+    s_act = np.empty(num_tokens, dtype=np.float32)
+    q_sum = np.zeros(num_tokens, dtype=np.int32)
+    for t in range(num_tokens):
+        amax = 1e-5
+        for j in range(k):
+            a = abs(np.float64(x[t, j]))
+            if a > amax:
+                amax = a
+        s = np.float32(127.0 / amax)
+        s_act[t] = s
+        total = 0
+        for j in range(k):  # column j = 128g + 4m + f sits at 128g + 32f + m
+            v = np.round(x[t, j] * s)  # f32 product, round half to even
+            qi = np.int8(min(max(v, np.float32(-128.0)), np.float32(127.0)))
+            q[t, (j // GROUP_COLS) * GROUP_COLS + (j % 4) * PLANE_BYTES + (j % GROUP_COLS) // 4] = qi
+            total += qi
+        q_sum[t] = total
+    return q, s_act, q_sum
+
+
+def padded_token_count(num_tokens: int, toks: int) -> int:
+    """Rows of the activation buffer: num_tokens rounded up to the kernel's token tile."""
+    return -(-num_tokens // toks) * toks
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _bitnet_body(
+    isa: int,
+    rows: int,
+    toks: int,
+    w: np.ndarray,
+    q: np.ndarray,
+    q_sum: np.ndarray,
+    s_act: np.ndarray,
+    w_scale: np.float32,
+    out: np.ndarray,
+) -> None:
+    """Per-tensor scale. w uint8 [M, Kp/4], q int8 [Tp, Kp] (Tp a multiple of toks), q_sum int32 [T],
+    s_act f32 [T] -> out f32 [T, M]. isa / rows / toks: literals (ISA_CODES, the tile shape).
+
+    D = sum(code * q) - sum(q), exact; y = f32(f32(f32(D) / s_act) * w_scale), as in
+    ternary.bitnet_linear_kernel. Per task, TOKEN_BLOCK tokens at a time run over the task's rows, whose
+    codes (16 x Kp / 4 bytes) stay in cache: each weight byte comes from memory once per step.
+    """
+    literally(isa)
+    literally(rows)
+    literally(toks)
+    m = out.shape[1]
+    num_groups = w.shape[1] // GROUP_BYTES
+    for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r_start = task * ROWS_PER_TASK
+        r_end = min(m, r_start + ROWS_PER_TASK)
+        full_end = r_start + (r_end - r_start) // rows * rows  # tiles of `rows` rows, then single rows
+        for t_block in range(0, q.shape[0], TOKEN_BLOCK):
+            t_end = min(q.shape[0], t_block + TOKEN_BLOCK)
+            for r in range(r_start, full_end, rows):
+                for t0 in range(t_block, t_end, toks):
+                    d = _tile(isa, rows, toks, w, r, q, t0, 0, num_groups)
+                    _store_tile(d, rows, toks, r, t0, q_sum, s_act, w_scale, out)
+            for r in range(full_end, r_end):
+                for t0 in range(t_block, t_end, toks):
+                    d1 = _tile(isa, 1, toks, w, r, q, t0, 0, num_groups)
+                    _store_tile(d1, 1, toks, r, t0, q_sum, s_act, w_scale, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _store_tile(
+    d: tuple,
+    rows: int,
+    toks: int,
+    r0: int,
+    t0: int,
+    q_sum: np.ndarray,
+    s_act: np.ndarray,
+    w_scale: np.float32,
+    out: np.ndarray,
+) -> None:
+    """Tile epilogue, real tokens only: out[t, r] = f32(f32(f32(D) / s_act) * w_scale), D = d - q_sum."""
+    for t in range(t0, min(t0 + toks, out.shape[0])):
+        for i in range(rows):
+            di = d[i * toks + t - t0] - q_sum[t]
+            out[t, r0 + i] = (np.float32(di) / s_act[t]) * w_scale
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _bitnet_block_body(
+    isa: int,
+    rows: int,
+    w: np.ndarray,
+    q: np.ndarray,
+    block_q_sum: np.ndarray,
+    s_act: np.ndarray,
+    scale: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """Per-block scales f32 [M, nb], block_q_sum int32 [T, nb] -> out f32 [T, M]; one token per tile.
+
+    y = sum over blocks b in increasing order of f32(f32(f32(D_b) / s_act) * d_b), from +0.0, rounding
+    after each add (ternary.bitnet_block_linear_kernel's order). A block is Kp / nb permuted columns, a
+    whole number of groups.
+    """
+    literally(isa)
+    literally(rows)
+    m = out.shape[1]
+    num_blocks = scale.shape[1]
+    block_groups = w.shape[1] // GROUP_BYTES // num_blocks
+    for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        r_start = task * ROWS_PER_TASK
+        r_end = min(m, r_start + ROWS_PER_TASK)
+        full_end = r_start + (r_end - r_start) // rows * rows
+        y = np.empty(rows, dtype=np.float32)
+        for t in range(out.shape[0]):
+            for r in range(r_start, full_end, rows):
+                y[:] = 0.0
+                for b in range(num_blocks):
+                    d = _tile(isa, rows, 1, w, r, q, t, b * block_groups, block_groups)
+                    for i in range(rows):
+                        di = d[i] - block_q_sum[t, b]
+                        y[i] = y[i] + (np.float32(di) / s_act[t]) * scale[r + i, b]
+                out[t, r : r + rows] = y
+            for r in range(full_end, r_end):
+                y1 = np.float32(0.0)
+                for b in range(num_blocks):
+                    d1 = _tile(isa, 1, 1, w, r, q, t, b * block_groups, block_groups)
+                    y1 = y1 + (np.float32(d1[0] - block_q_sum[t, b]) / s_act[t]) * scale[r, b]
+                out[t, r] = y1
+
+
+# ---------------------------------------------------------------- entry points, one per (ISA, tile)
+# Thin wrappers pass the literals as constants: a Python caller then hits numba's compiled-signature fast
+# path (the literal-typed bodies would be re-dispatched on every call from Python).
+# Tiles measured on Zen 3 (AVX2, benchmarks/RESULTS.md): 8 rows x 1 token for T = 1, 4 x 2 above.
+
+GEMM_TOKENS = 2  # token tile of the GEMM kernels: their activations are padded to a multiple of it
+
+
+@njit(nogil=True, cache=True)
+def avx2_gemv(
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+) -> None:
+    _bitnet_body(_AVX2, 8, 1, w, q, q_sum, s_act, w_scale, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_gemm(
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+) -> None:
+    _bitnet_body(_AVX2, 4, GEMM_TOKENS, w, q, q_sum, s_act, w_scale, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_block(
+    w: np.ndarray,
+    q: np.ndarray,
+    block_q_sum: np.ndarray,
+    s_act: np.ndarray,
+    scale: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    _bitnet_block_body(_AVX2, 4, w, q, block_q_sum, s_act, scale, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_gemv(
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+) -> None:
+    _bitnet_body(_VNNI, 4, 1, w, q, q_sum, s_act, w_scale, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_gemm(
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+) -> None:
+    _bitnet_body(_VNNI, 4, GEMM_TOKENS, w, q, q_sum, s_act, w_scale, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_block(
+    w: np.ndarray,
+    q: np.ndarray,
+    block_q_sum: np.ndarray,
+    s_act: np.ndarray,
+    scale: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    _bitnet_block_body(_VNNI, 4, w, q, block_q_sum, s_act, scale, out)
+
+
+@dataclass(frozen=True)
+class Int8Kernels:
+    """One ISA's entry points. gemv: T = 1; gemm: T >= 2 on activations padded to GEMM_TOKENS rows;
+    block: per-block scales, any T. All write f32 [T, M] into `out`."""
+
+    isa: Isa
+    gemv: Callable[..., None]
+    gemm: Callable[..., None]
+    block: Callable[..., None]
+
+
+KERNELS = {
+    Isa.AVX2: Int8Kernels(Isa.AVX2, avx2_gemv, avx2_gemm, avx2_block),
+    Isa.VNNI: Int8Kernels(Isa.VNNI, vnni_gemv, vnni_gemm, vnni_block),
+}

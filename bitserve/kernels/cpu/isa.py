@@ -1,0 +1,90 @@
+"""Which x86 integer-dot instructions the ternary kernels may use, decided once per backend.
+
+The int8 kernels (kernels/cpu/int8dot.py) emit LLVM x86 intrinsics through numba `@intrinsic`s. LLVM
+cannot lower such an intrinsic for a target that lacks the feature (it aborts the process, no Python
+exception), so a variant is only compiled, and only called, where the target numba compiles for has it:
+the features are read the way numba sets its target's (host features, or NUMBA_CPU_FEATURES).
+
+Variants, best first:
+- VNNI: `vpdpbusd` (u8 x s8 products summed into int32 lanes) on 256-bit vectors: AVX512-VNNI with
+  AVX512VL, or AVX-VNNI (the same LLVM intrinsic, VEX-encoded).
+- AVX2: `vpmaddubsw` (u8 x s8 pairs summed into int16 lanes) + `vpmaddwd` widening.
+- GENERIC: the portable numba kernels of kernels/cpu/ternary.py (int16 decode + auto-vectorized dots).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import os
+
+import numba
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV_VAR = "BITSERVE_CPU_ISA"  # read only here (resolve_isa): auto, vnni, avx2 or generic
+
+
+class Isa(enum.Enum):
+    """A ternary kernel variant; the value is its name in logs, /health and BITSERVE_CPU_ISA."""
+
+    VNNI = "vnni"
+    AVX2 = "avx2"
+    GENERIC = "generic"
+
+
+_REQUIRED_FEATURES: dict[Isa, tuple[frozenset[str], ...]] = {  # any one of these feature sets suffices
+    Isa.VNNI: (frozenset({"avx2", "avx512vnni", "avx512vl"}), frozenset({"avx2", "avxvnni"})),
+    Isa.AVX2: (frozenset({"avx2"}),),
+    Isa.GENERIC: (frozenset(),),
+}
+
+
+@functools.cache
+def target_features() -> frozenset[str]:
+    """CPU features of the target numba compiles for, without the '+' (e.g. {"avx2", "fma", ...}).
+
+    numba's rule (numba.core.codegen): NUMBA_CPU_FEATURES when set, else the host's features (with the
+    avx* ones dropped under NUMBA_ENABLE_AVX=0). An empty NUMBA_CPU_FEATURES leaves the features implied
+    by NUMBA_CPU_NAME, which only LLVM knows: trusted for the host, taken as none for a named CPU.
+    """
+    spec = numba.config.CPU_FEATURES
+    if spec is None:
+        from numba.core.codegen import get_host_cpu_features  # NOTE: deferred, numba internals
+
+        spec = get_host_cpu_features()
+    elif spec == "" and numba.config.CPU_NAME not in (None, "host"):
+        return frozenset()
+    elif spec == "":
+        import llvmlite.binding as llvm  # NOTE: deferred, numba's own dependency
+
+        spec = llvm.get_host_cpu_features().flatten()
+    return frozenset(item[1:] for item in spec.split(",") if item.startswith("+"))
+
+
+def supported_isas(features: frozenset[str] | None = None) -> list[Isa]:
+    """The variants the target can run, best first (GENERIC always last)."""
+    have = target_features() if features is None else features
+    return [isa for isa in Isa if any(need <= have for need in _REQUIRED_FEATURES[isa])]
+
+
+def resolve_isa(requested: Isa | str | None = None) -> Isa:
+    """The variant to use: `requested` (an Isa or its name), else $BITSERVE_CPU_ISA, else "auto" (the best
+    supported). Raises ValueError for an unknown name or a variant this CPU cannot run."""
+    if requested is None:
+        requested = os.environ.get(ISA_ENV_VAR, "auto").strip().lower() or "auto"
+    supported = supported_isas()
+    if requested == "auto":
+        return supported[0]
+    try:
+        isa = Isa(requested)
+    except ValueError:
+        names = ", ".join(["auto", *(isa.value for isa in Isa)])
+        raise ValueError(f"unknown cpu ISA variant {requested!r}; choose one of: {names}") from None
+    if isa not in supported:
+        raise ValueError(
+            f"cpu ISA variant {isa.value!r} is not supported by this CPU "
+            f"(supported: {', '.join(s.value for s in supported)})"
+        )
+    return isa
