@@ -169,7 +169,9 @@ def case_tensors(case: Case, vocab_size: int) -> list[tuple[str, tuple[int, ...]
                 data = pack_tl2(values, float(scale), tiles[(rows, cols)])
             else:
                 data = quantize_i2s(values.astype(np.float32) * scale)
-            tensors.append((f"blk.{layer}.{name}.weight", (cols, rows), int(GGMLType[case.weight_type]), data))
+            tensors.append(
+                (f"blk.{layer}.{name}.weight", (cols, rows), int(GGMLType[case.weight_type]), data)
+            )
     tensors.append(
         ("output_norm.weight", (case.hidden_size,), int(GGMLType.F32), _norm(rng, case.hidden_size).tobytes())
     )
