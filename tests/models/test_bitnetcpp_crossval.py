@@ -12,6 +12,13 @@ every prompt, in one of two modes, chosen by what the directory holds:
 - `llama-cli` only (what the shared build script makes): the same token check against llama-cli's
   greedy continuation (`-v` logs every evaluated token id); no logits there, so a divergence is
   allowed where bitserve's own top-2 margin is below 1% (its logits equal bitnet.cpp's in probe mode).
+
+TL2 (TL2_CASES): one-layer files with the 3B projection shapes, the only ones this bitnet.cpp build has
+TL2 kernels for (codegen preset bitnet_b1_58-3B, given to bitserve as --tl-config). bitnet.cpp's TL2
+matmul computes what its I2_S one does (per-row f32 absmax, 127/amax, RNE, exact integer sums, the
+same divide-then-multiply epilogue), but its generated batch kernels (8 or more rows in one ubatch)
+write every row's result to the first row's slots, so a prompt of 8+ tokens gives garbage there (with
+`-ub 1` llama-cli agrees with bitserve again); TL2 prompts of 8+ tokens are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 NEAR_TIE = 0.01
 MIN_COSINE = 0.9999
+TL2_BATCH_KERNEL_ROWS = 8  # bitnet.cpp's TL2 ubatches of this many rows or more take its broken kernels
 
 
 def load_script() -> ModuleType:
@@ -74,19 +83,26 @@ def relative_margin(row: np.ndarray) -> float:
     return float((top2[1] - top2[0]) / (row.max() - row.min()))
 
 
-@pytest.mark.parametrize("case_index", range(len(load_script().CASES)))
+ALL_CASES = load_script().CASES + load_script().TL2_CASES
+
+
+@pytest.mark.parametrize("case_index", range(len(ALL_CASES)), ids=[case.name for case in ALL_CASES])
 def test_bitnetcpp_crossval(
     case_index: int, bitnet_cpp: tuple[Path, str], script: ModuleType, smollm2_path: Path, tmp_path: Path
 ) -> None:
     bin_dir, mode = bitnet_cpp
-    case = script.CASES[case_index]
+    case = (script.CASES + script.TL2_CASES)[case_index]
     tokenizer = script.tokenizer_metadata(smollm2_path)
     path = script.write_bitnet_b158(tmp_path / f"{case.name}.gguf", case, tokenizer)
-    llm = LLM(str(path), backend="reference", linear_mode="bitnetcpp")
+    llm = LLM(str(path), backend="reference", linear_mode="bitnetcpp", tl_config=case.tl_config())
+    skipped = []
     try:
         params = SamplingParams(max_tokens=script.NUM_TOKENS, temperature=0.0, ignore_eos=True)
         for text in script.PROMPTS:
             ids = llm.encode(text)
+            if case.weight_type == "TL2" and len(ids) >= TL2_BATCH_KERNEL_ROWS:
+                skipped.append(text)
+                continue
             ours = llm.generate([ids], params)[0].outputs[0].token_ids  # one prompt at a time, as llama-cli
             label = f"[{mode}] {case.name} {text!r}"
             if mode == "probe":
@@ -95,6 +111,10 @@ def test_bitnetcpp_crossval(
                 check_llama_cli(script, bin_dir, path, llm, text, ids, ours, label)
     finally:
         llm.close()
+    if skipped:
+        warnings.warn(
+            f"{case.name}: not run on {skipped} (8+ tokens: bitnet.cpp's TL2 batch kernels)", stacklevel=1
+        )
 
 
 def check_probe(
