@@ -284,7 +284,13 @@ def profile_categories() -> list[tuple[str, Any]]:
     """(label, function) whose cumulative time is one part of a decode step."""
     from bitserve.core.scheduler import Scheduler
     from bitserve.engine.engine import Engine
-    from bitserve.kernels.cpu import ternary
+    from bitserve.kernels.cpu.prepared import (
+        BitnetLinear,
+        Int8BitnetBlockLinear,
+        Int8BitnetLinear,
+        Q4Linear,
+        TqLinear,
+    )
     from bitserve.layers.activation import relu2_and_mul
     from bitserve.layers.attention import PagedAttention
     from bitserve.layers.embedding import LMHead, TokenEmbedding
@@ -299,8 +305,15 @@ def profile_categories() -> list[tuple[str, Any]]:
         ("LM head (LMHead.forward)", LMHead.forward),
         ("linears: groups (LinearGroup.forward)", LinearGroup.forward),
         ("linears: single (Linear.forward)", Linear.forward),
-        ("  numba GEMV kernel (bitnet_linear_kernel)", ternary.bitnet_linear_kernel),
-        ("  activation quantize (quantize_permute)", ternary.quantize_permute),
+        # numba dispatchers are C callables, invisible to cProfile: the kernels are timed through the
+        # Python methods that call them (run: kernel + output wrap; quantize: one per group and step)
+        ("  int8dot GEMV/GEMM, ternary (Int8BitnetLinear.run)", Int8BitnetLinear.run),
+        ("  int8dot block-scale kernel (Int8BitnetBlockLinear.run)", Int8BitnetBlockLinear.run),
+        ("  int8 activation quantize (quantize_permute_i8)", Int8BitnetLinear.quantize),
+        ("  generic GEMV kernel (BitnetLinear.run)", BitnetLinear.run),
+        ("  generic activation quantize (quantize_permute)", BitnetLinear.quantize),
+        ("  TQ2_0 kernel, llamacpp-tq mode (TqLinear.run)", TqLinear.run),
+        ("  Q4 GEMV / sgemm (Q4Linear.run)", Q4Linear.run),
         ("attention (PagedAttention.forward)", PagedAttention.forward),
         ("RMSNorm (all)", RMSNorm.forward),
         ("RoPE (RotaryEmbedding.forward)", RotaryEmbedding.forward),
