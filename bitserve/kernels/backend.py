@@ -66,7 +66,8 @@ class PreparedLinear:
         weights kept packed name their block layout, e.g. Layout.Q4_1).
     mode: the LinearMode of a ternary weight; None for a dense or block-quantized weight.
     data: the runtime weight tensor (its shape and dtype are the strategy's business).
-    scale: ternary scale (f32 scalar or f32 [M, K // 256]) or a block weight's d; None for dense.
+    scale: ternary scale (f32 scalar or f32 [M, K // 256]; f32 [M] per row for a group a backend
+        stacked) or a block weight's d; None for dense.
     backend: name of the backend that prepared it.
     extras: further read-only runtime tensors (e.g. f16-rounded block scales), strategy-specific.
 

@@ -111,7 +111,7 @@ def test_full_rows_at_the_extremes(isa: Isa, reference: KernelBackend) -> None:
 @pytest.mark.parametrize("fill", [-128, 127])
 def test_integer_core_at_int8_extremes(isa: Isa, fill: int) -> None:
     """q = -128 (the quantizer never makes it, the kernel must still take it) and 127 against code-2 rows
-    (t = +1): each int16 lane reaches -32768 / 32512 at a 16-group flush. s_act = w_scale = 1, so the
+    (t = +1): each int16 lane reaches -32768 / 32512 at a 16-group flush. s_act = row scales = 1, so the
     output is f32(D) and must equal the exact integer D."""
     if isa not in SUPPORTED:
         pytest.skip(f"this CPU cannot run the {isa.value} kernels")
@@ -128,7 +128,7 @@ def test_integer_core_at_int8_extremes(isa: Isa, fill: int) -> None:
         q_sum = q[:t].sum(axis=1, dtype=np.int32)
         out = np.empty((t, m), dtype=np.float32)
         kernel = kernels.gemv if t == 1 else kernels.gemm
-        kernel(w, q if t > 1 else q[:1], q_sum, np.ones(t, np.float32), np.float32(1.0), out)
+        kernel(w, q if t > 1 else q[:1], q_sum, np.ones(t, np.float32), np.ones(m, np.float32), out)
         natural_q = torch.full((t, k), fill, dtype=torch.int64)
         expected = (natural_q @ values.to(torch.int64).t()).to(torch.float32)  # exact: |D| < 2^24
         assert torch.equal(torch.from_numpy(out), expected), t
@@ -189,7 +189,7 @@ u8, i8 = types.Array(types.uint8, 2, "C"), types.Array(types.int8, 2, "C")
 i32, f32 = types.Array(types.int32, 1, "C"), types.Array(types.float32, 1, "C")
 out, i32x2 = types.Array(types.float32, 2, "C"), types.Array(types.int32, 2, "C")
 for kernel in (int8dot.vnni_gemv, int8dot.vnni_gemm):
-    kernel.compile((u8, i8, i32, f32, types.float32, out))
+    kernel.compile((u8, i8, i32, f32, f32, out))
 int8dot.vnni_block.compile((u8, i8, i32x2, f32, out, out))
 """
 

@@ -50,6 +50,7 @@ from bitserve.kernels.cpu.prepared import (
     BitnetBlockLinear,
     BitnetLinear,
     BlockLinear,
+    CpuLinear,
     CpuTuning,
     DenseLinear,
     FloatTernaryLinear,
@@ -58,6 +59,7 @@ from bitserve.kernels.cpu.prepared import (
     Q4Linear,
     Q8Linear,
     TqLinear,
+    row_scales,
 )
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary as reference
@@ -213,17 +215,57 @@ class CpuBackend(KernelBackend):
         return strategy(m, k, layout, None, data, d, self.name, with_dense, tuning=tuning)
 
     def fuse_group(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
-        """Once, at load: block weights of one group (same strategy and K; q/k/v, gate/up) stacked into
-        one, so a step makes one kernel call with 64-row tasks from all of them (small K/V projections
-        alone leave a core idle). Returns (stacked weight, row offset of each weight in its output), or
-        None. Each output row is computed exactly as before: splitting the stacked output is bit-identical."""
+        """Once, at load: the weights of one group (same strategy and K; q/k/v, gate/up) stacked into one,
+        so a step makes one kernel call (and one activation quantization) over the rows of all of them:
+        small K/V projections alone leave a core idle, and each call has a fixed cost. Block weights and
+        the int8 bitnet kernels' weights stack. Returns (stacked weight, row offset of each weight in its
+        output), or None. Each output row is computed exactly as before, with its own weight's scale:
+        splitting the stacked output is bit-identical to running the weights one by one."""
         if len(weights) < 2:
             return None
         strategy = type(weights[0])
-        if not issubclass(strategy, BlockLinear) or any(type(weight) is not strategy for weight in weights):
+        if any(type(weight) is not strategy for weight in weights):
             return None
         if len({weight.in_features for weight in weights}) != 1:
             return None
+        if issubclass(strategy, BlockLinear):
+            return self._fuse_block(strategy, weights)
+        if strategy is Int8BitnetLinear:
+            return self._fuse_int8(strategy, weights, row_scale=True)
+        block_counts = {weight.scale.shape[1:] for weight in weights if weight.scale is not None}
+        if strategy is Int8BitnetBlockLinear and len(block_counts) == 1:
+            return self._fuse_int8(strategy, weights, row_scale=False)
+        return None
+
+    def _fuse_int8(
+        self, strategy: type[CpuLinear], weights: Sequence[PreparedLinear], *, row_scale: bool
+    ) -> tuple[PreparedLinear, list[int]]:
+        """Int8 bitnet weights: packed rows uint8 [M_i, Kp / 4] concatenated (no padding rows). Scales:
+        per-tensor ones become f32 [sum M_i], each row's own (row_scale); per-block ones f32 [M_i, nb]
+        are concatenated as they are (equal nb)."""
+        offsets = [0]
+        for weight in weights[:-1]:
+            offsets.append(offsets[-1] + weight.out_features)
+        scales = [w.scale for w in weights if w.scale is not None]
+        if row_scale:
+            scales = [row_scales(scale, w.out_features) for scale, w in zip(scales, weights, strict=True)]
+        first = weights[0]
+        stacked = strategy(
+            sum(weight.out_features for weight in weights),
+            first.in_features,
+            first.layout,
+            first.mode,
+            torch.cat([weight.data for weight in weights]),  # [sum M_i, Kp / 4]
+            torch.cat(scales),
+            self.name,
+            tuning=self.tuning,
+        )
+        return stacked, offsets
+
+    def _fuse_block(
+        self, strategy: type[BlockLinear], weights: Sequence[PreparedLinear]
+    ) -> tuple[PreparedLinear, list[int]]:
+        """Block weights: their 64-row groups one after another, padding rows included."""
         offsets, num_padded = [], 0
         for weight in weights:
             offsets.append(num_padded)

@@ -264,13 +264,15 @@ def _bitnet_body(
     q: np.ndarray,
     q_sum: np.ndarray,
     s_act: np.ndarray,
-    w_scale: np.float32,
+    row_scale: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """Per-tensor scale. w uint8 [M, Kp/4], q int8 [Tp, Kp] (Tp a multiple of toks), q_sum int32 [T],
-    s_act f32 [T] -> out f32 [T, M]. isa / rows / toks: literals (ISA_CODES, the tile shape).
+    """One scale per row. w uint8 [M, Kp/4], q int8 [Tp, Kp] (Tp a multiple of toks), q_sum int32 [T],
+    s_act f32 [T], row_scale f32 [M] -> out f32 [T, M]. isa / rows / toks: literals (ISA_CODES, the
+    tile shape). row_scale is a weight's per-tensor scale repeated, or, for a stacked group (q/k/v,
+    gate/up), each row's own weight's scale: a tile may straddle two weights.
 
-    D = sum(code * q) - sum(q), exact; y = f32(f32(f32(D) / s_act) * w_scale), as in
+    D = sum(code * q) - sum(q), exact; y = f32(f32(f32(D) / s_act) * row_scale[r]), as in
     ternary.bitnet_linear_kernel. Per task, TOKEN_BLOCK tokens at a time run over the task's rows, whose
     codes (16 x Kp / 4 bytes) stay in cache: each weight byte comes from memory once per step.
     """
@@ -288,11 +290,11 @@ def _bitnet_body(
             for r in range(r_start, full_end, rows):
                 for t0 in range(t_block, t_end, toks):
                     d = _tile(isa, rows, toks, w, r, q, t0, 0, num_groups)
-                    _store_tile(d, rows, toks, r, t0, q_sum, s_act, w_scale, out)
+                    _store_tile(d, rows, toks, r, t0, q_sum, s_act, row_scale, out)
             for r in range(full_end, r_end):
                 for t0 in range(t_block, t_end, toks):
                     d1 = _tile(isa, 1, toks, w, r, q, t0, 0, num_groups)
-                    _store_tile(d1, 1, toks, r, t0, q_sum, s_act, w_scale, out)
+                    _store_tile(d1, 1, toks, r, t0, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -304,14 +306,15 @@ def _store_tile(
     t0: int,
     q_sum: np.ndarray,
     s_act: np.ndarray,
-    w_scale: np.float32,
+    row_scale: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """Tile epilogue, real tokens only: out[t, r] = f32(f32(f32(D) / s_act) * w_scale), D = d - q_sum."""
+    """Tile epilogue, real tokens only: out[t, r] = f32(f32(f32(D) / s_act) * row_scale[r]),
+    D = d - q_sum."""
     for t in range(t0, min(t0 + toks, out.shape[0])):
         for i in range(rows):
             di = d[i * toks + t - t0] - q_sum[t]
-            out[t, r0 + i] = (np.float32(di) / s_act[t]) * w_scale
+            out[t, r0 + i] = (np.float32(di) / s_act[t]) * row_scale[r0 + i]
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -368,16 +371,16 @@ GEMM_TOKENS = 2  # token tile of the GEMM kernels: their activations are padded 
 
 @njit(nogil=True, cache=True)
 def avx2_gemv(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_AVX2, 8, 1, w, q, q_sum, s_act, w_scale, out)
+    _bitnet_body(_AVX2, 8, 1, w, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def avx2_gemm(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_AVX2, 4, GEMM_TOKENS, w, q, q_sum, s_act, w_scale, out)
+    _bitnet_body(_AVX2, 4, GEMM_TOKENS, w, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
@@ -394,16 +397,16 @@ def avx2_block(
 
 @njit(nogil=True, cache=True)
 def vnni_gemv(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_VNNI, 4, 1, w, q, q_sum, s_act, w_scale, out)
+    _bitnet_body(_VNNI, 4, 1, w, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def vnni_gemm(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, w_scale: np.float32, out: np.ndarray
+    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_VNNI, 4, GEMM_TOKENS, w, q, q_sum, s_act, w_scale, out)
+    _bitnet_body(_VNNI, 4, GEMM_TOKENS, w, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
@@ -420,8 +423,8 @@ def vnni_block(
 
 @dataclass(frozen=True)
 class Int8Kernels:
-    """One ISA's entry points. gemv: T = 1; gemm: T >= 2 on activations padded to GEMM_TOKENS rows;
-    block: per-block scales, any T. All write f32 [T, M] into `out`."""
+    """One ISA's entry points. gemv: T = 1; gemm: T >= 2 on activations padded to GEMM_TOKENS rows (both
+    with one scale per row, f32 [M]); block: per-block scales, any T. All write f32 [T, M] into `out`."""
 
     isa: Isa
     gemv: Callable[..., None]

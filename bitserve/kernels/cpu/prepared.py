@@ -163,22 +163,30 @@ class _Int8Activations(CpuLinear):
 
 class Int8BitnetLinear(_Int8Activations):
     """bitnet mode, one scale per tensor, on the int8 kernels of the backend's ISA for every batch size:
-    the GEMV tile for T = 1, the GEMM tile (weights read once per step for all tokens) above."""
+    the GEMV tile for T = 1, the GEMM tile (weights read once per step for all tokens) above.
 
-    __slots__ = ("_scale32", "_w")
+    A stacked group (CpuBackend.fuse_group: q/k/v, gate/up rows one after another) is one of these with
+    `scale` f32 [M], each row's own weight's scale: one kernel call and one quantization per step."""
+
+    __slots__ = ("_row_scale", "_w")
 
     def _bind(self) -> None:
-        assert self.scale is not None and self.scale.dim() == 0  # invariant: chosen for per-tensor scales
+        assert self.scale is not None and self.scale.dim() in (0, 1)  # invariant: per-tensor or per-row
         super()._bind()
         self._w = self.data.numpy()  # uint8 [M, Kp / 4]
-        self._scale32 = np.float32(self.scale.item())
+        self._row_scale = row_scales(self.scale, self.out_features).numpy()  # f32 [M]: the kernels read
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
         q, s_act, q_sum = acts  # type: ignore[misc]
         out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
         kernel = self._kernels.gemv if x.shape[0] == 1 else self._kernels.gemm
-        kernel(self._w, q, q_sum, s_act, self._scale32, out)
+        kernel(self._w, q, q_sum, s_act, self._row_scale, out)
         return torch.from_numpy(out)
+
+
+def row_scales(scale: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A per-tensor scale (0-dim) repeated, or a per-row one as is: f32 [num_rows], C order."""
+    return scale.expand(num_rows).contiguous() if scale.dim() == 0 else scale.contiguous()
 
 
 class Int8BitnetBlockLinear(_Int8Activations):
