@@ -1,6 +1,7 @@
 """CI smoke run of every benchmark on a tiny synthetic bitnet model: each exits 0 and prints the table
 or ratio lines it promises. No timing is asserted. The llama.cpp peer runs only where llama_cpp
-imports (CI does not install it); the bitserve side always runs."""
+imports, and the llama_cpp.server peer only where its server extras import too (a machine may have the
+binding, the project's `crossval` extra, without them); the bitserve side always runs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+# llama_cpp.server needs its own extras (llama-cpp-python[server]); the binding alone cannot serve.
+LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+HAS_LLAMA_CPP_SERVER = all(importlib.util.find_spec(name) is not None for name in LLAMA_CPP_SERVER_MODULES)
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO_ROOT)}
 STARTUP_TIMEOUT_S = 60.0
 
@@ -154,7 +158,7 @@ def servers(tiny_models: dict[str, Path]) -> Iterator[tuple[str, str, str]]:
         "--log-format",
         "text",
     ]
-    if HAS_LLAMA_CPP:
+    if HAS_LLAMA_CPP_SERVER:
         peer = [
             sys.executable,
             "-m",
