@@ -29,7 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bitserve.kernels.cpu.isa import Isa
-from bitserve.kernels.cpu.ternary import GROUP_BYTES, GROUP_COLS
+from bitserve.kernels.cpu.ternary import GROUP_BYTES, GROUP_COLS, activation_scale
 
 PLANES = 4  # 2-bit fields per byte
 PLANE_BYTES = GROUP_COLS // PLANES  # 32 codes / activations per plane: one 256-bit vector
@@ -230,12 +230,7 @@ def quantize_permute_i8(
     s_act = np.empty(num_tokens, dtype=np.float32)
     q_sum = np.zeros(num_tokens, dtype=np.int32)
     for t in range(num_tokens):
-        amax = 1e-5
-        for j in range(k):
-            a = abs(np.float64(x[t, j]))
-            if a > amax:
-                amax = a
-        s = np.float32(127.0 / amax)
+        s = activation_scale(x[t])
         s_act[t] = s
         total = 0
         for j in range(k):  # column j = 128g + 4m + f sits at 128g + 32f + m
