@@ -148,9 +148,3 @@ class GenerationStream:
         self._end(self)
         if self.on_close is not None:
             self.on_close(self.error)
-
-    async def __aenter__(self) -> GenerationStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()

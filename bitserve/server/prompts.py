@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from bitserve.engine.instance import ModelInstance
-from bitserve.errors import InvalidRequest
 from bitserve.server.protocol import ChatMessage, PromptInput, check_token_ids, template_messages
 
 # Inputs longer than this (characters) are tokenized off the event loop.
@@ -24,13 +23,9 @@ async def _run(num_chars: int, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn)
 
 
-async def encode_text(
-    instance: ModelInstance, text: str, *, add_special: bool = True, allow_empty: bool = False
-) -> list[int]:
-    token_ids = await _run(len(text), lambda: instance.tokenizer.encode(text, add_special=add_special))
-    if not token_ids and not allow_empty:
-        raise InvalidRequest("the prompt is empty (it has no tokens)", param="prompt", hint="send some text")
-    return token_ids
+async def encode_text(instance: ModelInstance, text: str, *, add_special: bool = True) -> list[int]:
+    """The text's token ids (possibly none: an empty prompt is admission's refusal, not the tokenizer's)."""
+    return await _run(len(text), lambda: instance.tokenizer.encode(text, add_special=add_special))
 
 
 async def encode_messages(instance: ModelInstance, messages: list[ChatMessage]) -> list[int]:

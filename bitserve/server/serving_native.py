@@ -182,9 +182,7 @@ async def tokenize(request: Request) -> Response:
     if body.messages is not None:
         token_ids = await encode_messages(instance, body.messages)
     else:
-        token_ids = await encode_text(
-            instance, body.prompt or "", add_special=body.add_special_tokens, allow_empty=True
-        )
+        token_ids = await encode_text(instance, body.prompt or "", add_special=body.add_special_tokens)
     return JSONResponse(
         {"tokens": token_ids, "count": len(token_ids), "max_model_len": instance.max_model_len}
     )
