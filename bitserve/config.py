@@ -22,7 +22,11 @@ def _help(text: str) -> dict[str, str]:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str = field(default=DEFAULT_MODEL, metadata=_help("catalog name or path of a GGUF file"))
-    backend: str = field(default="auto", metadata=_help("kernel backend: auto, cpu or reference"))
+    backend: str = field(default="auto", metadata=_help("kernel backend: auto, cpu, cuda or reference"))
+    device: str = field(
+        default="cpu",
+        metadata=_help("where the model runs: cpu, cuda or cuda:N (auto is resolved before a load)"),
+    )
     linear_mode: str = field(
         default="bitnet",
         metadata=_help(
