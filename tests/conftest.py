@@ -43,11 +43,27 @@ def synthetic_config():  # noqa: ANN201
     return SyntheticConfig()
 
 
+# SmolLM2's tokenizer keys without its weights (benchmarks/make_gpu_models.py vocab): where the package is
+# not installed (the GPU machine), synthetic models take their tokenizer from this carried file
+CARRIED_VOCAB = Path(__file__).resolve().parent.parent / ".carry" / "smollm2-vocab.gguf"
+
+
 @pytest.fixture(scope="session")
-def synthetic_weights(smollm2_path: Path, synthetic_config):  # noqa: ANN001, ANN201
+def tokenizer_source() -> Path:
+    """A GGUF holding SmolLM2's tokenizer: the package's file, else the carried vocab-only file."""
+    path = smollm2_file()
+    if path is not None:
+        return path
+    if CARRIED_VOCAB.is_file():
+        return CARRIED_VOCAB
+    pytest.skip(f"SmolLM2 is not installed ({SMOLLM2_ENTRY.install_command})")
+
+
+@pytest.fixture(scope="session")
+def synthetic_weights(tokenizer_source: Path, synthetic_config):  # noqa: ANN001, ANN201
     from bitserve.testing.synthetic import make_weights, tokenizer_metadata
 
-    tokenizer = tokenizer_metadata(smollm2_path)
+    tokenizer = tokenizer_metadata(tokenizer_source)
     return tokenizer, make_weights(synthetic_config, len(tokenizer["tokenizer.ggml.tokens"][1]))
 
 

@@ -21,7 +21,7 @@ from bitserve.kernels.select import select_backend
 from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model
-from bitserve.runner.kv_cache import plan_cache
+from bitserve.runner.kv_cache import CacheLayout, plan_cache, resolve_kv_dtype
 from bitserve.runner.model_runner import ModelRunner
 from bitserve.tokenizer.chat_template import ChatTemplate, encode_chat
 from bitserve.tokenizer.gguf_vocab import GGUFTokenizer, tokenizer_from_gguf
@@ -37,6 +37,38 @@ def parse_linear_mode(name: str) -> LinearMode:
         raise InvalidRequest(
             f"unknown linear mode {name!r}", param="linear_mode", hint=f"one of {choices}"
         ) from None
+
+
+def parse_device(name: str) -> torch.device:
+    """ "cpu", "cuda" or "cuda:N" -> torch.device; anything else (auto included: it is resolved before a
+    load) is an InvalidRequest naming the choices."""
+    if name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        return torch.device(name)
+    raise InvalidRequest(f"unknown device {name[:32]!r}", param="device", hint="one of cpu, cuda, cuda:N")
+
+
+def make_runner(
+    loaded: LoadResult,
+    layout: CacheLayout,
+    device: torch.device,
+    scheduler_config: SchedulerConfig,
+    max_model_len: int,
+    *,
+    cuda_graphs: bool = True,
+) -> ModelRunner:
+    """The CPU runner, or the CUDA runner (device KV pages, decode CUDA graphs) for a CUDA device."""
+    if device.type != "cuda":
+        return ModelRunner(loaded.model, layout)
+    from bitserve.runner.cuda_runner import CudaModelRunner  # NOTE: deferred: Triton, CUDA only
+
+    return CudaModelRunner(
+        loaded.model,
+        layout,
+        device,
+        max_num_seqs=scheduler_config.max_num_seqs,
+        max_model_len=max_model_len,
+        use_cuda_graphs=cuda_graphs,
+    )
 
 
 def projection_format(gguf: GGUFFile) -> str:
@@ -66,9 +98,12 @@ class ModelInstance:
         if model_config.num_threads is not None:
             torch.set_num_threads(model_config.num_threads)
         path = resolve_model(model_config.model)
+        device = parse_device(model_config.device)
         options = LoadOptions(
             backend=select_backend(
-                model_config.backend, max_dense_weight_bytes=model_config.max_dense_weight_bytes
+                model_config.backend,
+                max_dense_weight_bytes=model_config.max_dense_weight_bytes,
+                device=str(device),
             ),
             linear_mode=parse_linear_mode(model_config.linear_mode),
             i2s_variant=model_config.i2s_variant,
@@ -106,17 +141,22 @@ class ModelInstance:
         except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
             chat_template = exc
         max_model_len = min(loaded.spec.max_model_len, config.scheduler.max_model_len)
+        device = parse_device(config.model.device)
         scheduler_config = resolve_batch_limits(
-            dataclasses.replace(config.scheduler, max_model_len=max_model_len), projection_format(loaded.gguf)
+            dataclasses.replace(config.scheduler, max_model_len=max_model_len),
+            projection_format(loaded.gguf),
+            device.type,
         )
         layout = plan_cache(
             loaded.spec,
             block_size=config.cache.block_size,
             memory_bytes=config.kv_cache_memory_bytes,
-            dtype_name=config.model.kv_cache_dtype,
+            dtype_name=resolve_kv_dtype(config.model.kv_cache_dtype, device),
             num_blocks=config.cache.num_blocks,
         )
-        runner = ModelRunner(loaded.model, layout)
+        runner = make_runner(
+            loaded, layout, device, scheduler_config, max_model_len, cuda_graphs=config.model.cuda_graphs
+        )
         engine = Engine.build(runner, scheduler_config, config.cache)
         logger.info(
             "model %s ready: max_model_len %d, %d KV blocks of %d tokens (%.1f MB), max_num_seqs %d, "

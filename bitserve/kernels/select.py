@@ -13,7 +13,7 @@ from bitserve.kernels.reference.backend import ReferenceBackend
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("reference", "cpu")
+BACKEND_NAMES = ("reference", "cpu", "cuda")
 
 
 def _numba_works() -> bool:
@@ -34,13 +34,23 @@ def available_backends() -> list[str]:
     return names
 
 
-def select_backend(name: str = "auto", *, max_dense_weight_bytes: int = 0) -> KernelBackend:
-    """Pick a backend once, at load. "auto" is "cpu" when numba works, else "reference".
-    max_dense_weight_bytes: the cpu backend's budget of f32 copies of block weights (batched GEMMs)."""
+def select_backend(
+    name: str = "auto", *, max_dense_weight_bytes: int = 0, device: str = "cpu"
+) -> KernelBackend:
+    """Pick a backend once, at load, for a model placed on `device` ("cpu", "cuda", "cuda:N").
+
+    On CPU "auto" is "cpu" when numba works, else "reference"; on a CUDA device it is "cuda" (the
+    reference backend also runs there, for parity checks). max_dense_weight_bytes: the cpu backend's
+    budget of f32 copies of block weights (batched GEMMs)."""
+    on_cuda = device.startswith("cuda")
     if name == "auto":
-        name = "cpu" if _numba_works() else "reference"
+        name = "cuda" if on_cuda else ("cpu" if _numba_works() else "reference")
     if name == "reference":
         return ReferenceBackend()
+    if on_cuda != (name == "cuda"):
+        raise ValueError(f"kernel backend {name!r} does not run on device {device!r}")
+    if name == "cuda":
+        return _cuda_backend(device)
     if name == "cpu":
         if not _numba_works():
             raise ValueError("kernel backend 'cpu' needs numba, which is not importable or not working")
@@ -48,3 +58,13 @@ def select_backend(name: str = "auto", *, max_dense_weight_bytes: int = 0) -> Ke
 
         return CpuBackend(max_dense_weight_bytes=max_dense_weight_bytes)
     raise ValueError(f"unknown kernel backend {name!r}; choose one of: auto, {', '.join(BACKEND_NAMES)}")
+
+
+def _cuda_backend(device: str) -> KernelBackend:
+    from bitserve.kernels.cuda.backend import CudaBackend, cuda_available
+
+    if not cuda_available():
+        raise ValueError(
+            f"device {device!r} needs CUDA and Triton: install a CUDA build of torch (Triton comes with it)"
+        )
+    return CudaBackend(device)

@@ -10,7 +10,14 @@ import torch
 from bitserve.errors import ModelLoadError
 from bitserve.models.spec import ModelSpec
 
-KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+# "auto": exact f32 on CPU (the reference's precision); half on a GPU, where decode attention is
+# bandwidth-bound and the KV cache is most of the memory of a busy server
+AUTO_KV_DTYPE = {"cpu": "float32", "cuda": "float16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +43,8 @@ class CacheLayout:
 def plan_cache(
     spec: ModelSpec, *, block_size: int, memory_bytes: int, dtype_name: str, num_blocks: int | None = None
 ) -> CacheLayout:
-    """Blocks that fit `memory_bytes` (or exactly `num_blocks` when given)."""
+    """Blocks that fit `memory_bytes` (or exactly `num_blocks` when given). dtype_name "auto" must be
+    resolved by the caller (`resolve_kv_dtype`)."""
     if dtype_name not in KV_DTYPES:
         raise ModelLoadError(
             f"unknown KV cache dtype {dtype_name!r}", hint=f"use one of {', '.join(KV_DTYPES)}"
@@ -53,6 +61,10 @@ def plan_cache(
     return CacheLayout(count, block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, layout.dtype)
 
 
+def resolve_kv_dtype(name: str, device: torch.device) -> str:
+    return AUTO_KV_DTYPE.get(device.type, "float32") if name == "auto" else name
+
+
 def allocate_kv_caches(layout: CacheLayout) -> list[torch.Tensor]:
     """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
 
@@ -61,5 +73,7 @@ def allocate_kv_caches(layout: CacheLayout) -> list[torch.Tensor]:
     slots are read (then masked) by batched decode attention, and NaN * 0 would poison the output.
     """
     shape = (2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    if layout.dtype == torch.bfloat16:  # numpy has no bfloat16
+        return [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
     numpy_dtype = np.float32 if layout.dtype == torch.float32 else np.float16
     return [torch.from_numpy(np.zeros(shape, dtype=numpy_dtype)) for _ in range(layout.num_layers)]

@@ -21,12 +21,19 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """The CPU runner (and the base of runner/cuda_runner.py, which overrides `forward_logits`)."""
+
+    device = torch.device("cpu")
+
     def __init__(self, model: DecoderModel, layout: CacheLayout) -> None:
         self.model = model
         self.layout = layout
-        self.kv_caches = allocate_kv_caches(layout)
+        self.kv_caches = self.allocate_kv_caches(layout)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
+
+    def allocate_kv_caches(self, layout: CacheLayout) -> list[torch.Tensor]:
+        return allocate_kv_caches(layout)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -40,30 +47,36 @@ class ModelRunner:
         requests = scheduler_output.requests
         if not requests:
             return RunnerOutput(sampled_token_ids={}, logprobs=None)
-        batch = build_batch_inputs(requests, self.layout.block_size)
-        hidden_states = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        if not batch.sampled_request_ids:
+        sampled_ids = [r.request_id for r in requests if r.sample]
+        logits = self.forward_logits(requests)  # [num_sampled, vocab], or None: nothing to sample
+        if logits is None:
             return RunnerOutput(sampled_token_ids={}, logprobs=None)
-        logits = self.model.compute_logits(hidden_states[batch.sample_indices])  # [num_sampled, vocab]
         rows = self._sampling_rows([r for r in requests if r.sample])
         sampled = self.sampler(logits, rows)
-        token_ids = {
-            rid: [tok] for rid, tok in zip(batch.sampled_request_ids, sampled.token_ids, strict=True)
-        }
+        token_ids = {rid: [tok] for rid, tok in zip(sampled_ids, sampled.token_ids, strict=True)}
         logprobs = None
         if sampled.logprobs is not None:
             logprobs = {
                 rid: [entry]
-                for rid, entry in zip(batch.sampled_request_ids, sampled.logprobs, strict=True)
+                for rid, entry in zip(sampled_ids, sampled.logprobs, strict=True)
                 if entry is not None
             }
         return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+
+    def forward_logits(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+        """One forward over the scheduled tokens -> f32 [num_sampled, vocab] logits of the requests whose
+        `sample` is set (in order), or None when none is."""
+        batch = build_batch_inputs(requests, self.layout.block_size)
+        hidden_states = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if not batch.sampled_request_ids:
+            return None
+        return self.model.compute_logits(hidden_states[batch.sample_indices])
 
     def _sampling_rows(self, requests: Sequence[ScheduledRequest]) -> list[SamplingRequestState]:
         rows = []
         for request in requests:
             if request.request_id not in self._generators:
-                self._generators[request.request_id] = make_generator(request.params.seed)
+                self._generators[request.request_id] = make_generator(request.params.seed, self.device)
             rows.append(
                 SamplingRequestState(
                     params=request.params,

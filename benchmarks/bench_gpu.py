@@ -1,0 +1,299 @@
+"""GPU benchmarks of issue 11, one command on a CUDA machine; every row names the card.
+
+    python benchmarks/bench_gpu.py --out results.jsonl [--quick] [--skip transformers,served]
+
+Rows (one JSON object per line, also appended to --out):
+- `copy`: device-to-device copy bandwidth of a 1 GiB buffer (bytes read + written per second): the
+  measured bound every share below divides by.
+- `kernel`: the largest ternary GEMVs (T = 1) and the F16 LM head, µs per call from CUDA-graph replays of
+  20 back-to-back calls, GB/s of weight bytes, share of the copy bandwidth.
+- `decode`: 2B-4T-shaped I2_S and SmolLM2-135M-shaped Q4_1, batch 1, greedy, 128 tokens after a short
+  prompt: tok/s and ms per step (prefill excluded: the time of a max_tokens=1 run is subtracted), and for
+  the 2B model the bandwidth bound (weight bytes per token / copy bandwidth) and its share.
+- `offline`: 2B-4T at 16 / 64 / 256 concurrent sequences, 128 new tokens each: bitserve's LLM.generate
+  beside transformers' BitNetForCausalLM (bf16, random weights of the same shape, greedy batched
+  generate with min_new_tokens = max_new_tokens) in the same process: tok/s and the ratio.
+- `served`: `bitserve serve --device cuda` on the 2B model and `bitserve bench` at 100 concurrent
+  100-token completions: p50 / p99 end-to-end latency.
+Models are written first where missing (benchmarks/make_gpu_models.py) from the carried vocab file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bitserve import LLM, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = ROOT / ".carry" / "smollm2-vocab.gguf"
+MODEL_2B = Path("/tmp/bitserve-gpu/2b4t-i2s.gguf")
+MODEL_SMOL = Path("/tmp/bitserve-gpu/smollm2-q4_1.gguf")
+HIDDEN_2B, VOCAB_2B, LAYERS_2B = 2560, 128256, 30
+TERNARY_2B = [(2560, 2560, 2), (640, 2560, 2), (6912, 2560, 2), (2560, 6912, 1)]  # (M, K, count) per layer
+
+
+def emit(row: dict[str, Any], out: Path | None) -> None:
+    row = {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), **row}
+    line = json.dumps(row)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if out is not None:
+        with out.open("a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+
+def graph_time_us(fn: Callable[[], Any], calls: int = 20, replays: int = 20) -> float:
+    """Median µs per call of `fn`, from replays of a CUDA graph of `calls` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second read + written by a 1 GiB device-to-device copy (median of 10)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    return 2 * (1 << 30) / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def bench_kernels(bandwidth: float, out: Path | None) -> None:
+    from bitserve.kernels.cuda.quantize import norm_quantize
+    from bitserve.kernels.cuda.ternary_matmul import ternary_linear
+    from bitserve.kernels.cuda.ternary_pack import pack_ternary_planes
+
+    for m, k in [(6912, 2560), (2560, 6912), (13824, 2560), (3840, 2560), (2560, 2560)]:
+        values = torch.randint(-1, 2, (m, k), dtype=torch.int8, device="cuda")
+        packed, scale = pack_ternary_planes(values), torch.full((m,), 0.5, device="cuda")
+        x = torch.randn(1, k, device="cuda")
+        q, s_act = norm_quantize(x, None, 0.0)
+        us = graph_time_us(lambda: ternary_linear(q, s_act, packed, scale))  # noqa: B023
+        gbps = packed.numel() / (us * 1e-6) / 1e9
+        row = {"bench": "kernel", "kernel": f"ternary {m}x{k} T=1", "us": round(us, 2), "GB_s": round(gbps)}
+        emit(row | {"share_of_copy_bw": round(gbps * 1e9 / bandwidth, 3)}, out)
+    head = torch.randn(VOCAB_2B, HIDDEN_2B, device="cuda").half()
+    x = torch.randn(1, HIDDEN_2B, device="cuda")
+    us = graph_time_us(lambda: torch.nn.functional.linear(x.half(), head))
+    gbps = head.numel() * 2 / (us * 1e-6) / 1e9
+    row = {"bench": "kernel", "kernel": f"F16 LM head {VOCAB_2B}x{HIDDEN_2B} T=1", "us": round(us, 2)}
+    emit(row | {"GB_s": round(gbps), "share_of_copy_bw": round(gbps * 1e9 / bandwidth, 3)}, out)
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
+    return time.perf_counter() - start
+
+
+def decode_rate(llm: LLM, num_seqs: int, new_tokens: int, prompt_len: int = 16) -> dict[str, float]:
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(num_seqs)]
+    timed_generate(llm, prompts, 4)  # warm-up (prefill shapes compile)
+    prefill_s = timed_generate(llm, prompts, 1)
+    total_s = timed_generate(llm, prompts, new_tokens + 1)
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {
+        "tok_s": round(num_seqs * new_tokens / decode_s, 1),
+        "ms_per_step": round(decode_s / new_tokens * 1000, 3),
+        "wall_tok_s": round(num_seqs * (new_tokens + 1) / total_s, 1),
+    }
+
+
+def bytes_per_token_2b() -> int:
+    ternary = sum(m * k * c for m, k, c in TERNARY_2B) * LAYERS_2B // 4
+    return ternary + VOCAB_2B * HIDDEN_2B * 2  # + the F16 head, read whole every step
+
+
+def transformers_rate(num_seqs: int, new_tokens: int, prompt_len: int = 16) -> float:
+    """tok/s of transformers' BitNetForCausalLM, bf16, 2B-4T shape, random weights, greedy batched."""
+    from transformers import BitNetConfig, BitNetForCausalLM
+
+    config = BitNetConfig(
+        vocab_size=VOCAB_2B,
+        hidden_size=HIDDEN_2B,
+        intermediate_size=6912,
+        num_hidden_layers=LAYERS_2B,
+        num_attention_heads=20,
+        num_key_value_heads=5,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
+    model = _transformers_model(BitNetForCausalLM, config)
+    ids = torch.randint(10, 1000, (num_seqs, prompt_len), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def run(tokens: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    return num_seqs * new_tokens / run(new_tokens)
+
+
+_TRANSFORMERS_CACHE: dict[str, Any] = {}
+
+
+def _transformers_model(cls: Any, config: Any) -> Any:
+    if "model" not in _TRANSFORMERS_CACHE:
+        with torch.device("cuda"):
+            _TRANSFORMERS_CACHE["model"] = cls(config).to(torch.bfloat16).eval()
+    return _TRANSFORMERS_CACHE["model"]
+
+
+def bench_offline(llm: LLM, levels: list[int], skip_transformers: bool, out: Path | None) -> None:
+    for num_seqs in levels:
+        ours = decode_rate(llm, num_seqs, 128)
+        row = {"bench": "offline", "model": "2b4t-i2s", "num_seqs": num_seqs, "new_tokens": 128}
+        row |= {"bitserve_wall_tok_s": ours["wall_tok_s"], "bitserve_decode_tok_s": ours["tok_s"]}
+        if not skip_transformers:
+            theirs = transformers_rate(num_seqs, 128)
+            row |= {
+                "transformers_bf16_tok_s": round(theirs, 1),
+                "ratio": round(ours["wall_tok_s"] / theirs, 2),
+            }
+        emit(row, out)
+
+
+def bench_served(out: Path | None, port: int = 8123) -> None:
+    """bitserve serve on the 2B model, then bitserve bench at 100 concurrent 100-token completions."""
+    import httpx
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bitserve", "serve", "--model", str(MODEL_2B), "--device", "cuda"]
+        + ["--port", str(port), "--kv-cache-memory-bytes", str(8 << 30), "--log-level", "WARNING"],
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            raise RuntimeError("the server did not become ready in 300 s")
+        bench = subprocess.run(
+            [sys.executable, "-m", "bitserve", "bench", "--url", f"http://127.0.0.1:{port}"]
+            + ["--concurrency", "100", "--num-requests", "300", "--max-tokens", "100", "--ignore-eos"]
+            + ["--num-warmup", "20", "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        level = json.loads(bench.stdout)["levels"][0]
+        e2e, ttft = level["e2e_s"], level["ttft_s"]
+        row = {"bench": "served", "model": "2b4t-i2s", "concurrency": 100, "max_tokens": 100}
+        row |= {"num_ok": level["num_ok"], "num_errors": level["num_errors"]}
+        row |= {"e2e_p50_s": e2e["p50"], "e2e_p99_s": e2e["p99"], "ttft_p99_s": ttft["p99"]}
+        emit(row | {"output_tok_s": round(level["output_tokens_per_s"], 1)}, out)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def ensure_models() -> None:
+    maker = [sys.executable, str(ROOT / "benchmarks" / "make_gpu_models.py")]
+    for what, path in (("2b4t", MODEL_2B), ("smollm2", MODEL_SMOL)):
+        if not path.exists():
+            subprocess.run(maker + [what, str(path), "--tokenizer-from", str(VOCAB)], check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=None, help="append the JSON rows to this file")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated: kernels,decode,offline,transformers,served"
+    )
+    parser.add_argument("--levels", default="16,64,256", help="offline concurrency levels")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    ensure_models()
+    bandwidth = copy_bandwidth()
+    emit({"bench": "copy", "GB_s": round(bandwidth / 1e9)}, args.out)
+    if "kernels" not in skip:
+        bench_kernels(bandwidth, args.out)
+    kv = 8 << 30
+    if "decode" not in skip:
+        smol = LLM(str(MODEL_SMOL), device="cuda")
+        emit(
+            {"bench": "decode", "model": "smollm2-135m-q4_1-shaped", "batch": 1} | decode_rate(smol, 1, 128),
+            args.out,
+        )
+        del smol
+    llm = _load_2b(kv)
+    if "decode" not in skip:
+        rate = decode_rate(llm, 1, 128)
+        bound = bandwidth / bytes_per_token_2b()
+        row = {"bench": "decode", "model": "2b4t-i2s", "batch": 1, **rate}
+        emit(row | {"bound_tok_s": round(bound), "share_of_bound": round(rate["tok_s"] / bound, 3)}, args.out)
+    if "offline" not in skip:
+        levels = [int(v) for v in args.levels.split(",")]
+        bench_offline(llm, levels, "transformers" in skip, args.out)
+    del llm
+    torch.cuda.empty_cache()
+    if "served" not in skip:
+        bench_served(args.out)
+
+
+def _load_2b(kv_bytes: int) -> LLM:
+    from bitserve.config import EngineConfig, ModelConfig
+
+    return LLM(
+        config=EngineConfig(
+            model=ModelConfig(model=str(MODEL_2B), device="cuda"), kv_cache_memory_bytes=kv_bytes
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

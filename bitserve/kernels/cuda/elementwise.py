@@ -1,0 +1,75 @@
+"""Small fused ops of the CUDA decoder's dense path (Triton): RMSNorm and the gated FFN activation.
+
+Each is one launch where the eager torch layers make 3-8 (a SmolLM2 decode step is ~30 layers of
+sub-10 µs kernels: launches, not bytes, bound it). Numerics follow layers/norm.py and
+layers/activation.py: the sum of squares accumulates in float64, inv_rms = 1 / sqrt(fl32(ms) + eps) with
+IEEE sqrt and division, then x * inv_rms * w as two f32 multiplies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {"silu": 0, "relu2": 1, "relu_sqr": 1, "gelu": 2}
+MAX_ROW_BLOCK = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)  # f32 [BLOCK]
+    wide = x.to(tl.float64)
+    mean_square = (tl.sum(wide * wide, axis=0) / n_cols).to(tl.float32)
+    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * out_stride + cols, (x * inv_rms) * w, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x f32 [T, N] (unit column stride), weight f32 [N] -> f32 [T, N]."""
+    num_rows, num_cols = x.shape
+    if num_cols > MAX_ROW_BLOCK:
+        raise ValueError(f"rms_norm rows of {num_cols} values exceed {MAX_ROW_BLOCK}")
+    out = torch.empty((num_rows, num_cols), dtype=torch.float32, device=x.device)
+    if num_rows:
+        block = triton.next_power_of_2(num_cols)
+        _rms_norm_kernel[(num_rows,)](x, weight, out, num_cols, x.stride(0), out.stride(0), eps, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _act_mul_kernel(gu_ptr, out_ptr, width, gu_stride, out_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0)
+    up = tl.load(gu_ptr + row * gu_stride + width + cols, mask=mask, other=0.0)
+    if ACT == 0:  # silu(g) = g * sigmoid(g)
+        activated = gate / (1.0 + tl.exp(-gate))
+    elif ACT == 1:  # relu(g)^2
+        relu = tl.maximum(gate, 0.0)
+        activated = relu * relu
+    else:  # gelu, tanh approximation
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        activated = 0.5 * gate * (1.0 + tanh)
+    tl.store(out_ptr + row * out_stride + cols, activated * up, mask=mask)
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate_up f32 [T, 2 I] (gate columns first) -> act(gate) * up f32 [T, I]."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
+    num_rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_rows, width), dtype=torch.float32, device=gate_up.device)
+    if num_rows:
+        block = 1024
+        grid = (num_rows, triton.cdiv(width, block))
+        _act_mul_kernel[grid](
+            gate_up, out, width, gate_up.stride(0), out.stride(0), ACT=ACTIVATIONS[activation], BLOCK=block
+        )
+    return out

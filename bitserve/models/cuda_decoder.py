@@ -1,0 +1,262 @@
+"""The decoder forward on a CUDA device: the same model, with the CUDA backend's fused Triton kernels.
+
+`CudaDecoder` wraps a `DecoderModel` built on the CUDA backend and runs its layers with fewer, fused
+launches (what decides decode speed at batch 1, where each layer's weights are 1.6-8.8 MB):
+- a ternary projection takes its RMSNorm (or the gated activation and sub-norm before Wdown) and the
+  int8 activation quantization in one `norm_quantize` launch, then one `ternary_linear` launch that also
+  adds the residual: 2 launches where the generic layers make ~12;
+- RoPE on q and k and the KV-cache write are one launch (`rotary_and_cache_`), attention one more
+  (`paged_decode_attention` for a decode-only step, `paged_prefill_attention` otherwise).
+Dense projections (SmolLM2's Q4/Q8 weights, dequantized on the device) run the layer's own modules.
+Numerics: ternary linears are bit-identical to the reference backend; norms, RoPE and attention are fp32
+with the GPU's summation order (tokens equal the reference's on the golden tests).
+
+The forward has no host sync and allocates only from its inputs' shapes, so the runner can capture a
+decode step in a CUDA graph (runner/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bitserve.errors import UnsupportedModel
+from bitserve.kernels.backend import PreparedLinear
+from bitserve.kernels.cuda.backend import CudaDenseLinear, CudaTernaryLinear
+from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
+from bitserve.kernels.packed import Layout
+from bitserve.kernels.reference.dequant import dense_rows
+from bitserve.layers.linear import Linear, LinearGroup
+from bitserve.layers.rotary import RopeStyle
+from bitserve.models.decoder import DecoderLayer, DecoderModel
+
+# GATED_ACTIVATIONS names that norm_quantize computes in its prologue
+_FUSED_ACTIVATIONS = {"relu2": "relu2", "relu_sqr": "relu2", "silu": "silu"}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAttentionMetadata:
+    """One step's paged-attention inputs, all on the device (S sequences, T tokens).
+
+    Sequence s owns rows query_start_loc[s]:query_start_loc[s+1] of the batch, which are the last
+    positions of its context of seq_lens[s] tokens. decode_only: every sequence has one query (the
+    decode kernel runs; padded rows of a CUDA-graph bucket point at a scratch block).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    max_query_len: int
+    decode_only: bool
+
+
+def _fast_ternary(weights: list[PreparedLinear], scales: list[float | None]) -> CudaTernaryLinear | None:
+    """The one stacked Triton weight a group or linear runs, when it has no per-output scalar."""
+    if len(weights) == 1 and isinstance(weights[0], CudaTernaryLinear) and all(s is None for s in scales):
+        return weights[0]
+    return None
+
+
+def _plain_dense(weights: list[PreparedLinear], scales: list[float | None]) -> torch.Tensor | None:
+    """The one stacked f32 [M, K] matrix a dense group or linear runs, when it has no per-output scalar."""
+    if len(weights) == 1 and isinstance(weights[0], CudaDenseLinear) and all(s is None for s in scales):
+        return weights[0].data
+    return None
+
+
+class _CudaLayer:
+    """One DecoderLayer's weights, with each projection's path chosen once: ternary (norm + quantize,
+    then the W2A8 kernel with the residual), plain dense (Triton norm, cuBLAS, residual via addmm), or
+    the layer's own modules (output scales, reference fallbacks)."""
+
+    def __init__(self, layer: DecoderLayer, activation: str, eps: float) -> None:
+        self.layer = layer
+        self.eps = eps
+        self.activation = activation
+        fused_act = _FUSED_ACTIVATIONS.get(activation)
+        groups = {
+            "qkv": (layer.qkv.weights, layer.qkv.output_scales),
+            "o": (layer.o_proj.weights, [layer.o_proj.output_scale]),
+            "gate_up": (layer.gate_up.weights, layer.gate_up.output_scales),
+            "down": (layer.down_proj.weights, [layer.down_proj.output_scale]),
+        }
+        self.modules = {
+            "qkv": layer.qkv,
+            "o": layer.o_proj,
+            "gate_up": layer.gate_up,
+            "down": layer.down_proj,
+        }
+        self.ternary = {name: _fast_ternary(*group) for name, group in groups.items()}
+        self.dense = {name: _plain_dense(*group) for name, group in groups.items()}
+        if fused_act is None:
+            self.ternary["down"] = None  # the gated activation runs before Wdown, not in its prologue
+        self.fused_act = fused_act
+        self.q_width = layer.num_heads * layer.head_dim
+        self.kv_width = layer.num_kv_heads * layer.head_dim
+
+    def _norm(self, x: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+        return x if norm is None else rms_norm(x, norm.weight, self.eps)
+
+    def _project(
+        self, name: str, x: torch.Tensor, norm: torch.nn.Module | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """norm(x) through projection `name` (+ residual): f32 [T, M] (a group's outputs side by side)."""
+        ternary, dense = self.ternary[name], self.dense[name]
+        if ternary is not None:
+            norm_weight = None if norm is None else norm.weight
+            return _norm_linear(ternary, x, norm_weight, self.eps, residual=residual)
+        x = self._norm(x, norm)
+        if dense is not None:
+            if residual is None:
+                return torch.nn.functional.linear(x, dense)
+            return torch.addmm(residual, x, dense.t())
+        out = _run(self.modules[name], x)
+        return out if residual is None else residual + out
+
+    def qkv_out(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden f32 [T, hidden] -> q|k|v f32 [T, (H + 2 KVH) * D] (columns in that order)."""
+        return self._project("qkv", hidden, self.layer.attn_norm)
+
+    def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn f32 [T, H * D] -> residual + Wo(sub_norm(attn))."""
+        return self._project("o", attn, self.layer.attn_sub_norm, residual)
+
+    def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden f32 [T, hidden] -> hidden + Wdown(sub_norm(act(gate) * up))."""
+        layer = self.layer
+        gate_up = self._project("gate_up", hidden, layer.ffn_norm)  # [T, 2 * I]
+        down = self.ternary["down"]
+        if down is not None:
+            norm = None if layer.ffn_sub_norm is None else layer.ffn_sub_norm.weight
+            return _norm_linear(down, gate_up, norm, self.eps, residual=hidden, activation=self.fused_act)
+        if self.activation in ACTIVATIONS:
+            ffn_out = act_and_mul(gate_up, self.activation)  # [T, I]
+        else:
+            gate, up = gate_up.chunk(2, dim=1)
+            ffn_out = layer.act_and_mul(gate, up)
+        return self._project("down", ffn_out, layer.ffn_sub_norm, hidden)
+
+
+def _norm_linear(
+    weight: CudaTernaryLinear,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Two launches: act/norm + int8 quantization of x, then the W2A8 kernel (+ residual)."""
+    from bitserve.kernels.cuda.quantize import norm_quantize
+
+    q, s_act = norm_quantize(x, norm_weight, eps, activation=activation)
+    return weight.run_quantized(q, s_act, residual)
+
+
+def _run(linear: Linear | LinearGroup, x: torch.Tensor) -> torch.Tensor:
+    out = linear(x)
+    return torch.cat(out, dim=1) if isinstance(out, list) else out
+
+
+class CudaDecoder:
+    """`DecoderModel`'s forward contract on the device, with DeviceAttentionMetadata."""
+
+    def __init__(self, model: DecoderModel, device: torch.device) -> None:
+        spec = model.spec
+        if model.layers[0].attn.ggml_numerics:
+            raise UnsupportedModel(
+                "the bitnetcpp linear mode (bitnet.cpp's CPU rounding) is not implemented on CUDA",
+                hint="use --linear-mode bitnet on a GPU (the same ternary linears, bit for bit)",
+            )
+        self.model = model.to(device)  # norms, RoPE tables; prepared weights are already there
+        self.device = device
+        self.spec = spec
+        self.layers = [_CudaLayer(layer, spec.activation, spec.rms_norm_eps) for layer in model.layers]
+        self.embedding = _device_embedding(model, device)  # [vocab, hidden], f32 / f16 / bf16
+        self.head = _device_head(model, device, self.embedding)
+        rotary = model.rotary
+        self.cos, self.sin = rotary.cos.to(device), rotary.sin.to(device)  # [max_pos, rope_dim / 2]
+        self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
+        self.scale = model.layers[0].attn.scale
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: DeviceAttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions int64 [T] -> hidden_states f32 [T, hidden] (final norm applied)."""
+        from bitserve.kernels.cuda.paged_attention import rotary_and_cache_
+
+        hidden = self.embedding[input_ids].to(torch.float32)  # [T, hidden]
+        num_tokens = hidden.shape[0]
+        for cuda_layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            layer = cuda_layer.layer
+            qkv = cuda_layer.qkv_out(hidden)  # [T, (H + 2 KVH) * D]
+            q_end, k_end = cuda_layer.q_width, cuda_layer.q_width + cuda_layer.kv_width
+            q = qkv[:, :q_end].view(num_tokens, layer.num_heads, layer.head_dim)
+            k = qkv[:, q_end:k_end].view(num_tokens, layer.num_kv_heads, layer.head_dim)
+            v = qkv[:, k_end:].view(num_tokens, layer.num_kv_heads, layer.head_dim)
+            rotary_and_cache_(
+                q, k, v, positions, self.cos, self.sin, self.rope_dim, self.is_neox, kv_cache,
+                metadata.slot_mapping,
+            )  # fmt: skip
+            attn = self._attend(q, kv_cache, metadata).view(num_tokens, -1)  # [T, H * D]
+            hidden = cuda_layer.attn_out(attn, hidden)
+            hidden = cuda_layer.ffn(hidden)
+        return rms_norm(hidden, self.model.norm.weight, self.spec.rms_norm_eps)
+
+    __call__ = forward
+
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: DeviceAttentionMetadata
+    ) -> torch.Tensor:
+        from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+
+        if metadata.decode_only:
+            return paged_decode_attention(q, kv_cache, metadata.block_table, metadata.seq_lens, self.scale)
+        return paged_prefill_attention(
+            q,
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            self.scale,
+            metadata.max_query_len,
+        )
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states f32 [n, hidden] -> logits f32 [n, vocab]."""
+        return self.head(hidden_states)
+
+
+def _device_embedding(model: DecoderModel, device: torch.device) -> torch.Tensor:
+    """The token table on the device: float files as stored (F16 rows widen exactly), block-quantized
+    ones decoded once to f32 (the same values `dense_rows` gives the CPU path)."""
+    table = model.embed_tokens.table
+    if table.layout in (Layout.F16, Layout.BF16, Layout.F32):
+        dtype = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout.F32: torch.float32}[
+            table.layout
+        ]
+        return table.data.view(dtype).reshape(table.shape).to(device)
+    all_rows = torch.arange(table.shape[0], dtype=torch.int64)
+    return dense_rows(table, all_rows).to(device)
+
+
+def _device_head(model: DecoderModel, device: torch.device, embedding: torch.Tensor):  # noqa: ANN202
+    """The LM head's callable on the device: a prepared (dense f32) weight, or a float matrix; a tied
+    F16 head shares the embedding's device copy."""
+    weight = model.lm_head.weight
+    if isinstance(weight, PreparedLinear):
+        return weight
+    if model.spec.tie_word_embeddings and weight.dtype == embedding.dtype and weight.shape == embedding.shape:
+        matrix = embedding
+    else:
+        matrix = weight.to(device)
+    if matrix.dtype == torch.float32:
+        return lambda hidden: torch.nn.functional.linear(hidden, matrix)
+    # F16 / BF16: activations rounded to the weight's dtype, fp32 accumulation (as the CPU head)
+    return lambda hidden: torch.nn.functional.linear(hidden.to(matrix.dtype), matrix).to(torch.float32)

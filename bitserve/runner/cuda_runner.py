@@ -1,0 +1,111 @@
+"""CudaModelRunner: the ModelRunner of a model on a CUDA device.
+
+Differences from the CPU runner: the KV pages live on the device (one extra scratch block that the
+padded rows of a CUDA-graph bucket write to), the batch's small tensors are built on the host and sent
+in one pinned, non-blocking copy, the forward is `CudaDecoder`'s, and decode-only steps replay a CUDA
+graph captured per batch-size bucket (runner/cuda_graphs.py). Sampling runs on the device on the logits
+the step produced; the sampled ids are the step's one host sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
+from bitserve.models.decoder import DecoderModel
+from bitserve.runner.cuda_graphs import DecodeGraphs
+from bitserve.runner.kv_cache import CacheLayout
+from bitserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class CudaModelRunner(ModelRunner):
+    def __init__(
+        self,
+        model: DecoderModel,
+        layout: CacheLayout,
+        device: torch.device,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_cuda_graphs: bool = True,
+    ) -> None:
+        self.device = device
+        super().__init__(model, layout)
+        self.decoder = CudaDecoder(model, device)
+        self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
+        self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
+        self.graphs: DecodeGraphs | None = None
+        if use_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.decoder,
+                self.kv_caches,
+                max_batch=max_num_seqs,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                scratch_slot=self.scratch_block * layout.block_size,
+                device=device,
+            )
+            self.graphs.capture_all()
+
+    def allocate_kv_caches(self, layout: CacheLayout) -> list[torch.Tensor]:
+        """[2, num_blocks + 1, block_size, kv_heads, head_dim] per layer, zeroed (padded key slots are
+        masked, but NaN * 0 would still poison the output), on the device."""
+        shape = (2, layout.num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        return [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
+
+    @torch.inference_mode()
+    def forward_logits(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:
+        sample_rows = [row for row, request in enumerate(requests) if request.sample]
+        decode_only = all(len(request.token_ids) == 1 for request in requests)
+        if decode_only and self.graphs is not None and self.graphs.fits(len(requests)):
+            logits = self.graphs.run(requests, self.layout.block_size)  # [num_requests, vocab]
+            return logits[sample_rows] if sample_rows else None
+        input_ids, positions, metadata, last_rows = self._eager_inputs(requests, decode_only)
+        hidden = self.decoder(input_ids, positions, self.kv_caches, metadata)
+        if not sample_rows:
+            return None
+        rows = torch.tensor([last_rows[row] for row in sample_rows], dtype=torch.int64)
+        return self.decoder.compute_logits(hidden[rows.to(self.device)])
+
+    def _eager_inputs(
+        self, requests: Sequence[ScheduledRequest], decode_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, DeviceAttentionMetadata, list[int]]:
+        """Host lists -> device tensors for one eager forward; last_rows[i]: request i's last token row."""
+        block_size = self.layout.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        max_blocks = max(max((len(r.block_ids) for r in requests), default=1), 1)
+        block_table = torch.zeros((len(requests), max_blocks), dtype=torch.int32)
+        for row, request in enumerate(requests):
+            start, num_new = request.start_position, len(request.token_ids)
+            input_ids.extend(request.token_ids)
+            positions.extend(range(start, start + num_new))
+            slots.extend(
+                request.block_ids[p // block_size] * block_size + p % block_size
+                for p in range(start, start + num_new)
+            )
+            seq_lens.append(start + num_new)
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            block_table[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+        metadata = DeviceAttentionMetadata(
+            slot_mapping=self._send(torch.tensor(slots, dtype=torch.int64)),
+            block_table=self._send(block_table),
+            seq_lens=self._send(torch.tensor(seq_lens, dtype=torch.int32)),
+            query_start_loc=self._send(torch.tensor(query_start_loc, dtype=torch.int32)),
+            max_query_len=max(len(r.token_ids) for r in requests),
+            decode_only=decode_only,
+        )
+        ids = self._send(torch.tensor(input_ids, dtype=torch.int64))
+        pos = self._send(torch.tensor(positions, dtype=torch.int64))
+        return ids, pos, metadata, [end - 1 for end in query_start_loc[1:]]
+
+    def _send(self, cpu: torch.Tensor) -> torch.Tensor:
+        return cpu.pin_memory().to(self.device, non_blocking=True)
