@@ -1,0 +1,1 @@
+"""CUDA kernels (Triton): imported only on the CUDA path."""
