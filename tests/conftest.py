@@ -20,6 +20,28 @@ if os.environ.get("CI"):
 SMOLLM2_ENTRY = CATALOG[DEFAULT_MODEL]
 
 
+def _patch_triton_interpreter() -> None:
+    """Triton 3.6's interpreter turns a loop bound into an int with int(array of shape [1]), which
+    NumPy >= 2.4 refuses; give its tensors an __index__ that takes the one element. Only when
+    interpreting (TRITON_INTERPRET=1: the CUDA kernels' tests on a machine without a GPU)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "bitserve_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:  # noqa: ANN001
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.bitserve_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    _patch_triton_interpreter()
+
+
 def smollm2_file() -> Path | None:
     spec = importlib.util.find_spec(SMOLLM2_ENTRY.module)
     if spec is None or not spec.submodule_search_locations:

@@ -90,7 +90,10 @@ def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: tor
             pos = torch.tensor([position], device=device)
             hidden = decoder(token, pos, caches, metadata_for(position, 1, block_size, device))
             got.append(decoder.compute_logits(hidden).cpu())
-    tolerance = 1e-4 if kv_dtype == torch.float32 else 2e-2
+    # f32 pages: only summation order differs. f16 pages round K and V to 11 significant bits (relative
+    # 2^-12 per element), which moves logits of magnitude ~10 by a few 1e-2 (measured max 0.035); the
+    # f32-reference argmax must still hold, and test_cuda_engine.py compares f16 tokens with an f16 CPU run
+    tolerance = 1e-4 if kv_dtype == torch.float32 else 0.1
     torch.testing.assert_close(torch.cat(got), expected, rtol=tolerance, atol=tolerance)
     assert torch.equal(torch.cat(got).argmax(dim=1), expected.argmax(dim=1))
     reference.close()

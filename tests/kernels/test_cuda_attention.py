@@ -45,27 +45,6 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 RTOL = ATOL = 1e-5
 
 
-def _patch_interpreter() -> None:
-    """Triton 3.6's interpreter turns a loop bound into an int with int(array of shape [1]), which
-    NumPy >= 2.4 refuses; give its tensors an __index__ that takes the one element."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "bitserve_patched", False):
-        return
-
-    def patched(tensor, scope) -> None:  # noqa: ANN001
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.bitserve_patched = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET:
-    _patch_interpreter()
-
-
 def _page_table(lens: list[int], block_size: int, width: int, num_blocks: int, gen: torch.Generator):
     """A block table whose rows hold disjoint shuffled pages, padded past each sequence's blocks with
     entries that would fault if read (-1, num_blocks + 7)."""
