@@ -14,9 +14,11 @@ from bitserve.core.step_outputs import StepStats
 
 @dataclass(frozen=True, slots=True)
 class RequestStats:
-    """One finished client request (all its choices), recorded by the AsyncEngine."""
+    """One finished client request (all its choices), recorded by the AsyncEngine of the replica that
+    served it."""
 
     model: str
+    device: str  # the replica's device ("cpu", "cuda:0")
     finish_reason: str
     num_prompt_tokens: int
     num_output_tokens: int
@@ -48,7 +50,9 @@ class SlotLabels:
 
 
 class StatsSink(Protocol):
-    def record_step(self, model: str, stats: StepStats) -> None: ...
+    def record_step(self, model: str, device: str, stats: StepStats) -> None:
+        """One engine step of `model`'s replica on `device`."""
+        ...
 
     def record_request(self, stats: RequestStats) -> None: ...
 
@@ -61,12 +65,12 @@ class StatsSink(Protocol):
     def set_served_models(self, models: list[SlotLabels]) -> None: ...
 
     def forget_model(self, model: str) -> None:
-        """`model` is gone (unloaded): drop its gauges so it reports no stale load."""
+        """`model` is gone (unloaded): drop its gauges (every device's) so it reports no stale load."""
         ...
 
 
 class NullStatsSink:
-    def record_step(self, model: str, stats: StepStats) -> None:
+    def record_step(self, model: str, device: str, stats: StepStats) -> None:
         return None
 
     def record_request(self, stats: RequestStats) -> None:
