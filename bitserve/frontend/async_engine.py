@@ -25,9 +25,9 @@ from bitserve.sampling_params import SamplingParams
 INITIAL_TOKENS_PER_S = 50.0
 # Tokens a running request is assumed to still need, for the queue-wait estimate.
 TOKENS_PER_RUNNING_REQUEST = 16
-# Weight of the newest step in the step-time moving average the router reads: about the last ten
-# steps count, so a replica that slows down (a bigger batch, a throttled device) is seen within a
-# fraction of a second of decode, while one odd step (a prefill chunk) does not swing the choice.
+# Weight of the newest decode step in the step-time moving average the router reads: about the last
+# ten count, so a replica that slows down (a bigger batch, a throttled device) is seen within a
+# fraction of a second of decode, while one odd step does not swing the choice.
 STEP_TIME_EWMA_WEIGHT = 0.1
 
 
@@ -71,7 +71,9 @@ class AsyncEngine:
         self.is_draining = False
         self.last_stats: StepStats | None = None
         self._tokens_per_s = 0.0  # moving average of batched tokens per second (queue-wait estimate)
-        self.mean_step_time_s: float | None = None  # moving average of working steps (the router's)
+        # moving average of decode steps (no prefill in them): the router's measure of this replica's
+        # speed; prefill chunks are left out, their time is the prompt's, not the device's pace
+        self.mean_step_time_s: float | None = None
         self._busy_since = 0.0  # when the engine last went from idle to having work (liveness)
         self._ids = itertools.count()
         self.itl_sum_s = 0.0  # cumulative over finished requests: the probation's latency signal
@@ -105,6 +107,12 @@ class AsyncEngine:
         if self._client is None or not self._streams:
             return 0.0
         return time.monotonic() - max(self._client.last_progress, self._busy_since)
+
+    def forget_step_times(self) -> None:
+        """Drop the measured step time (after warm-up: its steps paid for lazy initialisation, JIT
+        compilation or CUDA-graph capture, and would make a fast replica look slow until traffic
+        that it would then not get remeasures it)."""
+        self.mean_step_time_s = None
 
     def expected_wait_s(self) -> float:
         """Seconds until the queued and running work is likely done (unbounded: callers clamp)."""
@@ -210,7 +218,7 @@ class AsyncEngine:
         if result.stats.step_time_s > 0:
             rate = result.stats.num_batched_tokens / result.stats.step_time_s
             self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.9 * self._tokens_per_s + 0.1 * rate
-            if result.stats.num_batched_tokens > 0:  # an idle bookkeeping step says nothing about speed
+            if result.stats.num_decode_tokens > 0 and result.stats.num_prefill_tokens == 0:
                 last, weight = self.mean_step_time_s, STEP_TIME_EWMA_WEIGHT
                 step_s = result.stats.step_time_s
                 self.mean_step_time_s = step_s if last is None else (1 - weight) * last + weight * step_s

@@ -401,8 +401,12 @@ class ModelManager:
             slot.state = SlotState.UNLOADED
         if slot in self._slots:
             self._slots.remove(slot)
-        if not any(other.alias == slot.alias for other in self._slots):
+        siblings = [other for other in self._slots if other.alias == slot.alias]
+        if not siblings:
             self.stats.forget_model(slot.alias)
+            return
+        for device in set(slot.placement).difference(*(other.placement for other in siblings)):
+            self.stats.forget_model(slot.alias, device)  # e.g. swapped from [cuda:0, cpu] to [cpu]
 
     async def _make_room(self, source: ModelFile, alias: str, devices: tuple[str, ...]) -> None:
         """Unload idle aliases, least recently used first, until `source`'s replicas on the CPU fit the

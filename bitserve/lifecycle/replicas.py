@@ -126,3 +126,4 @@ class ReplicaBuilder:
                 await validate_engine(replica.engine, golden, f"validate-{request_id}")
             elif self.server_config.warmup:
                 await warm_up(replica.engine, f"warmup-{request_id}")
+            replica.engine.forget_step_times()  # the router measures it on real traffic

@@ -331,13 +331,17 @@ class PrometheusStatsSink:
             self._http_error_reasons.add(reason)
         self.http_errors.labels(str(int(status)), reason).inc()
 
-    def forget_model(self, model: str) -> None:
-        """Drop `model`'s gauge series on every device (after an unload), so a gone model does not
-        report stale load."""
-        for device in self._devices.pop(model, set()):
+    def forget_model(self, model: str, device: str | None = None) -> None:
+        """Drop `model`'s gauge series on `device`, or on every device (after an unload), so a gone
+        model or replica does not report stale load."""
+        devices = self._devices.get(model, set())
+        for gone in [device] if device is not None else list(devices):
             for gauge in (self.num_running, self.num_waiting, self.kv_usage):
-                gauge.remove(model, device)  # a no-op when the series does not exist
-            self._last_preempted_total.pop((model, device), None)
+                gauge.remove(model, gone)  # a no-op when the series does not exist
+            self._last_preempted_total.pop((model, gone), None)
+            devices.discard(gone)
+        if not devices:
+            self._devices.pop(model, None)
 
     def render(self) -> tuple[bytes, str]:
         """The body and content type for GET /metrics (Prometheus text exposition format)."""

@@ -64,8 +64,9 @@ class StatsSink(Protocol):
 
     def set_served_models(self, models: list[SlotLabels]) -> None: ...
 
-    def forget_model(self, model: str) -> None:
-        """`model` is gone (unloaded): drop its gauges (every device's) so it reports no stale load."""
+    def forget_model(self, model: str, device: str | None = None) -> None:
+        """`model` is gone (unloaded), or (with `device`) no longer runs there: drop those gauges so
+        they report no stale load."""
         ...
 
 
@@ -88,5 +89,5 @@ class NullStatsSink:
     def set_served_models(self, models: list[SlotLabels]) -> None:
         return None
 
-    def forget_model(self, model: str) -> None:
+    def forget_model(self, model: str, device: str | None = None) -> None:
         return None

@@ -146,6 +146,11 @@ def test_registries_are_independent_and_forget_model_drops_gauges() -> None:
     first.record_step("b", "cpu", step(num_running=7))
     assert not any(name == "bitserve_num_requests_running" for name, _ in samples(second))
     assert value(samples(first), "bitserve_num_requests_running", model="a", device="cuda:1") == 2
+    first.forget_model("a", "cuda:1")  # a swap moved "a" off that device
+    values = samples(first)
+    assert ("bitserve_num_requests_running", frozenset({("model", "a"), ("device", "cuda:1")})) not in values
+    assert value(values, "bitserve_num_requests_running", model="a", device="cpu") == 2
+    first.record_step("a", "cuda:1", step())
     first.forget_model("a")
     values = samples(first)
     for device in ("cpu", "cuda:1"):  # every replica's gauges go
