@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from bitserve.engine.devices import AUTO, CUDA, parse_device
 from bitserve.engine.instance import ModelInstance
 from bitserve.engine.messages import Priority
 from bitserve.errors import BitserveError, EngineDead, InvalidRequest, ModelUnavailable
@@ -92,16 +93,20 @@ class DeviceRouter:
         return [replica.device for replica in self.replicas]
 
     def candidates(self, hint: str | None) -> list[Replica]:
-        """The replicas a request may use: all of them, or those matching its `device` hint ("cuda"
-        matches every GPU replica, "cuda:1" and "cpu" one each). A hint that is not a device, or names
-        none of this version's, is an InvalidRequest (400) naming the devices there are."""
-        if hint is None:
+        """The replicas a request may use: all of them (no hint, or "auto"), or those matching its
+        `device` hint ("cuda" matches every GPU replica, "cuda:1" and "cpu" one each). A hint that is
+        not a device, or names none of this version's, is an InvalidRequest (400) naming the devices
+        there are."""
+        try:
+            value = parse_device(hint) if hint is not None else AUTO
+        except InvalidRequest:
+            value = None  # not a device at all: refused below, with this model's devices
+        if value == AUTO:
             return list(self.replicas)
-        value = hint.strip().lower()
         matches = [
             replica
             for replica in self.replicas
-            if replica.device == value or (value == "cuda" and replica.device.startswith("cuda:"))
+            if replica.device == value or (value == CUDA and replica.device.startswith(f"{CUDA}:"))
         ]
         if not matches:
             raise InvalidRequest(

@@ -396,7 +396,6 @@ class ModelManager:
             await replica.engine.shutdown()
             if slot.owns_instance:
                 replica.instance.close()
-        slot.replicas.clear()  # the router shares this list: nothing routes to a freed slot
         if slot.state is not SlotState.FAILED:
             slot.state = SlotState.UNLOADED
         if slot in self._slots:

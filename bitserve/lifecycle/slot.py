@@ -90,8 +90,8 @@ def estimated_memory_bytes(instance: ModelInstance) -> int:
 
 @dataclass(eq=False)
 class ModelSlot:
-    """One version of one alias. Invariant: `replicas` holds every requested device's replica from
-    READY on until UNLOADED; `router` routes over that same list."""
+    """One version of one alias. Invariant: from READY on, `replicas` holds one replica per placed device
+    (their engines stopped once UNLOADED); `router` routes over that same list."""
 
     slot_id: str  # "alias@version#n", unique for the manager's lifetime
     alias: str

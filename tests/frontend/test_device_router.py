@@ -92,6 +92,8 @@ def test_a_device_hint_is_honoured_and_a_missing_device_is_a_400_naming_the_devi
     assert route(router, "cpu") == "cpu"  # pinned, although it is the slowest
     assert route(router, "CUDA:1") == "cuda:1"
     assert route(router, "cuda") == "cuda:0"  # any GPU replica; the fastest
+    assert route(router, "cuda:01") == "cuda:1"  # spelled as the device vocabulary allows
+    assert route(router, "auto") == "cuda:0"  # the router's choice, as without a hint
     for hint in ("cuda:7", "gpu"):
         with pytest.raises(InvalidRequest) as caught:
             route(router, hint)

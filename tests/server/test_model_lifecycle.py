@@ -354,6 +354,9 @@ def test_models_cli_against_a_running_server(
         assert "golden prompt 0" in capsys.readouterr().err
         assert main(["models", "--url", server.url, "unload", "nope"]) == 2
         assert "404" in capsys.readouterr().err
+        assert "cpu" in table[1].split()  # the DEVICES column
+        assert main(["models", "--url", server.url, "swap", ALIAS, "v1", "--device", "cpu,cuda:9"]) == 2
+        assert "'cuda:9' is not available" in capsys.readouterr().err
 
 
 def test_pull_checks_and_hashes_a_catalog_model(
