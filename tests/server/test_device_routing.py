@@ -124,7 +124,13 @@ def test_lowest_predicted_time_hint_and_observability(two_replicas: dict[str, An
 
 
 def test_a_saturated_replica_is_skipped_then_429(two_replicas: dict[str, Any]) -> None:
-    long_body = BODY | {"max_tokens": 60, "ignore_eos": True, "stream": True}
+    long_body = BODY | {"max_tokens": 100, "ignore_eos": True, "stream": True}
+
+    def less_slowed(execute: Callable[..., Any], scheduler_output: Any) -> Any:
+        time.sleep(SLOW_STEP_S / 4)  # still the faster replica, and busy for > 1 s with 100 tokens
+        return execute(scheduler_output)
+
+    wrap_execute(two_replicas["cuda:0"], less_slowed)
     with serve(two_replicas, max_num_waiting=1) as client:
         before = served_by_device(client)
         with client.stream("POST", "/v1/completions", json=long_body | {"device": "cuda:0"}) as pinned:
@@ -229,6 +235,7 @@ def test_swap_under_load_replaces_both_replicas_and_loses_nothing(model_root: Mo
         assert loaded.status_code == 200 and loaded.json()["result"]["devices"] == ["cuda:0", "cpu"], (
             loaded.text
         )
+        before = {device: requests_on(server.url, "pair", device) for device in ("cuda:0", "cpu")}
         results: list[Any] = []
         swaps: list[tuple[str, list[str]]] = []
 
@@ -257,7 +264,11 @@ def test_swap_under_load_replaces_both_replicas_and_loses_nothing(model_root: Mo
         for _, _, result in results:  # every response from exactly one version
             assert len(result.versions) == 1 and result.header_version in result.versions, result
         assert {next(iter(r.versions)) for _, _, r in results} == {v1, v2}
-        assert requests_on(server.url, "pair", "cuda:0") > 0 and requests_on(server.url, "pair", "cpu") > 0
+        for device in (
+            "cuda:0",
+            "cpu",
+        ):  # each swap validates each replica with one request: clients came too
+            assert requests_on(server.url, "pair", device) - before[device] > len(swaps), device
         pair = next(m for m in httpx.get(f"{server.url}/v1/models").json()["data"] if m["id"] == "pair")
         assert (pair["version"], pair["state"], pair["devices"]) == (v1, "ready", both)
         assert [(r["device"], r["is_alive"]) for r in pair["replicas"]] == [("cuda:0", True), ("cpu", True)]
