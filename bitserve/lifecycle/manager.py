@@ -65,7 +65,7 @@ def check_alias(alias: str) -> str:
 
 class ModelManager:
     """`probe` discovers devices (torch.cuda unless given: tests pass a fake); `load_instance` builds one
-    replica from its EngineConfig (ModelInstance.load unless given). Both live on `self.replicas`."""
+    replica from its EngineConfig (ModelInstance.load unless given). Both live on `self.replica_builder`."""
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ class ModelManager:
         self.config = server_config
         self.stats = stats
         self.files = files
-        self.replicas = ReplicaBuilder(engine_config, server_config, stats, probe, load_instance)
+        self.replica_builder = ReplicaBuilder(engine_config, server_config, stats, probe, load_instance)
         self.aliases: dict[str, Alias] = {}
         self.default_alias: str | None = None
         self.operations = OperationLog()
@@ -181,7 +181,7 @@ class ModelManager:
         if action in ("load", "swap"):
             entry = self.aliases.get(alias)
             default = entry.current.device_request if entry is not None else None  # a swap keeps them
-            options["devices"] = self.replicas.device_request(devices, default)
+            options["devices"] = self.replica_builder.device_request(devices, default)
         if source is None and model is not None:
             source = self.files.resolve(model)
         operation = self.operations.new(action, alias, model or (source.name if source else None))
@@ -330,16 +330,16 @@ class ModelManager:
         start = time.monotonic()
         try:
             slot.phase = "placing"
-            placements = await asyncio.to_thread(self.replicas.place, source, devices)
+            placements = await asyncio.to_thread(self.replica_builder.place, source, devices)
             placed = tuple(placement.device for placement in placements)
             await self._make_room(source, operation.alias, placed)
             slot.placement = placed  # from here its bytes count as resident (it is not in `needed` twice)
             slot.phase, slot.progress = "hashing", 0.05
             digest = await asyncio.to_thread(self.files.verify_sha256, source)
-            await self.replicas.load(slot, source, placements)
+            await self.replica_builder.load(slot, source, placements)
             slot.info = model_info(slot.alias, digest[:12], slot.replicas)
             slot.phase, slot.progress = "validating", 0.8
-            await self.replicas.check(slot, source.golden if validate else None)
+            await self.replica_builder.check(slot, source.golden if validate else None)
         except BaseException as exc:
             slot.state, slot.error = SlotState.FAILED, f"{type(exc).__name__}: {exc}"
             logger.warning("loading %s as %r failed: %s", source.path.name, operation.alias, slot.error)
@@ -366,9 +366,9 @@ class ModelManager:
         slot.device_request = slot.placement = tuple(replicas)
         self._slots.append(slot)
         for device, instance in replicas.items():
-            self.replicas.start(slot, device, instance)
+            self.replica_builder.start(slot, device, instance)
         slot.info = model_info(alias, version, slot.replicas)
-        await self.replicas.check(slot, None)
+        await self.replica_builder.check(slot, None)
         slot.state, slot.phase, slot.progress = SlotState.READY, "ready", 1.0
         self.aliases[alias] = Alias(slot)
         self.default_alias = self.default_alias or alias

@@ -204,8 +204,8 @@ def load_on_the_cpu(config: EngineConfig) -> Any:
 
 def pretend_gpus(server: Any, *free: int) -> None:
     async def install() -> None:
-        server.state.models.replicas.probe = FakeGPUs(*free)
-        server.state.models.replicas.load_instance = load_on_the_cpu
+        server.state.models.replica_builder.probe = FakeGPUs(*free)
+        server.state.models.replica_builder.load_instance = load_on_the_cpu
 
     server.run(install())
 
