@@ -25,7 +25,10 @@ class ModelConfig:
     backend: str = field(default="auto", metadata=_help("kernel backend: auto, cpu, cuda or reference"))
     device: str = field(
         default="cpu",
-        metadata=_help("where the model runs: cpu, cuda or cuda:N (auto is resolved before a load)"),
+        metadata=_help(
+            "where the model runs: auto, cpu, cuda or cuda:N; serve also takes a comma-separated list, one "
+            "replica each (resolved to cpu or cuda:N before a load: ModelInstance.load sees only those)"
+        ),
     )
     linear_mode: str = field(
         default="bitnet",

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bitserve.config import EngineConfig, ModelConfig
+from bitserve.engine.devices import resolve_engine_config
 from bitserve.engine.instance import ModelInstance
 from bitserve.frontend.admission import check_request
 from bitserve.frontend.output_processor import OutputProcessor
@@ -27,7 +28,8 @@ class LLM:
     ) -> None:
         if config is None:
             config = EngineConfig(model=ModelConfig(model=model, **model_options))
-        self.instance = ModelInstance.load(config)
+        # `device="auto"` (or "cuda") becomes a concrete device here: one engine, no replicas
+        self.instance = ModelInstance.load(resolve_engine_config(config))
         self.tokenizer = self.instance.tokenizer
         self._num_requests = 0
 

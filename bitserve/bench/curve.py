@@ -153,14 +153,17 @@ def curve_engine_config(
     prefill_tokens: int,
     backend: str,
     num_threads: int | None,
+    device: str | None = None,
 ) -> Any:
-    """An EngineConfig whose limits never bind during the curve (they are what the curve measures)."""
+    """An EngineConfig whose limits never bind during the curve (they are what the curve measures).
+    `device` None: ModelConfig's default."""
     from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig
 
     max_seqs = max(levels)
     budget = max(max_seqs * num_prompt_tokens, prefill_tokens, max_seqs)
+    device_option = {} if device is None else {"device": device}
     return EngineConfig(
-        model=ModelConfig(model=model, backend=backend, num_threads=num_threads),
+        model=ModelConfig(model=model, backend=backend, num_threads=num_threads, **device_option),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
     )
 
@@ -176,6 +179,7 @@ def run_curve(
     num_threads: int | None = None,
     num_repeats: int = 1,
     rule: KneeRule | None = None,
+    device: str | None = None,
 ) -> CurveResult:
     """Load `model`, warm up, measure every level `num_repeats` times (all levels in turn, so each
     level sees the same stretches of machine load; the fastest run of a level is kept: noise on a
@@ -185,7 +189,9 @@ def run_curve(
 
     rule = rule or KneeRule()
     llm = LLM(
-        config=curve_engine_config(model, levels, num_prompt_tokens, prefill_tokens, backend, num_threads)
+        config=curve_engine_config(
+            model, levels, num_prompt_tokens, prefill_tokens, backend, num_threads, device
+        )
     )
     try:
         # ordinary token ids (past the specials at the start of the vocabulary); prompts are cut from them

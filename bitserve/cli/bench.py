@@ -12,6 +12,7 @@ from typing import Any
 from bitserve.bench.report import format_table, summarise
 from bitserve.bench.runner import BenchConfig, run_bench_async
 from bitserve.cli.console import emit, emit_json
+from bitserve.config import ModelConfig
 from bitserve.errors import InvalidRequest
 
 _FIELDS = BenchConfig.__dataclass_fields__
@@ -108,6 +109,9 @@ def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
         "--curve-repeats", type=int, default=1, help="runs of every level; the fastest is kept"
     )
     group.add_argument("--backend", default="auto", help="kernel backend: auto, cpu or reference")
+    group.add_argument(
+        "--device", default=None, help=ModelConfig.__dataclass_fields__["device"].metadata["help"]
+    )
     group.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
@@ -132,6 +136,7 @@ def run_curve_command(args: argparse.Namespace) -> int:
         backend=args.backend,
         num_threads=args.threads,
         num_repeats=args.curve_repeats,
+        device=args.device,
     )
     if args.json:
         emit_json(result.to_dict())

@@ -19,6 +19,7 @@ def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
     return ModelConfig(
         model=model,
         backend=args.backend,
+        device=args.device,
         linear_mode=args.linear_mode,
         i2s_variant=args.i2s_variant,
         tl_config=args.tl_config,

@@ -23,6 +23,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", default=fields["backend"].default, help=fields["backend"].metadata["help"]
     )
+    parser.add_argument("--device", default=fields["device"].default, help=fields["device"].metadata["help"])
     parser.add_argument(
         "--linear-mode", default=fields["linear_mode"].default, help=fields["linear_mode"].metadata["help"]
     )

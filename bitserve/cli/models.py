@@ -17,6 +17,10 @@ from bitserve.errors import BitserveError
 DEFAULT_URL = "http://127.0.0.1:8000"
 POLL_S = 0.5
 HTTP_TIMEOUT_S = 30.0
+DEVICE_HELP = (
+    "where it runs: auto, cpu, cuda, cuda:N, or a comma-separated list, one replica each "
+    "(default: the server's --device for a load, the alias's devices for a swap)"
+)
 
 
 class AdminCallFailed(BitserveError):
@@ -37,12 +41,14 @@ def add_models_parsers(sub: Any) -> None:
     load.add_argument(
         "--no-validate", dest="validate", action="store_false", help="skip the smoke and golden checks"
     )
+    load.add_argument("--device", default=None, help=DEVICE_HELP)
     swap = actions.add_parser("swap", help="replace what an alias serves, with validation and drain")
     swap.add_argument("alias")
     swap.add_argument("model")
     swap.add_argument(
         "--no-validate", dest="validate", action="store_false", help="skip the smoke and golden checks"
     )
+    swap.add_argument("--device", default=None, help=DEVICE_HELP)
     for name, text in (
         ("rollback", "go back to an alias's previous version"),
         ("unload", "drain an alias, then free it"),
@@ -83,7 +89,7 @@ def _wait_for(client: httpx.Client, operation: dict[str, Any]) -> dict[str, Any]
 
 
 def _format_models(data: list[dict[str, Any]]) -> str:
-    rows = [("ALIAS", "VERSION", "STATE", "FILE", "ARCH", "FORMATS", "MEMORY", "ACTIVE")]
+    rows = [("ALIAS", "VERSION", "STATE", "FILE", "ARCH", "FORMATS", "DEVICES", "MEMORY", "ACTIVE")]
     for model in data:
         memory = model.get("memory_bytes")
         rows.append(
@@ -94,6 +100,7 @@ def _format_models(data: list[dict[str, Any]]) -> str:
                 str(model.get("file")),
                 str(model.get("architecture")),
                 ",".join(model.get("quant_formats") or []),
+                ",".join(model.get("devices") or []) or "-",
                 f"{memory / 1e6:.0f} MB" if memory else "-",
                 str(model.get("num_active_requests", 0)),
             )
@@ -110,15 +117,13 @@ def run_models(args: argparse.Namespace) -> int:
             body = _check(client.get("/v1/models"))
             emit_json(body) if args.json else emit(_format_models(body["data"]))
             return 0
-        if args.action == "load":
-            payload = {"model": args.model, "alias": args.alias, "validate": args.validate}
-            response = client.post(
-                "/v1/models/load", json={k: v for k, v in payload.items() if v is not None}
-            )
-        elif args.action == "swap":
-            response = client.post(
-                f"/v1/models/{args.alias}/swap", json={"model": args.model, "validate": args.validate}
-            )
+        if args.action in ("load", "swap"):
+            devices = [part.strip() for part in args.device.split(",")] if args.device is not None else None
+            payload = {"model": args.model, "validate": args.validate, "devices": devices}
+            if args.action == "load":
+                payload["alias"] = args.alias
+            path = "/v1/models/load" if args.action == "load" else f"/v1/models/{args.alias}/swap"
+            response = client.post(path, json={k: v for k, v in payload.items() if v is not None})
         else:
             response = client.post(f"/v1/models/{args.alias}/{args.action}", json={})
         operation = _wait_for(client, _check(response))

@@ -25,6 +25,10 @@ from bitserve.sampling_params import SamplingParams
 INITIAL_TOKENS_PER_S = 50.0
 # Tokens a running request is assumed to still need, for the queue-wait estimate.
 TOKENS_PER_RUNNING_REQUEST = 16
+# Weight of the newest decode step in the step-time moving average the router reads: about the last
+# ten count, so a replica that slows down (a bigger batch, a throttled device) is seen within a
+# fraction of a second of decode, while one odd step does not swing the choice.
+STEP_TIME_EWMA_WEIGHT = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +36,11 @@ class EngineSnapshot:
     """What /v1/stats and /health show of one engine: counters only, read on the event loop."""
 
     model: str
+    device: str
     num_active_requests: int
     num_queued_prompt_tokens: int
     tokens_per_s: float
+    mean_step_time_s: float | None
     is_alive: bool
     is_draining: bool
     seconds_since_progress: float
@@ -50,9 +56,11 @@ class AsyncEngine:
         limits: AdmissionLimits | None = None,
         stats: StatsSink | None = None,
         name: str | None = None,
+        device: str | None = None,
     ) -> None:
         self.instance = instance
         self.name = name or instance.name  # the model label of outputs and metrics (the served alias)
+        self.device = device or instance.config.model.device  # the replica's device: a metrics label
         self.limits = limits or AdmissionLimits.from_config(ServerConfig())
         self.stats = stats or NullStatsSink()
         self.processor = OutputProcessor(instance.tokenizer)
@@ -63,6 +71,9 @@ class AsyncEngine:
         self.is_draining = False
         self.last_stats: StepStats | None = None
         self._tokens_per_s = 0.0  # moving average of batched tokens per second (queue-wait estimate)
+        # moving average of decode steps (no prefill in them): the router's measure of this replica's
+        # speed; prefill chunks are left out, their time is the prompt's, not the device's pace
+        self.mean_step_time_s: float | None = None
         self._busy_since = 0.0  # when the engine last went from idle to having work (liveness)
         self._ids = itertools.count()
         self.itl_sum_s = 0.0  # cumulative over finished requests: the probation's latency signal
@@ -96,6 +107,12 @@ class AsyncEngine:
         if self._client is None or not self._streams:
             return 0.0
         return time.monotonic() - max(self._client.last_progress, self._busy_since)
+
+    def forget_step_times(self) -> None:
+        """Drop the measured step time (after warm-up: its steps paid for lazy initialisation, JIT
+        compilation or CUDA-graph capture, and would make a fast replica look slow until traffic
+        that it would then not get remeasures it)."""
+        self.mean_step_time_s = None
 
     def expected_wait_s(self) -> float:
         """Seconds until the queued and running work is likely done (unbounded: callers clamp)."""
@@ -148,13 +165,17 @@ class AsyncEngine:
             vocab_size=self.instance.tokenizer.vocab_size,
             prompt_param=prompt_param,
         )
-        num_queued = self._queued_tokens + len(prompt_token_ids)
-        if (
-            len(self._streams) >= self.limits.max_num_waiting
-            or num_queued > self.limits.max_num_queued_tokens
-        ):
+        if not self.has_room(len(prompt_token_ids)):
             self.stats.record_rejected("queue_full")
             raise QueueFull("the server is at capacity", retry_after_s=self.expected_wait_s())
+
+    def has_room(self, num_prompt_tokens: int) -> bool:
+        """Whether admission would take one more request of this many prompt tokens (the router asks
+        before it submits, so a full replica is skipped without counting a refusal)."""
+        return (
+            len(self._streams) < self.limits.max_num_waiting
+            and self._queued_tokens + num_prompt_tokens <= self.limits.max_num_queued_tokens
+        )
 
     def _end(self, stream: GenerationStream) -> None:
         """A stream closed: abort its unfinished choices, forget it, record its stats (once)."""
@@ -165,7 +186,7 @@ class AsyncEngine:
             self._client.abort_requests(choice_ids)
             for choice_id in choice_ids:
                 self.processor.drop_request(choice_id)
-            self.stats.record_aborted("client_disconnect")
+            self.stats.record_aborted(stream.abort_reason)
         self._queued_tokens -= stream.num_prompt_tokens
         timing, now = stream.timing, time.monotonic()
         self.itl_sum_s += timing.itl_sum_s
@@ -173,6 +194,7 @@ class AsyncEngine:
         self.stats.record_request(
             RequestStats(
                 model=self.name,
+                device=self.device,
                 finish_reason=stream.finish_reason if stream.is_finished else "abort",
                 num_prompt_tokens=stream.num_prompt_tokens,
                 num_output_tokens=timing.num_output_tokens,
@@ -196,7 +218,11 @@ class AsyncEngine:
         if result.stats.step_time_s > 0:
             rate = result.stats.num_batched_tokens / result.stats.step_time_s
             self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.9 * self._tokens_per_s + 0.1 * rate
-        self.stats.record_step(self.name, result.stats)
+            if result.stats.num_decode_tokens > 0 and result.stats.num_prefill_tokens == 0:
+                last, weight = self.mean_step_time_s, STEP_TIME_EWMA_WEIGHT
+                step_s = result.stats.step_time_s
+                self.mean_step_time_s = step_s if last is None else (1 - weight) * last + weight * step_s
+        self.stats.record_step(self.name, self.device, result.stats)
         deltas, abort_ids = self.processor.process(result.outputs)
         if abort_ids and self._client is not None:
             self._client.abort_requests(abort_ids)
@@ -227,9 +253,11 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
             model=self.name,
+            device=self.device,
             num_active_requests=len(self._streams),
             num_queued_prompt_tokens=self._queued_tokens,
             tokens_per_s=round(self._tokens_per_s, 2),
+            mean_step_time_s=None if self.mean_step_time_s is None else round(self.mean_step_time_s, 6),
             is_alive=self.is_alive,
             is_draining=self.is_draining,
             seconds_since_progress=round(self.seconds_since_progress, 3),

@@ -59,6 +59,9 @@ class GenerationStream:
         self.unfinished = set(range(num_choices))  # choice indexes still generating
         self.finish_reason = "abort"  # of the last choice to finish; "abort" if closed before
         self.error: BaseException | None = None
+        # why an unfinished stream was closed, for bitserve_requests_aborted_total; the router sets
+        # "replica_failover" when it moves the request to another replica
+        self.abort_reason = "client_disconnect"
         self.on_close: Callable[[BaseException | None], None] | None = None
         self._queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
         self._num_cached_tokens = 0

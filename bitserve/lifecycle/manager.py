@@ -6,18 +6,23 @@ A swap: load beside (the old version keeps serving) -> validate -> flip the alia
 -> the old version drains (leases run out) and, after the probation window, is freed. Probation
 watches the new version and flips back while the old one is still resident. Admin actions on one
 alias are serialized: a second one gets Conflict (409) at once.
+
+A version runs on one or more devices (`device` / `devices`; `auto` resolved here, before any
+EngineConfig is built): one replica each, all loaded, validated, flipped and drained together, so a
+swap replaces every replica of an alias at once. The slot's DeviceRouter picks a replica per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from bitserve.config import EngineConfig, ServerConfig
+from bitserve.engine.devices import CPU, DeviceProbe
 from bitserve.engine.instance import ModelInstance
 from bitserve.errors import (
     BitserveError,
@@ -29,28 +34,17 @@ from bitserve.errors import (
     ModelUnavailable,
     ServerShuttingDown,
 )
-from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
+from bitserve.frontend.async_engine import AsyncEngine
 from bitserve.lifecycle.model_files import ModelFile, ModelFiles
 from bitserve.lifecycle.operations import Operation, OperationLog
 from bitserve.lifecycle.probation import ProbationPolicy, watch_probation
+from bitserve.lifecycle.replicas import InstanceLoader, ReplicaBuilder
 from bitserve.lifecycle.slot import Lease, ModelSlot, SlotState, model_info
-from bitserve.lifecycle.validation import validate_engine
 from bitserve.metrics.stats import LifecycleEvent, SlotLabels, StatsSink
-from bitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_ALIAS_CHARS = 128
-DEVICES = ("cpu",)
-WARMUP_PROMPT = "Hello"
-
-
-async def warm_up(engine: AsyncEngine, request_id: str) -> None:
-    """One short greedy generation so the first client does not pay for lazy initialisation."""
-    prompt_ids = engine.instance.tokenizer.encode(WARMUP_PROMPT) or [0]
-    await engine.submit(
-        prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id=request_id
-    ).collect()
 
 
 @dataclass(eq=False)
@@ -60,6 +54,7 @@ class Alias:
     current: ModelSlot
     previous: ModelSlot | None = None  # still resident: during probation, or while it drains
     previous_source: ModelFile | None = None  # the version a later rollback reloads
+    previous_devices: tuple[str, ...] = ()  # and the devices it asked for
 
 
 def check_alias(alias: str) -> str:
@@ -69,13 +64,24 @@ def check_alias(alias: str) -> str:
 
 
 class ModelManager:
+    """`probe` discovers devices (torch.cuda unless given: tests pass a fake); `load_instance` builds one
+    replica from its EngineConfig (ModelInstance.load unless given). Both live on `self.replica_builder`."""
+
     def __init__(
-        self, engine_config: EngineConfig, server_config: ServerConfig, stats: StatsSink, files: ModelFiles
+        self,
+        engine_config: EngineConfig,
+        server_config: ServerConfig,
+        stats: StatsSink,
+        files: ModelFiles,
+        *,
+        probe: DeviceProbe | None = None,
+        load_instance: InstanceLoader | None = None,
     ) -> None:
         self.engine_config = engine_config
         self.config = server_config
         self.stats = stats
         self.files = files
+        self.replica_builder = ReplicaBuilder(engine_config, server_config, stats, probe, load_instance)
         self.aliases: dict[str, Alias] = {}
         self.default_alias: str | None = None
         self.operations = OperationLog()
@@ -111,7 +117,7 @@ class ModelManager:
                 hint=f"available: {available}",
             )
         slot = entry.current
-        if slot.engine is not None and not slot.engine.is_alive:
+        if slot.replicas and not slot.has_live_replica:
             raise EngineDead(
                 "the model's engine has failed", hint="roll back or reload the model; retry later"
             )
@@ -125,10 +131,9 @@ class ModelManager:
         return list(self._slots)
 
     def serving_engines(self) -> list[AsyncEngine]:
+        """Every replica's engine of every resident version."""
         return [
-            slot.engine
-            for slot in self._slots
-            if slot.engine is not None and slot.state is not SlotState.UNLOADED
+            engine for slot in self._slots if slot.state is not SlotState.UNLOADED for engine in slot.engines
         ]
 
     @property
@@ -144,10 +149,13 @@ class ModelManager:
         model: str | None = None,
         *,
         source: ModelFile | None = None,
+        devices: str | Sequence[str] | None = None,
         **options: Any,
     ) -> Operation:
         """Start `action` on `alias` in the background; Conflict when one is already running there.
-        `model` is resolved through the model files (403 outside the roots); `source` is taken as is."""
+        `model` is resolved through the model files (403 outside the roots); `source` is taken as is.
+        `devices` (load, swap): one device or several (replicas); a load defaults to the configured
+        device, a swap to the devices the alias asked for. A bad or absent device is InvalidRequest."""
         check_alias(alias)
         if self.is_draining:
             raise ServerShuttingDown("the server is shutting down", hint="retry on another replica")
@@ -170,13 +178,10 @@ class ModelManager:
             raise Conflict(
                 f"{alias!r} is already served", param="alias", hint="swap it to replace the version it serves"
             )
-        device = options.pop("device", None)
-        if device is not None and device not in DEVICES:
-            raise InvalidRequest(
-                f"device {device[:32]!r} is not available",
-                param="device",
-                hint=f"this server has: {', '.join(DEVICES)}",
-            )
+        if action in ("load", "swap"):
+            entry = self.aliases.get(alias)
+            default = entry.current.device_request if entry is not None else None  # a swap keeps them
+            options["devices"] = self.replica_builder.device_request(devices, default)
         if source is None and model is not None:
             source = self.files.resolve(model)
         operation = self.operations.new(action, alias, model or (source.name if source else None))
@@ -201,19 +206,26 @@ class ModelManager:
             self._busy_aliases.discard(operation.alias)
             self._publish()
 
-    async def _load(self, operation: Operation, source: ModelFile, validate: bool = True) -> dict[str, Any]:
-        slot = await self._bring_up(operation, source, validate=validate)
+    async def _load(
+        self, operation: Operation, source: ModelFile, devices: tuple[str, ...], validate: bool = True
+    ) -> dict[str, Any]:
+        slot = await self._bring_up(operation, source, devices, validate=validate)
         self.aliases[operation.alias] = Alias(slot)
         if self.default_alias is None:
             self.default_alias = operation.alias
         logger.info("serving %s as %r (version %s)", source.path.name, operation.alias, slot.version)
-        return {"version": slot.version, "slot_id": slot.slot_id}
+        return {"version": slot.version, "slot_id": slot.slot_id, "devices": list(slot.placement)}
 
     async def _swap(
-        self, operation: Operation, source: ModelFile, validate: bool = True, action: str = "swap"
+        self,
+        operation: Operation,
+        source: ModelFile,
+        devices: tuple[str, ...],
+        validate: bool = True,
+        action: str = "swap",
     ) -> dict[str, Any]:
         try:
-            slot = await self._bring_up(operation, source, validate=validate)
+            slot = await self._bring_up(operation, source, devices, validate=validate)
         except BitserveError:
             self._record(action, operation.alias, source.version, "rejected")
             raise
@@ -222,24 +234,26 @@ class ModelManager:
         self._record(action, operation.alias, slot.version, "success")
         logger.info("swapped %r: version %s -> %s", operation.alias, old.version, slot.version)
         self._spawn(self._probation_then_retire(entry, slot, old))
-        return {"version": slot.version, "previous_version": old.version, "slot_id": slot.slot_id}
+        return {
+            "version": slot.version,
+            "previous_version": old.version,
+            "slot_id": slot.slot_id,
+            "devices": list(slot.placement),
+        }
 
     async def _rollback(self, operation: Operation) -> dict[str, Any]:
         entry = self.aliases[operation.alias]
         previous = entry.previous
-        if (
-            previous is not None
-            and previous.state is SlotState.DRAINING
-            and previous.engine is not None
-            and previous.engine.is_alive
-        ):
+        if previous is not None and previous.state is SlotState.DRAINING and previous.has_live_replica:
             current = self._flip_back(entry)
             self._record("rollback", operation.alias, previous.version, "success")
             self._spawn(self._retire(current))
             return {"version": previous.version, "rolled_back_from": current.version, "reloaded": False}
         if entry.previous_source is None:
             raise Conflict(f"{operation.alias!r} has no previous version", param="alias")
-        result = await self._swap(operation, entry.previous_source, validate=True, action="rollback")
+        result = await self._swap(
+            operation, entry.previous_source, entry.previous_devices, validate=True, action="rollback"
+        )
         return {
             "version": result["version"],
             "rolled_back_from": result["previous_version"],
@@ -263,6 +277,7 @@ class ModelManager:
             self._spawn(self._retire(entry.previous))  # a third version: the oldest goes now
         old.state = SlotState.DRAINING
         entry.previous, entry.previous_source, entry.current = old, old.source, new
+        entry.previous_devices = old.device_request
         return old
 
     def _flip_back(self, entry: Alias) -> ModelSlot:
@@ -271,6 +286,7 @@ class ModelManager:
         previous.state = SlotState.READY
         current.state = SlotState.DRAINING
         entry.current, entry.previous, entry.previous_source = previous, None, current.source
+        entry.previous_devices = current.device_request
         return current
 
     async def _probation_then_retire(self, entry: Alias, new: ModelSlot, old: ModelSlot) -> None:
@@ -301,29 +317,29 @@ class ModelManager:
 
     # ----------------------------------------------------------------- load and free
 
-    async def _bring_up(self, operation: Operation, source: ModelFile, *, validate: bool) -> ModelSlot:
-        """Load `source` as a new slot beside what serves, warm and validate it; READY on success.
-        On any failure the slot is freed and the error raised; nothing else changes."""
+    async def _bring_up(
+        self, operation: Operation, source: ModelFile, devices: tuple[str, ...], *, validate: bool
+    ) -> ModelSlot:
+        """Load `source` as a new slot beside what serves, one replica per device, warm and validate
+        each; READY on success. On any failure the slot is freed and the error raised; nothing else
+        changes."""
         slot = self._new_slot(operation.alias, source, source.version)
+        slot.device_request = devices
         operation.slot = slot
         self._slots.append(slot)
         start = time.monotonic()
         try:
-            await self._make_room(source, operation.alias)
+            slot.phase = "placing"
+            placements = await asyncio.to_thread(self.replica_builder.place, source, devices)
+            placed = tuple(placement.device for placement in placements)
+            await self._make_room(source, operation.alias, placed)
+            slot.placement = placed  # from here its bytes count as resident (it is not in `needed` twice)
             slot.phase, slot.progress = "hashing", 0.05
             digest = await asyncio.to_thread(self.files.verify_sha256, source)
-            slot.phase, slot.progress = "loading", 0.2
-            config = dataclasses.replace(
-                self.engine_config,
-                model=dataclasses.replace(self.engine_config.model, model=str(source.path)),
-            )
-            slot.instance = await asyncio.to_thread(ModelInstance.load, config)
+            await self.replica_builder.load(slot, source, placements)
+            slot.info = model_info(slot.alias, digest[:12], slot.replicas)
             slot.phase, slot.progress = "validating", 0.8
-            engine = self._start_engine(slot, digest[:12])
-            if validate:
-                await validate_engine(engine, source.golden, f"validate-{slot.slot_id}")
-            elif self.config.warmup:
-                await warm_up(engine, f"warmup-{slot.slot_id}")
+            await self.replica_builder.check(slot, source.golden if validate else None)
         except BaseException as exc:
             slot.state, slot.error = SlotState.FAILED, f"{type(exc).__name__}: {exc}"
             logger.warning("loading %s as %r failed: %s", source.path.name, operation.alias, slot.error)
@@ -334,24 +350,25 @@ class ModelManager:
         self._record("load", operation.alias, slot.version, "success", time.monotonic() - start)
         return slot
 
-    def _start_engine(self, slot: ModelSlot, version: str) -> AsyncEngine:
-        assert slot.instance is not None
-        engine = AsyncEngine(
-            slot.instance, limits=AdmissionLimits.from_config(self.config), stats=self.stats, name=slot.alias
+    async def adopt(
+        self,
+        instances: ModelInstance | Mapping[str, ModelInstance],
+        alias: str,
+        version: str = "adopted",
+    ) -> ModelSlot:
+        """Serve instances loaded by the caller (tests): one, on its configured device, or a mapping of
+        device label -> instance (replicas). They are warmed but never closed here."""
+        replicas = (
+            dict(instances) if isinstance(instances, Mapping) else {instances.config.model.device: instances}
         )
-        engine.start()
-        slot.engine = engine
-        slot.info = model_info(slot.alias, version, slot.instance)
-        return engine
-
-    async def adopt(self, instance: ModelInstance, alias: str, version: str = "adopted") -> ModelSlot:
-        """Serve an instance loaded by the caller (tests); it is warmed but never closed here."""
-        slot = self._new_slot(alias, ModelFile(alias, instance.path), version, owns_instance=False)
-        slot.instance = instance
+        first = next(iter(replicas.values()))
+        slot = self._new_slot(alias, ModelFile(alias, first.path), version, owns_instance=False)
+        slot.device_request = slot.placement = tuple(replicas)
         self._slots.append(slot)
-        engine = self._start_engine(slot, version)
-        if self.config.warmup:
-            await warm_up(engine, f"warmup-{slot.slot_id}")
+        for device, instance in replicas.items():
+            self.replica_builder.start(slot, device, instance)
+        slot.info = model_info(alias, version, slot.replicas)
+        await self.replica_builder.check(slot, None)
         slot.state, slot.phase, slot.progress = SlotState.READY, "ready", 1.0
         self.aliases[alias] = Alias(slot)
         self.default_alias = self.default_alias or alias
@@ -363,37 +380,40 @@ class ModelManager:
         if slot.state in (SlotState.UNLOADED, SlotState.FAILED):
             return
         slot.state = SlotState.DRAINING
-        if not await slot.wait_idle(self.config.swap_drain_timeout_s) and slot.engine is not None:
-            num_ended = slot.engine.expire(
-                ModelUnavailable(
-                    f"the model version {slot.version} was unloaded before the request finished",
-                    hint="retry; the alias now serves another version",
-                )
+        if not await slot.wait_idle(self.config.swap_drain_timeout_s) and slot.replicas:
+            error = ModelUnavailable(
+                f"the model version {slot.version} was unloaded before the request finished",
+                hint="retry; the alias now serves another version",
             )
+            num_ended = sum(engine.expire(error) for engine in slot.engines)
             logger.warning("drain deadline for %s: ended %d request(s)", slot.slot_id, num_ended)
             await slot.wait_idle(self.config.swap_drain_timeout_s)
         await self._free(slot)
         logger.info("unloaded %s", slot.slot_id)
 
     async def _free(self, slot: ModelSlot) -> None:
-        if slot.engine is not None:
-            await slot.engine.shutdown()
-        if slot.instance is not None and slot.owns_instance:
-            slot.instance.close()
-        slot.instance = None
+        for replica in slot.replicas:
+            await replica.engine.shutdown()
+            if slot.owns_instance:
+                replica.instance.close()
         if slot.state is not SlotState.FAILED:
             slot.state = SlotState.UNLOADED
         if slot in self._slots:
             self._slots.remove(slot)
-        if not any(other.alias == slot.alias for other in self._slots):
+        siblings = [other for other in self._slots if other.alias == slot.alias]
+        if not siblings:
             self.stats.forget_model(slot.alias)
+            return
+        for device in set(slot.placement).difference(*(other.placement for other in siblings)):
+            self.stats.forget_model(slot.alias, device)  # e.g. swapped from [cuda:0, cpu] to [cpu]
 
-    async def _make_room(self, source: ModelFile, alias: str) -> None:
-        """Unload idle aliases, least recently used first, until `source` fits the memory budget."""
+    async def _make_room(self, source: ModelFile, alias: str, devices: tuple[str, ...]) -> None:
+        """Unload idle aliases, least recently used first, until `source`'s replicas on the CPU fit the
+        memory budget (host memory: GPU replicas are placed by their device's free memory)."""
         budget = self.config.max_models_memory_bytes
         if budget is None:
             return
-        needed = self._load_bytes(source)
+        needed = self._load_bytes(source) * devices.count(CPU)
         while self._resident_bytes() + needed > budget:
             idle = [
                 (entry.current.last_used, name)
@@ -427,7 +447,9 @@ class ModelManager:
         self, alias: str, source: ModelFile, version: str, *, owns_instance: bool = True
     ) -> ModelSlot:
         self._num_slots += 1
-        return ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, source, owns_instance=owns_instance)
+        slot = ModelSlot(f"{alias}@{version}#{self._num_slots}", alias, source, owns_instance=owns_instance)
+        slot.router.max_stall_s = self.config.liveness_stall_s  # a wedged replica gets no new requests
+        return slot
 
     def _remove_alias(self, alias: str) -> Alias:
         """Stop routing `alias` (new requests get 404); the default moves to another alias if it was this
@@ -441,9 +463,9 @@ class ModelManager:
         total = 0
         for slot in self._slots:
             if slot.info is not None:
-                total += slot.info.memory_bytes
-            elif slot.state is SlotState.LOADING and slot.phase != "queued":
-                total += self._load_bytes(slot.source)
+                total += slot.info.host_memory_bytes
+            elif slot.state is SlotState.LOADING:
+                total += self._load_bytes(slot.source) * slot.placement.count(CPU)  # placed, not yet loaded
         return total
 
     # ----------------------------------------------------------------- lifecycle of the manager

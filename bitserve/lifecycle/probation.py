@@ -1,5 +1,5 @@
-"""Probation after a swap: for a window, watch the new version's engine health, error rate and
-inter-token latency; report the first threshold it crosses so the manager can flip back while the
+"""Probation after a swap: for a window, watch the new version's engines (every replica's) health, error
+rate and inter-token latency; report the first threshold it crosses so the manager can flip back while the
 old version is still resident.
 """
 
@@ -40,17 +40,19 @@ def probation_failure(
     base_failed: int,
     base_itl: tuple[float, int],
 ) -> str | None:
-    """Why `slot` fails probation now, or None. Counts are taken relative to the flip."""
-    engine = slot.engine
-    if engine is None or not engine.is_alive:
-        return "its engine died"
+    """Why `slot` fails probation now, or None. Counts are taken relative to the flip. A replica that
+    dies fails it although its siblings serve on: the old version is still resident on that device."""
+    dead = slot.dead_devices
+    if not slot.replicas or dead:
+        return f"its engine died ({', '.join(dead)})" if dead else "its engine died"
     num_finished = slot.num_finished - base_finished
     num_failed = slot.num_failed - base_failed
     if num_finished >= policy.min_requests and num_failed > policy.max_error_rate * num_finished:
         return f"{num_failed} of {num_finished} requests failed (limit {policy.max_error_rate:.0%})"
-    itl_count = engine.itl_count - base_itl[1]
+    itl_sum_s, itl_count = slot.itl_totals
+    itl_count -= base_itl[1]
     if policy.max_itl_s is not None and num_finished >= policy.min_requests and itl_count > 0:
-        mean_itl = (engine.itl_sum_s - base_itl[0]) / itl_count
+        mean_itl = (itl_sum_s - base_itl[0]) / itl_count
         if mean_itl > policy.max_itl_s:
             return (
                 f"mean inter-token latency {mean_itl * 1000:.0f} ms exceeds {policy.max_itl_s * 1000:.0f} ms"
@@ -64,8 +66,7 @@ async def watch_probation(
     """Poll until the window ends (None), the slot fails (the reason), or it stops being current (None)."""
     if policy.window_s <= 0:
         return None
-    engine = slot.engine
-    base_itl = (engine.itl_sum_s, engine.itl_count) if engine is not None else (0.0, 0)
+    base_itl = slot.itl_totals
     base_finished, base_failed = slot.num_finished, slot.num_failed
     deadline = time.monotonic() + policy.window_s
     while time.monotonic() < deadline and is_still_current():

@@ -1,6 +1,6 @@
-"""ModelSlot: one loaded model version behind an alias (state, engine, leases, facts for /v1/models),
-and Lease: a request's hold on a slot from alias resolution until its generation ends. Event-loop
-only; the ModelManager owns the slots and their transitions.
+"""ModelSlot: one loaded model version behind an alias (state, its replicas, one per device, and their
+router; leases; facts for /v1/models), and Lease: a request's hold on a slot from alias resolution
+until its generation ends. Event-loop only; the ModelManager owns the slots and their transitions.
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ import contextlib
 import enum
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from bitserve.engine.messages import Priority
 from bitserve.errors import BitserveError, EngineDead, RequestFailed
+from bitserve.frontend.device_router import DeviceRouter, Replica, RoutedStream
 from bitserve.lifecycle.model_files import ModelFile
+from bitserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from bitserve.engine.instance import ModelInstance
@@ -44,16 +47,20 @@ class SlotInfo:
     version: str  # short sha256 of the file
     file_name: str
     architecture: str
-    backend: str
+    backend: str  # of the first replica (each replica's is in ModelSlot.describe)
+    devices: tuple[str, ...]  # one replica per device, in the order they were requested
     tensor_types: dict[str, int]  # GGML storage type -> number of tensors
     max_model_len: int
     vocab_size: int
     has_chat_template: bool
-    memory_bytes: int  # estimate: file bytes + KV cache bytes
+    memory_bytes: int  # estimate: file bytes + KV cache bytes, summed over the replicas
+    host_memory_bytes: int  # the same for the replicas on the CPU (the --max-models-memory-bytes budget)
     created: int  # unix time of load, the OpenAI model object's `created`
 
 
-def model_info(alias: str, version: str, instance: ModelInstance) -> SlotInfo:
+def model_info(alias: str, version: str, replicas: Sequence[Replica]) -> SlotInfo:
+    """Facts of a version from its replicas (the first one's file, spec and tokenizer: all the same)."""
+    instance = replicas[0].instance
     loaded = instance.loaded
     types = Counter(info.ggml_type.name for info in loaded.gguf.tensors.values())
     return SlotInfo(
@@ -62,11 +69,15 @@ def model_info(alias: str, version: str, instance: ModelInstance) -> SlotInfo:
         file_name=instance.path.name,
         architecture=loaded.spec.architecture,
         backend=loaded.backend.name,
+        devices=tuple(replica.device for replica in replicas),
         tensor_types=dict(sorted(types.items())),
         max_model_len=instance.max_model_len,
         vocab_size=instance.tokenizer.vocab_size,
         has_chat_template=not isinstance(instance.chat_template, Exception),
-        memory_bytes=estimated_memory_bytes(instance),
+        memory_bytes=sum(estimated_memory_bytes(replica.instance) for replica in replicas),
+        host_memory_bytes=sum(
+            estimated_memory_bytes(replica.instance) for replica in replicas if replica.device == "cpu"
+        ),
         created=int(time.time()),
     )
 
@@ -79,16 +90,19 @@ def estimated_memory_bytes(instance: ModelInstance) -> int:
 
 @dataclass(eq=False)
 class ModelSlot:
-    """One version of one alias. Invariant: `engine` is set from READY on until UNLOADED."""
+    """One version of one alias. Invariant: from READY on, `replicas` holds one replica per placed device
+    (their engines stopped once UNLOADED); `router` routes over that same list."""
 
     slot_id: str  # "alias@version#n", unique for the manager's lifetime
     alias: str
     source: ModelFile
     state: SlotState = SlotState.LOADING
-    phase: str = "queued"  # finer progress inside LOADING: hashing, loading, validating
+    phase: str = "queued"  # finer progress inside LOADING: placing, hashing, loading, validating
     progress: float = 0.0  # 0..1
-    engine: AsyncEngine | None = None
-    instance: ModelInstance | None = None
+    device_request: tuple[str, ...] = ()  # the devices as asked ("auto" unresolved): a swap repeats it
+    placement: tuple[str, ...] = ()  # the resolved devices, once placed
+    replicas: list[Replica] = field(default_factory=list)
+    router: DeviceRouter = field(init=False)
     info: SlotInfo | None = None
     error: str | None = None
     num_leases: int = 0
@@ -100,14 +114,40 @@ class ModelSlot:
 
     def __post_init__(self) -> None:
         self._idle.set()
+        self.router = DeviceRouter(self.replicas)
 
     @property
     def version(self) -> str:
         return self.info.version if self.info is not None else self.source.version
 
     @property
+    def instance(self) -> ModelInstance | None:
+        """The first replica's instance: tokenizer, chat template and limits (the same on every replica)."""
+        return self.replicas[0].instance if self.replicas else None
+
+    @property
+    def engines(self) -> list[AsyncEngine]:
+        return [replica.engine for replica in self.replicas]
+
+    @property
+    def has_live_replica(self) -> bool:
+        return any(replica.is_alive for replica in self.replicas)
+
+    @property
+    def dead_devices(self) -> list[str]:
+        return [replica.device for replica in self.replicas if not replica.is_alive]
+
+    @property
     def is_routable(self) -> bool:
-        return self.state is SlotState.READY and self.engine is not None and self.engine.is_alive
+        return self.state is SlotState.READY and self.has_live_replica
+
+    @property
+    def itl_totals(self) -> tuple[float, int]:
+        """Inter-token latency sum and count over every replica's finished requests (probation)."""
+        return (
+            sum(engine.itl_sum_s for engine in self.engines),
+            sum(engine.itl_count for engine in self.engines),
+        )
 
     def acquire(self) -> Lease:
         self.num_leases += 1
@@ -133,6 +173,7 @@ class ModelSlot:
 
     def describe(self) -> dict[str, Any]:
         info = self.info
+        devices = list(self.placement or self.device_request)
         return {
             "slot_id": self.slot_id,
             "state": self.state.value,
@@ -142,12 +183,28 @@ class ModelSlot:
             "file": info.file_name if info else self.source.path.name,
             "architecture": info.architecture if info else None,
             "quant_formats": sorted(info.tensor_types) if info else [],
-            "device": "cpu",
+            "device": devices[0] if devices else None,
+            "devices": devices,
             "backend": info.backend if info else None,
             "memory_bytes": info.memory_bytes if info else None,
             "num_active_requests": self.num_leases,
+            "replicas": [describe_replica(replica) for replica in self.replicas],
             "error": self.error,
         }
+
+
+def describe_replica(replica: Replica) -> dict[str, Any]:
+    """One replica as /v1/models and /health show it: device, backend, health and the router's inputs."""
+    engine = replica.engine
+    return {
+        "device": replica.device,
+        "backend": replica.instance.loaded.backend.name,
+        "is_alive": engine.is_alive,
+        "is_draining": engine.is_draining,
+        "num_active_requests": engine.num_active_requests,
+        "mean_step_time_s": None if engine.mean_step_time_s is None else round(engine.mean_step_time_s, 6),
+        "seconds_since_progress": round(engine.seconds_since_progress, 3),
+    }
 
 
 class Lease:
@@ -162,9 +219,34 @@ class Lease:
         self._is_released = False
 
     @property
-    def engine(self) -> AsyncEngine:
-        assert self.slot.engine is not None, "a lease is only handed out on a READY slot"
-        return self.slot.engine
+    def instance(self) -> ModelInstance:
+        """Tokenizer, chat template and limits of the leased version (the same on every replica)."""
+        instance = self.slot.instance
+        assert instance is not None, "a lease is only handed out on a READY slot"
+        return instance
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        priority: Priority = Priority.NORMAL,
+        prompt_param: str = "prompt",
+        device: str | None = None,
+    ) -> RoutedStream:
+        """Route one request to a replica of the leased version (DeviceRouter.submit: `device` is the
+        request's hint); the lease is released when the stream closes."""
+        stream = self.slot.router.submit(
+            prompt_token_ids,
+            params,
+            request_id=request_id,
+            priority=priority,
+            prompt_param=prompt_param,
+            device=device,
+        )
+        stream.on_close = self.finish
+        return stream
 
     @property
     def info(self) -> SlotInfo:

@@ -96,7 +96,9 @@ class PrometheusStatsSink:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._last_preempted_total: dict[str, int] = {}  # model -> last StepStats.num_preempted_total
+        # (model, device) -> last StepStats.num_preempted_total of that replica
+        self._last_preempted_total: dict[tuple[str, str], int] = {}
+        self._devices: dict[str, set[str]] = {}  # model -> devices whose gauges exist (forget_model)
         self._http_error_reasons: set[str] = set()
         self._build_request_metrics()
         self._build_step_metrics()
@@ -107,7 +109,8 @@ class PrometheusStatsSink:
     # ----------------------------------------------------------------- metric definitions
 
     def _build_request_metrics(self) -> None:
-        reg, model = self.registry, ["model"]
+        # `device`: the replica that served the request (an alias may have one per device)
+        reg, model = self.registry, ["model", "device"]
         self.ttft = Histogram(
             "bitserve_time_to_first_token_seconds",
             "Time from arrival to the first output token.",
@@ -145,12 +148,12 @@ class PrometheusStatsSink:
         self.requests = Counter(
             "bitserve_requests_total",
             "Finished requests by finish reason.",
-            ["model", "finish_reason"],
+            ["model", "device", "finish_reason"],
             registry=reg,
         )
 
     def _build_step_metrics(self) -> None:
-        reg, model = self.registry, ["model"]
+        reg, model = self.registry, ["model", "device"]  # one series per replica
         self.num_running = Gauge(
             "bitserve_num_requests_running", "Requests in the running batch.", model, registry=reg
         )
@@ -247,45 +250,48 @@ class PrometheusStatsSink:
 
     # ----------------------------------------------------------------- StatsSink
 
-    def record_step(self, model: str, stats: StepStats) -> None:
-        """One engine step of `model`: gauges take the latest values, counters the step's increments."""
-        self.num_running.labels(model).set(stats.num_running)
-        self.num_waiting.labels(model).set(stats.num_waiting)
-        self.kv_usage.labels(model).set(stats.kv_usage)
+    def record_step(self, model: str, device: str, stats: StepStats) -> None:
+        """One engine step of `model`'s replica on `device`: gauges take the latest values, counters the
+        step's increments."""
+        self._devices.setdefault(model, set()).add(device)
+        labels = (model, device)
+        self.num_running.labels(*labels).set(stats.num_running)
+        self.num_waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_usage.labels(*labels).set(stats.kv_usage)
         if stats.num_prefix_query_tokens > 0:
-            self.prefix_queries.labels(model).inc(stats.num_prefix_query_tokens)
+            self.prefix_queries.labels(*labels).inc(stats.num_prefix_query_tokens)
         if stats.num_prefix_hit_tokens > 0:
-            self.prefix_hits.labels(model).inc(stats.num_prefix_hit_tokens)
+            self.prefix_hits.labels(*labels).inc(stats.num_prefix_hit_tokens)
         # num_preempted_total is cumulative per engine; a drop means a fresh engine (swap, restart),
         # whose whole count is new.
-        last = self._last_preempted_total.get(model, 0)
+        last = self._last_preempted_total.get(labels, 0)
         delta = (
             stats.num_preempted_total - last
             if stats.num_preempted_total >= last
             else stats.num_preempted_total
         )
-        self._last_preempted_total[model] = stats.num_preempted_total
-        self.preemptions.labels(model)  # the series exists (at 0) from a model's first step
+        self._last_preempted_total[labels] = stats.num_preempted_total
+        self.preemptions.labels(*labels)  # the series exists (at 0) from a replica's first step
         if delta > 0:
-            self.preemptions.labels(model).inc(delta)
+            self.preemptions.labels(*labels).inc(delta)
         if stats.num_batched_tokens > 0:
-            self.batched_tokens.labels(model).observe(stats.num_batched_tokens)
+            self.batched_tokens.labels(*labels).observe(stats.num_batched_tokens)
         if stats.step_time_s > 0:
-            self.step_time.labels(model).observe(stats.step_time_s)
+            self.step_time.labels(*labels).observe(stats.step_time_s)
 
     def record_request(self, stats: RequestStats) -> None:
         """One finished client request; latencies that are unknown (None) are not observed."""
-        model = stats.model
-        self.requests.labels(model, stats.finish_reason).inc()
-        self.prompt_tokens.labels(model).inc(stats.num_prompt_tokens)
-        self.generation_tokens.labels(model).inc(stats.num_output_tokens)
-        self.e2e.labels(model).observe(stats.e2e_s)
+        labels = (stats.model, stats.device)
+        self.requests.labels(*labels, stats.finish_reason).inc()
+        self.prompt_tokens.labels(*labels).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(stats.num_output_tokens)
+        self.e2e.labels(*labels).observe(stats.e2e_s)
         if stats.ttft_s is not None:
-            self.ttft.labels(model).observe(stats.ttft_s)
+            self.ttft.labels(*labels).observe(stats.ttft_s)
         if stats.mean_itl_s is not None:
-            self.itl.labels(model).observe(stats.mean_itl_s)
+            self.itl.labels(*labels).observe(stats.mean_itl_s)
         if stats.queue_s is not None:
-            self.queue.labels(model).observe(stats.queue_s)
+            self.queue.labels(*labels).observe(stats.queue_s)
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
@@ -325,11 +331,17 @@ class PrometheusStatsSink:
             self._http_error_reasons.add(reason)
         self.http_errors.labels(str(int(status)), reason).inc()
 
-    def forget_model(self, model: str) -> None:
-        """Drop `model`'s gauge series (after an unload), so a gone model does not report stale load."""
-        for gauge in (self.num_running, self.num_waiting, self.kv_usage):
-            gauge.remove(model)  # a no-op when the series does not exist
-        self._last_preempted_total.pop(model, None)
+    def forget_model(self, model: str, device: str | None = None) -> None:
+        """Drop `model`'s gauge series on `device`, or on every device (after an unload), so a gone
+        model or replica does not report stale load."""
+        devices = self._devices.get(model, set())
+        for gone in [device] if device is not None else list(devices):
+            for gauge in (self.num_running, self.num_waiting, self.kv_usage):
+                gauge.remove(model, gone)  # a no-op when the series does not exist
+            self._last_preempted_total.pop((model, gone), None)
+            devices.discard(gone)
+        if not devices:
+            self._devices.pop(model, None)
 
     def render(self) -> tuple[bytes, str]:
         """The body and content type for GET /metrics (Prometheus text exposition format)."""

@@ -14,9 +14,11 @@ from bitserve.core.step_outputs import StepStats
 
 @dataclass(frozen=True, slots=True)
 class RequestStats:
-    """One finished client request (all its choices), recorded by the AsyncEngine."""
+    """One finished client request (all its choices), recorded by the AsyncEngine of the replica that
+    served it."""
 
     model: str
+    device: str  # the replica's device ("cpu", "cuda:0")
     finish_reason: str
     num_prompt_tokens: int
     num_output_tokens: int
@@ -48,7 +50,9 @@ class SlotLabels:
 
 
 class StatsSink(Protocol):
-    def record_step(self, model: str, stats: StepStats) -> None: ...
+    def record_step(self, model: str, device: str, stats: StepStats) -> None:
+        """One engine step of `model`'s replica on `device`."""
+        ...
 
     def record_request(self, stats: RequestStats) -> None: ...
 
@@ -60,13 +64,14 @@ class StatsSink(Protocol):
 
     def set_served_models(self, models: list[SlotLabels]) -> None: ...
 
-    def forget_model(self, model: str) -> None:
-        """`model` is gone (unloaded): drop its gauges so it reports no stale load."""
+    def forget_model(self, model: str, device: str | None = None) -> None:
+        """`model` is gone (unloaded), or (with `device`) no longer runs there: drop those gauges so
+        they report no stale load."""
         ...
 
 
 class NullStatsSink:
-    def record_step(self, model: str, stats: StepStats) -> None:
+    def record_step(self, model: str, device: str, stats: StepStats) -> None:
         return None
 
     def record_request(self, stats: RequestStats) -> None:
@@ -84,5 +89,5 @@ class NullStatsSink:
     def set_served_models(self, models: list[SlotLabels]) -> None:
         return None
 
-    def forget_model(self, model: str) -> None:
+    def forget_model(self, model: str, device: str | None = None) -> None:
         return None

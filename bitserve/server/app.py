@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -115,12 +115,13 @@ def build_app(
     server_config: ServerConfig | None = None,
     engine_config: EngineConfig | None = None,
     *,
-    instance: ModelInstance | None = None,
+    instance: ModelInstance | Mapping[str, ModelInstance] | None = None,
     on_fatal: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The bitserve ASGI app. With `instance` (tests), serve that already-loaded model (the caller
-    closes it); otherwise load `engine_config`'s model in the background after startup, answering
-    503 + Retry-After until it is warm. `on_fatal` runs if the model cannot be loaded. More models
+    closes it), or a mapping of device -> instance as the replicas of one model; otherwise load
+    `engine_config`'s model in the background after startup, answering 503 + Retry-After until it is
+    warm. `on_fatal` runs if the model cannot be loaded. More models
     come and go through the admin routes (ModelManager)."""
     server_config = server_config or ServerConfig()
     state = build_state(server_config, engine_config or EngineConfig())
@@ -129,9 +130,8 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         load_task: asyncio.Task[Any] | None = None
         if instance is not None:
-            await state.models.adopt(
-                instance, served_model_id(instance.name, server_config.served_model_name)
-            )
+            first = next(iter(instance.values())) if isinstance(instance, Mapping) else instance
+            await state.models.adopt(instance, served_model_id(first.name, server_config.served_model_name))
             state.is_starting = False
         else:
             load_task = asyncio.create_task(_load_startup_model(state, on_fatal))

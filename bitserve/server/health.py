@@ -1,5 +1,9 @@
-"""Probes and ops endpoints: /health/live, /health/ready, /health (components and build info),
-/metrics. Each answers from cached state; none waits on model compute."""
+"""Probes and ops endpoints: /health/live, /health/ready, /health (components and build info, one
+component per replica), /metrics. Each answers from cached state; none waits on model compute.
+
+A model version may run as several replicas (one per device): it is alive while one of them is, and
+the router routes around a dead or wedged one; a replica that is down shows in /health and /v1/models.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from bitserve.lifecycle.slot import describe_replica
 from bitserve.server.errors import PROBE_FAIL_STATUS, PROBE_PASS_STATUS, retry_after_value
 from bitserve.server.state import get_state
 
@@ -21,16 +26,16 @@ def _probe(checks: dict[str, bool], details: dict[str, Any], retry_after_s: floa
 
 
 async def live(request: Request) -> Response:
-    """The process and event loop answer, the model did not fail to load, the engines of the versions
-    that serve live, and they make progress when work is pending (a wedged engine fails this probe)."""
+    """The process and event loop answer, the model did not fail to load, every version that serves
+    has a live engine (one replica's is enough: the router skips a dead one), and the live engines make
+    progress when work is pending (a wedged engine fails this probe)."""
     state = get_state(request)
-    engines = [
-        entry.current.engine for entry in state.models.aliases.values() if entry.current.engine is not None
-    ]
+    slots = [entry.current for entry in state.models.aliases.values() if entry.current.replicas]
+    engines = [replica.engine for slot in slots for replica in slot.replicas if replica.is_alive]
     stall_s = max((engine.seconds_since_progress for engine in engines), default=0.0)
     checks = {
         "model_load_ok": state.load_error is None,
-        "engine_alive": all(engine.is_alive for engine in engines),
+        "engine_alive": all(slot.has_live_replica for slot in slots),
         "engine_progressing": stall_s <= state.server_config.liveness_stall_s,
     }
     details = {
@@ -41,16 +46,18 @@ async def live(request: Request) -> Response:
 
 
 async def ready(request: Request) -> Response:
-    """The default model loaded and warmed, its engine alive, not draining, admission queue not full."""
+    """The default model loaded and warmed, an engine of it alive, not draining, and the admission queue
+    of one live replica not full."""
     state = get_state(request)
     slot = state.default_slot()
-    engine = slot.engine if slot is not None else None
+    live = [replica.engine for replica in slot.replicas if replica.is_alive] if slot is not None else []
     checks = {
         "model_ready": slot is not None and slot.is_routable,
-        "engine_alive": engine is not None and engine.is_alive,
+        "engine_alive": bool(live),
         "not_draining": not state.is_draining,
-        "queue_not_saturated": engine is not None
-        and engine.num_active_requests < state.server_config.max_num_waiting,
+        "queue_not_saturated": any(
+            engine.num_active_requests < state.server_config.max_num_waiting for engine in live
+        ),
     }
     return _probe(checks, {"phase": state.phase}, state.retry_after_s())
 
@@ -58,22 +65,25 @@ async def ready(request: Request) -> Response:
 async def health(request: Request) -> Response:
     state = get_state(request)
     slot = state.default_slot()
-    engine = slot.engine if slot is not None else None
+    engines = slot.engines if slot is not None else []
     info = slot.info if slot is not None else None
     components: dict[str, Any] = {
         "model": dataclasses.asdict(info) if info is not None else None,
         "models": state.models.describe(),
         "engine": None,
+        "replicas": [],
         "http": {"is_draining": state.is_draining, "num_live_streams": state.num_live_streams},
     }
     if state.load_error is not None:
         components["model"] = {"error": state.load_error}
-    if engine is not None:
+    if slot is not None and engines:
+        # the default version's engines together; each replica's own state under "replicas"
         components["engine"] = {
-            "is_alive": engine.is_alive,
-            "num_active_requests": engine.num_active_requests,
-            "seconds_since_progress": round(engine.seconds_since_progress, 3),
+            "is_alive": slot.has_live_replica,
+            "num_active_requests": sum(engine.num_active_requests for engine in engines),
+            "seconds_since_progress": round(max(engine.seconds_since_progress for engine in engines), 3),
         }
+        components["replicas"] = [describe_replica(replica) for replica in slot.replicas]
     build = dataclasses.asdict(state.build)
     if info is not None:
         build["kernel_backend"] = info.backend

@@ -1,7 +1,8 @@
 """The one serving pipeline every generation endpoint shares.
 
 `prepare()`: parse the body -> lease the model it names -> fill the model's default parameters ->
-encode the prompt -> SamplingParams -> `AsyncEngine.submit` (admission errors raise here, before any
+encode the prompt -> SamplingParams -> `Lease.submit`, whose router picks a replica of that version
+(admission errors, and a `device` hint this version does not run on, raise here, before any
 response header). `respond()`: SSE frames or one JSON body, both built by the endpoint's small
 `ResponseFormat`. The lease is released when the stream closes, however it ends.
 """
@@ -15,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from bitserve.frontend.generation_stream import GenerationStream
+from bitserve.frontend.device_router import RoutedStream
 from bitserve.lifecycle.slot import Lease
 from bitserve.outputs import RequestOutput
 from bitserve.server.body import parse_request, with_model_defaults
@@ -42,13 +43,13 @@ class Generation:
     state: AppState
     body: Any  # the endpoint's GenerationRequest subclass
     lease: Lease
-    stream: GenerationStream
+    stream: RoutedStream
     started: float  # time.monotonic() when the request arrived
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.lease.engine.instance.tokenizer
+        return self.lease.instance.tokenizer
 
     @property
     def model_id(self) -> str:
@@ -79,17 +80,16 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
     lease = state.acquire(body.model)
     with lease.released_on_error():
         body = with_model_defaults(body, lease.slot.source.default_params)
-        instance = lease.engine.instance
         prompt = body.prompt_input()
-        prompt_ids = await encode_prompt(instance, prompt)
-        stream = lease.engine.submit(
+        prompt_ids = await encode_prompt(lease.instance, prompt)
+        stream = lease.submit(
             prompt_ids,
             body.to_sampling_params(),
             request_id=new_request_id(id_prefix),
             priority=body.priority_class,
             prompt_param=prompt.param,
+            device=body.device,
         )
-        stream.on_close = lease.finish
     return Generation(state, body, lease, stream, started)
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from bitserve.engine.devices import MAX_DEVICE_CHARS
 from bitserve.engine.messages import Priority
 from bitserve.errors import InvalidRequest
 from bitserve.sampling_params import (
@@ -185,6 +186,8 @@ class GenerationRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Extension: run on this replica of the model ("cpu", "cuda", "cuda:N"); unset, the router picks.
+    device: str | None = Field(None, min_length=1, max_length=MAX_DEVICE_CHARS)
 
     def prompt_input(self) -> PromptInput:
         raise NotImplementedError

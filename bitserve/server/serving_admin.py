@@ -2,17 +2,19 @@
 (admin scope): load beside, swap, rollback, unload, operation status. Actions run in the background
 (202 + status URL) unless `wait` is true (the final result: 200, or the error's status and body).
 Model references are resolved only by the ModelFiles (names, or paths inside the model roots).
+Load and swap take `device` ("auto", "cpu", "cuda", "cuda:N") or `devices` (a list: one replica each).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
-from bitserve.errors import ModelNotFound
+from bitserve.engine.devices import MAX_DEVICE_CHARS, MAX_NUM_REPLICAS
+from bitserve.errors import InvalidRequest, ModelNotFound
 from bitserve.lifecycle.operations import Operation
 from bitserve.server.body import parse_request
 from bitserve.server.protocol import MAX_MODEL_NAME_CHARS, StrictModel
@@ -29,14 +31,34 @@ class AdminRequest(StrictModel):
     wait: bool = False
 
 
-class LoadModelRequest(AdminRequest):
+DeviceName = Annotated[str, Field(min_length=1, max_length=MAX_DEVICE_CHARS)]
+
+
+class PlacementRequest(AdminRequest):
+    """Where a load or swap puts the version: `device` (one) or `devices` (replicas), not both; neither
+    means the configured device for a load, and the alias's current devices for a swap."""
+
+    device: DeviceName | None = None
+    devices: list[DeviceName] | None = Field(None, min_length=1, max_length=MAX_NUM_REPLICAS)
+
+    def check_supported(self) -> None:
+        if self.device is not None and self.devices is not None:
+            raise InvalidRequest(
+                "give device or devices, not both", param="devices", hint="devices: a list, one replica each"
+            )
+
+    @property
+    def device_request(self) -> str | list[str] | None:
+        return self.devices if self.devices is not None else self.device
+
+
+class LoadModelRequest(PlacementRequest):
     model: str = Field(min_length=1, max_length=MAX_MODEL_REFERENCE_CHARS)
     alias: str | None = Field(None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
-    device: str | None = Field(None, max_length=64)
     should_validate: bool = Field(True, alias="validate")
 
 
-class SwapModelRequest(AdminRequest):
+class SwapModelRequest(PlacementRequest):
     model: str = Field(min_length=1, max_length=MAX_MODEL_REFERENCE_CHARS)
     should_validate: bool = Field(True, alias="validate")
 
@@ -111,13 +133,17 @@ async def load_model(request: Request) -> Response:
     body = parse_request(await request.body(), LoadModelRequest)
     manager = get_state(request).models
     alias = body.alias or manager.files.resolve(body.model).name
-    operation = manager.submit("load", alias, body.model, device=body.device, validate=body.should_validate)
+    operation = manager.submit(
+        "load", alias, body.model, devices=body.device_request, validate=body.should_validate
+    )
     return await _answer(operation, body.wait)
 
 
 async def swap_model(request: Request, alias: str) -> Response:
     body = parse_request(await request.body(), SwapModelRequest)
-    operation = get_state(request).models.submit("swap", alias, body.model, validate=body.should_validate)
+    operation = get_state(request).models.submit(
+        "swap", alias, body.model, devices=body.device_request, validate=body.should_validate
+    )
     return await _answer(operation, body.wait)
 
 

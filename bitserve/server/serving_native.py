@@ -146,25 +146,48 @@ async def stats(request: Request) -> Response:
         },
     }
     slot = state.default_slot()
-    if slot is None or slot.engine is None:
+    if slot is None or not slot.replicas:
         return JSONResponse(payload)
-    payload.update(engine_stats(slot.engine.snapshot()))
+    payload.update(model_stats([engine.snapshot() for engine in slot.engines]))
     payload["models"] = {
-        name: engine_stats(alias.current.engine.snapshot())
+        name: model_stats([engine.snapshot() for engine in alias.current.engines])
         for name, alias in sorted(state.models.aliases.items())
-        if alias.current.engine is not None
+        if alias.current.replicas
     }
     return JSONResponse(payload)
+
+
+def model_stats(snapshots: Sequence[EngineSnapshot]) -> dict[str, Any]:
+    """One model version: its replicas' counters together (the first replica's batching), and each
+    replica's own under "replicas"."""
+    stats = engine_stats(snapshots[0])
+    if len(snapshots) > 1:
+        num_free = sum(s.kv_cache.num_free_blocks for s in snapshots)
+        num_usable = sum(s.kv_cache.num_usable_blocks for s in snapshots)
+        stats["requests"] = {
+            "num_active": sum(s.num_active_requests for s in snapshots),
+            "num_queued_prompt_tokens": sum(s.num_queued_prompt_tokens for s in snapshots),
+        }
+        stats["throughput"] = {"tokens_per_s": round(sum(s.tokens_per_s for s in snapshots), 2)}
+        stats["kv_cache"] = {  # over every replica's blocks (their block sizes may differ: counts only)
+            "usage": round(1.0 - num_free / num_usable, 6) if num_usable else 0.0,
+            "num_free_blocks": num_free,
+            "num_usable_blocks": num_usable,
+        }
+        stats["engine"]["is_alive"] = any(s.is_alive for s in snapshots)
+    stats["replicas"] = [engine_stats(s) for s in snapshots]
+    return stats
 
 
 def engine_stats(snapshot: EngineSnapshot) -> dict[str, Any]:
     return {
         "model": snapshot.model,
+        "device": snapshot.device,
         "requests": {
             "num_active": snapshot.num_active_requests,
             "num_queued_prompt_tokens": snapshot.num_queued_prompt_tokens,
         },
-        "throughput": {"tokens_per_s": snapshot.tokens_per_s},
+        "throughput": {"tokens_per_s": snapshot.tokens_per_s, "mean_step_time_s": snapshot.mean_step_time_s},
         "batching": dataclasses.asdict(snapshot.last_step) if snapshot.last_step is not None else None,
         "kv_cache": dataclasses.asdict(snapshot.kv_cache),
         "engine": {

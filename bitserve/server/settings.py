@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from bitserve.engine.devices import parse_devices
 from bitserve.errors import InvalidRequest
 
 if typing.TYPE_CHECKING:
@@ -209,4 +210,6 @@ def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig
         server = ServerConfig(**kwargs["server"])
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"invalid settings: {exc}") from None
+    # the syntax now (a typo fails at startup, naming the choices); whether a GPU is there, at load
+    parse_devices(engine.model.device)
     return engine, server

@@ -86,7 +86,7 @@ class AppState:
         slot = self.default_slot()
         if slot is None:
             return "loading"
-        if slot.engine is not None and not slot.engine.is_alive:
+        if slot.replicas and not slot.has_live_replica:
             return "dead"
         return "draining" if self.is_draining else "ready"
 

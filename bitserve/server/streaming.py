@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from bitserve.errors import BitserveError
+from bitserve.frontend.device_router import RoutedStream
 from bitserve.frontend.generation_stream import GenerationStream
 from bitserve.server.errors import sse_error_event
 from bitserve.server.protocol import usage_payload
@@ -129,7 +130,7 @@ class SSEResponse(Response):
 
 
 async def sse_events(
-    stream: GenerationStream,
+    stream: GenerationStream | RoutedStream,
     keepalive_s: float,
     response_format: ResponseFormat,
 ) -> AsyncIterator[bytes]:

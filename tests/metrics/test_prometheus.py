@@ -49,34 +49,42 @@ def test_sink_satisfies_the_protocol() -> None:
 def test_request_stats_become_histograms_and_counters() -> None:
     sink = PrometheusStatsSink()
     sink.record_request(
-        RequestStats("m1", "length", 10, 5, e2e_s=1.5, ttft_s=0.3, mean_itl_s=0.02, queue_s=0.1)
+        RequestStats("m1", "cpu", "length", 10, 5, e2e_s=1.5, ttft_s=0.3, mean_itl_s=0.02, queue_s=0.1)
     )
-    sink.record_request(RequestStats("m1", "stop", 7, 3, e2e_s=0.9, ttft_s=0.4, mean_itl_s=None))
-    sink.record_request(RequestStats("m2", "abort", 4, 0, e2e_s=0.2, ttft_s=None, mean_itl_s=None))
+    sink.record_request(RequestStats("m1", "cpu", "stop", 7, 3, e2e_s=0.9, ttft_s=0.4, mean_itl_s=None))
+    sink.record_request(RequestStats("m2", "cuda:0", "abort", 4, 0, e2e_s=0.2, ttft_s=None, mean_itl_s=None))
     values = samples(sink)
-    assert value(values, "bitserve_requests_total", model="m1", finish_reason="length") == 1
-    assert value(values, "bitserve_requests_total", model="m1", finish_reason="stop") == 1
-    assert value(values, "bitserve_requests_total", model="m2", finish_reason="abort") == 1
-    assert value(values, "bitserve_prompt_tokens_total", model="m1") == 17
-    assert value(values, "bitserve_generation_tokens_total", model="m1") == 8
-    assert value(values, "bitserve_generation_tokens_total", model="m2") == 0
-    assert value(values, "bitserve_request_duration_seconds_count", model="m1") == 2
-    assert abs(value(values, "bitserve_request_duration_seconds_sum", model="m1") - 2.4) < 1e-9
+    assert value(values, "bitserve_requests_total", model="m1", device="cpu", finish_reason="length") == 1
+    assert value(values, "bitserve_requests_total", model="m1", device="cpu", finish_reason="stop") == 1
+    assert value(values, "bitserve_requests_total", model="m2", device="cuda:0", finish_reason="abort") == 1
+    assert value(values, "bitserve_prompt_tokens_total", model="m1", device="cpu") == 17
+    assert value(values, "bitserve_generation_tokens_total", model="m1", device="cpu") == 8
+    assert value(values, "bitserve_generation_tokens_total", model="m2", device="cuda:0") == 0
+    assert value(values, "bitserve_request_duration_seconds_count", model="m1", device="cpu") == 2
+    assert abs(value(values, "bitserve_request_duration_seconds_sum", model="m1", device="cpu") - 2.4) < 1e-9
     # TTFT: 0.3 and 0.4 fall in the 0.5 bucket, not in 0.25; m2 had no first token, so no sample
-    assert value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", le="0.25") == 0
-    assert value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", le="0.5") == 2
-    assert value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", le="60.0") == 2
-    assert ("bitserve_time_to_first_token_seconds_count", frozenset({("model", "m2")})) not in values
-    assert value(values, "bitserve_inter_token_latency_seconds_count", model="m1") == 1
-    assert value(values, "bitserve_request_queue_seconds_count", model="m1") == 1
+    assert (
+        value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", device="cpu", le="0.25") == 0
+    )
+    assert (
+        value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", device="cpu", le="0.5") == 2
+    )
+    assert (
+        value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", device="cpu", le="60.0") == 2
+    )
+    no_ttft = frozenset({("model", "m2"), ("device", "cuda:0")})
+    assert ("bitserve_time_to_first_token_seconds_count", no_ttft) not in values
+    assert value(values, "bitserve_inter_token_latency_seconds_count", model="m1", device="cpu") == 1
+    assert value(values, "bitserve_request_queue_seconds_count", model="m1", device="cpu") == 1
     assert max(TTFT_BUCKETS_S) == 60.0
 
 
 def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
     sink = PrometheusStatsSink()
-    sink.record_step("m", step())
+    sink.record_step("m", "cpu", step())
     sink.record_step(
         "m",
+        "cpu",
         step(
             num_running=1,
             num_waiting=0,
@@ -87,21 +95,23 @@ def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
             num_batched_tokens=1,
         ),
     )
-    sink.record_step("m", step(num_preempted_total=5, num_prefix_hit_tokens=0, num_prefix_query_tokens=0))
+    sink.record_step(
+        "m", "cpu", step(num_preempted_total=5, num_prefix_hit_tokens=0, num_prefix_query_tokens=0)
+    )
     values = samples(sink)
     # gauges hold the last step's values
-    assert value(values, "bitserve_num_requests_running", model="m") == 2
-    assert value(values, "bitserve_num_requests_waiting", model="m") == 3
-    assert value(values, "bitserve_kv_cache_usage_ratio", model="m") == 0.25
-    assert value(values, "bitserve_prefix_cache_queries_total", model="m") == 48 + 8
-    assert value(values, "bitserve_prefix_cache_hits_total", model="m") == 16
-    assert value(values, "bitserve_preemptions_total", model="m") == 5  # deltas 0, 2, 3
-    assert value(values, "bitserve_batched_tokens_per_step_count", model="m") == 3
-    assert value(values, "bitserve_batched_tokens_per_step_bucket", model="m", le="1.0") == 1
-    assert value(values, "bitserve_step_duration_seconds_count", model="m") == 3
+    assert value(values, "bitserve_num_requests_running", model="m", device="cpu") == 2
+    assert value(values, "bitserve_num_requests_waiting", model="m", device="cpu") == 3
+    assert value(values, "bitserve_kv_cache_usage_ratio", model="m", device="cpu") == 0.25
+    assert value(values, "bitserve_prefix_cache_queries_total", model="m", device="cpu") == 48 + 8
+    assert value(values, "bitserve_prefix_cache_hits_total", model="m", device="cpu") == 16
+    assert value(values, "bitserve_preemptions_total", model="m", device="cpu") == 5  # deltas 0, 2, 3
+    assert value(values, "bitserve_batched_tokens_per_step_count", model="m", device="cpu") == 3
+    assert value(values, "bitserve_batched_tokens_per_step_bucket", model="m", device="cpu", le="1.0") == 1
+    assert value(values, "bitserve_step_duration_seconds_count", model="m", device="cpu") == 3
     # a fresh engine restarts its cumulative count: the whole new count is new preemptions
-    sink.record_step("m", step(num_preempted_total=1))
-    assert value(samples(sink), "bitserve_preemptions_total", model="m") == 6
+    sink.record_step("m", "cpu", step(num_preempted_total=1))
+    assert value(samples(sink), "bitserve_preemptions_total", model="m", device="cpu") == 6
 
 
 def test_rejections_aborts_and_http_errors_by_label() -> None:
@@ -131,12 +141,23 @@ def test_http_error_reasons_are_bounded() -> None:
 
 def test_registries_are_independent_and_forget_model_drops_gauges() -> None:
     first, second = PrometheusStatsSink(), PrometheusStatsSink()
-    first.record_step("a", step())
-    first.record_step("b", step(num_running=7))
+    first.record_step("a", "cpu", step())
+    first.record_step("a", "cuda:1", step())
+    first.record_step("b", "cpu", step(num_running=7))
     assert not any(name == "bitserve_num_requests_running" for name, _ in samples(second))
+    assert value(samples(first), "bitserve_num_requests_running", model="a", device="cuda:1") == 2
+    first.forget_model("a", "cuda:1")  # a swap moved "a" off that device
+    values = samples(first)
+    assert ("bitserve_num_requests_running", frozenset({("model", "a"), ("device", "cuda:1")})) not in values
+    assert value(values, "bitserve_num_requests_running", model="a", device="cpu") == 2
+    first.record_step("a", "cuda:1", step())
     first.forget_model("a")
     values = samples(first)
-    assert ("bitserve_num_requests_running", frozenset({("model", "a")})) not in values
-    assert value(values, "bitserve_num_requests_running", model="b") == 7
+    for device in ("cpu", "cuda:1"):  # every replica's gauges go
+        assert (
+            "bitserve_num_requests_running",
+            frozenset({("model", "a"), ("device", device)}),
+        ) not in values
+    assert value(values, "bitserve_num_requests_running", model="b", device="cpu") == 7
     # counters of a forgotten model stay (they are totals, and Prometheus expects them monotonic)
-    assert value(values, "bitserve_prefix_cache_hits_total", model="a") == 16
+    assert value(values, "bitserve_prefix_cache_hits_total", model="a", device="cpu") == 16

@@ -4,9 +4,11 @@ uvicorn server on a real socket (so the test can reach its ModelManager), and a 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -181,3 +183,63 @@ async def stream_completion(
                 result.text += choice.get("text") or ""
                 result.finish_reason = choice.get("finish_reason") or result.finish_reason
         return result
+
+
+def version_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body if body is not None else {}, timeout=120.0)
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name}{{{wanted}}}")
+
+
+async def run_clients(
+    url: str,
+    num_clients: int,
+    stop: asyncio.Event,
+    results: list[Any],
+    *,
+    model: str | None = None,
+    max_tokens: int = 4,
+) -> None:
+    limits = httpx.Limits(max_connections=num_clients + 8, max_keepalive_connections=num_clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+
+        async def one(index: int) -> None:
+            count = 0
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    result = await stream_completion(
+                        client, f"client {index} request {count}", max_tokens, model
+                    )
+                except (
+                    httpx.HTTPError,
+                    ValueError,
+                    KeyError,
+                ) as exc:  # a broken stream is a failed request, not a hang
+                    result = StreamResult(-1, None, set(), "", None, False, f"{type(exc).__name__}: {exc}")
+                results.append((started, time.monotonic(), result))
+                count += 1
+
+        await asyncio.gather(*(one(i) for i in range(num_clients)))
+
+
+def failed(results: list[Any]) -> list[Any]:
+    return [
+        r
+        for _, _, r in results
+        if r.status != 200
+        or r.error is not None
+        or not r.has_done
+        or r.finish_reason not in ("length", "stop")
+    ]

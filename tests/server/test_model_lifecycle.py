@@ -16,10 +16,14 @@ import pytest
 from lifecycle_testing import (
     KV_CACHE_BYTES,
     ModelRoot,
-    StreamResult,
+    admin,
     build_model_root,
+    failed,
     lifecycle_server,
+    metric_value,
+    run_clients,
     stream_completion,
+    version_of,
 )
 
 ALIAS = "v1"  # the startup model's alias: its file stem
@@ -28,66 +32,6 @@ ALIAS = "v1"  # the startup model's alias: its file stem
 @pytest.fixture(scope="module")
 def model_root(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> ModelRoot:
     return build_model_root(tmp_path_factory.mktemp("lifecycle"), smollm2_path)
-
-
-def version_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-
-
-def admin(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body if body is not None else {}, timeout=120.0)
-
-
-def metric_value(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no sample {name}{{{wanted}}}")
-
-
-async def _clients(
-    url: str,
-    num_clients: int,
-    stop: asyncio.Event,
-    results: list[Any],
-    *,
-    model: str | None = None,
-    max_tokens: int = 4,
-) -> None:
-    limits = httpx.Limits(max_connections=num_clients + 8, max_keepalive_connections=num_clients + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
-
-        async def one(index: int) -> None:
-            count = 0
-            while not stop.is_set():
-                started = time.monotonic()
-                try:
-                    result = await stream_completion(
-                        client, f"client {index} request {count}", max_tokens, model
-                    )
-                except (
-                    httpx.HTTPError,
-                    ValueError,
-                    KeyError,
-                ) as exc:  # a broken stream is a failed request, not a hang
-                    result = StreamResult(-1, None, set(), "", None, False, f"{type(exc).__name__}: {exc}")
-                results.append((started, time.monotonic(), result))
-                count += 1
-
-        await asyncio.gather(*(one(i) for i in range(num_clients)))
-
-
-def failed(results: list[Any]) -> list[Any]:
-    return [
-        r
-        for _, _, r in results
-        if r.status != 200
-        or r.error is not None
-        or not r.has_done
-        or r.finish_reason not in ("length", "stop")
-    ]
 
 
 # ----------------------------------------------------------------- acceptance: swap under load
@@ -102,7 +46,7 @@ def test_swap_under_load_loses_nothing(model_root: ModelRoot) -> None:
 
         async def scenario() -> None:
             stop = asyncio.Event()
-            clients = asyncio.create_task(_clients(server.url, 100, stop, results))
+            clients = asyncio.create_task(run_clients(server.url, 100, stop, results))
             async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as admin_client:
                 for index in range(6):
                     await asyncio.sleep(0.5)
@@ -142,7 +86,7 @@ def test_rejected_swaps_keep_the_old_version_serving(model_root: ModelRoot) -> N
 
         async def scenario() -> None:
             stop = asyncio.Event()
-            clients = asyncio.create_task(_clients(server.url, 8, stop, results))
+            clients = asyncio.create_task(run_clients(server.url, 8, stop, results))
             async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as admin_client:
                 for name in ("truncated", "wrongarch", "badgolden", "badsha"):
                     answers[name] = await admin_client.post(
@@ -200,7 +144,7 @@ def test_probation_failure_rolls_back_automatically(model_root: ModelRoot) -> No
 
         async def scenario() -> None:
             stop = asyncio.Event()
-            clients = asyncio.create_task(_clients(server.url, 8, stop, results))
+            clients = asyncio.create_task(run_clients(server.url, 8, stop, results))
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and server.state.models.aliases[ALIAS].current.version != v1:
                 await asyncio.sleep(0.05)
@@ -410,6 +354,9 @@ def test_models_cli_against_a_running_server(
         assert "golden prompt 0" in capsys.readouterr().err
         assert main(["models", "--url", server.url, "unload", "nope"]) == 2
         assert "404" in capsys.readouterr().err
+        assert "cpu" in table[1].split()  # the DEVICES column
+        assert main(["models", "--url", server.url, "swap", ALIAS, "v1", "--device", "cpu,cuda:9"]) == 2
+        assert "'cuda:9' is not available" in capsys.readouterr().err
 
 
 def test_pull_checks_and_hashes_a_catalog_model(

@@ -1,0 +1,129 @@
+"""ReplicaBuilder: the device side of loading a model version. Parses the devices a load or swap asks
+for, resolves them to placements (`auto` included: discovery through a DeviceProbe), builds each
+replica's EngineConfig (the configured one with the file and that device: the only place one is
+built), loads its ModelInstance in a worker thread, starts its engine, and warms or validates it.
+Runs on the event loop; the ModelManager owns the slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+from bitserve.config import EngineConfig, ServerConfig
+from bitserve.engine.devices import (
+    DeviceProbe,
+    Placement,
+    TorchDeviceProbe,
+    check_present,
+    estimated_device_bytes,
+    parse_devices,
+    replica_config,
+    resolve_devices,
+)
+from bitserve.engine.instance import ModelInstance
+from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
+from bitserve.frontend.device_router import Replica
+from bitserve.lifecycle.model_files import GoldenPrompt, ModelFile
+from bitserve.lifecycle.slot import ModelSlot
+from bitserve.lifecycle.validation import validate_engine
+from bitserve.metrics.stats import StatsSink
+from bitserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "Hello"
+InstanceLoader = Callable[[EngineConfig], ModelInstance]
+
+
+async def warm_up(engine: AsyncEngine, request_id: str) -> None:
+    """One short greedy generation so the first client does not pay for lazy initialisation."""
+    prompt_ids = engine.instance.tokenizer.encode(WARMUP_PROMPT) or [0]
+    await engine.submit(
+        prompt_ids, SamplingParams(max_tokens=2, temperature=0.0), request_id=request_id
+    ).collect()
+
+
+class ReplicaBuilder:
+    """`probe`: device discovery (torch.cuda unless given; tests pass a fake GPU inventory).
+    `load_instance`: EngineConfig -> ModelInstance (ModelInstance.load unless set; looked up at each
+    load, so a test may patch it)."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        server_config: ServerConfig,
+        stats: StatsSink,
+        probe: DeviceProbe | None = None,
+        load_instance: InstanceLoader | None = None,
+    ) -> None:
+        self.engine_config = engine_config
+        self.server_config = server_config
+        self.stats = stats
+        self.probe: DeviceProbe = probe or TorchDeviceProbe()
+        self.load_instance = load_instance
+
+    def device_request(
+        self, devices: str | Sequence[str] | None, default: tuple[str, ...] | None
+    ) -> tuple[str, ...]:
+        """The parsed devices a load or swap asks for (`default` when None: the alias's own, else the
+        configured device). GPUs named must exist here; `auto` is resolved later, at load, against the
+        free memory then. Raises InvalidRequest naming the value and the choices."""
+        if devices is None and default is not None:
+            return default
+        if devices is None:
+            devices = self.engine_config.model.device
+        param = "device" if isinstance(devices, str) else "devices"
+        requested = parse_devices(devices, param=param)
+        check_present(requested, self.probe, param=param)
+        return requested
+
+    def place(self, source: ModelFile, devices: tuple[str, ...]) -> tuple[Placement, ...]:
+        """The concrete device of each requested replica (a worker thread: probing CUDA takes a while)."""
+        placements = resolve_devices(
+            devices,
+            self.probe,
+            needed_bytes=estimated_device_bytes(source.path.stat().st_size, self.engine_config),
+            backend=self.engine_config.model.backend,
+        )
+        for placement in placements:
+            logger.info("placing %s on %s: %s", source.path.name, placement.device, placement.reason)
+        return placements
+
+    async def load(self, slot: ModelSlot, source: ModelFile, placements: Sequence[Placement]) -> None:
+        """One ModelInstance and started engine per placement, appended to `slot.replicas` in order."""
+        base = dataclasses.replace(
+            self.engine_config, model=dataclasses.replace(self.engine_config.model, model=str(source.path))
+        )
+        load = self.load_instance or ModelInstance.load
+        for index, placement in enumerate(placements):
+            slot.phase, slot.progress = "loading", 0.2 + 0.6 * index / len(placements)
+            instance = await asyncio.to_thread(load, replica_config(base, placement.device))
+            self.start(slot, placement.device, instance)
+
+    def start(self, slot: ModelSlot, device: str, instance: ModelInstance) -> Replica:
+        """Wrap `instance` in an engine labelled `device` and start its thread."""
+        engine = AsyncEngine(
+            instance,
+            limits=AdmissionLimits.from_config(self.server_config),
+            stats=self.stats,
+            name=slot.alias,
+            device=device,
+        )
+        replica = Replica(device, instance, engine)
+        slot.replicas.append(replica)  # before start: freeing the slot stops whatever got appended
+        engine.start()
+        return replica
+
+    async def check(self, slot: ModelSlot, golden: Sequence[GoldenPrompt] | None) -> None:
+        """Validate every replica (`golden` given: smoke generation and golden prompts) or, when
+        warm-up is on, warm each: a replica whose device is broken fails the load, not a client."""
+        for replica in slot.replicas:
+            request_id = f"{slot.slot_id}-{replica.device}"
+            if golden is not None:
+                await validate_engine(replica.engine, golden, f"validate-{request_id}")
+            elif self.server_config.warmup:
+                await warm_up(replica.engine, f"warmup-{request_id}")
+            replica.engine.forget_step_times()  # the router measures it on real traffic
