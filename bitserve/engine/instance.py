@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from bitserve.config import EngineConfig, SchedulerConfig, resolve_batch_limits
+from bitserve.engine.devices import AUTO, parse_device
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidModelFile, InvalidRequest
 from bitserve.kernels.backend import LinearMode
@@ -39,12 +40,15 @@ def parse_linear_mode(name: str) -> LinearMode:
         ) from None
 
 
-def parse_device(name: str) -> torch.device:
-    """ "cpu", "cuda" or "cuda:N" -> torch.device; anything else (auto included: it is resolved before a
-    load) is an InvalidRequest naming the choices."""
-    if name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        return torch.device(name)
-    raise InvalidRequest(f"unknown device {name[:32]!r}", param="device", hint="one of cpu, cuda, cuda:N")
+def load_device(name: str) -> torch.device:
+    """The concrete device a model is loaded on ("cpu", "cuda", "cuda:N"); `auto` and replica lists are
+    resolved before a load (engine/devices.py), so they are refused here."""
+    device = parse_device(name)
+    if device == AUTO:
+        raise InvalidRequest(
+            "device auto must be resolved before a load", param="device", hint="see engine/devices.py"
+        )
+    return torch.device(device)
 
 
 def make_runner(
@@ -98,7 +102,7 @@ class ModelInstance:
         if model_config.num_threads is not None:
             torch.set_num_threads(model_config.num_threads)
         path = resolve_model(model_config.model)
-        device = parse_device(model_config.device)
+        device = load_device(model_config.device)
         options = LoadOptions(
             backend=select_backend(
                 model_config.backend,
@@ -141,7 +145,7 @@ class ModelInstance:
         except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
             chat_template = exc
         max_model_len = min(loaded.spec.max_model_len, config.scheduler.max_model_len)
-        device = parse_device(config.model.device)
+        device = load_device(config.model.device)
         scheduler_config = resolve_batch_limits(
             dataclasses.replace(config.scheduler, max_model_len=max_model_len),
             projection_format(loaded.gguf),
