@@ -5,21 +5,26 @@ and adds as separate f32 roundings (launched with enable_fp_fusion=False: no FMA
 `kernels/reference/ternary.bitnet_epilogue(integer_matmul(q, w), s_act, scale)`. Packed layout: see
 ternary_pack.py (byte i of a 128-column group holds columns i + 32j at bits 2j, code w + 1).
 
-Two paths, chosen by the number of tokens T:
-- GEMV (T <= GEMV_MAX_T, decode): weight traffic is everything, so the weights are read as int32 words
-  (16-byte vector loads) and never expanded to bytes. One word of a row holds 4 bytes = 16 weights;
+Two paths, chosen by `use_gemv` (T <= 4, or T <= GEMV_MAX_T for M <= 4096):
+- GEMV (decode): weight traffic is everything, so the weights are read as int32 words (16-byte vector
+  loads, evict-first) and never expanded to bytes. One word of a row holds 4 bytes = 16 weights;
   (word >> 2j) & 0x03030303 is plane j: 4 codes w + 1 of 4 contiguous columns, which one dp4a
-  multiplies with the matching activation word (4 int8 of q, also a 16-byte vector load per plane).
-  D = sum(code * q) - sum(q): the per-token sum of q is taken once per program in a short prologue.
-  That is ~3 integer instructions per weight byte. A program owns BLOCK_M rows and every token
-  (a [BLOCK_T, BLOCK_M, BLOCK_W] int32 accumulator, reduced once at the end), walks K in
-  BLOCK_W-word chunks (unrolled, so the chunk loads are in flight together), and the grid is
-  cdiv(M, BLOCK_M) programs: several waves of small programs keep all SMs busy on 2560-13824 rows.
-- GEMM (T > GEMV_MAX_T, prefill / large batches): tensor cores. For each 128-column group, the packed
-  [BLOCK_N, 32] bytes are loaded once and decoded plane by plane to int8 {-1, 0, 1} (2-3 ops a byte);
-  each plane meets the contiguous activation tile q[:, g*128 + 32j : +32] in one int8 tl.dot with an
-  int32 accumulator, four dots per group. Tile sizes come from a fixed table keyed on T (no
-  autotuning: the choice is deterministic per shape, so CUDA-graph capture after warm-up is safe).
+  multiplies with the matching activation word (4 int8 of q, a 16-byte vector load per plane that
+  stays in L1). D = sum(code * q) - sum(q), the per-token sum of q taken by dp4a once per program.
+  That is ~3 integer instructions per weight byte. A program owns BLOCK_M rows and every token (one
+  [BLOCK_M, BLOCK_W] int32 accumulator per token, reduced once at the end) and walks K in BLOCK_W-word
+  chunks, unrolled; the grid is cdiv(M, BLOCK_M) small programs (1-2 warps), many waves in flight.
+  When BLOCK_W >= 128 * num_warps every thread lies along K, so each thread's activation words serve
+  all BLOCK_M rows.
+- GEMM (prefill, larger batches): tensor cores. For each 128-column group, the packed [BLOCK_N, 32] bytes
+  are loaded once (cp.async pipeline) and decoded plane by plane to int8 {-1, 0, 1} by inline PTX on
+  4 bytes a register (4 instructions per 4 weights); each plane meets the contiguous activation tile
+  q[:, g*128 + 32j : +32] in one int8 tl.dot with an int32 accumulator, four dots per group. Token tiles
+  of 16-32 keep mma.sync, whose B operand Triton decodes straight from shared memory into registers
+  (wgmma would need the decoded weights written back to shared memory). When the tiles are too few
+  to fill the SMs, K is split: partial int32 sums meet exactly by atomic adds in a zeroed workspace
+  (one memset) and the last split to arrive runs the epilogue. Tile sizes come from a fixed table
+  keyed on a bucketed T (no autotuning: deterministic per shape, so CUDA-graph capture is safe).
 Imports triton: load only on the CUDA path.
 """
 
@@ -294,14 +299,18 @@ def use_gemv(m: int, k: int, num_tokens: int) -> bool:
 def gemv_config(m: int, k: int, num_tokens: int) -> GemvConfig:
     """Tile choice of the GEMV path: the fastest of benchmarks/bench_cuda_kernels.py --sweep on H100.
 
-    One-warp programs of 2-4 rows and 128-word (2048-weight) chunks: many small programs in flight
-    hide DRAM latency best. The 13824-row gate/up matrix prefers 16 rows over 4 warps at T = 1.
+    Small programs of 2-8 rows and 128-256-word (2048-4096-weight) chunks, one or two warps: many small
+    programs in flight hide DRAM latency best. The 13824-row gate/up matrix prefers more rows a program.
     """
-    if num_tokens == 1:
-        if m >= 8192:
+    if m >= 8192:
+        if num_tokens == 1:
             return GemvConfig(block_m=16, block_w=64, num_warps=4)
+        return GemvConfig(block_m=8, block_w=64 if num_tokens == 2 else 128, num_warps=1)
+    if num_tokens == 1:
         return GemvConfig(block_m=4 if m >= 3072 else 2, block_w=128, num_warps=1)
-    return GemvConfig(block_m=4, block_w=128, num_warps=1)
+    if k > 4096 and num_tokens <= 4:
+        return GemvConfig(block_m=4, block_w=256, num_warps=2)
+    return GemvConfig(block_m=2 if num_tokens == 2 else 4, block_w=128, num_warps=1)
 
 
 def gemm_config(m: int, k: int, num_tokens: int) -> GemmConfig:
@@ -310,9 +319,11 @@ def gemm_config(m: int, k: int, num_tokens: int) -> GemmConfig:
     weights, which wgmma would need) and give many programs."""
     if num_tokens <= 16:
         return GemmConfig(block_t=16, block_n=64, num_warps=4, num_stages=3)
-    if num_tokens <= 128 and k <= 4096 and m <= 4096:
-        return GemmConfig(block_t=32, block_n=64, num_warps=4, num_stages=3)
-    return GemmConfig(block_t=32, block_n=128, num_warps=4, num_stages=3)
+    if num_tokens <= 128:
+        wide = k > 4096 or m > 4096
+    else:
+        wide = m > 8192
+    return GemmConfig(block_t=32, block_n=128 if wide else 64, num_warps=4, num_stages=3)
 
 
 def _check_operands(
