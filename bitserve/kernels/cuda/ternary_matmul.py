@@ -1,0 +1,469 @@
+"""Ternary linear y = fl32(fl32(fl32(D) / s_act) * scale) [+ residual] on 2-bit plane-packed weights (Triton).
+
+D[t, m] = sum_k q[t, k] * w[m, k] is exact in int32; the epilogue divides (IEEE, tl.div_rn), multiplies
+and adds as separate f32 roundings (launched with enable_fp_fusion=False: no FMA), bit-exact with
+`kernels/reference/ternary.bitnet_epilogue(integer_matmul(q, w), s_act, scale)`. Packed layout: see
+ternary_pack.py (byte i of a 128-column group holds columns i + 32j at bits 2j, code w + 1).
+
+Two paths, chosen by `use_gemv` (T <= 4, or T <= GEMV_MAX_T for M <= 4096):
+- GEMV (decode): weight traffic is everything, so the weights are read as int32 words (16-byte vector
+  loads, evict-first) and never expanded to bytes. One word of a row holds 4 bytes = 16 weights;
+  (word >> 2j) & 0x03030303 is plane j: 4 codes w + 1 of 4 contiguous columns, which one dp4a
+  multiplies with the matching activation word (4 int8 of q, a 16-byte vector load per plane that
+  stays in L1). D = sum(code * q) - sum(q), the per-token sum of q taken by dp4a once per program.
+  That is ~3 integer instructions per weight byte. A program owns BLOCK_M rows and every token (one
+  [BLOCK_M, BLOCK_W] int32 accumulator per token, reduced once at the end) and walks K in BLOCK_W-word
+  chunks, unrolled; the grid is cdiv(M, BLOCK_M) small programs (1-2 warps), many waves in flight.
+  When BLOCK_W >= 128 * num_warps every thread lies along K, so each thread's activation words serve
+  all BLOCK_M rows.
+- GEMM (prefill, larger batches): tensor cores. For each 128-column group, the packed [BLOCK_N, 32] bytes
+  are loaded once (cp.async pipeline) and decoded plane by plane to int8 {-1, 0, 1} by inline PTX on
+  4 bytes a register (4 instructions per 4 weights); each plane meets the contiguous activation tile
+  q[:, g*128 + 32j : +32] in one int8 tl.dot with an int32 accumulator, four dots per group. Token tiles
+  of 16-32 keep mma.sync, whose B operand Triton decodes straight from shared memory into registers
+  (wgmma would need the decoded weights written back to shared memory). When the tiles are too few
+  to fill the SMs, K is split: partial int32 sums meet exactly by atomic adds in a zeroed workspace
+  (one memset) and the last split to arrive runs the epilogue. Tile sizes come from a fixed table
+  keyed on a bucketed T (no autotuning: deterministic per shape, so CUDA-graph capture is safe).
+Imports triton: load only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from bitserve.kernels.cuda.ternary_pack import GROUP
+
+GEMV_MAX_T = 8  # largest T served by the dp4a GEMV path
+WORDS_PER_GROUP = tl.constexpr(GROUP // 16)  # int32 words of packed weights per 128-column group (8)
+
+
+class GemvConfig(NamedTuple):
+    block_m: int  # rows per program
+    block_w: int  # packed int32 words per row and chunk (16 weights each)
+    num_warps: int
+
+
+INTERPRETER_GEMV = GemvConfig(block_m=64, block_w=128, num_warps=1)  # few, large programs: CPU time
+
+
+class GemmConfig(NamedTuple):
+    block_t: int  # tokens per program
+    block_n: int  # output rows per program
+    num_warps: int
+    num_stages: int
+    split_k: int = 0  # programs along K per output tile; 0: chosen to fill the SMs
+
+
+@triton.jit
+def _dp4a(a, b, c, USE_ASM: tl.constexpr):
+    """c + sum over the 4 bytes of a * b (signed bytes; int32 words, same shapes)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        # the CPU interpreter has no inline asm: sign-extend each byte and multiply
+        acc = c
+        for i in tl.static_range(4):
+            acc += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return acc
+
+
+@triton.jit
+def _epilogue(d, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES: tl.constexpr):
+    """d int32 [BT, BM] -> out[toks, rows] = fl32(fl32(fl32(d) / s_act) * scale) (+ residual)."""
+    s_act = tl.load(s_ptr + toks, mask=tok_ok, other=1.0)  # [BT]
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BM]
+    y = tl.div_rn(d.to(tl.float32), s_act[:, None]) * scale[None, :]
+    offs = toks[:, None].to(tl.int64) * M + rows[None, :]
+    mask = tok_ok[:, None] & row_ok[None, :]
+    if HAS_RES:
+        y = y + tl.load(res_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, y, mask=mask)
+
+
+@triton.jit
+def _gemv_row_epilogue(d, t, rows, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES: tl.constexpr):
+    """d int32 [BM] of token t -> out[t, rows] = fl32(fl32(fl32(d) / s_act[t]) * scale) (+ residual)."""
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BM]
+    y = tl.div_rn(d.to(tl.float32), tl.load(s_ptr + t)) * scale
+    offs = t * M + rows
+    if HAS_RES:
+        y = y + tl.load(res_ptr + offs, mask=row_ok, other=0.0)
+    tl.store(out_ptr + offs, y, mask=row_ok)
+
+
+@triton.jit
+def _token_sum(q_row_ptr, QW: tl.constexpr, SUM_BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+    """sum_k q[t, k] of one token row read as QW int32 words: an int32 scalar."""
+    offs = tl.arange(0, SUM_BLOCK)
+    ones = tl.full([SUM_BLOCK], 0x01010101, tl.int32)
+    total = tl.zeros([SUM_BLOCK], tl.int32)
+    for c in tl.static_range(0, QW, SUM_BLOCK):
+        a = tl.load(q_row_ptr + c + offs, mask=c + offs < QW, other=0)
+        total = _dp4a(a, ones, total, USE_ASM)
+    return tl.sum(total, axis=0)
+
+
+@triton.jit
+def _gemv_kernel(
+    q_ptr,  # int32 [T, K // 4]: q's int8 bytes read as words
+    w_ptr,  # int32 [M, K // 16]: the packed planes read as words
+    s_ptr,  # f32 [T]
+    scale_ptr,  # f32 [M]
+    res_ptr,  # f32 [T, M] (read only if HAS_RES)
+    out_ptr,  # f32 [T, M]
+    M,
+    KW: tl.constexpr,  # K // 16
+    NUM_T: tl.constexpr,  # T: one accumulator per token, all unrolled
+    BLOCK_M: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SUM_BLOCK: tl.constexpr,  # activation words per step of the token-sum epilogue
+    EVEN_M: tl.constexpr,  # M % BLOCK_M == 0: no row masks
+    A_1D: tl.constexpr,  # BLOCK_W >= 128 * num_warps: all threads lie along K
+    HAS_RES: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    QW: tl.constexpr = KW * 4  # activation words per token
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * KW  # [BM, 1]
+    # every weight load of the program is issued first: the DRAM latency is paid once, not per chunk
+    chunks = _load_weight_chunks(w_rows, row_ok, KW, BLOCK_W, EVEN_M)
+    # NOTE: a tuple of 2-D accumulators (one per token), not a 3-D tensor: Triton gives a loop-carried
+    # 3-D accumulator a layout of its own and converts every weight tile to it through shared memory
+    accs = ()
+    for _ in tl.static_range(NUM_T):
+        accs = accs + (tl.zeros([BLOCK_M, BLOCK_W], tl.int32),)
+    for c in tl.static_range(0, KW, BLOCK_W):
+        accs = _gemv_chunk(chunks[c // BLOCK_W], c, accs, q_ptr, rows, KW, NUM_T, BLOCK_W, A_1D, USE_ASM)
+    for t in tl.static_range(NUM_T):
+        # D = sum(code * q) - sum(q), since code = w + 1
+        d = tl.sum(accs[t], axis=1) - _token_sum(q_ptr + t * QW, QW, SUM_BLOCK, USE_ASM)  # [BM]
+        _gemv_row_epilogue(d, t, rows, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
+
+
+@triton.jit
+def _load_weight_chunks(w_rows, row_ok, KW: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_M: tl.constexpr):
+    """All [BM, BW] int32 weight chunks of the program's rows, as a tuple (masked only at the edges)."""
+    cols = tl.arange(0, BLOCK_W)
+    chunks = ()
+    for c in tl.static_range(0, KW, BLOCK_W):
+        kw = c + cols
+        # weights are read once: stream them past L1, which keeps the activations
+        if EVEN_M and c + BLOCK_W <= KW:
+            w = tl.load(w_rows + kw[None, :], eviction_policy="evict_first")
+        else:
+            mask = row_ok[:, None] & (kw < KW)[None, :]
+            w = tl.load(w_rows + kw[None, :], mask=mask, other=0, eviction_policy="evict_first")
+        chunks = chunks + (w,)
+    return chunks
+
+
+@triton.jit
+def _gemv_chunk(
+    w,  # int32 [BM, BW]: words c .. c + BW of the program's weight rows
+    c: tl.constexpr,
+    accs,  # NUM_T int32 [BM, BW] accumulators
+    q_ptr,
+    rows,
+    KW: tl.constexpr,
+    NUM_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    A_1D: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """accs[t] += code * q per word for the 4 planes of one weight chunk; returns the new accs."""
+    kw = c + tl.arange(0, BLOCK_W)  # [BW] weight word of each lane
+    # word u of group g, plane j meets activation word g * 32 + 8j + u
+    a_word = kw + (kw // WORDS_PER_GROUP) * (3 * WORDS_PER_GROUP)
+    a_rows = rows[:, None] * 0  # [BM, 1] zeros: gives the activation loads the weights' 2-D shape
+    a_mask = (rows >= 0)[:, None] & (kw < KW)[None, :]
+    for j in tl.static_range(4):
+        codes = (w >> (2 * j)) & 0x03030303  # [BM, BW]: 4 codes w + 1 per word
+        new_accs = ()
+        for t in tl.static_range(NUM_T):
+            a_ptrs = q_ptr + (a_word + (t * KW * 4 + WORDS_PER_GROUP * j))  # [BW]
+            if A_1D:
+                # every thread along K: the [BW] load has the weights' column layout, and each
+                # thread reuses its activation words for all BLOCK_M rows
+                a = tl.load(a_ptrs, mask=kw < KW, other=0)[None, :]
+            elif c + BLOCK_W <= KW:
+                # NOTE: a [BM, BW] load of rows that repeat one address: a [BW] load would get a
+                # layout of its own here (one word a thread) and a shared-memory conversion
+                a = tl.load(a_ptrs[None, :] + a_rows)
+            else:
+                a = tl.load(a_ptrs[None, :] + a_rows, mask=a_mask, other=0)
+            new_accs = new_accs + (_dp4a(codes, a, accs[t], USE_ASM),)
+        accs = new_accs
+    return accs
+
+
+# plane J of 4 packed bytes in a register, 4 instructions for 4 weights: code = (b >> 2J) & 3 per byte (the
+# shift moves bits across bytes, the mask drops them), then w = code - 1 per byte with no borrow between
+# bytes: ((code | 0x80) - 1) ^ 0x80
+_PLANE_DECODE = (
+    "and.b32 t, t, 0x03030303; or.b32 t, t, 0x80808080; "
+    "sub.u32 t, t, 0x01010101; xor.b32 $0, t, 0x80808080; }"
+)
+_PLANE0_ASM = tl.constexpr("{ .reg .b32 t; mov.b32 t, $1; " + _PLANE_DECODE)
+_PLANE1_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 2; " + _PLANE_DECODE)
+_PLANE2_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 4; " + _PLANE_DECODE)
+_PLANE3_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 6; " + _PLANE_DECODE)
+
+
+@triton.jit
+def _swar_decode(packed, ASM: tl.constexpr):
+    """uint8 [BN, 32] -> int8 [BN, 32] through one inline-asm instance per 4 bytes (pack=4)."""
+    return tl.inline_asm_elementwise(ASM, "=r,r", [packed], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _decode_plane(packed, J: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint8 [BN, 32] packed bytes -> int8 [BN, 32]: plane J, values w = code - 1 in {-1, 0, 1}."""
+    if not USE_ASM:
+        return ((packed >> (2 * J)) & 3).to(tl.int8) - 1
+    elif J == 0:
+        return _swar_decode(packed, _PLANE0_ASM)
+    elif J == 1:
+        return _swar_decode(packed, _PLANE1_ASM)
+    elif J == 2:
+        return _swar_decode(packed, _PLANE2_ASM)
+    else:
+        return _swar_decode(packed, _PLANE3_ASM)
+
+
+@triton.jit
+def _gemm_kernel(
+    q_ptr,  # int8 [T, K]
+    w_ptr,  # uint8 [M, K // 4]
+    s_ptr,  # f32 [T]
+    scale_ptr,  # f32 [M]
+    res_ptr,  # f32 [T, M] (read only if HAS_RES)
+    out_ptr,  # f32 [T, M]
+    ws_ptr,  # int32 [T * M + tiles], zeroed: split-K partial sums, then per-tile arrival counters
+    T,
+    M,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUPS_PER_SPLIT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    # axis 0 (fastest) walks token tiles: programs running together share one weight tile in L2
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tok_ok = toks < T
+    row_ok = rows < M
+    lanes = tl.arange(0, 32)
+    q_rows = q_ptr + toks[:, None].to(tl.int64) * K + lanes[None, :]  # [BT, 32]
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * (K // 4) + lanes[None, :]  # [BN, 32]
+    g_begin = tl.program_id(2) * GROUPS_PER_SPLIT  # GROUPS_PER_SPLIT divides K // 128
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.int32)
+    for i in range(GROUPS_PER_SPLIT):
+        g = g_begin + i
+        packed = tl.load(w_rows + g * 32, mask=row_ok[:, None], other=0)  # uint8 [BN, 32]
+        for j in tl.static_range(4):
+            a = tl.load(q_rows + (g * 128 + 32 * j), mask=tok_ok[:, None], other=0)  # int8 [BT, 32]
+            w = _decode_plane(packed, j, USE_ASM)  # int8 [BN, 32]: plane j, 32 contiguous columns
+            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+    if SPLIT_K == 1:
+        _epilogue(acc, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
+    else:
+        # exact int32 partial sums meet in ws (order-free); the last split to arrive runs the epilogue
+        offs = toks[:, None] * M + rows[None, :]
+        mask = tok_ok[:, None] & row_ok[None, :]
+        tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()  # every thread's adds are issued before the release below
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        arrived = tl.atomic_add(ws_ptr + T * M + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            d = tl.load(ws_ptr + offs, mask=mask, other=0, cache_modifier=".cg")
+            _epilogue(d, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
+
+
+def use_gemv(m: int, k: int, num_tokens: int) -> bool:
+    """The dp4a GEMV path up to T = 4, and up to T = GEMV_MAX_T for matrices of at most 4096 rows; the
+    tensor-core path beyond (H100: GEMV T = 8 vs GEMM T = 16 is 7.1 vs 7.4 µs at 2560x2560, 23 vs 13 µs
+    at 13824x2560)."""
+    return num_tokens <= 4 or (num_tokens <= GEMV_MAX_T and m <= 4096)
+
+
+def gemv_config(m: int, k: int, num_tokens: int) -> GemvConfig:
+    """Tile choice of the GEMV path: the fastest of benchmarks/bench_cuda_kernels.py --sweep on H100.
+
+    Small programs of 2-8 rows and 128-256-word (2048-4096-weight) chunks, one or two warps: many small
+    programs in flight hide DRAM latency best. The 13824-row gate/up matrix prefers more rows a program.
+    """
+    if m >= 8192:
+        if num_tokens == 1:
+            return GemvConfig(block_m=16, block_w=64, num_warps=4)
+        return GemvConfig(block_m=8, block_w=64 if num_tokens == 2 else 128, num_warps=1)
+    if num_tokens == 1:
+        return GemvConfig(block_m=4 if m >= 3072 else 2, block_w=128, num_warps=1)
+    if k > 4096 and num_tokens <= 4:
+        return GemvConfig(block_m=4, block_w=256, num_warps=2)
+    return GemvConfig(block_m=2 if num_tokens == 2 else 4, block_w=128, num_warps=1)
+
+
+def gemm_config(m: int, k: int, num_tokens: int) -> GemmConfig:
+    """Tile choice of the GEMM path keyed on a bucketed T (fastest of the H100 sweep; split-K chosen to
+    fill the SMs). Small token tiles win: they keep mma.sync (no shared-memory round trip of the decoded
+    weights, which wgmma would need) and give many programs."""
+    if num_tokens <= 16:
+        return GemmConfig(block_t=16, block_n=64, num_warps=4, num_stages=3)
+    if num_tokens <= 128:
+        wide = k > 4096 or m > 4096
+    else:
+        wide = m > 8192
+    return GemmConfig(block_t=32, block_n=128 if wide else 64, num_warps=4, num_stages=3)
+
+
+def _check_operands(
+    q: torch.Tensor,
+    s_act: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    residual: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Dtype/shape/contiguity checks (metadata only, no host sync). Returns (T, M, K)."""
+    if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous int8 [T, K], got {q.dtype} {tuple(q.shape)}")
+    num_tokens, k = q.shape
+    if k == 0 or k % GROUP != 0:
+        raise ValueError(f"K must be a positive multiple of {GROUP}, got {k}")
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
+        raise ValueError(
+            f"packed must be contiguous uint8 [M, K // 4], got {packed.dtype} {tuple(packed.shape)}"
+        )
+    m = packed.shape[0]
+    if packed.shape[1] != k // 4:
+        raise ValueError(f"packed width {packed.shape[1]} does not match K = {k} (need {k // 4})")
+    if s_act.dtype != torch.float32 or s_act.shape != (num_tokens,) or not s_act.is_contiguous():
+        raise ValueError(
+            f"s_act must be contiguous f32 [{num_tokens}], got {s_act.dtype} {tuple(s_act.shape)}"
+        )
+    if scale.dtype != torch.float32 or scale.shape != (m,) or not scale.is_contiguous():
+        raise ValueError(
+            f"scale must be contiguous f32 [{m}] (one per row), got {scale.dtype} {tuple(scale.shape)}"
+        )
+    for name, t in (("residual", residual), ("out", out)):
+        if t is not None and (
+            t.dtype != torch.float32 or t.shape != (num_tokens, m) or not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} must be contiguous f32 [{num_tokens}, {m}], got {t.dtype} {tuple(t.shape)}"
+            )
+    devices = {t.device for t in (q, s_act, packed, scale, residual, out) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}")
+    return num_tokens, m, k
+
+
+def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig) -> None:  # noqa: ANN001
+    """The dp4a path with an explicit tile config (T <= GEMV_MAX_T). Operands as ternary_linear's."""
+    num_tokens, k = q.shape
+    m = packed.shape[0]
+    _gemv_kernel[(triton.cdiv(m, cfg.block_m),)](
+        q.view(torch.int32),  # [T, K // 4]
+        packed.view(torch.int32),  # [M, K // 16]
+        s_act,
+        scale,
+        residual if residual is not None else out,
+        out,
+        m,
+        KW=k // 16,
+        NUM_T=num_tokens,
+        BLOCK_M=cfg.block_m,
+        BLOCK_W=cfg.block_w,
+        SUM_BLOCK=min(256, triton.next_power_of_2(k // 4)),
+        EVEN_M=m % cfg.block_m == 0,
+        A_1D=cfg.block_w >= 128 * cfg.num_warps,
+        HAS_RES=residual is not None,
+        USE_ASM=q.device.type == "cuda",
+        num_warps=cfg.num_warps,
+        enable_fp_fusion=False,
+    )
+
+
+def split_k_for(num_tiles: int, num_groups: int, target_programs: int = 264) -> int:
+    """Splits along K (a divisor of num_groups, each split at least 4 groups of 128 columns) that bring
+    num_tiles output tiles closest to target_programs (2 per H100 SM) without passing it."""
+    best = 1
+    for split in range(2, num_groups // 4 + 1):
+        if num_groups % split == 0 and num_tiles * split <= target_programs:
+            best = split
+    return best
+
+
+def launch_gemm(q, s_act, packed, scale, residual, out, cfg: GemmConfig) -> None:  # noqa: ANN001
+    """The tensor-core path with an explicit tile config. Operands as ternary_linear's."""
+    num_tokens, k = q.shape
+    m = packed.shape[0]
+    num_groups = k // GROUP
+    tiles = (triton.cdiv(num_tokens, cfg.block_t), triton.cdiv(m, cfg.block_n))
+    split = cfg.split_k or split_k_for(tiles[0] * tiles[1], num_groups)
+    if num_groups % split != 0:
+        raise ValueError(f"split_k {split} does not divide the {num_groups} column groups")
+    per_split = num_groups // split
+    # split-K workspace: int32 partial sums [T * M] and one arrival counter per tile, zeroed (one memset)
+    if split > 1:
+        workspace = torch.zeros(num_tokens * m + tiles[0] * tiles[1], dtype=torch.int32, device=q.device)
+    else:
+        workspace = out  # never read
+    _gemm_kernel[(tiles[0], tiles[1], split)](
+        q,
+        packed,
+        s_act,
+        scale,
+        residual if residual is not None else out,
+        out,
+        workspace,
+        num_tokens,
+        m,
+        K=k,
+        BLOCK_T=cfg.block_t,
+        BLOCK_N=cfg.block_n,
+        SPLIT_K=split,
+        GROUPS_PER_SPLIT=per_split,
+        HAS_RES=residual is not None,
+        USE_ASM=q.device.type == "cuda",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=False,
+    )
+
+
+def ternary_linear(
+    q: torch.Tensor,
+    s_act: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q int8 [T, K], s_act f32 [T], packed uint8 [M, K // 4], scale f32 [M] -> f32 [T, M].
+
+    y[t, m] = fl32(fl32(fl32(D[t, m]) / s_act[t]) * scale[m]) (+ residual[t, m], one f32 add).
+    All operands contiguous on one device; `out`, when given, is written in place and returned.
+    No host sync (CUDA-graph capturable once each (T, M, K) has been run once).
+    """
+    num_tokens, m, k = _check_operands(q, s_act, packed, scale, residual, out)
+    if out is None:
+        out = torch.empty(num_tokens, m, dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or m == 0:
+        return out
+    if use_gemv(m, k, num_tokens):
+        cfg = gemv_config(m, k, num_tokens) if q.is_cuda else INTERPRETER_GEMV
+        launch_gemv(q, s_act, packed, scale, residual, out, cfg)
+    else:
+        launch_gemm(q, s_act, packed, scale, residual, out, gemm_config(m, k, num_tokens))
+    return out
