@@ -50,6 +50,9 @@ class DeviceAttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     decode_only: bool
+    # flash-decoding splits of the decode kernel (None: its rule, from the table width); a CUDA-graph
+    # bucket of short contexts asks for 1, since the table is as wide as the longest context it serves
+    decode_splits: int | None = None
 
 
 def _fast_ternary(weights: list[PreparedLinear], scales: list[float | None]) -> CudaTernaryLinear | None:
@@ -111,7 +114,9 @@ class _CudaLayer:
         if dense is not None:
             if residual is None:
                 return torch.nn.functional.linear(x, dense)
-            return torch.addmm(residual, x, dense.t())
+            # in place: the residual stream tensor is this layer's own (nothing else reads it after),
+            # and cuBLAS then accumulates into it instead of first copying it to a fresh output
+            return residual.addmm_(x, dense.t())
         out = _run(self.modules[name], x)
         return out if residual is None else residual + out
 
@@ -217,7 +222,14 @@ class CudaDecoder:
         from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 
         if metadata.decode_only:
-            return paged_decode_attention(q, kv_cache, metadata.block_table, metadata.seq_lens, self.scale)
+            return paged_decode_attention(
+                q,
+                kv_cache,
+                metadata.block_table,
+                metadata.seq_lens,
+                self.scale,
+                num_splits=metadata.decode_splits,
+            )
         return paged_prefill_attention(
             q,
             kv_cache,

@@ -1,11 +1,16 @@
-"""Decode-step CUDA graphs, one per batch-size bucket (1, 2, 4, ..., 256, capped by max_num_seqs).
+"""Decode-step CUDA graphs, one per (batch-size bucket, context bucket).
 
 At batch 1 a 2B ternary decode step is ~300 short kernels; launched from Python they cost more than
-the whole memory traffic of the step. A graph replays them with one launch. Each bucket's graph reads
-static input buffers (token ids, positions, slots, block tables, sequence lengths) and writes static
-logits; a step of n sequences copies its inputs into the first n rows of the smallest bucket >= n, pads
-the rest with a harmless row (token 0 at position 0, one key, writing to the scratch KV slot), replays,
-and reads the first n rows of the logits. All buckets share one memory pool.
+the whole memory traffic of the step. A graph replays them with one launch. Batch buckets are powers of
+two (1, 2, 4, ..., 256, capped by max_num_seqs); context buckets are block-table widths of 256 and 1024
+keys and the full max_model_len. A short-context bucket runs decode attention in one split (the
+flash-decoding split rule reads the table width, not the lengths, which a graph cannot see), saving the
+split reduction; longer ones keep the kernel's own rule.
+
+Each graph reads static input buffers and writes static logits: a step of n sequences copies its inputs
+(one pinned int64 block and the int32 block table, two non-blocking copies) into the first n rows of the
+smallest fitting bucket, pads the rest with a harmless row (token 0 at position 0, one key, writing to
+the scratch KV slot), replays, and reads the first n rows of the logits. All graphs share one pool.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
 logger = logging.getLogger(__name__)
 
 MAX_BUCKET = 256
+CONTEXT_BUCKETS = (256, 1024)  # keys; the last bucket is always max_model_len
+SINGLE_SPLIT_KEYS = 256  # contexts this short attend in one split
+# rows of the packed int64 input block
+INPUT_IDS, POSITIONS, SLOTS, SEQ_LENS = range(4)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -31,6 +40,12 @@ def bucket_sizes(max_batch: int) -> list[int]:
     while sizes[-1] < limit:
         sizes.append(sizes[-1] * 2)
     return sizes
+
+
+def context_widths(max_blocks_per_seq: int, block_size: int) -> list[int]:
+    """Block-table widths of the context buckets, ascending, the last one max_blocks_per_seq."""
+    widths = {min(-(-keys // block_size), max_blocks_per_seq) for keys in CONTEXT_BUCKETS}
+    return sorted(widths | {max_blocks_per_seq})
 
 
 class DecodeGraphs:
@@ -46,46 +61,41 @@ class DecodeGraphs:
     ) -> None:
         self.decoder = decoder
         self.kv_caches = kv_caches
+        self.block_size = kv_caches[0].shape[2]  # [2, blocks, block_size, kv_heads, head_dim]
         self.sizes = bucket_sizes(max_batch)
+        self.widths = context_widths(max_blocks_per_seq, self.block_size)
         self.scratch_slot = scratch_slot
-        self.device = device
-        size = self.sizes[-1]
-        scratch_block = scratch_slot // kv_caches[0].shape[2]  # shape[2]: block_size
-        # static inputs, on the device; padded rows stay as written here
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), scratch_slot, dtype=torch.int64, device=device)
-        self.block_table = torch.full(
-            (size, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
-        )
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.scratch_block = scratch_slot // self.block_size
+        size, width = self.sizes[-1], self.widths[-1]
+        # static inputs on the device; rows past a step's sequences keep the padding written here
+        self.inputs = torch.zeros((4, size), dtype=torch.int64, device=device)  # ids, positions, slots, lens
+        self.inputs[SLOTS].fill_(scratch_slot)
+        self.inputs[SEQ_LENS].fill_(1)
+        self.block_table = torch.full((size, width), self.scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        # host staging (pinned): one copy per buffer per step
-        self._host = {
-            name: torch.empty_like(getattr(self, name), device="cpu").pin_memory()
-            for name in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens")
-        }
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self._host_inputs = torch.empty_like(self.inputs, device="cpu").pin_memory()
+        self._host_table = torch.empty_like(self.block_table, device="cpu").pin_memory()
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def _metadata(self, size: int) -> DeviceAttentionMetadata:
+    def _metadata(self, size: int, width: int) -> DeviceAttentionMetadata:
         return DeviceAttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            block_table=self.block_table[:size],
-            seq_lens=self.seq_lens[:size],
+            slot_mapping=self.inputs[SLOTS, :size],
+            block_table=self.block_table[:size, :width],
+            seq_lens=self.inputs[SEQ_LENS, :size],
             query_start_loc=self.query_start_loc[: size + 1],
             max_query_len=1,
             decode_only=True,
+            decode_splits=1 if width * self.block_size <= SINGLE_SPLIT_KEYS else None,
         )
 
-    def _step(self, size: int) -> torch.Tensor:
-        hidden = self.decoder(
-            self.input_ids[:size], self.positions[:size], self.kv_caches, self._metadata(size)
-        )
+    def _step(self, size: int, width: int) -> torch.Tensor:
+        ids, positions = self.inputs[INPUT_IDS, :size], self.inputs[POSITIONS, :size]
+        hidden = self.decoder(ids, positions, self.kv_caches, self._metadata(size, width))
         return self.decoder.compute_logits(hidden)  # [size, vocab]
 
     @torch.inference_mode()
@@ -94,49 +104,47 @@ class DecodeGraphs:
         largest first so the smaller graphs reuse its pool."""
         started = time.perf_counter()
         for size in reversed(self.sizes):
-            self._step(size)  # eager warm-up: compilation and autotuning happen outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size] = self._step(size)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+            for width in reversed(self.widths):
+                self._step(size, width)  # eager warm-up: compilation happens outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[size, width] = self._step(size, width)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[size, width] = graph
+        torch.cuda.synchronize()
         logger.info(
-            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            "captured decode CUDA graphs for batch sizes %s x table widths %s in %.1f s",
             self.sizes,
+            self.widths,
             time.perf_counter() - started,
         )
 
-    def run(self, requests: Sequence[ScheduledRequest], block_size: int) -> torch.Tensor:
+    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
         """A decode-only step of len(requests) sequences -> logits f32 [len(requests), vocab] (a view of
         the bucket's static output: read it before the next step)."""
         num = len(requests)
         size = next(s for s in self.sizes if s >= num)
-        width = self.block_table.shape[1]
-        scratch_block = self._scratch_block()
-        ids, positions, slots, lens, tables = [], [], [], [], []
+        needed = max(len(request.block_ids) for request in requests)
+        width = next(w for w in self.widths if w >= needed)
+        block_size, scratch = self.block_size, self.scratch_block
+        rows: list[list[int]] = [[], [], [], []]
+        table: list[list[int]] = []
         for request in requests:
             position = request.start_position
-            ids.append(request.token_ids[0])
-            positions.append(position)
-            slots.append(request.block_ids[position // block_size] * block_size + position % block_size)
-            lens.append(position + 1)
-            tables.append(request.block_ids + [scratch_block] * (width - len(request.block_ids)))
+            rows[INPUT_IDS].append(request.token_ids[0])
+            rows[POSITIONS].append(position)
+            rows[SLOTS].append(request.block_ids[position // block_size] * block_size + position % block_size)
+            rows[SEQ_LENS].append(position + 1)
+            table.append(request.block_ids + [scratch] * (width - len(request.block_ids)))
         padding = size - num  # harmless rows: token 0 at position 0, one key, in the scratch block
-        host = self._host
-        host["input_ids"][:size] = torch.tensor(ids + [0] * padding, dtype=torch.int64)
-        host["positions"][:size] = torch.tensor(positions + [0] * padding, dtype=torch.int64)
-        host["slot_mapping"][:size] = torch.tensor(slots + [self.scratch_slot] * padding, dtype=torch.int64)
-        host["seq_lens"][:size] = torch.tensor(lens + [1] * padding, dtype=torch.int32)
-        host["block_table"][:size] = torch.tensor(
-            tables + [[scratch_block] * width] * padding, dtype=torch.int32
-        )
-        for name, staged in host.items():
-            getattr(self, name)[:size].copy_(staged[:size], non_blocking=True)
-        self.graphs[size].replay()
-        return self.logits[size][:num]
-
-    def _scratch_block(self) -> int:
-        return self.scratch_slot // self.kv_caches[0].shape[2]
+        for row, pad in zip(rows, (0, 0, self.scratch_slot, 1), strict=True):
+            row.extend([pad] * padding)
+        table.extend([[scratch] * width] * padding)
+        self._host_inputs[:, :size] = torch.tensor(rows, dtype=torch.int64)
+        self._host_table[:size, :width] = torch.tensor(table, dtype=torch.int32)
+        self.inputs[:, :size].copy_(self._host_inputs[:, :size], non_blocking=True)
+        self.block_table[:size, :width].copy_(self._host_table[:size, :width], non_blocking=True)
+        self.graphs[size, width].replay()
+        return self.logits[size, width][:num]

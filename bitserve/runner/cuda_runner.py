@@ -63,7 +63,9 @@ class CudaModelRunner(ModelRunner):
         sample_rows = [row for row, request in enumerate(requests) if request.sample]
         decode_only = all(len(request.token_ids) == 1 for request in requests)
         if decode_only and self.graphs is not None and self.graphs.fits(len(requests)):
-            logits = self.graphs.run(requests, self.layout.block_size)  # [num_requests, vocab]
+            logits = self.graphs.run(requests)  # [num_requests, vocab]
+            if len(sample_rows) == len(requests):
+                return logits
             return logits[sample_rows] if sample_rows else None
         input_ids, positions, metadata, last_rows = self._eager_inputs(requests, decode_only)
         hidden = self.decoder(input_ids, positions, self.kv_caches, metadata)

@@ -1,0 +1,76 @@
+"""Where a batch-1 decode step goes on CUDA: host (engine + runner) vs the replayed graph, and the
+graph's kernels by GPU time (torch.profiler over replays). One JSON line per model, then the table.
+
+    python benchmarks/profile_gpu_step.py /tmp/bitserve-gpu/2b4t-i2s.gguf [more.gguf ...]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bitserve import LLM, SamplingParams  # noqa: E402
+from bitserve.engine.messages import EngineRequest  # noqa: E402
+
+
+def step_times(llm: LLM, num_steps: int = 64) -> list[float]:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=num_steps + 2, temperature=0, ignore_eos=True)
+    engine.add_request(EngineRequest("p", tuple(range(100, 116)), params, frozenset()))
+    engine.step()  # prefill
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times[2:]
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, count: int = 100) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(count):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / count
+
+
+def kernel_table(graph: torch.cuda.CUDAGraph) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+
+def main() -> None:
+    for path in sys.argv[1:]:
+        llm = LLM(path, device="cuda")
+        steps = step_times(llm)
+        graph = llm.engine.runner.graphs.graphs[1]
+        row = {
+            "model": Path(path).name,
+            "card": torch.cuda.get_device_name(0),
+            "step_ms_median": round(statistics.median(steps) * 1000, 3),
+            "graph_replay_ms": round(replay_us(graph) / 1000, 3),
+        }
+        sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.write(kernel_table(graph) + "\n")
+        llm.close()
+        del llm
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
