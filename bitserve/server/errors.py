@@ -189,7 +189,7 @@ def install_error_handlers(
 ) -> None:
     """Route every handled exception through the table. `on_error(status, type)` counts it."""
 
-    def respond(exc: BaseException, spec: ErrorSpec) -> JSONResponse:
+    def respond(exc: BaseException, spec: ErrorSpec, headers: dict[str, str] | None = None) -> JSONResponse:
         on_error(spec.status, spec.code)
         if spec.status >= 500:  # 503s (loading, draining, overload) are expected; other 5xx are failures
             logger.log(
@@ -201,7 +201,7 @@ def install_error_handlers(
         return JSONResponse(
             error_payload(exc, spec),
             status_code=spec.status,
-            headers=error_headers(exc, spec, retry_after_s()),
+            headers={**error_headers(exc, spec, retry_after_s()), **(headers or {})},
         )
 
     async def on_bitserve_error(request: Request, exc: Exception) -> JSONResponse:
@@ -219,7 +219,9 @@ def install_error_handlers(
         message = (
             f"no route for {request.method} {request.url.path[:200]}" if status in (404, 405) else str(detail)
         )
-        return respond(BitserveError(message, hint="see GET /docs for the routes"), spec)
+        # a 405 keeps Starlette's `Allow` header (RFC 9110 requires it)
+        headers = exc.headers if isinstance(exc, StarletteHTTPException) else None
+        return respond(BitserveError(message, hint="see GET /docs for the routes"), spec, headers)
 
     app.add_exception_handler(BitserveError, on_bitserve_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

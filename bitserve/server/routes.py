@@ -126,6 +126,44 @@ def route_rules(app: FastAPI) -> dict[int, RouteRule]:
     return rules
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+    hint: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: OpenAI's shape (server/errors.py renders it)."""
+
+    error: ErrorDetail
+
+
+# The error statuses any route may answer (server/errors.py's table, the body and header limits, auth,
+# limits), documented on every route so /openapi.json describes each response the server can send.
+ERROR_STATUSES = (400, 401, 403, 404, 405, 408, 409, 413, 422, 429, 431, 500, 503, 504)
+ACCEPTED_STATUS = 202  # admin actions without `wait`
+# 200 bodies that are not JSON, by path: Prometheus text, and SSE where a request may stream
+TEXT_BODIES = {
+    "/metrics": "text/plain",
+    "/v1/chat/completions": "text/event-stream",
+    "/v1/completions": "text/event-stream",
+    "/v1/inference/stream": "text/event-stream",
+}
+
+
+def _responses(route: Route) -> dict[int | str, dict[str, Any]]:
+    responses: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorBody, "description": "error"} for status in ERROR_STATUSES
+    }
+    if route.path in TEXT_BODIES:
+        responses[200] = {"description": "success", "content": {TEXT_BODIES[route.path]: {}}}
+    if route.scope == "models:admin" and route.method == "POST":
+        responses[ACCEPTED_STATUS] = {"description": "accepted: poll the operation's status_url"}
+    return responses
+
+
 def _body_schema(model: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(schema, nested definitions), with references pointing at the OpenAPI components."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -148,6 +186,7 @@ def register_routes(app: FastAPI) -> None:
             tags=[route.scope],
             name=route.handler.__name__,
             openapi_extra=extra,
+            responses=_responses(route),
         )
     build_openapi = app.openapi
 
