@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import schemathesis
 from conftest import BLACKBOX_ARGS
-from hypothesis import HealthCheck, settings
 from http_testing import ServerProcess
+from hypothesis import HealthCheck, settings
 
 KEY = "bsk_schemathesis_key_0000000000000000"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
