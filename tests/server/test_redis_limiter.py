@@ -14,9 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import security_testing as st
+from conftest import IN_PROCESS_SERVER
+from fastapi.testclient import TestClient
 from http_testing import free_port
 
 from bitserve.errors import LimiterUnavailable, RateLimited
+from bitserve.server.security.config import SecurityConfig
 from bitserve.server.security.principal import Limits, Principal
 from bitserve.server.security.redis_limiter import RedisRateLimiter
 
@@ -164,12 +168,7 @@ def test_the_server_fails_closed_or_open_and_counts_it(
     tmp_path: Path, synthetic_instance: object, on_error: str
 ) -> None:
     """Through the app: Redis unreachable (nothing listens on the port)."""
-    import security_testing as st
-    from conftest import IN_PROCESS_SERVER
-    from fastapi.testclient import TestClient
-
     from bitserve.server.app import build_app
-    from bitserve.server.security.config import SecurityConfig
 
     security = SecurityConfig(
         auth_file=str(st.write_auth_file(tmp_path / "auth.toml")),
