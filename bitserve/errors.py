@@ -42,8 +42,25 @@ class QueueFull(BitserveError):
         self.retry_after_s = retry_after_s
 
 
+class Unauthenticated(BitserveError):
+    """No credentials, or credentials that do not verify (unknown key, bad or expired token)."""
+
+
 class Forbidden(BitserveError):
-    """The caller may not do this (e.g. load a file outside the configured model roots)."""
+    """The caller may not do this (e.g. load a file outside the configured model roots, a route outside
+    the principal's scopes, a model its key does not list)."""
+
+
+class RateLimited(BitserveError):
+    """A principal is over its request or token limit. `retry_after_s` says when to try again."""
+
+    def __init__(self, message: str, *, retry_after_s: float, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or "retry after the number of seconds in Retry-After")
+        self.retry_after_s = retry_after_s
+
+
+class LimiterUnavailable(BitserveError):
+    """The shared rate limiter (Redis) cannot be reached and the server fails closed."""
 
 
 class Conflict(BitserveError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from contextvars import ContextVar
@@ -27,6 +28,33 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
             record.request_id = REQUEST_ID.get()
+        return True
+
+
+# Credentials that could reach a log line (a header dump, a client's error text): the Authorization and
+# x-api-key values and any "Bearer <token>" are replaced before a record is formatted.
+_SECRET_PATTERNS = (
+    re.compile(r"(?i)(bearer\s+)[^\s\"',;)]+"),
+    # the whole value after the header name, scheme included (Basic credentials too), up to a delimiter
+    re.compile(r"(?i)((?:authorization|x-api-key)[\"']?\s*[:=,]\s*\(?\s*(?:(?-i:b)?[\"'])?)[^\"',;)\n]+"),
+)
+REDACTED = "[REDACTED]"
+
+
+def redact(text: str) -> str:
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub(lambda match: match.group(1) + REDACTED, text)
+    return text
+
+
+class RedactionFilter(logging.Filter):
+    """Replaces credentials in a record's message (its arguments merged in first)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact(message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
         return True
 
 
@@ -62,6 +90,7 @@ def configure_logging(level: str = "INFO", log_format: str = "json") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(RequestIdFilter())
+    handler.addFilter(RedactionFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -1,4 +1,4 @@
-"""`bitserve` command line: generate | inspect | verify | crossval | bench | models | pull.
+"""`bitserve` command line: generate | inspect | verify | crossval | bench | models | pull | keys | audit.
 
 `serve` comes with the server (cli/serve.py)."""
 
@@ -77,10 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from bitserve.cli.bench import add_bench_parser
+    from bitserve.cli.keys import add_keys_parsers
     from bitserve.cli.models import add_models_parsers
 
     add_bench_parser(sub)
     add_models_parsers(sub)
+    add_keys_parsers(sub)
     add_serve_parser(sub)
     return parser
 
@@ -95,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from bitserve.cli import bench, commands, models
+    from bitserve.cli import bench, commands, keys, models
 
     handlers = {
         "bench": bench.run_bench,
@@ -106,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": run_serve,
         "models": models.run_models,
         "pull": models.run_pull,
+        "keys": keys.run_keys,
+        "audit": keys.run_audit,
     }
     try:
         return handlers[args.command](args)

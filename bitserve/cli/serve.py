@@ -25,10 +25,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FLAG_ALIASES = {"num_threads": ("--threads",), "model_roots": ("--model-root",)}
-REPEATABLE_PATH_LISTS = (
-    "model_roots",
-)  # repeatable flags joined with os.pathsep, as the env var spells them
+FLAG_ALIASES = {
+    "num_threads": ("--threads",),
+    "model_roots": ("--model-root",),
+    "cors_origins": ("--cors-origin",),
+    "allow_cidrs": ("--allow-cidr",),
+    "trusted_proxies": ("--trusted-proxy",),
+}
+# repeatable flags, joined as the env var spells them: paths with os.pathsep, the rest with commas
+REPEATABLE_LISTS = {
+    "model_roots": os.pathsep,
+    "cors_origins": ",",
+    "allow_cidrs": ",",
+    "trusted_proxies": ",",
+}
 DEST_PREFIX = "setting_"  # argparse dests, so no flag collides with the top-level parser's
 # After the drain, uvicorn waits this long for connections to finish their last bytes.
 POST_DRAIN_GRACE_S = 5
@@ -56,17 +66,17 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
             options["action"] = argparse.BooleanOptionalAction
         else:
             options.update(type=field.value_type, metavar=name.upper())
-        if name in REPEATABLE_PATH_LISTS:
-            options.update(action="append", metavar="DIR")
+        if name in REPEATABLE_LISTS:
+            options.update(action="append", metavar="DIR" if name == "model_roots" else "VALUE")
         parser.add_argument(*flags, **options)
     return parser
 
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
     values = {name: getattr(args, DEST_PREFIX + name, None) for name in setting_fields()}
-    for name in REPEATABLE_PATH_LISTS:
+    for name, separator in REPEATABLE_LISTS.items():
         if values.get(name) is not None:
-            values[name] = os.pathsep.join(values[name])
+            values[name] = separator.join(values[name])
     return values
 
 
@@ -120,7 +130,7 @@ def serve(settings: Settings) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, settings.engine, on_fatal=on_fatal)
+    app = build_app(config, settings.engine, on_fatal=on_fatal, security=settings.security)
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
@@ -133,6 +143,7 @@ def serve(settings: Settings) -> int:
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=config.keep_alive_timeout_s,
         timeout_graceful_shutdown=POST_DRAIN_GRACE_S,
+        server_header=False,  # no `Server: uvicorn`: the stack's name helps only an attacker
     )
     server = DrainingServer(uvicorn_config, app.state.bitserve)
     server.run()

@@ -229,6 +229,11 @@ class RoutedStream:
         return self._stream.num_prompt_tokens
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far, all choices together (token quotas settle on it)."""
+        return self._stream.timing.num_output_tokens
+
+    @property
     def error(self) -> BaseException | None:
         return self._stream.error
 

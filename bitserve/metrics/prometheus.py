@@ -219,6 +219,13 @@ class PrometheusStatsSink:
             ["status", "reason"],
             registry=reg,
         )
+        self.limiter_errors = Counter(
+            "bitserve_rate_limiter_errors_total",
+            "Failures of the shared (Redis) rate limiter, by what the server did: open (served "
+            "unlimited) or closed (refused with 503).",
+            ["on_error"],
+            registry=reg,
+        )
 
     def _build_lifecycle_metrics(self) -> None:
         reg = self.registry
@@ -346,3 +353,7 @@ class PrometheusStatsSink:
     def render(self) -> tuple[bytes, str]:
         """The body and content type for GET /metrics (Prometheus text exposition format)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def record_limiter_error(self, on_error: str) -> None:
+        """The rate limiter's backend failed; `on_error` is "open" or "closed"."""
+        self.limiter_errors.labels(on_error).inc()

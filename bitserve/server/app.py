@@ -1,5 +1,6 @@
 """build_app(): the FastAPI application. Lifespan (load the model in a worker thread, start the
-engine, warm up), middleware order (request context -> body limits -> routes), error handlers.
+engine, warm up), middleware order (request context -> CORS -> security -> body limits -> routes),
+error handlers.
 The only importer of metrics/prometheus.py.
 """
 
@@ -25,6 +26,8 @@ from bitserve.metrics.prometheus import PrometheusStatsSink
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
 from bitserve.server.routes import register_routes
+from bitserve.server.security.config import SecurityConfig
+from bitserve.server.security.install import install_security
 from bitserve.server.state import AppState, read_build_info
 
 logger = logging.getLogger(__name__)
@@ -117,12 +120,14 @@ def build_app(
     *,
     instance: ModelInstance | Mapping[str, ModelInstance] | None = None,
     on_fatal: Callable[[], None] | None = None,
+    security: SecurityConfig | None = None,
 ) -> FastAPI:
     """The bitserve ASGI app. With `instance` (tests), serve that already-loaded model (the caller
     closes it), or a mapping of device -> instance as the replicas of one model; otherwise load
     `engine_config`'s model in the background after startup, answering 503 + Retry-After until it is
     warm. `on_fatal` runs if the model cannot be loaded. More models
-    come and go through the admin routes (ModelManager)."""
+    come and go through the admin routes (ModelManager). `security`: keys, JWT, limits, CORS / IP rules
+    and the audit log (default: none, which serves only on a loopback address)."""
     server_config = server_config or ServerConfig()
     state = build_state(server_config, engine_config or EngineConfig())
 
@@ -143,6 +148,7 @@ def build_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await load_task
             await state.models.shutdown()
+            await guard.close()
             logger.info("engines stopped")
 
     app = FastAPI(title="bitserve", version=state.build.version, lifespan=lifespan)
@@ -156,6 +162,13 @@ def build_app(
         body_read_timeout_s=server_config.body_read_timeout_s,
         max_header_bytes=server_config.max_header_bytes,
         on_error=state.stats.record_http_error,
+    )
+    guard = install_security(
+        app,
+        security or SecurityConfig(),
+        server_config.host,
+        on_error=state.stats.record_http_error,
+        on_limiter_error=state.stats.record_limiter_error,
     )
     app.add_middleware(RequestContextMiddleware, on_error=state.stats.record_http_error)
     return app

@@ -26,13 +26,16 @@ from bitserve.errors import (
     Forbidden,
     InvalidModelFile,
     InvalidRequest,
+    LimiterUnavailable,
     ModelLoadError,
     ModelNotFound,
     ModelUnavailable,
     PayloadTooLarge,
     QueueFull,
+    RateLimited,
     RequestFailed,
     ServerShuttingDown,
+    Unauthenticated,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ class ErrorSpec:
     type: str  # OpenAI error "type"
     code: str
     has_retry_after: bool = False
+    # RFC 6750: a 401 names the scheme the client should use
+    has_www_authenticate: bool = False
 
 
 # Most specific first: the first entry the exception is an instance of wins.
@@ -75,10 +80,19 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     (RequestTimeout, ErrorSpec(408, "invalid_request_error", "request_timeout")),
     (PayloadTooLarge, ErrorSpec(413, "invalid_request_error", "payload_too_large")),
     (HeadersTooLarge, ErrorSpec(431, "invalid_request_error", "headers_too_large")),
+    (
+        Unauthenticated,
+        ErrorSpec(401, "authentication_error", "invalid_api_key", has_www_authenticate=True),
+    ),
     (Forbidden, ErrorSpec(403, "permission_error", "forbidden")),
     (ModelNotFound, ErrorSpec(404, "invalid_request_error", "model_not_found")),
     (Conflict, ErrorSpec(409, "invalid_request_error", "conflict")),
+    (RateLimited, ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded", has_retry_after=True)),
     (QueueFull, ErrorSpec(429, "rate_limit_error", "queue_full", has_retry_after=True)),
+    (
+        LimiterUnavailable,
+        ErrorSpec(503, "service_unavailable", "rate_limiter_unavailable", has_retry_after=True),
+    ),
     (ServerShuttingDown, ErrorSpec(503, "service_unavailable", "server_shutting_down", has_retry_after=True)),
     (ModelUnavailable, ErrorSpec(503, "service_unavailable", "model_unavailable", has_retry_after=True)),
     (EngineDead, ErrorSpec(503, "server_error", "engine_dead", has_retry_after=True)),
@@ -122,8 +136,10 @@ def retry_after_value(seconds: float | None) -> str:
 def error_headers(exc: BaseException, spec: ErrorSpec, retry_after_s: float | None) -> dict[str, str]:
     headers: dict[str, str] = {}
     if spec.has_retry_after:
-        hinted = exc.retry_after_s if isinstance(exc, QueueFull) else retry_after_s
+        hinted = exc.retry_after_s if isinstance(exc, QueueFull | RateLimited) else retry_after_s
         headers["Retry-After"] = retry_after_value(hinted)
+    if spec.has_www_authenticate:
+        headers["WWW-Authenticate"] = "Bearer"
     return headers  # X-Request-Id is added to every response by the request-context middleware
 
 
@@ -173,7 +189,7 @@ def install_error_handlers(
 ) -> None:
     """Route every handled exception through the table. `on_error(status, type)` counts it."""
 
-    def respond(exc: BaseException, spec: ErrorSpec) -> JSONResponse:
+    def respond(exc: BaseException, spec: ErrorSpec, headers: dict[str, str] | None = None) -> JSONResponse:
         on_error(spec.status, spec.code)
         if spec.status >= 500:  # 503s (loading, draining, overload) are expected; other 5xx are failures
             logger.log(
@@ -185,7 +201,7 @@ def install_error_handlers(
         return JSONResponse(
             error_payload(exc, spec),
             status_code=spec.status,
-            headers=error_headers(exc, spec, retry_after_s()),
+            headers={**error_headers(exc, spec, retry_after_s()), **(headers or {})},
         )
 
     async def on_bitserve_error(request: Request, exc: Exception) -> JSONResponse:
@@ -203,7 +219,9 @@ def install_error_handlers(
         message = (
             f"no route for {request.method} {request.url.path[:200]}" if status in (404, 405) else str(detail)
         )
-        return respond(BitserveError(message, hint="see GET /docs for the routes"), spec)
+        # a 405 keeps Starlette's `Allow` header (RFC 9110 requires it)
+        headers = exc.headers if isinstance(exc, StarletteHTTPException) else None
+        return respond(BitserveError(message, hint="see GET /docs for the routes"), spec, headers)
 
     app.add_exception_handler(BitserveError, on_bitserve_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from bitserve.lifecycle.slot import describe_replica
 from bitserve.server.errors import PROBE_FAIL_STATUS, PROBE_PASS_STATUS, retry_after_value
+from bitserve.server.security.request_context import request_principal
 from bitserve.server.state import get_state
 
 
@@ -88,6 +89,9 @@ async def health(request: Request) -> Response:
     if info is not None:
         build["kernel_backend"] = info.backend
         build["tensor_types"] = info.tensor_types
+    if not request_principal(request).has_scope("metrics"):
+        # NOTE: versions and the git sha help an attacker pick exploits: only the metrics scope sees them.
+        return JSONResponse({"status": state.phase, "components": components})
     return JSONResponse({"status": state.phase, "components": components, "build": build})
 
 

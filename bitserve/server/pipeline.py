@@ -22,6 +22,7 @@ from bitserve.outputs import RequestOutput
 from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.prompts import encode_prompt
 from bitserve.server.protocol import GenerationRequest, new_request_id, usage_payload
+from bitserve.server.security.request_context import charge_tokens, token_cost
 from bitserve.server.state import AppState, get_state
 from bitserve.server.streaming import (
     CLIENT_CLOSED_STATUS,
@@ -82,14 +83,30 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
         body = with_model_defaults(body, lease.slot.source.default_params)
         prompt = body.prompt_input()
         prompt_ids = await encode_prompt(lease.instance, prompt)
-        stream = lease.submit(
-            prompt_ids,
-            body.to_sampling_params(),
-            request_id=new_request_id(id_prefix),
-            priority=body.priority_class,
-            prompt_param=prompt.param,
-            device=body.device,
-        )
+        params = body.to_sampling_params()
+        # the caller's token budget pays the most this can use now; what it did not use comes back
+        cost = token_cost(len(prompt_ids), params, lease.instance.max_model_len)
+        settle = await charge_tokens(request, cost)
+        try:
+            stream = lease.submit(
+                prompt_ids,
+                params,
+                request_id=new_request_id(id_prefix),
+                priority=body.priority_class,
+                prompt_param=prompt.param,
+                device=body.device,
+            )
+        except BaseException:
+            settle(0)
+            raise
+        release = stream.on_close  # the lease's
+
+        def on_close(error: BaseException | None) -> None:
+            if release is not None:
+                release(error)
+            settle(stream.num_prompt_tokens + stream.num_output_tokens)
+
+        stream.on_close = on_close
     return Generation(state, body, lease, stream, started)
 
 

@@ -1,5 +1,7 @@
-"""THE route table: method, path, handler, scope (inference | admin | ops), one line each.
-Scopes are what auth will check; ops routes (probes, metrics) stay open to the orchestrator."""
+"""THE route table: method, path, handler, scope, one line each. The scope is what a caller's
+credential must grant (security/middleware.py checks it, for every route, before the handler runs):
+`inference`, `models:read`, `models:admin`, `metrics`, or `public` (no credential: the probes).
+A route the app serves without a scope here makes build_app fail (route_rules)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel
+from starlette.routing import Route as StarletteRoute
 
 from bitserve.server import health, serving_admin, serving_chat, serving_completions, serving_native
 from bitserve.server.protocol import (
@@ -18,8 +21,10 @@ from bitserve.server.protocol import (
     InferenceRequest,
     TokenizeRequest,
 )
+from bitserve.server.security.principal import ROUTE_SCOPES
 
-Scope = Literal["inference", "admin", "ops"]
+Scope = Literal["public", "inference", "models:read", "models:admin", "metrics"]
+MODEL = "model"  # Route.model_param of the admin actions: the path parameter naming an alias
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +34,8 @@ class Route:
     handler: Callable[..., Any]
     scope: Scope
     body: type[BaseModel] | None = None  # the JSON body the handler parses itself (shown in /docs)
+    # the path parameter naming a model alias: a key limited to some models may only name those
+    model_param: str | None = None
 
 
 ROUTES: tuple[Route, ...] = (
@@ -44,26 +51,117 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/inference/stream", serving_native.inference_stream, "inference", InferenceRequest),
     Route("POST", "/tokenize", serving_native.tokenize, "inference", TokenizeRequest),
     Route("POST", "/detokenize", serving_native.detokenize, "inference", DetokenizeRequest),
-    Route("GET", "/v1/models", serving_admin.list_models, "inference"),
+    Route("GET", "/v1/models", serving_admin.list_models, "models:read"),
     # Admin: one scope, so one auth policy covers every action that changes what is served.
-    Route("GET", "/v1/models/operations/{operation_id}", serving_admin.get_operation, "admin"),
-    Route("POST", "/v1/models/load", serving_admin.load_model, "admin", serving_admin.LoadModelRequest),
+    Route("GET", "/v1/models/operations/{operation_id}", serving_admin.get_operation, "models:admin"),
+    Route(
+        "POST", "/v1/models/load", serving_admin.load_model, "models:admin", serving_admin.LoadModelRequest
+    ),
     Route(
         "POST",
         "/v1/models/{alias:path}/swap",
         serving_admin.swap_model,
-        "admin",
+        "models:admin",
         serving_admin.SwapModelRequest,
+        model_param="alias",
     ),
-    Route("POST", "/v1/models/{alias:path}/rollback", serving_admin.rollback_model, "admin"),
-    Route("POST", "/v1/models/{alias:path}/unload", serving_admin.unload_model, "admin"),
-    Route("GET", "/v1/models/{model_id:path}", serving_admin.get_model, "inference"),
-    Route("GET", "/v1/stats", serving_native.stats, "ops"),
-    Route("GET", "/health", health.health, "ops"),
-    Route("GET", "/health/live", health.live, "ops"),
-    Route("GET", "/health/ready", health.ready, "ops"),
-    Route("GET", "/metrics", health.metrics, "ops"),
+    Route(
+        "POST",
+        "/v1/models/{alias:path}/rollback",
+        serving_admin.rollback_model,
+        "models:admin",
+        None,
+        "alias",
+    ),
+    Route(
+        "POST", "/v1/models/{alias:path}/unload", serving_admin.unload_model, "models:admin", None, "alias"
+    ),
+    Route("GET", "/v1/models/{model_id:path}", serving_admin.get_model, "models:read", None, "model_id"),
+    Route("GET", "/v1/stats", serving_native.stats, "metrics"),
+    # /health is open; its build details are shown only to the metrics scope (health.py).
+    Route("GET", "/health", health.health, "public"),
+    Route("GET", "/health/live", health.live, "public"),
+    Route("GET", "/health/ready", health.ready, "public"),
+    Route("GET", "/metrics", health.metrics, "metrics"),
 )
+# Routes FastAPI adds itself: the API description and its viewers, public like the API they describe.
+FRAMEWORK_ROUTE_SCOPES: dict[str, Scope] = {
+    "/openapi.json": "public",
+    "/docs": "public",
+    "/docs/oauth2-redirect": "public",
+    "/redoc": "public",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRule:
+    """What the security middleware enforces for one served route."""
+
+    scope: Scope
+    path: str  # the template, for the audit log
+    model_param: str | None = None
+
+
+def route_rules(app: FastAPI) -> dict[int, RouteRule]:
+    """id(served route) -> its rule, for every route the app serves. A route the table does not give a
+    scope is a bug that would leave it unguarded: raise instead of serving it."""
+    table = {(route.path, route.method): route for route in ROUTES}
+    rules: dict[int, RouteRule] = {}
+    for served in app.router.routes:
+        path = getattr(served, "path", None)
+        methods = getattr(served, "methods", None) or set()
+        entries = [table.get((path, method)) for method in sorted(methods - {"HEAD"})] if path else []
+        if entries and all(entries) and isinstance(served, StarletteRoute):
+            first = entries[0]
+            assert first is not None
+            rules[id(served)] = RouteRule(first.scope, first.path, first.model_param)
+        elif path in FRAMEWORK_ROUTE_SCOPES:
+            rules[id(served)] = RouteRule(FRAMEWORK_ROUTE_SCOPES[path], path)
+        else:
+            raise RuntimeError(
+                f"the route {path or served!r} has no scope in server/routes.py: refusing to serve it"
+            )
+    for rule in rules.values():
+        assert rule.scope in ROUTE_SCOPES, rule.scope
+    return rules
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+    hint: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: OpenAI's shape (server/errors.py renders it)."""
+
+    error: ErrorDetail
+
+
+# The error statuses any route may answer (server/errors.py's table, the body and header limits, auth,
+# limits), documented on every route so /openapi.json describes each response the server can send.
+ERROR_STATUSES = (400, 401, 403, 404, 405, 408, 409, 413, 422, 429, 431, 500, 503, 504)
+ACCEPTED_STATUS = 202  # admin actions without `wait`
+# 200 bodies that are not JSON, by path: Prometheus text, and SSE where a request may stream
+TEXT_BODIES = {
+    "/metrics": "text/plain",
+    "/v1/chat/completions": "text/event-stream",
+    "/v1/completions": "text/event-stream",
+    "/v1/inference/stream": "text/event-stream",
+}
+
+
+def _responses(route: Route) -> dict[int | str, dict[str, Any]]:
+    responses: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorBody, "description": "error"} for status in ERROR_STATUSES
+    }
+    if route.path in TEXT_BODIES:
+        responses[200] = {"description": "success", "content": {TEXT_BODIES[route.path]: {}}}
+    if route.scope == "models:admin" and route.method == "POST":
+        responses[ACCEPTED_STATUS] = {"description": "accepted: poll the operation's status_url"}
+    return responses
 
 
 def _body_schema(model: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -88,6 +186,7 @@ def register_routes(app: FastAPI) -> None:
             tags=[route.scope],
             name=route.handler.__name__,
             openapi_extra=extra,
+            responses=_responses(route),
         )
     build_openapi = app.openapi
 

@@ -18,6 +18,7 @@ from bitserve.errors import InvalidRequest, ModelNotFound
 from bitserve.lifecycle.operations import Operation
 from bitserve.server.body import parse_request
 from bitserve.server.protocol import MAX_MODEL_NAME_CHARS, StrictModel
+from bitserve.server.security.principal import CURRENT_PRINCIPAL, check_model_access
 from bitserve.server.state import AppState, get_state
 
 MAX_MODEL_REFERENCE_CHARS = 4096
@@ -90,7 +91,9 @@ def _model_objects(state: AppState) -> list[dict[str, Any]]:
 async def list_models(request: Request) -> Response:
     state = get_state(request)
     running = [op.describe() for op in state.models.operations.running()]
-    return JSONResponse({"object": "list", "data": _model_objects(state), "operations": running})
+    principal = CURRENT_PRINCIPAL.get()
+    models = [obj for obj in _model_objects(state) if principal is None or principal.may_use(obj["id"])]
+    return JSONResponse({"object": "list", "data": models, "operations": running})
 
 
 async def get_model(request: Request, model_id: str) -> Response:
@@ -133,6 +136,7 @@ async def load_model(request: Request) -> Response:
     body = parse_request(await request.body(), LoadModelRequest)
     manager = get_state(request).models
     alias = body.alias or manager.files.resolve(body.model).name
+    check_model_access(alias)
     operation = manager.submit(
         "load", alias, body.model, devices=body.device_request, validate=body.should_validate
     )

@@ -27,6 +27,7 @@ from typing import Any, Optional
 from bitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from bitserve.engine.devices import parse_devices
 from bitserve.errors import InvalidRequest
+from bitserve.server.security.config import SecurityConfig
 
 if typing.TYPE_CHECKING:
     from pydantic import ValidationError
@@ -45,6 +46,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("scheduler", SchedulerConfig),
     ("engine", EngineConfig),
     ("server", ServerConfig),
+    ("security", SecurityConfig),
 )
 _NESTED_ENGINE_FIELDS = ("model", "cache", "scheduler")
 
@@ -62,6 +64,7 @@ class Settings:
     engine: EngineConfig
     server: ServerConfig
     sources: dict[str, str]  # setting name -> "cli" | "env" | "toml" for every value that was set
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
 
 
 def _scalar_type(annotation: Any) -> type[Any]:
@@ -187,11 +190,11 @@ def load_settings(
     for source, values in layers:
         merged.update(values)
         sources.update(dict.fromkeys(values, source))
-    return Settings(*build_configs(merged), sources=sources)
+    return Settings(*build_configs(merged), sources=sources, security=build_security(merged))
 
 
-def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig]:
-    """Construct the dataclasses from set values; their own checks turn into InvalidRequest."""
+def _section_values(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Set values by config section; an unknown name raises InvalidRequest."""
     fields = setting_fields()
     unknown = sorted(set(values) - set(fields))
     if unknown:
@@ -200,6 +203,19 @@ def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig
     for name, value in values.items():
         for section, field_name in fields[name].targets:
             kwargs[section][field_name] = value
+    return kwargs
+
+
+def build_security(values: Mapping[str, Any]) -> SecurityConfig:
+    try:
+        return SecurityConfig(**_section_values(values)["security"])
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"invalid settings: {exc}") from None
+
+
+def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig]:
+    """Construct the dataclasses from set values; their own checks turn into InvalidRequest."""
+    kwargs = _section_values(values)
     try:
         engine = EngineConfig(
             model=ModelConfig(**kwargs["model"]),

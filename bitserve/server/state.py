@@ -23,6 +23,7 @@ from bitserve.errors import ModelUnavailable, ServerShuttingDown
 from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.slot import Lease, ModelSlot
 from bitserve.metrics.stats import StatsSink
+from bitserve.server.security.principal import check_model_access
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class MetricsSink(StatsSink, Protocol):
     """The StatsSink the server needs: it also counts HTTP errors and renders /metrics."""
 
     def record_http_error(self, status: int, reason: str) -> None: ...
+
+    def record_limiter_error(self, on_error: str) -> None: ...
 
     def render(self) -> tuple[bytes, str]: ...
 
@@ -95,7 +98,9 @@ class AppState:
         return entry.current if entry is not None else None
 
     def acquire(self, model: str | None) -> Lease:
-        """A lease on the model a request names (the default one when None); see ModelManager.acquire."""
+        """A lease on the model a request names (the default one when None); see ModelManager.acquire.
+        Forbidden when the request's credential may not use that model."""
+        check_model_access(model if model is not None else self.models.default_alias)
         if self.load_error is not None and not self.models.aliases:
             raise ModelUnavailable(
                 "the model failed to load", hint="see the server log; the server needs a restart"
@@ -109,6 +114,7 @@ class AppState:
     def require_instance(self, model: str | None) -> ModelInstance:
         """The model a request names, for work that needs no engine step (tokenize), draining or not."""
         alias = model if model is not None else self.models.default_alias
+        check_model_access(alias)
         entry = self.models.aliases.get(alias) if alias is not None else None
         if entry is None or entry.current.instance is None:
             self.acquire(model).release()  # raises the error a generation would get
