@@ -58,7 +58,8 @@ def main() -> None:
     for path in sys.argv[1:]:
         llm = LLM(path, device="cuda")
         steps = step_times(llm)
-        graph = llm.engine.runner.graphs.graphs[1]
+        graphs = llm.engine.runner.graphs
+        graph = graphs.graphs[1, graphs.widths[0]]  # batch 1, the shortest-context bucket
         row = {
             "model": Path(path).name,
             "card": torch.cuda.get_device_name(0),
