@@ -31,6 +31,9 @@ def add_models_parsers(sub: Any) -> None:
     models = sub.add_parser("models", help="list, load, swap, roll back or unload models on a running server")
     models.add_argument("--url", default=DEFAULT_URL, help=f"the server's base URL (default {DEFAULT_URL})")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    models.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer <key>' (a key with models:admin)"
+    )
     actions = models.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="the served models, their versions, states and memory")
     load = actions.add_parser("load", help="load a model beside what serves")
@@ -112,7 +115,8 @@ def _format_models(data: list[dict[str, Any]]) -> str:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    with httpx.Client(base_url=args.url, timeout=HTTP_TIMEOUT_S) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=args.url, timeout=HTTP_TIMEOUT_S, headers=headers) as client:
         if args.action == "list":
             body = _check(client.get("/v1/models"))
             emit_json(body) if args.json else emit(_format_models(body["data"]))

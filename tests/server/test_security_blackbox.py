@@ -316,3 +316,11 @@ def test_keys_create_prints_a_key_and_its_block() -> None:
     assert (
         created["key"] not in created["toml"] and 'scopes = ["inference", "models:read"]' in created["toml"]
     )
+
+
+def test_models_cli_sends_its_api_key(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    from bitserve.cli.main import main
+
+    assert main(["models", "--url", server.url, "list"]) == 2  # no key: 401, reported, exit 2
+    assert main(["models", "--url", server.url, "--api-key", st.key_of("reader"), "--json", "list"]) == 0
+    assert SERVED in capsys.readouterr().out
