@@ -16,8 +16,8 @@ from bitserve.engine.instance import ModelInstance
 from bitserve.engine.messages import Priority
 from bitserve.errors import BitserveError, EngineDead, InvalidRequest, ModelUnavailable
 from bitserve.frontend.async_engine import AsyncEngine
-from bitserve.frontend.generation_stream import GenerationStream
-from bitserve.outputs import CompletionOutput, RequestOutput
+from bitserve.frontend.generation_stream import GenerationStream, OutputStream
+from bitserve.outputs import RequestOutput
 from bitserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def may_fail_over(stream: GenerationStream, error: BaseException) -> bool:
     )
 
 
-class RoutedStream:
+class RoutedStream(OutputStream):
     """The GenerationStream of a routed request, with failover: when its replica fails before the first
     token (engine death, a rejection by that engine), the request is resubmitted, same id and params,
     to the best remaining candidate; the client sees one uninterrupted stream. Same consumer surface as
@@ -279,30 +279,8 @@ class RoutedStream:
         self.replica, self._stream = replica, stream
         return True
 
-    def __aiter__(self) -> RoutedStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        output = await self.next(None)
-        assert output is not None  # no timeout, so next() returns an output or raises
-        return output
-
-    async def collect(self) -> RequestOutput:
-        """Run to the end and return every choice's whole output (closes the stream)."""
-        stream = self._stream
-        result = RequestOutput(
-            stream.request_id,
-            stream.prompt_token_ids,
-            [CompletionOutput(index) for index in range(stream.num_choices)],
-            False,
-            model=stream.model,
-        )
-        try:
-            async for output in self:
-                result.merge(output)
-        finally:
-            self.close()
-        return result
+    def empty_result(self) -> RequestOutput:
+        return self._stream.empty_result()
 
     def close(self) -> None:
         """End the stream on its replica (idempotent) and run on_close once with the final error."""

@@ -38,7 +38,39 @@ class StreamTiming:
         self.num_output_tokens += num_tokens
 
 
-class GenerationStream:
+class OutputStream:
+    """What every stream a caller reads shares: `async for` over `next()`, and `collect()`. Subclasses
+    give `next(timeout)` (None = keep-alive tick), `close()` and `empty_result()`."""
+
+    async def next(self, timeout: float | None = None) -> RequestOutput | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def empty_result(self) -> RequestOutput:
+        raise NotImplementedError
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        output = await self.next(None)
+        assert output is not None  # no timeout, so next() returns an output or raises
+        return output
+
+    async def collect(self) -> RequestOutput:
+        """Run to the end and return every choice's whole output (closes the stream)."""
+        result = self.empty_result()
+        try:
+            async for output in self:
+                result.merge(output)
+        finally:
+            self.close()
+        return result
+
+
+class GenerationStream(OutputStream):
     """RequestOutput deltas of one request; the last has `finished=True`. Raises the request's error
     (EngineDead, RequestFailed, a drain deadline) from `next` once it arrives."""
 
@@ -119,29 +151,15 @@ class GenerationStream:
         output.finished = self.is_finished
         return output
 
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        output = await self.next(None)
-        assert output is not None  # no timeout, so next() returns an output or raises
-        return output
-
-    async def collect(self) -> RequestOutput:
-        """Run to the end and return every choice's whole output (closes the stream)."""
-        result = RequestOutput(
+    def empty_result(self) -> RequestOutput:
+        """A RequestOutput with this request's ids and one empty choice per choice (collect() fills it)."""
+        return RequestOutput(
             self.request_id,
             self.prompt_token_ids,
             [CompletionOutput(index) for index in range(self.num_choices)],
             False,
             model=self.model,
         )
-        try:
-            async for output in self:
-                result.merge(output)
-        finally:
-            self.close()
-        return result
 
     def close(self) -> None:
         """End the stream (idempotent): abort what is unfinished, record stats, run on_close."""

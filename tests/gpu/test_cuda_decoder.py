@@ -22,29 +22,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_device() -> torch.device:
+    pytest.importorskip("triton")
     if torch.cuda.is_available():
         return torch.device("cuda")
     if INTERPRETED:
         pytest.importorskip("triton")
         return torch.device("cpu")
     pytest.skip("needs a CUDA device, or TRITON_INTERPRET=1 with triton installed")
-
-
-@pytest.fixture(scope="module")
-def b158_file(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> Path:
-    from benchmarks.make_2b4t_model import write_2b4t_model
-    from bitserve.testing.synthetic import SyntheticConfig
-
-    config = SyntheticConfig(
-        num_layers=2,
-        hidden_size=256,
-        intermediate_size=768,
-        num_heads=4,
-        num_kv_heads=2,
-        architecture="bitnet-b1.58",
-    )
-    path = tmp_path_factory.mktemp("cuda-decoder") / "b158-i2s.gguf"
-    return write_2b4t_model(path, "I2_S", tokenizer_source=tokenizer_source, config=config)
 
 
 def metadata_for(start: int, num_new: int, block_size: int, device: torch.device):  # noqa: ANN201
@@ -65,10 +49,10 @@ def metadata_for(start: int, num_new: int, block_size: int, device: torch.device
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: torch.dtype) -> None:
+    device = kernel_device()  # first: skips where neither CUDA nor the interpreter can run Triton
     from bitserve.kernels.cuda.backend import CudaBackend
     from bitserve.models.cuda_decoder import CudaDecoder
 
-    device = kernel_device()
     reference = load_model(b158_file, LoadOptions(backend=ReferenceBackend(), linear_mode=LinearMode.BITNET))
     loaded = load_model(b158_file, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
     decoder = CudaDecoder(loaded.model, device)

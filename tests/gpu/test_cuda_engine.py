@@ -36,23 +36,6 @@ def _golden_helpers():  # noqa: ANN202 - the CPU golden test's prompt set and st
     return module
 
 
-@pytest.fixture(scope="module")
-def b158_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> Path:
-    from benchmarks.make_2b4t_model import write_2b4t_model
-    from bitserve.testing.synthetic import SyntheticConfig
-
-    config = SyntheticConfig(
-        num_layers=2,
-        hidden_size=256,
-        intermediate_size=768,
-        num_heads=4,
-        num_kv_heads=2,
-        architecture="bitnet-b1.58",
-    )
-    path = tmp_path_factory.mktemp("gpu") / "b158-i2s.gguf"
-    return write_2b4t_model(path, "I2_S", tokenizer_source=tokenizer_source, config=config)
-
-
 def engine_config(
     path: Path, device: str, *, kv: str, graphs: bool = True, backend: str = "auto"
 ) -> EngineConfig:
@@ -75,15 +58,15 @@ def staggered_tokens(config: EngineConfig) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-def test_fused_ternary_path_equals_cpu_reference(b158_path: Path, graphs: bool) -> None:
-    expected = staggered_tokens(engine_config(b158_path, "cpu", kv="float32", backend="reference"))
-    got = staggered_tokens(engine_config(b158_path, "cuda", kv="float32", graphs=graphs))
+def test_fused_ternary_path_equals_cpu_reference(b158_file: Path, graphs: bool) -> None:
+    expected = staggered_tokens(engine_config(b158_file, "cpu", kv="float32", backend="reference"))
+    got = staggered_tokens(engine_config(b158_file, "cuda", kv="float32", graphs=graphs))
     assert got == expected
 
 
-def test_f16_cache_equals_cpu_f16_cache(b158_path: Path) -> None:
-    expected = staggered_tokens(engine_config(b158_path, "cpu", kv="float16", backend="reference"))
-    assert staggered_tokens(engine_config(b158_path, "cuda", kv="float16")) == expected
+def test_f16_cache_equals_cpu_f16_cache(b158_file: Path) -> None:
+    expected = staggered_tokens(engine_config(b158_file, "cpu", kv="float16", backend="reference"))
+    assert staggered_tokens(engine_config(b158_file, "cuda", kv="float16")) == expected
 
 
 def test_unfused_output_scale_path_equals_cpu_reference(synthetic_models: dict[str, Path]) -> None:
@@ -92,10 +75,10 @@ def test_unfused_output_scale_path_equals_cpu_reference(synthetic_models: dict[s
     assert staggered_tokens(engine_config(path, "cuda", kv="float32")) == expected
 
 
-def test_many_sequences_in_one_graph_bucket(b158_path: Path) -> None:
+def test_many_sequences_in_one_graph_bucket(b158_file: Path) -> None:
     """33 sequences (bucket 64, 31 padded rows) decode exactly as each does alone."""
     config = dataclasses.replace(
-        engine_config(b158_path, "cuda", kv="float32"),
+        engine_config(b158_file, "cuda", kv="float32"),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
     )
     llm = LLM(config=config)

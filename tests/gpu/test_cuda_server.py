@@ -26,23 +26,6 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def b158_file(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> Path:
-    from benchmarks.make_2b4t_model import write_2b4t_model
-    from bitserve.testing.synthetic import SyntheticConfig
-
-    config = SyntheticConfig(
-        num_layers=2,
-        hidden_size=256,
-        intermediate_size=768,
-        num_heads=4,
-        num_kv_heads=2,
-        architecture="bitnet-b1.58",
-    )
-    path = tmp_path_factory.mktemp("gpu-server") / "b158-i2s.gguf"
-    return write_2b4t_model(path, "I2_S", tokenizer_source=tokenizer_source, config=config)
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, b158_file: Path) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("gpu-server-log") / "server.log"
     process = ServerProcess(log, "--model", str(b158_file), "--device", "cuda", "--kv-cache-dtype", "float32")
