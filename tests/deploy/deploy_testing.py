@@ -25,9 +25,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def require_tool(name: str, why: str) -> str:
-    """The path of executable `name`; skip without it, fail under CI (.ci/run installs it)."""
-    path = shutil.which(name)
+def require_tool(name: str, why: str, env_var: str | None = None) -> str:
+    """The path of executable `name` (or of $env_var when set); skip without it, fail under CI (.ci/run
+    installs it)."""
+    path = os.environ.get(env_var) if env_var else None
+    path = path or shutil.which(name)
     if path is None:
         message = f"{name} is not installed ({why})"
         if os.environ.get("CI"):
