@@ -5,9 +5,13 @@ that imports prometheus_client; each sink owns its CollectorRegistry, so apps an
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
 from bitserve.core.step_outputs import StepStats
 from bitserve.metrics.stats import LifecycleEvent, RequestStats, SlotLabels
@@ -85,6 +89,42 @@ BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 409
 # HTTP error reasons come from the server's error table (a bounded set); past this many distinct
 # values, new ones are folded into "other" so a bug upstream cannot explode the series count.
 MAX_NUM_HTTP_ERROR_REASONS = 64
+# Where the container's memory limit is readable: cgroup v2, then v1 (which reports "no limit" as a huge
+# number: anything past 2**60 is taken as none).
+CGROUP_MEMORY_LIMIT_FILES = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+NO_CGROUP_LIMIT = 2**60
+
+
+def read_memory_limit_bytes(files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> int | None:
+    """The cgroup memory limit of this process (the pod's limit), or None when unlimited or unreadable."""
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max" or not text.isdigit():
+            return None
+        value = int(text)
+        return value if value < NO_CGROUP_LIMIT else None
+    return None
+
+
+class MemoryLimitCollector(Collector):
+    """bitserve_memory_limit_bytes, read on each scrape: beside process_resident_memory_bytes it lets an
+    alert say "memory near the limit" without kube-state-metrics."""
+
+    def __init__(self, files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> None:
+        self._files = files
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        limit = read_memory_limit_bytes(self._files)
+        if limit is not None:
+            yield GaugeMetricFamily(
+                "bitserve_memory_limit_bytes", "The container's cgroup memory limit.", value=limit
+            )
 
 
 class PrometheusStatsSink:
@@ -104,6 +144,7 @@ class PrometheusStatsSink:
         self._build_step_metrics()
         self._build_edge_metrics()
         self._build_lifecycle_metrics()
+        self._build_process_and_alias_metrics()
         self._served: set[tuple[str, str, str, str]] = set()  # label sets of bitserve_model_info now at 1
 
     # ----------------------------------------------------------------- metric definitions
@@ -255,6 +296,37 @@ class PrometheusStatsSink:
             registry=reg,
         )
 
+    def _build_process_and_alias_metrics(self) -> None:
+        reg = self.registry
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        reg.register(MemoryLimitCollector())
+        # The names ecosystem tools read (vLLM's; the Gateway API Inference Extension routes on them):
+        # per model, summed over its replicas (the KV ratio: the fullest replica's).
+        alias = ["model_name"]
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Alias of bitserve_num_requests_running.", alias, registry=reg
+        )
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Alias of bitserve_num_requests_waiting.", alias, registry=reg
+        )
+        self.vllm_kv_usage = Gauge(
+            "vllm:gpu_cache_usage_perc",
+            "Alias of bitserve_kv_cache_usage_ratio (0..1, the fullest replica's).",
+            alias,
+            registry=reg,
+        )
+        self._replica_load: dict[tuple[str, str], tuple[int, int, float]] = {}
+
+    def _update_aliases(self, model: str) -> None:
+        loads = [load for (name, _), load in self._replica_load.items() if name == model]
+        if not loads:
+            for gauge in (self.vllm_running, self.vllm_waiting, self.vllm_kv_usage):
+                gauge.remove(model)
+            return
+        self.vllm_running.labels(model).set(sum(load[0] for load in loads))
+        self.vllm_waiting.labels(model).set(sum(load[1] for load in loads))
+        self.vllm_kv_usage.labels(model).set(max(load[2] for load in loads))
+
     # ----------------------------------------------------------------- StatsSink
 
     def record_step(self, model: str, device: str, stats: StepStats) -> None:
@@ -265,6 +337,8 @@ class PrometheusStatsSink:
         self.num_running.labels(*labels).set(stats.num_running)
         self.num_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_usage.labels(*labels).set(stats.kv_usage)
+        self._replica_load[labels] = (stats.num_running, stats.num_waiting, stats.kv_usage)
+        self._update_aliases(model)
         if stats.num_prefix_query_tokens > 0:
             self.prefix_queries.labels(*labels).inc(stats.num_prefix_query_tokens)
         if stats.num_prefix_hit_tokens > 0:
@@ -346,7 +420,9 @@ class PrometheusStatsSink:
             for gauge in (self.num_running, self.num_waiting, self.kv_usage):
                 gauge.remove(model, gone)  # a no-op when the series does not exist
             self._last_preempted_total.pop((model, gone), None)
+            self._replica_load.pop((model, gone), None)
             devices.discard(gone)
+        self._update_aliases(model)
         if not devices:
             self._devices.pop(model, None)
 

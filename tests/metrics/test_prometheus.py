@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from bitserve.core.step_outputs import StepStats
-from bitserve.metrics.prometheus import TTFT_BUCKETS_S, PrometheusStatsSink
+from bitserve.metrics.prometheus import (
+    TTFT_BUCKETS_S,
+    MemoryLimitCollector,
+    PrometheusStatsSink,
+    read_memory_limit_bytes,
+)
 from bitserve.metrics.stats import RequestStats, StatsSink
 
 
@@ -161,3 +168,32 @@ def test_registries_are_independent_and_forget_model_drops_gauges() -> None:
     assert value(values, "bitserve_num_requests_running", model="b", device="cpu") == 7
     # counters of a forgotten model stay (they are totals, and Prometheus expects them monotonic)
     assert value(values, "bitserve_prefix_cache_hits_total", model="a", device="cpu") == 16
+
+
+def test_vllm_alias_gauges_follow_the_replicas() -> None:
+    sink = PrometheusStatsSink()
+    sink.record_step("m", "cpu", step(num_running=2, num_waiting=3, kv_usage=0.25))
+    sink.record_step("m", "cuda:0", step(num_running=5, num_waiting=1, kv_usage=0.75))
+    values = samples(sink)
+    assert value(values, "vllm:num_requests_running", model_name="m") == 7  # summed over replicas
+    assert value(values, "vllm:num_requests_waiting", model_name="m") == 4
+    assert value(values, "vllm:gpu_cache_usage_perc", model_name="m") == 0.75  # the fullest replica
+    sink.forget_model("m", "cuda:0")
+    assert value(samples(sink), "vllm:num_requests_running", model_name="m") == 2
+    sink.forget_model("m")
+    assert not any(name.startswith("vllm:") for name, _ in samples(sink))
+
+
+def test_process_memory_and_cgroup_limit(tmp_path: Path) -> None:
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    assert read_memory_limit_bytes((v2, v1)) is None  # neither readable
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "unlimited"
+    assert read_memory_limit_bytes((v2, v1)) is None
+    v2.write_text("max\n")
+    assert read_memory_limit_bytes((v2, v1)) is None
+    v2.write_text("2147483648\n")
+    assert read_memory_limit_bytes((v2, v1)) == 2**31
+    families = list(MemoryLimitCollector((v2, v1)).collect())
+    assert [(f.name, f.samples[0].value) for f in families] == [("bitserve_memory_limit_bytes", 2**31)]
+    assert list(MemoryLimitCollector((tmp_path / "absent",)).collect()) == []
+    assert value(samples(PrometheusStatsSink()), "process_resident_memory_bytes") > 0
