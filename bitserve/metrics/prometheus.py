@@ -120,11 +120,11 @@ class MemoryLimitCollector(Collector):
         self._files = files
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("bitserve_memory_limit_bytes", "The container's cgroup memory limit.")
         limit = read_memory_limit_bytes(self._files)
-        if limit is not None:
-            yield GaugeMetricFamily(
-                "bitserve_memory_limit_bytes", "The container's cgroup memory limit.", value=limit
-            )
+        if limit is not None:  # no limit: the family is described, with no sample
+            family.add_metric([], limit)
+        yield family
 
 
 class PrometheusStatsSink:
