@@ -178,6 +178,13 @@ class ServerConfig:
     warmup: bool = field(default=True, metadata=_help("run one short generation before reporting ready"))
     access_log: bool = field(default=True, metadata=_help("log one line per HTTP request"))
     log_format: str = field(default="json", metadata=_help("log format: json (one object per line) or text"))
+    otel_endpoint: str | None = field(
+        default=None,
+        metadata=_help(
+            "OTLP/HTTP collector for OpenTelemetry traces, e.g. http://otel-collector:4318 "
+            "(default: $OTEL_EXPORTER_OTLP_ENDPOINT; tracing is off when neither is set)"
+        ),
+    )
     log_level: str = field(
         default="INFO", metadata=_help("log level of the server (DEBUG, INFO, WARNING, ...)")
     )

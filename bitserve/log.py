@@ -13,12 +13,15 @@ from contextvars import ContextVar
 # The id of the HTTP request being handled by the current asyncio task (None outside requests).
 # NOTE: a ContextVar is a per-task key, not shared mutable state: each request runs in its own task.
 REQUEST_ID: ContextVar[str | None] = ContextVar("bitserve_request_id", default=None)
+# The OpenTelemetry trace id (32 hex digits) of the request being handled, when tracing is on.
+TRACE_ID: ContextVar[str | None] = ContextVar("bitserve_trace_id", default=None)
 
 # LogRecord attributes that are not user "extra" fields.
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message",
     "asctime",
     "request_id",
+    "trace_id",
 }
 
 
@@ -28,6 +31,8 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "request_id", None) is None:
             record.request_id = REQUEST_ID.get()
+        if getattr(record, "trace_id", None) is None:
+            record.trace_id = TRACE_ID.get()
         return True
 
 
@@ -72,6 +77,9 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
             entry["request_id"] = request_id
+        trace_id = getattr(record, "trace_id", None)
+        if trace_id is not None:
+            entry["trace_id"] = trace_id
         for key, value in vars(record).items():
             if key not in _RECORD_FIELDS and not key.startswith("_") and key != "color_message":
                 entry[key] = value

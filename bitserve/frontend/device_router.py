@@ -16,7 +16,7 @@ from bitserve.engine.instance import ModelInstance
 from bitserve.engine.messages import Priority
 from bitserve.errors import BitserveError, EngineDead, InvalidRequest, ModelUnavailable
 from bitserve.frontend.async_engine import AsyncEngine
-from bitserve.frontend.generation_stream import GenerationStream, OutputStream
+from bitserve.frontend.generation_stream import GenerationStream, OutputStream, StreamTiming
 from bitserve.outputs import RequestOutput
 from bitserve.sampling_params import SamplingParams
 
@@ -232,6 +232,11 @@ class RoutedStream(OutputStream):
     def num_output_tokens(self) -> int:
         """Tokens generated so far, all choices together (token quotas settle on it)."""
         return self._stream.timing.num_output_tokens
+
+    @property
+    def timing(self) -> StreamTiming:
+        """Arrival, first token and token counts of the stream serving the request now."""
+        return self._stream.timing
 
     @property
     def error(self) -> BaseException | None:

@@ -29,6 +29,7 @@ from bitserve.server.routes import register_routes
 from bitserve.server.security.config import SecurityConfig
 from bitserve.server.security.install import install_security
 from bitserve.server.state import AppState, read_build_info
+from bitserve.server.tracing import TRACER_NAME, TracingMiddleware, build_tracer_provider, otlp_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -121,15 +122,23 @@ def build_app(
     instance: ModelInstance | Mapping[str, ModelInstance] | None = None,
     on_fatal: Callable[[], None] | None = None,
     security: SecurityConfig | None = None,
+    tracer_provider: Any | None = None,
 ) -> FastAPI:
     """The bitserve ASGI app. With `instance` (tests), serve that already-loaded model (the caller
     closes it), or a mapping of device -> instance as the replicas of one model; otherwise load
     `engine_config`'s model in the background after startup, answering 503 + Retry-After until it is
     warm. `on_fatal` runs if the model cannot be loaded. More models
     come and go through the admin routes (ModelManager). `security`: keys, JWT, limits, CORS / IP rules
-    and the audit log (default: none, which serves only on a loopback address)."""
+    and the audit log (default: none, which serves only on a loopback address). `tracer_provider`: an
+    OpenTelemetry TracerProvider (tests); by default one is built when an OTLP endpoint is configured."""
     server_config = server_config or ServerConfig()
     state = build_state(server_config, engine_config or EngineConfig())
+    endpoint = otlp_endpoint(server_config.otel_endpoint)
+    if tracer_provider is None and endpoint is not None:
+        tracer_provider = build_tracer_provider(endpoint)
+        logger.info("OpenTelemetry tracing to %s", endpoint)
+    if tracer_provider is not None:
+        state.tracer = tracer_provider.get_tracer(TRACER_NAME)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -149,6 +158,8 @@ def build_app(
                     await load_task
             await state.models.shutdown()
             await guard.close()
+            if tracer_provider is not None:
+                tracer_provider.shutdown()  # flushes the spans still batched
             logger.info("engines stopped")
 
     app = FastAPI(title="bitserve", version=state.build.version, lifespan=lifespan)
@@ -170,5 +181,7 @@ def build_app(
         on_error=state.stats.record_http_error,
         on_limiter_error=state.stats.record_limiter_error,
     )
+    if state.tracer is not None:  # inside the request context: the request id is known to the span
+        app.add_middleware(TracingMiddleware, tracer=state.tracer)
     app.add_middleware(RequestContextMiddleware, on_error=state.stats.record_http_error)
     return app

@@ -32,6 +32,7 @@ from bitserve.server.streaming import (
     until_disconnect,
     version_header,
 )
+from bitserve.server.tracing import current_span, record_generation_spans
 from bitserve.tokenizer.base import Tokenizer
 
 BodyT = TypeVar("BodyT", bound=GenerationRequest)
@@ -100,11 +101,17 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
             settle(0)
             raise
         release = stream.on_close  # the lease's
+        span = current_span() if state.tracer is not None else None  # the request's (TracingMiddleware)
 
         def on_close(error: BaseException | None) -> None:
             if release is not None:
                 release(error)
             settle(stream.num_prompt_tokens + stream.num_output_tokens)
+            if span is not None:
+                timing = stream.timing
+                record_generation_spans(
+                    state.tracer, span, timing.arrival, timing.first_token_at, timing.num_output_tokens
+                )
 
         stream.on_close = on_close
     return Generation(state, body, lease, stream, started)

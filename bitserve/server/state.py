@@ -12,7 +12,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 
@@ -80,6 +80,7 @@ class AppState:
     is_starting: bool = True  # the startup model is still loading
     is_draining: bool = False
     started_at: float = field(default_factory=time.time)
+    tracer: Any = None  # an OpenTelemetry tracer when tracing is on (server/tracing.py)
 
     @property
     def phase(self) -> str:

@@ -1,0 +1,117 @@
+"""OpenTelemetry tracing, off unless `--otel-endpoint` (BITSERVE_OTEL_ENDPOINT) or the standard
+OTEL_EXPORTER_OTLP_ENDPOINT is set: one SERVER span per HTTP request (a W3C `traceparent` from the client
+is its parent), with child spans for a generation's time to first token (queue wait and prefill: the
+engine does not report when a request is first scheduled, so the two are one span) and its decode. The
+span's trace id is on every JSON log line of the request (`trace_id`). Spans go to an OTLP/HTTP
+collector in batches. The SDK is an optional dependency: `pip install 'bitserve[otel]'`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from bitserve.log import TRACE_ID
+
+TRACER_NAME = "bitserve"
+
+
+def otlp_endpoint(configured: str | None) -> str | None:
+    """Where spans go: the flag, else OTEL_EXPORTER_OTLP_ENDPOINT, else None (tracing off)."""
+    return configured or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+def build_tracer_provider(endpoint: str) -> Any:
+    """An SDK TracerProvider exporting to `endpoint` (an OTLP/HTTP base URL; /v1/traces is appended)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as exc:
+        raise RuntimeError(
+            "tracing is on (--otel-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT) but the OpenTelemetry SDK is "
+            "not installed: pip install 'bitserve[otel]'"
+        ) from exc
+    provider = TracerProvider(resource=Resource.create({"service.name": "bitserve"}))
+    url = endpoint.rstrip("/") + "/v1/traces"
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+    return provider
+
+
+class TracingMiddleware:
+    """A SERVER span around each HTTP request, child of the client's `traceparent` when it sends one."""
+
+    def __init__(self, app: ASGIApp, tracer: Any) -> None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.app = app
+        self.tracer = tracer
+        self.propagator = TraceContextTextMapPropagator()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from opentelemetry import trace
+
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+        attributes = {
+            "http.request.method": scope["method"],
+            "url.path": scope["path"],
+            "bitserve.request_id": scope.get("state", {}).get("request_id", ""),
+        }
+        with self.tracer.start_as_current_span(
+            f"{scope['method']} {scope['path']}",
+            context=self.propagator.extract(headers),
+            kind=trace.SpanKind.SERVER,
+            attributes=attributes,
+        ) as span:
+            token = TRACE_ID.set(format(span.get_span_context().trace_id, "032x"))
+            status = 0
+
+            async def send_traced(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = int(message["status"])
+                    span.set_attribute("http.response.status_code", status)
+                await send(message)
+
+            try:
+                await self.app(scope, receive, send_traced)
+            finally:
+                if status >= 500:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR))
+                TRACE_ID.reset(token)
+
+
+def current_span() -> Any:
+    from opentelemetry import trace
+
+    return trace.get_current_span()
+
+
+def record_generation_spans(
+    tracer: Any, parent: Any, arrival: float, first_token_at: float | None, num_output_tokens: int
+) -> None:
+    """Child spans of `parent` from a finished generation's monotonic timestamps."""
+    from opentelemetry import trace
+
+    now_monotonic, now_ns = time.monotonic(), time.time_ns()
+
+    def wall_ns(monotonic: float) -> int:
+        return now_ns - int((now_monotonic - monotonic) * 1e9)
+
+    context = trace.set_span_in_context(parent)
+    first = tracer.start_span("bitserve.time_to_first_token", context=context, start_time=wall_ns(arrival))
+    first.end(end_time=wall_ns(first_token_at if first_token_at is not None else now_monotonic))
+    if first_token_at is not None:
+        decode = tracer.start_span(
+            "bitserve.decode",
+            context=context,
+            start_time=wall_ns(first_token_at),
+            attributes={"bitserve.output_tokens": num_output_tokens},
+        )
+        decode.end(end_time=now_ns)
