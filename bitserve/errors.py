@@ -121,5 +121,10 @@ class RequestFailed(BitserveError):
     """One request failed inside the engine; other requests are unaffected."""
 
 
+class DeadlineExceeded(BitserveError):
+    """A request's deadline (its `timeout` or `X-Request-Timeout`) passed before it finished; it was
+    aborted wherever it was (queue or decode)."""
+
+
 class EngineDead(BitserveError):
     """An exception escaped the engine step; the replica is no longer trustworthy."""

@@ -16,7 +16,7 @@ from bitserve.engine.messages import KVCacheStats, Priority, StepResult, StepSta
 from bitserve.errors import BitserveError, EngineDead, ModelUnavailable, QueueFull
 from bitserve.frontend.admission import AdmissionLimits, check_request
 from bitserve.frontend.engine_client import ThreadEngineClient
-from bitserve.frontend.generation_stream import GenerationStream
+from bitserve.frontend.generation_stream import DEADLINE_REASON, GenerationStream, deadline_error
 from bitserve.frontend.output_processor import OutputProcessor, choice_request_id
 from bitserve.metrics.stats import NullStatsSink, RequestStats, StatsSink
 from bitserve.sampling_params import SamplingParams
@@ -67,6 +67,10 @@ class AsyncEngine:
         self._streams: dict[str, GenerationStream] = {}
         self._queued_tokens = 0
         self._client: ThreadEngineClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # request id -> the timer that ends its stream at its deadline (the engine checks deadlines only
+        # between steps; this one fires on time even during a long prefill or a stalled engine)
+        self._deadline_timers: dict[str, asyncio.TimerHandle] = {}
         self._dead: BaseException | None = None
         self.is_draining = False
         self.last_stats: StepStats | None = None
@@ -82,7 +86,7 @@ class AsyncEngine:
     # ----------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._client = ThreadEngineClient(
             self.instance.engine, loop, self._on_step, self._on_rejected, self._on_dead
         )
@@ -147,7 +151,17 @@ class AsyncEngine:
             request_id, prompt_token_ids, params, priority=priority, deadline=deadline
         ):
             self._client.add_request(request)
+        if deadline is not None and self._loop is not None:
+            delay_s = max(0.0, deadline - time.monotonic())
+            self._deadline_timers[request_id] = self._loop.call_later(delay_s, self._expire_deadline, stream)
         return stream
+
+    def _expire_deadline(self, stream: GenerationStream) -> None:
+        """The deadline passed: end the stream with DeadlineExceeded (its close aborts the choices)."""
+        self._deadline_timers.pop(stream.request_id, None)
+        if self._streams.get(stream.request_id) is stream and stream.unfinished:
+            stream.abort_reason = DEADLINE_REASON
+            stream.put(deadline_error())
 
     def _admit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
         if self._dead is not None:
@@ -181,6 +195,9 @@ class AsyncEngine:
         """A stream closed: abort its unfinished choices, forget it, record its stats (once)."""
         if self._streams.pop(stream.request_id, None) is None:
             return
+        timer = self._deadline_timers.pop(stream.request_id, None)
+        if timer is not None:
+            timer.cancel()
         if stream.unfinished and self._client is not None:
             choice_ids = [choice_request_id(stream.request_id, index) for index in sorted(stream.unfinished)]
             self._client.abort_requests(choice_ids)

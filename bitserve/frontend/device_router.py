@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from bitserve.engine.devices import AUTO, CUDA, parse_device
 from bitserve.engine.instance import ModelInstance
 from bitserve.engine.messages import Priority
-from bitserve.errors import BitserveError, EngineDead, InvalidRequest, ModelUnavailable
+from bitserve.errors import BitserveError, DeadlineExceeded, EngineDead, InvalidRequest, ModelUnavailable
 from bitserve.frontend.async_engine import AsyncEngine
 from bitserve.frontend.generation_stream import GenerationStream, OutputStream, StreamTiming
 from bitserve.outputs import RequestOutput
@@ -189,10 +189,11 @@ class DeviceRouter:
 
 def may_fail_over(stream: GenerationStream, error: BaseException) -> bool:
     """A request moves to another replica only before its first token (nothing reached the client, so
-    a rerun is invisible), and not for a drain or shutdown (they end every replica alike)."""
+    a rerun is invisible), and not for a drain or shutdown (they end every replica alike) nor an expired
+    deadline (it has expired on every replica)."""
     return (
         isinstance(error, BitserveError)
-        and not isinstance(error, ModelUnavailable)
+        and not isinstance(error, ModelUnavailable | DeadlineExceeded)
         and stream.timing.num_output_tokens == 0
     )
 

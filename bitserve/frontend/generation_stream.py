@@ -13,8 +13,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from bitserve.errors import DeadlineExceeded
 from bitserve.frontend.output_processor import ChoiceDelta
 from bitserve.outputs import CompletionOutput, RequestOutput
+
+DEADLINE_REASON = "deadline"  # the engine's finish reason, and the aborted-requests metric's label
+
+
+def deadline_error() -> DeadlineExceeded:
+    return DeadlineExceeded(
+        "the request's deadline passed before it finished; it was aborted",
+        param="timeout",
+        hint="raise `timeout` / X-Request-Timeout, lower max_tokens, or retry when the server is less busy",
+    )
 
 
 @dataclass(slots=True)
@@ -142,6 +153,11 @@ class GenerationStream(OutputStream):
             if isinstance(item, BaseException):
                 self.error = item
                 raise item
+            if item.output.finish_reason == DEADLINE_REASON:
+                # an expired deadline is an error to the client (504 or an error event), not a finish
+                self.abort_reason = DEADLINE_REASON
+                self.error = deadline_error()
+                raise self.error
             output.add(item.output, item.num_cached_tokens)
             if item.output.finish_reason is not None:
                 self.unfinished.discard(item.output.index)

@@ -232,6 +232,7 @@ class Lease:
         *,
         request_id: str,
         priority: Priority = Priority.NORMAL,
+        deadline: float | None = None,
         prompt_param: str = "prompt",
         device: str | None = None,
     ) -> RoutedStream:
@@ -242,6 +243,7 @@ class Lease:
             params,
             request_id=request_id,
             priority=priority,
+            deadline=deadline,
             prompt_param=prompt_param,
             device=device,
         )

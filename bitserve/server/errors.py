@@ -22,6 +22,7 @@ from bitserve.errors import (
     BitserveError,
     Conflict,
     ContextLengthExceeded,
+    DeadlineExceeded,
     EngineDead,
     Forbidden,
     InvalidModelFile,
@@ -97,6 +98,8 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     (ModelUnavailable, ErrorSpec(503, "service_unavailable", "model_unavailable", has_retry_after=True)),
     (EngineDead, ErrorSpec(503, "server_error", "engine_dead", has_retry_after=True)),
     (RequestFailed, ErrorSpec(500, "server_error", "request_failed")),
+    # the client's own deadline passed (request `timeout` / X-Request-Timeout): a gateway timeout
+    (DeadlineExceeded, ErrorSpec(504, "timeout_error", "deadline_exceeded")),
     # A model an admin asked for was rejected (bad file, failed validation): the old one serves on.
     (InvalidModelFile, ErrorSpec(422, "invalid_request_error", "model_rejected")),
     (ModelLoadError, ErrorSpec(422, "invalid_request_error", "model_rejected")),

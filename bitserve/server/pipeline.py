@@ -20,6 +20,7 @@ from bitserve.frontend.device_router import RoutedStream
 from bitserve.lifecycle.slot import Lease
 from bitserve.outputs import RequestOutput
 from bitserve.server.body import parse_request, with_model_defaults
+from bitserve.server.deadlines import TIMEOUT_HEADER, request_deadline
 from bitserve.server.prompts import encode_prompt
 from bitserve.server.protocol import GenerationRequest, new_request_id, usage_payload
 from bitserve.server.security.request_context import charge_tokens, token_cost
@@ -81,7 +82,8 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
     body = parse_request(await request.body(), body_cls)
     lease = state.acquire(body.model)
     with lease.released_on_error():
-        body = with_model_defaults(body, lease.slot.source.default_params)
+        body = with_model_defaults(body, lease.slot.source.default_params)  # may set `timeout` too
+        deadline = request_deadline(started, body.timeout, request.headers.get(TIMEOUT_HEADER))
         prompt = body.prompt_input()
         prompt_ids = await encode_prompt(lease.instance, prompt)
         params = body.to_sampling_params()
@@ -94,6 +96,7 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
                 params,
                 request_id=new_request_id(id_prefix),
                 priority=body.priority_class,
+                deadline=deadline,
                 prompt_param=prompt.param,
                 device=body.device,
             )

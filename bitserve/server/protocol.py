@@ -33,6 +33,7 @@ from bitserve.sampling_params import (
     MAX_TOP_K,
     SamplingParams,
 )
+from bitserve.server.deadlines import MAX_REQUEST_TIMEOUT_S
 from bitserve.server.errors import UnsupportedParameter
 from bitserve.tokenizer.base import Tokenizer
 
@@ -188,6 +189,9 @@ class GenerationRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     # Extension: run on this replica of the model ("cpu", "cuda", "cuda:N"); unset, the router picks.
     device: str | None = Field(None, min_length=1, max_length=MAX_DEVICE_CHARS)
+    # Extension: seconds from arrival; past it the request is aborted (504, or an error event when streaming).
+    # The X-Request-Timeout header does the same; with both, the stricter wins.
+    timeout: float | None = Field(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)
 
     def prompt_input(self) -> PromptInput:
         raise NotImplementedError
