@@ -16,13 +16,14 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from bitserve.frontend.batch_stream import BatchStream
 from bitserve.frontend.device_router import RoutedStream
 from bitserve.lifecycle.slot import Lease
 from bitserve.outputs import RequestOutput
 from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.deadlines import TIMEOUT_HEADER, request_deadline
 from bitserve.server.prompts import encode_prompt
-from bitserve.server.protocol import GenerationRequest, new_request_id, usage_payload
+from bitserve.server.protocol import GenerationRequest, PromptInput, new_request_id, usage_payload
 from bitserve.server.security.request_context import charge_tokens, token_cost
 from bitserve.server.state import AppState, get_state
 from bitserve.server.streaming import (
@@ -46,8 +47,9 @@ class Generation:
     state: AppState
     body: Any  # the endpoint's GenerationRequest subclass
     lease: Lease
-    stream: RoutedStream
+    stream: RoutedStream | BatchStream
     started: float  # time.monotonic() when the request arrived
+    prompt_token_ids: list[list[int]]  # each prompt's (one, unless a batched completions request)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -76,7 +78,8 @@ class ResponseFormat(Protocol):
 
 
 async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Generation:
-    """Parse, lease, default, encode and admit one generation request (raises before any header)."""
+    """Parse, lease, default, encode and admit one generation request (raises before any header). A
+    batched completions request admits one stream per prompt, seen as one BatchStream."""
     started = time.monotonic()
     state = get_state(request)
     body = parse_request(await request.body(), body_cls)
@@ -84,32 +87,27 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
     with lease.released_on_error():
         body = with_model_defaults(body, lease.slot.source.default_params)  # may set `timeout` too
         deadline = request_deadline(started, body.timeout, request.headers.get(TIMEOUT_HEADER))
-        prompt = body.prompt_input()
-        prompt_ids = await encode_prompt(lease.instance, prompt)
-        params = body.to_sampling_params()
-        # the caller's token budget pays the most this can use now; what it did not use comes back
-        cost = token_cost(len(prompt_ids), params, lease.instance.max_model_len)
-        settle = await charge_tokens(request, cost)
+        prompts = body.prompt_inputs()
+        request_id = new_request_id(id_prefix)
+        streams: list[RoutedStream] = []
         try:
-            stream = lease.submit(
-                prompt_ids,
-                params,
-                request_id=new_request_id(id_prefix),
-                priority=body.priority_class,
-                deadline=deadline,
-                prompt_param=prompt.param,
-                device=body.device,
-            )
+            for index, prompt in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                streams.append(await _admit(request, lease, body, prompt, deadline, sub_id))
         except BaseException:
-            settle(0)
+            for admitted in streams:
+                admitted.close()  # aborts it and gives its tokens back; the lease is released below
             raise
-        release = stream.on_close  # the lease's
+        stream: RoutedStream | BatchStream = (
+            streams[0] if len(streams) == 1 else BatchStream(request_id, streams, body.n)
+        )
+        settle = stream.on_close
         span = current_span() if state.tracer is not None else None  # the request's (TracingMiddleware)
 
         def on_close(error: BaseException | None) -> None:
-            if release is not None:
-                release(error)
-            settle(stream.num_prompt_tokens + stream.num_output_tokens)
+            lease.finish(error)  # once, when every prompt's stream has ended
+            if settle is not None:
+                settle(error)
             if span is not None:
                 timing = stream.timing
                 record_generation_spans(
@@ -117,7 +115,43 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
                 )
 
         stream.on_close = on_close
-    return Generation(state, body, lease, stream, started)
+    prompt_ids = [admitted.submission.prompt_token_ids for admitted in streams]
+    return Generation(state, body, lease, stream, started, prompt_ids)
+
+
+async def _admit(
+    request: Request,
+    lease: Lease,
+    body: GenerationRequest,
+    prompt: PromptInput,
+    deadline: float | None,
+    request_id: str,
+) -> RoutedStream:
+    """Encode one prompt, charge its tokens, submit it; its on_close gives back what it did not use."""
+    prompt_ids = await encode_prompt(lease.instance, prompt)
+    params = body.to_sampling_params()
+    # the caller's token budget pays the most this can use now; what it did not use comes back
+    cost = token_cost(len(prompt_ids), params, lease.instance.max_model_len)
+    settle = await charge_tokens(request, cost)
+    try:
+        stream = lease.submit(
+            prompt_ids,
+            params,
+            request_id=request_id,
+            priority=body.priority_class,
+            deadline=deadline,
+            prompt_param=prompt.param,
+            device=body.device,
+        )
+    except BaseException:
+        settle(0)
+        raise
+
+    def on_close(error: BaseException | None) -> None:
+        settle(stream.num_prompt_tokens + stream.num_output_tokens)
+
+    stream.on_close = on_close  # instead of the lease's release: prepare() releases once for all prompts
+    return stream
 
 
 async def respond(
@@ -132,5 +166,6 @@ async def respond(
         result = await until_disconnect(request.receive, generation.stream.collect())
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_STATUS)
-    usage = usage_payload(result.num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
+    num_prompt_tokens = generation.stream.num_prompt_tokens  # summed over a batch's prompts
+    usage = usage_payload(num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
     return JSONResponse(response_format.body(result, usage), headers=headers)

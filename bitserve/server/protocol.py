@@ -47,6 +47,8 @@ MAX_NAME_CHARS = 64
 MAX_USER_CHARS = 256
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_PROMPT_TOKEN_IDS = 1_048_576
+MAX_BATCH_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_BATCH_CHOICES = 64  # prompts x n in one request (each choice is one engine sequence)
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
 
 PRIORITIES = {"high": Priority.HIGH, "normal": Priority.NORMAL, "low": Priority.LOW}
@@ -196,6 +198,10 @@ class GenerationRequest(SamplingFields):
     def prompt_input(self) -> PromptInput:
         raise NotImplementedError
 
+    def prompt_inputs(self) -> list[PromptInput]:
+        """Every prompt, in order: one, except a batched /v1/completions request."""
+        return [self.prompt_input()]
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -303,9 +309,13 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 def _check_prompt(value: Any) -> Any:
-    """str | [int, ...] | [str] | [[int, ...]]: one prompt, as text or token ids."""
+    """str | [int, ...] | [str, ...] | [[int, ...], ...]: one prompt or a batch, as text or token ids."""
     if isinstance(value, str):
         return value
+    is_batch = isinstance(value, list) and bool(value) and isinstance(value[0], (str, list))
+    if is_batch and len(value) > MAX_BATCH_PROMPTS:
+        # said here: the union's own errors would list every member's complaint instead
+        raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(value)}")
     if isinstance(value, list) and value and all(isinstance(item, list) for item in value):
         return value
     if isinstance(value, list) and all(isinstance(item, str) for item in value) and value:
@@ -314,11 +324,23 @@ def _check_prompt(value: Any) -> Any:
         isinstance(item, int) and not isinstance(item, bool) for item in value
     ):
         return value
-    raise ValueError("prompt must be a string, a list of token ids, or a list holding one of those")
+    raise ValueError(
+        "prompt must be a string, a list of token ids, or a list of strings or of token-id lists"
+    )
+
+
+PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+PromptIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # a batch is bounded twice: MAX_BATCH_PROMPTS prompts, and MAX_BATCH_CHOICES prompts x n (check_supported)
+    prompt: (
+        PromptText
+        | Annotated[list[PromptText], Field(max_length=MAX_BATCH_PROMPTS)]
+        | PromptIds
+        | Annotated[list[PromptIds], Field(max_length=MAX_BATCH_PROMPTS)]
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
@@ -331,7 +353,7 @@ class CompletionRequest(GenerationRequest):
             "suffix",
             self.suffix,
             lambda v: v in (None, ""),
-            "insertion (fill-in-the-middle) is not implemented",
+            "insertion (fill-in-the-middle) is not implemented: no served template defines FIM tokens",
         )
         if self.best_of is not None and self.best_of > self.n:
             raise UnsupportedParameter(
@@ -341,30 +363,39 @@ class CompletionRequest(GenerationRequest):
             )
         if self.echo and self.logprobs is not None:
             raise UnsupportedParameter(
-                "echo with logprobs is not supported by bitserve (no prompt logprobs)",
+                "echo with logprobs is not supported by bitserve (it computes no prompt logprobs)",
                 param="echo",
                 hint="use echo or logprobs, not both",
             )
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise UnsupportedParameter(
-                    f"a batch of {len(self.prompt)} prompts is not supported by bitserve",
-                    param="prompt",
-                    hint="send one prompt per request",
-                )
+        num_choices = len(self.prompt_inputs()) * self.n
+        if num_choices > MAX_BATCH_CHOICES:
+            raise InvalidRequest(
+                f"{len(self.prompt_inputs())} prompts x n={self.n} is {num_choices} choices; the most is "
+                f"{MAX_BATCH_CHOICES}",
+                param="prompt",
+                hint="split the batch over several requests",
+            )
         self.check_stream_options()
 
-    def prompt_input(self) -> PromptInput:
+    def prompt_inputs(self) -> list[PromptInput]:
+        """Every prompt of the request, in order (one, unless `prompt` is a batch)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one (more is refused by check_supported)
-        if isinstance(prompt, str):
-            return PromptInput("prompt", text=prompt)
-        return PromptInput("prompt", token_ids=prompt)  # type: ignore[arg-type]
+            return [_one_prompt(item, f"prompt[{i}]") for i, item in enumerate(prompt)]  # type: ignore[arg-type]
+        return [_one_prompt(prompt, "prompt")]  # type: ignore[arg-type]
+
+    def prompt_input(self) -> PromptInput:
+        return self.prompt_inputs()[0]
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+def _one_prompt(prompt: str | list[int], param: str) -> PromptInput:
+    if isinstance(prompt, str):
+        return PromptInput(param, text=prompt)
+    return PromptInput(param, token_ids=prompt)
 
 
 # ----------------------------------------------------------------- native API and tokenizer

@@ -1,5 +1,6 @@
-"""POST /v1/completions: the shared pipeline on one raw prompt (text or token ids), formatted as a
-`text_completion` body, or SSE `text_completion` chunks, the usage chunk if asked, and [DONE]."""
+"""POST /v1/completions: the shared pipeline on raw prompts (text or token ids; one, or a batch whose
+choice j of prompt i is index i * n + j), formatted as a `text_completion` body, or SSE
+`text_completion` chunks (a batch's interleaved), the usage chunk if asked, and [DONE]."""
 
 from __future__ import annotations
 
@@ -45,16 +46,23 @@ class CompletionFormat(OpenAIFormat):
     def __init__(self, generation: Generation) -> None:
         super().__init__(generation)
         self.request: CompletionRequest = generation.body
-        self.echo = self._echo_text(generation) if self.request.echo else ""
-        self.offsets = [len(self.echo)] * self.request.n  # text offset of each choice so far, for logprobs
-
-    def _echo_text(self, generation: Generation) -> str:
-        prompt = self.request.prompt_input()
-        return (
-            prompt.text
-            if prompt.text is not None
-            else self.tokenizer.decode(generation.stream.prompt_token_ids)
+        self.n = self.request.n
+        # choice k answers prompt k // n (OpenAI's numbering of a batch); echo prepends that prompt
+        self.echoes = (
+            self._echo_texts(generation) if self.request.echo else [""] * len(generation.prompt_token_ids)
         )
+        self.offsets = [len(self.echo(k)) for k in range(len(self.echoes) * self.n)]  # for logprobs
+
+    def _echo_texts(self, generation: Generation) -> list[str]:
+        return [
+            prompt.text if prompt.text is not None else self.tokenizer.decode(token_ids)
+            for prompt, token_ids in zip(
+                self.request.prompt_inputs(), generation.prompt_token_ids, strict=True
+            )
+        ]
+
+    def echo(self, index: int) -> str:
+        return self.echoes[index // self.n]
 
     def _logprobs(self, output: CompletionOutput, text_offset: int) -> dict[str, Any] | None:
         if self.request.logprobs is None:
@@ -62,11 +70,11 @@ class CompletionFormat(OpenAIFormat):
         return completion_logprobs(self.tokenizer, output.logprobs or (), text_offset)
 
     def prologue(self) -> list[dict[str, Any]]:
-        if not self.echo:
+        if not self.request.echo:
             return []
         return [
-            self.chunk({"index": index, "text": self.echo, "logprobs": None, "finish_reason": None})
-            for index in range(self.request.n)
+            self.chunk({"index": index, "text": self.echo(index), "logprobs": None, "finish_reason": None})
+            for index in range(len(self.offsets))
         ]
 
     def choice_delta(self, delta: CompletionOutput) -> dict[str, Any]:
@@ -84,8 +92,8 @@ class CompletionFormat(OpenAIFormat):
     def choice(self, output: CompletionOutput) -> dict[str, Any]:
         return {
             "index": output.index,
-            "text": self.echo + output.text,
-            "logprobs": self._logprobs(output, len(self.echo)),
+            "text": self.echo(output.index) + output.text,
+            "logprobs": self._logprobs(output, len(self.echo(output.index))),
             "finish_reason": output.finish_reason,
             "stop_reason": output.stop_reason,
         }

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from bitserve.errors import BitserveError
+from bitserve.frontend.batch_stream import BatchStream
 from bitserve.frontend.device_router import RoutedStream
 from bitserve.frontend.generation_stream import GenerationStream
 from bitserve.server.errors import sse_error_event
@@ -130,7 +131,7 @@ class SSEResponse(Response):
 
 
 async def sse_events(
-    stream: GenerationStream | RoutedStream,
+    stream: GenerationStream | RoutedStream | BatchStream,
     keepalive_s: float,
     response_format: ResponseFormat,
 ) -> AsyncIterator[bytes]:

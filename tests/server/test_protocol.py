@@ -174,7 +174,6 @@ def test_bad_values_get_400_naming_the_field(
         ("/v1/completions", {"suffix": "tail"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
-        ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
     ],
 )
 def test_unimplemented_fields_get_400_saying_so(
