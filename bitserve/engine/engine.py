@@ -15,7 +15,7 @@ from bitserve.core.request import FinishReason
 from bitserve.core.scheduler import Scheduler
 from bitserve.core.scheduler_output import RunnerOutput
 from bitserve.core.scheduling_config import CacheConfig, SchedulerConfig
-from bitserve.engine.messages import EngineRequest, KVCacheStats, StepResult
+from bitserve.engine.messages import Embed, EngineRequest, KVCacheStats, StepResult
 from bitserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class Engine:
         steps: plain counter reads, no lock, one step stale at worst."""
         kv = self.scheduler.kv
         return KVCacheStats(round(kv.usage, 6), kv.num_free_blocks, kv.num_usable_blocks, kv.block_size)
+
+    def embed(self, command: Embed) -> list[list[float]]:
+        """Normalised embeddings of the command's inputs (runner.embed; no scheduler state changes)."""
+        return self.runner.embed(command.inputs, command.pooling, command.dimensions)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -22,6 +22,7 @@ from bitserve.kernels.select import select_backend
 from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model
+from bitserve.runner.embeddings import pooling_from_metadata
 from bitserve.runner.kv_cache import CacheLayout, plan_cache, resolve_kv_dtype
 from bitserve.runner.model_runner import ModelRunner
 from bitserve.tokenizer.chat_template import ChatTemplate, encode_chat
@@ -184,6 +185,16 @@ class ModelInstance:
             max_model_len,
             scheduler_config,
         )
+
+    @property
+    def pooling(self) -> str:
+        """How /v1/embeddings pools hidden states: the GGUF's pooling type, else mean."""
+        metadata = self.loaded.gguf.metadata
+        return pooling_from_metadata(metadata, str(metadata.get("general.architecture", "")))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.loaded.spec.hidden_size
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 
 from bitserve.engine.engine import Engine
-from bitserve.engine.messages import AbortRequests, AddRequest, Shutdown, StepResult
+from bitserve.engine.messages import AbortRequests, AddRequest, Embed, Shutdown, StepResult
 from bitserve.errors import BitserveError
 
 logger = logging.getLogger(__name__)
 
-Command = AddRequest | AbortRequests | Shutdown
+Command = AddRequest | AbortRequests | Embed | Shutdown
 
 
 class EngineLoop:
@@ -31,8 +31,10 @@ class EngineLoop:
         publish: Callable[[StepResult], None],
         reject: Callable[[str, BitserveError], None],
         die: Callable[[BaseException], None],
+        embedded: Callable[[str, list[list[float]] | BitserveError], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._embedded = embedded
         self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._publish = publish
         self._reject = reject
@@ -66,6 +68,15 @@ class EngineLoop:
             return False
         if isinstance(command, AbortRequests):
             self.engine.abort_requests(command.request_ids, command.reason)
+        elif isinstance(command, Embed):
+            # between steps, on this thread: the model is never used by two callers at once. Anything
+            # but a BitserveError escapes to run() as an engine death, like an exception in a step.
+            try:
+                result: list[list[float]] | BitserveError = self.engine.embed(command)
+            except BitserveError as exc:
+                result = exc
+            if self._embedded is not None:
+                self._embedded(command.request_id, result)
         else:
             try:
                 self.engine.add_request(command.request)

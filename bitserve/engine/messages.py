@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AbortRequests",
     "AddRequest",
+    "Embed",
     "EngineOutput",
     "EngineRequest",
     "FinishReason",
@@ -29,6 +30,17 @@ __all__ = [
     "StepStats",
     "TokenLogprobs",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Embed:
+    """Inbox command: embed each of `inputs` (token ids) with `pooling`, truncated to `dimensions`.
+    The engine answers once, between steps, through its `embedded(request_id, vectors | error)`."""
+
+    request_id: str
+    inputs: tuple[tuple[int, ...], ...]
+    pooling: str
+    dimensions: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from bitserve.config import ServerConfig
 from bitserve.engine.instance import ModelInstance
-from bitserve.engine.messages import KVCacheStats, Priority, StepResult, StepStats
+from bitserve.engine.messages import Embed, KVCacheStats, Priority, StepResult, StepStats
 from bitserve.errors import BitserveError, EngineDead, ModelUnavailable, QueueFull
 from bitserve.frontend.admission import AdmissionLimits, check_request
 from bitserve.frontend.engine_client import ThreadEngineClient
@@ -71,6 +71,7 @@ class AsyncEngine:
         # request id -> the timer that ends its stream at its deadline (the engine checks deadlines only
         # between steps; this one fires on time even during a long prefill or a stalled engine)
         self._deadline_timers: dict[str, asyncio.TimerHandle] = {}
+        self._embeds: dict[str, asyncio.Future[list[list[float]]]] = {}  # request id -> its answer
         self._dead: BaseException | None = None
         self.is_draining = False
         self.last_stats: StepStats | None = None
@@ -88,7 +89,7 @@ class AsyncEngine:
     def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self._client = ThreadEngineClient(
-            self.instance.engine, loop, self._on_step, self._on_rejected, self._on_dead
+            self.instance.engine, loop, self._on_step, self._on_rejected, self._on_dead, self._on_embedded
         )
 
     async def shutdown(self) -> None:
@@ -252,6 +253,31 @@ class AsyncEngine:
                 stream.timing.record_tokens(len(delta.output.token_ids), now)
             stream.put(delta)
 
+    async def embed(
+        self, request_id: str, inputs: list[list[int]], dimensions: int | None = None
+    ) -> list[list[float]]:
+        """Normalised embeddings of `inputs` (token ids, each checked to fit the context by the caller),
+        computed on the engine thread between steps with the model's own pooling."""
+        if self._dead is not None or self._client is None:
+            raise EngineDead("the model's engine has failed", hint="retry later")
+        future: asyncio.Future[list[list[float]]] = asyncio.get_running_loop().create_future()
+        self._embeds[request_id] = future
+        command = Embed(request_id, tuple(tuple(ids) for ids in inputs), self.instance.pooling, dimensions)
+        self._client.embed(command)
+        try:
+            return await future  # cancelled (client gone): the engine still answers; the answer is dropped
+        finally:
+            self._embeds.pop(request_id, None)
+
+    def _on_embedded(self, request_id: str, result: list[list[float]] | BitserveError) -> None:
+        future = self._embeds.get(request_id)
+        if future is None or future.done():
+            return
+        if isinstance(result, BitserveError):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
     def _on_rejected(self, choice_id: str, error: BitserveError) -> None:
         parent_id = choice_id.rpartition("/")[0]
         stream = self._streams.get(parent_id)
@@ -260,6 +286,9 @@ class AsyncEngine:
 
     def _on_dead(self, error: BaseException) -> None:
         self._dead = error
+        for future in self._embeds.values():
+            if not future.done():
+                future.set_exception(EngineDead("the model's engine failed", hint="retry"))
         self.expire(
             EngineDead(
                 f"the model's engine failed: {type(error).__name__}: {error}",

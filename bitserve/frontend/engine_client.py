@@ -14,7 +14,7 @@ from typing import Protocol
 
 from bitserve.engine.engine import Engine
 from bitserve.engine.loop import EngineLoop
-from bitserve.engine.messages import AbortRequests, AddRequest, EngineRequest, Shutdown, StepResult
+from bitserve.engine.messages import AbortRequests, AddRequest, Embed, EngineRequest, Shutdown, StepResult
 from bitserve.errors import BitserveError
 
 
@@ -40,6 +40,7 @@ class ThreadEngineClient:
         on_step: Callable[[StepResult], None],
         on_rejected: Callable[[str, BitserveError], None],
         on_dead: Callable[[BaseException], None],
+        on_embedded: Callable[[str, list[list[float]] | BitserveError], None] | None = None,
     ) -> None:
         self.engine = engine
         self._loop = EngineLoop(
@@ -47,6 +48,9 @@ class ThreadEngineClient:
             publish=lambda result: loop.call_soon_threadsafe(on_step, result),
             reject=lambda request_id, error: loop.call_soon_threadsafe(on_rejected, request_id, error),
             die=lambda error: loop.call_soon_threadsafe(on_dead, error),
+            embedded=None
+            if on_embedded is None
+            else lambda request_id, result: loop.call_soon_threadsafe(on_embedded, request_id, result),
         )
         self._thread = threading.Thread(target=self._loop.run, name="bitserve-engine", daemon=True)
         self._thread.start()
@@ -69,6 +73,9 @@ class ThreadEngineClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self._loop.inbox.put(AbortRequests(tuple(request_ids)))
+
+    def embed(self, command: Embed) -> None:
+        self._loop.inbox.put(command)
 
     def shutdown(self) -> None:
         self._loop.inbox.put(Shutdown())

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.errors import InvalidRequest
 from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
 from bitserve.models.decoder import DecoderModel
 from bitserve.runner.cuda_graphs import DecodeGraphs
@@ -51,6 +52,17 @@ class CudaModelRunner(ModelRunner):
                 device=device,
             )
             self.graphs.capture_all()
+
+    def embed(
+        self, inputs: Sequence[Sequence[int]], pooling: str, dimensions: int | None
+    ) -> list[list[float]]:
+        # the CUDA decoder runs only over the paged cache with device metadata; a plain forward for
+        # embeddings there is not written yet
+        raise InvalidRequest(
+            "embeddings are computed on CPU replicas only",
+            param="model",
+            hint="load the model on a CPU replica (--device cpu, or cuda:0,cpu) to serve /v1/embeddings",
+        )
 
     def allocate_kv_caches(self, layout: CacheLayout) -> list[torch.Tensor]:
         """[2, num_blocks + 1, block_size, kv_heads, head_dim] per layer, zeroed (padded key slots are

@@ -14,6 +14,7 @@ import torch
 from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from bitserve.layers.sampler import Sampler, SamplingRequestState, make_generator
 from bitserve.models.decoder import DecoderModel
+from bitserve.runner import embeddings
 from bitserve.runner.input_batch import build_batch_inputs
 from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
 
@@ -71,6 +72,12 @@ class ModelRunner:
         if not batch.sampled_request_ids:
             return None
         return self.model.compute_logits(hidden_states[batch.sample_indices])
+
+    def embed(
+        self, inputs: Sequence[Sequence[int]], pooling: str, dimensions: int | None
+    ) -> list[list[float]]:
+        """Pooled, normalised final hidden states of each input (runner/embeddings.py)."""
+        return embeddings.embed(self.model, inputs, pooling, dimensions)
 
     def _sampling_rows(self, requests: Sequence[ScheduledRequest]) -> list[SamplingRequestState]:
         rows = []

@@ -13,7 +13,14 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.routing import Route as StarletteRoute
 
-from bitserve.server import health, serving_admin, serving_chat, serving_completions, serving_native
+from bitserve.server import (
+    health,
+    serving_admin,
+    serving_chat,
+    serving_completions,
+    serving_embeddings,
+    serving_native,
+)
 from bitserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +54,13 @@ ROUTES: tuple[Route, ...] = (
         ChatCompletionRequest,
     ),
     Route("POST", "/v1/completions", serving_completions.create_completion, "inference", CompletionRequest),
+    Route(
+        "POST",
+        "/v1/embeddings",
+        serving_embeddings.create_embeddings,
+        "inference",
+        serving_embeddings.EmbeddingRequest,
+    ),
     Route("POST", "/v1/inference", serving_native.inference, "inference", InferenceRequest),
     Route("POST", "/v1/inference/stream", serving_native.inference_stream, "inference", InferenceRequest),
     Route("POST", "/tokenize", serving_native.tokenize, "inference", TokenizeRequest),
