@@ -153,3 +153,29 @@ def test_bad_timeouts_are_400(blackbox: ServerProcess, body: dict, headers: dict
         )
         assert response.status_code == 400, (path, response.text)
         assert response.json()["error"]["param"] == param
+
+
+def aborted_count(server: ServerProcess, reason: str) -> float:
+    metrics = httpx.get(f"{server.url}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("bitserve_requests_aborted_total{") and f'reason="{reason}"' in line
+    )
+
+
+def test_the_clients_own_timeout_aborts_as_a_disconnect(
+    blackbox: ServerProcess, client: openai.OpenAI
+) -> None:
+    """openai's `timeout=` is the client's HTTP timeout (no header goes out): when it fires the client
+    hangs up, and the server aborts the request as a disconnect, not as a deadline."""
+    before = aborted_count(blackbox, "client_disconnect")
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).completions.create(
+            model=MODEL, prompt="Once upon a time", extra_body=LONG
+        )
+    for _ in range(50):  # the server notices the disconnect within a step or two
+        if aborted_count(blackbox, "client_disconnect") > before:
+            break
+        time.sleep(0.1)
+    assert aborted_count(blackbox, "client_disconnect") > before
