@@ -260,6 +260,9 @@ class AsyncEngine:
         computed on the engine thread between steps with the model's own pooling."""
         if self._dead is not None or self._client is None:
             raise EngineDead("the model's engine has failed", hint="retry later")
+        if len(self._embeds) >= self.limits.max_num_waiting:  # each waits its turn on the engine thread
+            self.stats.record_rejected("queue_full")
+            raise QueueFull("the server is at capacity", retry_after_s=self.expected_wait_s())
         future: asyncio.Future[list[list[float]]] = asyncio.get_running_loop().create_future()
         self._embeds[request_id] = future
         command = Embed(request_id, tuple(tuple(ids) for ids in inputs), self.instance.pooling, dimensions)

@@ -1,7 +1,7 @@
 """BatchStream: several admitted streams (one per prompt of a batched `/v1/completions` request) seen
 as one, with OpenAI's choice numbering: choice j of prompt i is index i * n + j. Outputs arrive as
 each prompt's engine steps produce them, interleaved; usage is the sum over the prompts.
-Same consumer surface as GenerationStream / RoutedStream: `next`, `collect`, `close`, `on_close`."""
+An OutputStream like GenerationStream / RoutedStream: `next`, `async for`, `collect`, `close`, `on_close`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from bitserve.frontend.generation_stream import StreamTiming
+from bitserve.frontend.generation_stream import OutputStream, StreamTiming
 from bitserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -33,7 +33,7 @@ class ChoiceStream(Protocol):
     def close(self) -> None: ...
 
 
-class BatchStream:
+class BatchStream(OutputStream):
     """`streams[i]` serves prompt i with `num_choices` choices each; closing closes every one."""
 
     def __init__(self, request_id: str, streams: Sequence[ChoiceStream], num_choices: int) -> None:
@@ -110,21 +110,10 @@ class BatchStream:
             choice.logprobs,
         )
 
-    async def collect(self) -> RequestOutput:
-        """Run every prompt to its end; one output with all len(streams) * n choices (closes)."""
+    def empty_result(self) -> RequestOutput:
+        """What collect() fills: all len(streams) * n choices, empty."""
         total = len(self.streams) * self.num_choices
-        result = RequestOutput(self.request_id, [], [CompletionOutput(k) for k in range(total)], False)
-        try:
-            while True:
-                try:
-                    output = await self.next(None)
-                except StopAsyncIteration:
-                    break
-                assert output is not None
-                result.merge(output)
-        finally:
-            self.close()
-        return result
+        return RequestOutput(self.request_id, [], [CompletionOutput(k) for k in range(total)], False)
 
     def close(self) -> None:
         """Close every prompt's stream (idempotent; unfinished ones are aborted), then on_close once."""
