@@ -4,8 +4,9 @@ POST /v1/inference takes exactly one of `prompt` (a string, or a list of token i
 (OpenAI chat messages, rendered with the model's template), plus the sampling fields of
 `SamplingFields` (n, temperature, top_p, top_k, min_p, penalties, seed, stop, stop_token_ids,
 ignore_eos, min_tokens, logit_bias, priority) and `max_tokens` (default: SamplingParams' default,
-until the end of the context; SamplingParams says the policy) and `logprobs` (k alternatives per
-token). It answers
+until the end of the context; SamplingParams says the policy), `logprobs` (k alternatives per
+token) and `timeout` (seconds; or the X-Request-Timeout header: past it, 504 deadline_exceeded). It
+answers
   {"id", "model", "choices": [{"index", "text", "token_ids", "finish_reason", "stop_reason",
    "logprobs": [{"token_id", "token", "logprob", "rank", "top_logprobs": [{"token_id", "token",
    "logprob"}]}] | null}], "usage": {...}, "e2e_s"}.
