@@ -135,14 +135,19 @@ async def create_embeddings(request: Request) -> Response:
             )
         inputs = await _token_ids(lease, body)
         num_tokens = sum(len(token_ids) for token_ids in inputs)
+        engine = _engine(lease)
         settle = await charge_tokens(request, num_tokens)
-        embedding = _engine(lease).embed(new_request_id("emb"), inputs, body.dimensions)
+        num_used = 0  # a refusal or failure gives the tokens back
         try:
-            vectors = await until_disconnect(request.receive, embedding)
+            vectors = await until_disconnect(
+                request.receive, engine.embed(new_request_id("emb"), inputs, body.dimensions)
+            )
+            num_used = num_tokens
         except ClientDisconnected:
+            num_used = num_tokens  # the engine computes them anyway
             return Response(status_code=CLIENT_CLOSED_STATUS)
         finally:
-            settle(num_tokens)  # the engine computed (or was asked for) all of them
+            settle(num_used)
     finally:
         lease.release()
     data = [
