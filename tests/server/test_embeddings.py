@@ -129,3 +129,40 @@ def test_pooling_types(synthetic_instance: object) -> None:
     first, last = embed(model, [ids], CLS, None)[0], embed(model, [ids], LAST, None)[0]
     assert close(first, (hidden[0] / hidden[0].norm()).tolist())
     assert close(last, (hidden[-1] / hidden[-1].norm()).tolist())
+
+
+def test_a_gguf_pooling_type_is_used(
+    tmp_path,
+    synthetic_config,
+    synthetic_weights,  # noqa: ANN001
+) -> None:
+    """A GGUF whose metadata says CLS pooling embeds with its first token's hidden state, end to end."""
+    from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from bitserve.engine.instance import ModelInstance
+    from bitserve.loader.gguf_types import GGUFValueType
+    from bitserve.server.app import build_app
+    from bitserve.testing.synthetic import write_synthetic_model
+
+    tokenizer, weights = synthetic_weights
+    arch = synthetic_config.architecture
+    extra = {f"{arch}.pooling_type": (GGUFValueType.UINT32, 2, None)}  # llama.cpp's CLS
+    path = write_synthetic_model(
+        tmp_path / "cls.gguf",
+        "TQ2_0",
+        config=synthetic_config,
+        weights=weights,
+        tokenizer={**tokenizer, **extra},
+    )
+    instance = ModelInstance.load(
+        EngineConfig(model=ModelConfig(model=str(path)), scheduler=SchedulerConfig(max_model_len=64))
+    )
+    try:
+        assert instance.pooling == CLS
+        ids = [4, 8, 15, 16]
+        with TestClient(build_app(ServerConfig(warmup=False), instance=instance)) as http:
+            vector = http.post("/v1/embeddings", json={"input": ids}).json()["data"][0]["embedding"]
+        with torch.inference_mode():
+            first = instance.engine.runner.model(torch.tensor(ids), torch.arange(len(ids)))[0].float()
+        assert close(vector, (first / first.norm()).tolist())
+    finally:
+        instance.close()
