@@ -87,6 +87,17 @@ def test_request_span_continues_traceparent_with_generation_children(traced) -> 
     assert request_lines and all(line["trace_id"] == TRACE_ID for line in request_lines)
 
 
+def test_a_batched_completion_is_one_traced_generation(traced) -> None:  # noqa: ANN001
+    client, exporter = traced
+    exporter.clear()
+    body = {"prompt": ["one two", "three"], "n": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert (
+        spans["bitserve.decode"].attributes["bitserve.output_tokens"] == 2 * 2 * 3
+    )  # every prompt's choices
+
+
 def test_without_traceparent_a_new_trace_starts(traced) -> None:  # noqa: ANN001
     client, exporter = traced
     exporter.clear()
