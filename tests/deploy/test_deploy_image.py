@@ -86,18 +86,35 @@ def _mount_point(path: Path) -> str:
     return str(path)
 
 
+def _under_tmp(paths: set[Path]) -> list[str]:
+    """The top-most of `paths` that lie under /tmp (a checkout or venv there must survive the tmpfs)."""
+    inside = sorted(
+        str(p.resolve()) for p in paths if p.resolve().is_relative_to("/tmp") and p.resolve() != Path("/tmp")
+    )
+    return [p for p in inside if not any(p != q and p.startswith(q + "/") for q in inside)]
+
+
 def _sandboxed(command: list[str], workdir: Path) -> tuple[list[str], list[str]]:
     """`command` in a private mount namespace: every filesystem that holds Python, bitserve, the model
-    or the working directory remounted read-only, and a fresh tmpfs on /tmp."""
+    or the working directory remounted read-only, and a fresh tmpfs on /tmp. Anything of those under /tmp
+    (a CI checkout there) is bind-mounted aside first and back, read-only, onto the new tmpfs."""
     import bitserve
 
     roots = {Path("/"), REPO_ROOT, Path(sys.prefix), Path(bitserve.__file__).parent, workdir}
     mounts = sorted({_mount_point(root) for root in roots})
+    keep = _under_tmp(roots)
+    aside = "; ".join(f'mkdir -p "$K/{i}"; mount --bind "{path}" "$K/{i}"' for i, path in enumerate(keep))
+    back = "; ".join(
+        f'mkdir -p "{path}"; mount --bind "$K/{i}" "{path}"; mount -o remount,bind,ro "{path}"'
+        for i, path in enumerate(keep)
+    )
     script = (
         "set -e; mount --make-rprivate /; "
-        'for m in $SANDBOX_RO_MOUNTS; do mount -o remount,bind,ro "$m"; done; '
+        + (f"K=$(mktemp -d /dev/shm/bitserve-keep.XXXXXX); {aside}; " if keep else "")
+        + 'for m in $SANDBOX_RO_MOUNTS; do mount -o remount,bind,ro "$m"; done; '
         "mount -t tmpfs -o size=1g,mode=1777 tmpfs /tmp; "
-        f"mkdir -m 0555 {SANDBOX_MODELS}; "
+        + (f"{back}; " if keep else "")
+        + f"mkdir -m 0555 {SANDBOX_MODELS}; "
         f"cd {workdir}; "
         "touch .write-probe 2>/dev/null && { echo 'working directory is writable' >&2; exit 97; }; "
         'exec "$@"'
