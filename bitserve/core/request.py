@@ -79,6 +79,9 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     # Prompt tokens served from the prefix cache when the request was first scheduled.
     num_cached_tokens: int = field(default=0, init=False)
+    # Seconds from arrival to the first schedule (None until then); reported once, with the first output.
+    queue_s: float | None = field(default=None, init=False)
+    queue_reported: bool = field(default=False, init=False)
     num_preemptions: int = field(default=0, init=False)
     # block_hashes[i] is the chained hash of full block i of all_token_ids (filled lazily).
     block_hashes: list[BlockHash] = field(default_factory=list, init=False)

@@ -230,6 +230,7 @@ class Scheduler:
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
+                request.queue_s = max(0.0, self._clock() - request.arrival_time)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_key)
@@ -326,8 +327,17 @@ class Scheduler:
         logprobs = None
         if runner_output.logprobs is not None and request.request_id in runner_output.logprobs:
             logprobs = runner_output.logprobs[request.request_id][: len(new_token_ids)]
+        queue_s = None
+        if not request.queue_reported:  # the time in the queue, once, with the request's first output
+            request.queue_reported, queue_s = True, request.queue_s
         return EngineOutput(
-            request.request_id, new_token_ids, logprobs, reason, request.num_cached_tokens, stop_token_id
+            request.request_id,
+            new_token_ids,
+            logprobs,
+            reason,
+            request.num_cached_tokens,
+            stop_token_id,
+            queue_s=queue_s,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:

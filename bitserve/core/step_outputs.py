@@ -41,6 +41,8 @@ class EngineOutput:
     num_cached_tokens: int
     # The stop_token_ids entry that ended the request (None for EOS and other reasons).
     stop_token_id: int | None = None
+    # Seconds the request waited before its first schedule: on its first output only, else None.
+    queue_s: float | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bitserve.config import ServerConfig
 from bitserve.engine.instance import ModelInstance
-from bitserve.engine.messages import Embed, KVCacheStats, Priority, StepResult, StepStats
+from bitserve.engine.messages import Embed, EngineOutput, KVCacheStats, Priority, StepResult, StepStats
 from bitserve.errors import BitserveError, EngineDead, ModelUnavailable, QueueFull
 from bitserve.frontend.admission import AdmissionLimits, check_request
 from bitserve.frontend.engine_client import ThreadEngineClient
@@ -219,6 +220,7 @@ class AsyncEngine:
                 e2e_s=now - timing.arrival,
                 ttft_s=None if timing.first_token_at is None else timing.first_token_at - timing.arrival,
                 mean_itl_s=None if not timing.itl_count else timing.itl_sum_s / timing.itl_count,
+                queue_s=timing.queue_s,
             )
         )
 
@@ -241,6 +243,7 @@ class AsyncEngine:
                 step_s = result.stats.step_time_s
                 self.mean_step_time_s = step_s if last is None else (1 - weight) * last + weight * step_s
         self.stats.record_step(self.name, self.device, result.stats)
+        self._record_queue_times(result.outputs)
         deltas, abort_ids = self.processor.process(result.outputs)
         if abort_ids and self._client is not None:
             self._client.abort_requests(abort_ids)
@@ -252,6 +255,15 @@ class AsyncEngine:
             if delta.output.token_ids:
                 stream.timing.record_tokens(len(delta.output.token_ids), now)
             stream.put(delta)
+
+    def _record_queue_times(self, outputs: Sequence[EngineOutput]) -> None:
+        """A choice's first output carries its time in the queue; a request keeps its first choice's."""
+        for output in outputs:
+            if output.queue_s is None:
+                continue
+            stream = self._streams.get(output.request_id.rpartition("/")[0])
+            if stream is not None and stream.timing.queue_s is None:
+                stream.timing.queue_s = output.queue_s
 
     async def embed(
         self, request_id: str, inputs: list[list[int]], dimensions: int | None = None

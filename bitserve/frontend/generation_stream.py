@@ -38,6 +38,7 @@ class StreamTiming:
     num_output_tokens: int = 0
     itl_sum_s: float = 0.0
     itl_count: int = 0
+    queue_s: float | None = None  # arrival to first schedule (the engine's clock), from the first output
 
     def record_tokens(self, num_tokens: int, now: float) -> None:
         if self.first_token_at is None:

@@ -258,3 +258,21 @@ def test_preempting_an_already_scheduled_decode_unschedules_it(
     assert output.num_scheduled_tokens == 8
     output, _ = run_step(scheduler)
     assert [r.request_id for r in output.requests] == ["tiny", "low"]
+
+
+def test_queue_time_is_reported_once_with_the_first_output(
+    make_scheduler, make_request, run_step, clock
+) -> None:
+    scheduler = make_scheduler(max_num_seqs=1, clock=clock)
+    for request_id in ("first", "second"):
+        request = make_request(request_id, [1, 2, 3], max_tokens=2, ignore_eos=True)
+        request.arrival_time = clock()
+        scheduler.add_request(request)
+    reported: dict[str, list[float | None]] = {"first": [], "second": []}
+    for _ in range(6):
+        _, outputs = run_step(scheduler)
+        for output in outputs:
+            reported[output.request_id].append(output.queue_s)
+        clock.advance(1.5)
+    assert reported["first"] == [0.0, None]  # scheduled at once: no wait, then never again
+    assert reported["second"][0] == 3.0 and reported["second"][1:] == [None]  # waited two steps of 1.5 s

@@ -117,3 +117,19 @@ def test_every_deploy_expression_names_exported_metrics(scraped: set[str]) -> No
 
 def test_vllm_aliases_are_exported(scraped: set[str]) -> None:
     assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc"} <= scraped
+
+
+def test_a_served_request_observes_its_queue_time(client: TestClient) -> None:
+    def queue_count() -> float:
+        lines = client.get("/metrics").text.splitlines()
+        counts = [
+            float(line.rsplit(" ", 1)[1])
+            for line in lines
+            if line.startswith("bitserve_request_queue_seconds_count")
+        ]
+        return sum(counts)
+
+    before = queue_count()
+    body = {"prompt": "one two", "max_tokens": 2, "temperature": 0}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert queue_count() == before + 1
