@@ -126,6 +126,16 @@ class ServerConfig:
     max_num_queued_tokens: int = field(
         default=262_144, metadata=_help("prompt tokens of unfinished requests admitted at once; more get 429")
     )
+    high_priority_reserve: float = field(
+        default=0.2,
+        metadata=_help(
+            "share of the admission limits kept for priority high: normal and low get 429 past the rest"
+        ),
+    )
+    low_priority_share: float = field(
+        default=0.6,
+        metadata=_help("share of the admission limits priority low may fill; low is shed first"),
+    )
     drain_timeout_s: float = field(
         default=30.0,
         metadata=_help("on SIGTERM, seconds in-flight requests get to finish before streams are ended"),
@@ -219,6 +229,12 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.high_priority_reserve < 1.0:
+            raise ValueError(f"high_priority_reserve must be in [0, 1), got {self.high_priority_reserve}")
+        if not 0.0 < self.low_priority_share <= 1.0 - self.high_priority_reserve:
+            raise ValueError(
+                f"low_priority_share must be in (0, 1 - high_priority_reserve], got {self.low_priority_share}"
+            )
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 

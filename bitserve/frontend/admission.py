@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bitserve.config import ServerConfig
+from bitserve.engine.messages import Priority
 from bitserve.errors import ContextLengthExceeded, InvalidRequest
 from bitserve.sampling_params import SamplingParams
 
@@ -21,10 +22,23 @@ class AdmissionLimits:
 
     max_num_waiting: int
     max_num_queued_tokens: int
+    normal_share: float = 1.0  # of both limits, for priority normal (high always gets the whole)
+    low_share: float = 1.0  # of both limits, for priority low
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> AdmissionLimits:
-        return cls(max_num_waiting=config.max_num_waiting, max_num_queued_tokens=config.max_num_queued_tokens)
+        return cls(
+            max_num_waiting=config.max_num_waiting,
+            max_num_queued_tokens=config.max_num_queued_tokens,
+            normal_share=1.0 - config.high_priority_reserve,
+            low_share=config.low_priority_share,
+        )
+
+    def caps(self, priority: Priority) -> tuple[int, int]:
+        """(unfinished requests, their prompt tokens) a request of this priority may find admitted: under
+        saturation low is refused first, then normal, and the last share stays for high."""
+        share = {Priority.HIGH: 1.0, Priority.NORMAL: self.normal_share}.get(priority, self.low_share)
+        return max(1, int(self.max_num_waiting * share)), max(1, int(self.max_num_queued_tokens * share))
 
 
 def check_request(

@@ -139,7 +139,7 @@ class AsyncEngine:
     ) -> GenerationStream:
         """Admit one request and return its stream. Raises QueueFull / InvalidRequest /
         ContextLengthExceeded / ModelUnavailable / EngineDead before anything is queued."""
-        self._admit(prompt_token_ids, params, prompt_param)
+        self._admit(prompt_token_ids, params, prompt_param, priority)
         assert self._client is not None, "AsyncEngine.start() was not called"
         request_id = request_id or f"req-{next(self._ids)}"
         stream = GenerationStream(
@@ -165,7 +165,9 @@ class AsyncEngine:
             stream.abort_reason = DEADLINE_REASON
             stream.put(deadline_error())
 
-    def _admit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str) -> None:
+    def _admit(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str, priority: Priority
+    ) -> None:
         if self._dead is not None:
             raise EngineDead(
                 "the model's engine has failed", hint="the server restarts or routes elsewhere; retry later"
@@ -181,17 +183,16 @@ class AsyncEngine:
             vocab_size=self.instance.tokenizer.vocab_size,
             prompt_param=prompt_param,
         )
-        if not self.has_room(len(prompt_token_ids)):
+        if not self.has_room(len(prompt_token_ids), priority):
             self.stats.record_rejected("queue_full")
             raise QueueFull("the server is at capacity", retry_after_s=self.expected_wait_s())
 
-    def has_room(self, num_prompt_tokens: int) -> bool:
-        """Whether admission would take one more request of this many prompt tokens (the router asks
-        before it submits, so a full replica is skipped without counting a refusal)."""
-        return (
-            len(self._streams) < self.limits.max_num_waiting
-            and self._queued_tokens + num_prompt_tokens <= self.limits.max_num_queued_tokens
-        )
+    def has_room(self, num_prompt_tokens: int, priority: Priority = Priority.NORMAL) -> bool:
+        """Whether admission would take one more request of this many prompt tokens at this priority
+        (AdmissionLimits.caps: low is shed first, a share stays for high). The router asks before it
+        submits, so a full replica is skipped without counting a refusal."""
+        max_waiting, max_tokens = self.limits.caps(priority)
+        return len(self._streams) < max_waiting and self._queued_tokens + num_prompt_tokens <= max_tokens
 
     def _end(self, stream: GenerationStream) -> None:
         """A stream closed: abort its unfinished choices, forget it, record its stats (once)."""

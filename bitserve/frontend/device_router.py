@@ -124,9 +124,12 @@ class DeviceRouter:
         healthy = [replica for replica in candidates if replica.is_healthy(self.max_stall_s)]
         return sorted(healthy, key=lambda replica: predicted_completion_s(replica, fallback_s))
 
-    def pick(self, candidates: Sequence[Replica], num_prompt_tokens: int) -> Replica | None:
-        """DeviceRouter.pick: the best-ranked replica whose admission has room, or None."""
-        return next((r for r in self.rank(candidates) if r.engine.has_room(num_prompt_tokens)), None)
+    def pick(
+        self, candidates: Sequence[Replica], num_prompt_tokens: int, priority: Priority = Priority.NORMAL
+    ) -> Replica | None:
+        """DeviceRouter.pick: the best-ranked replica whose admission has room at this priority, or None."""
+        ranked = self.rank(candidates)
+        return next((r for r in ranked if r.engine.has_room(num_prompt_tokens, priority)), None)
 
     def submit(
         self,
@@ -151,7 +154,7 @@ class DeviceRouter:
         self, submission: Submission, candidates: Sequence[Replica]
     ) -> tuple[Replica, GenerationStream]:
         """Submit to the best candidate with room (see `pick`); the errors of `submit` when none takes it."""
-        replica = self.pick(candidates, len(submission.prompt_token_ids))
+        replica = self.pick(candidates, len(submission.prompt_token_ids), submission.priority)
         if replica is None:
             ranked = self.rank(candidates)
             if not ranked:

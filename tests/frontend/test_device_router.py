@@ -35,7 +35,7 @@ class FakeEngine:
     wait_s: float = 1.0
     submitted: list[str] = field(default_factory=list)
 
-    def has_room(self, num_prompt_tokens: int) -> bool:
+    def has_room(self, num_prompt_tokens: int, priority: Any = None) -> bool:
         return self.num_active_requests < self.max_num_waiting
 
     def expected_wait_s(self) -> float:

@@ -1,0 +1,80 @@
+"""Priority-aware admission under load: with the server saturated, `low` is refused (429) first, then
+`normal`, and the last share of the admission limits stays for `high` (issue 14)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from bitserve.engine.instance import ModelInstance
+from bitserve.engine.messages import Priority
+from bitserve.frontend.admission import AdmissionLimits
+
+STEP_S = 0.05  # every engine step is slowed: each admitted request holds its place for ~2 s
+LONG = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+
+def test_caps_shed_low_first_and_keep_a_share_for_high() -> None:
+    limits = AdmissionLimits.from_config(
+        ServerConfig(
+            max_num_waiting=10, max_num_queued_tokens=1000, high_priority_reserve=0.2, low_priority_share=0.5
+        )
+    )
+    assert limits.caps(Priority.HIGH) == (10, 1000)
+    assert limits.caps(Priority.NORMAL) == (8, 800)
+    assert limits.caps(Priority.LOW) == (5, 500)
+    with pytest.raises(ValueError, match="low_priority_share"):
+        ServerConfig(high_priority_reserve=0.5, low_priority_share=0.6)
+
+
+@pytest.fixture()
+def saturable_client(synthetic_models: dict[str, Path]) -> Iterator[TestClient]:
+    from bitserve.server.app import build_app
+
+    instance = ModelInstance.load(
+        EngineConfig(
+            model=ModelConfig(model=str(synthetic_models["TQ2_0"]), backend="reference"),
+            scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=1),
+        )
+    )
+    execute = instance.engine.runner.execute
+
+    def slow_execute(scheduler_output):  # noqa: ANN001, ANN202
+        time.sleep(STEP_S)
+        return execute(scheduler_output)
+
+    instance.engine.runner.execute = slow_execute
+    config = ServerConfig(warmup=False, max_num_waiting=5, high_priority_reserve=0.2, low_priority_share=0.4)
+    app = build_app(config, instance=instance)  # caps: high 5, normal 4, low 2
+    try:
+        with TestClient(app) as client:
+            yield client
+    finally:
+        instance.close()
+
+
+def test_under_saturation_low_goes_first_and_high_still_gets_in(saturable_client: TestClient) -> None:
+    client = saturable_client
+    with ThreadPoolExecutor(5) as pool:
+        held = [
+            pool.submit(client.post, "/v1/completions", json=LONG | {"priority": "normal"}) for _ in range(2)
+        ]
+        time.sleep(0.3)  # two admitted: the low share (2) is full
+        low = client.post("/v1/completions", json=LONG | {"priority": "low"})
+        held += [
+            pool.submit(client.post, "/v1/completions", json=LONG | {"priority": "normal"}) for _ in range(2)
+        ]
+        time.sleep(0.3)  # four admitted: the normal share (4) is full
+        normal = client.post("/v1/completions", json=LONG | {"priority": "normal"})
+        high = pool.submit(client.post, "/v1/completions", json=LONG | {"priority": "high"})
+        results = [future.result(timeout=120) for future in held + [high]]
+    assert low.status_code == 429 and low.json()["error"]["code"] == "queue_full"
+    assert normal.status_code == 429 and int(normal.headers["retry-after"]) >= 1
+    assert [r.status_code for r in results] == [200] * 5  # the four normal and the one high all finished
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in results)
