@@ -116,13 +116,15 @@ class ModelInstance:
         )
         loaded = load_model(path, options)
         try:
-            return cls._assemble(config, path, loaded)
+            return cls._assemble(config, path, loaded, device)
         except BaseException:
             loaded.close()
             raise
 
     @classmethod
-    def _assemble(cls, config: EngineConfig, path: Path, loaded: LoadResult) -> ModelInstance:
+    def _assemble(
+        cls, config: EngineConfig, path: Path, loaded: LoadResult, device: torch.device
+    ) -> ModelInstance:
         metadata = loaded.gguf.metadata
         tokenizer = tokenizer_from_gguf(metadata, pre_policy=config.model.tokenizer_pre)
         if tokenizer.vocab_size > loaded.spec.vocab_size:  # an id past the embedding would break a step
@@ -146,7 +148,6 @@ class ModelInstance:
         except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
             chat_template = exc
         max_model_len = min(loaded.spec.max_model_len, config.scheduler.max_model_len)
-        device = load_device(config.model.device)
         scheduler_config = resolve_batch_limits(
             dataclasses.replace(config.scheduler, max_model_len=max_model_len),
             projection_format(loaded.gguf),

@@ -25,6 +25,12 @@ from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import PreparedLinear
 from bitserve.kernels.cuda.backend import CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
+from bitserve.kernels.cuda.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    rotary_and_cache_,
+)
+from bitserve.kernels.cuda.quantize import norm_quantize
 from bitserve.kernels.packed import Layout
 from bitserve.kernels.reference.dequant import dense_rows
 from bitserve.layers.linear import Linear, LinearGroup
@@ -33,6 +39,7 @@ from bitserve.models.decoder import DecoderLayer, DecoderModel
 
 # GATED_ACTIVATIONS names that norm_quantize computes in its prologue
 _FUSED_ACTIVATIONS = {"relu2": "relu2", "relu_sqr": "relu2", "silu": "silu"}
+_FLOAT_LAYOUTS = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout.F32: torch.float32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +62,13 @@ class DeviceAttentionMetadata:
     decode_splits: int | None = None
 
 
-def _fast_ternary(weights: list[PreparedLinear], scales: list[float | None]) -> CudaTernaryLinear | None:
-    """The one stacked Triton weight a group or linear runs, when it has no per-output scalar."""
-    if len(weights) == 1 and isinstance(weights[0], CudaTernaryLinear) and all(s is None for s in scales):
+def _single_weight(linear: Linear | LinearGroup, kind: type[PreparedLinear]) -> PreparedLinear | None:
+    """The one (stacked) weight a linear or group runs, when it is a `kind` and no per-output scalar
+    multiplies its output; else None (the layer's own module runs it)."""
+    scales = linear.output_scales if isinstance(linear, LinearGroup) else [linear.output_scale]
+    weights = linear.weights
+    if len(weights) == 1 and isinstance(weights[0], kind) and all(s is None for s in scales):
         return weights[0]
-    return None
-
-
-def _plain_dense(weights: list[PreparedLinear], scales: list[float | None]) -> torch.Tensor | None:
-    """The one stacked f32 [M, K] matrix a dense group or linear runs, when it has no per-output scalar."""
-    if len(weights) == 1 and isinstance(weights[0], CudaDenseLinear) and all(s is None for s in scales):
-        return weights[0].data
     return None
 
 
@@ -77,22 +80,19 @@ class _CudaLayer:
     def __init__(self, layer: DecoderLayer, activation: str, eps: float) -> None:
         self.layer = layer
         self.eps = eps
+        if activation not in ACTIVATIONS:  # at load, not at the first step
+            raise UnsupportedModel(f"FFN activation {activation!r} has no CUDA kernel")
         self.activation = activation
         fused_act = _FUSED_ACTIVATIONS.get(activation)
-        groups = {
-            "qkv": (layer.qkv.weights, layer.qkv.output_scales),
-            "o": (layer.o_proj.weights, [layer.o_proj.output_scale]),
-            "gate_up": (layer.gate_up.weights, layer.gate_up.output_scales),
-            "down": (layer.down_proj.weights, [layer.down_proj.output_scale]),
-        }
-        self.modules = {
+        self.modules: dict[str, Linear | LinearGroup] = {
             "qkv": layer.qkv,
             "o": layer.o_proj,
             "gate_up": layer.gate_up,
             "down": layer.down_proj,
         }
-        self.ternary = {name: _fast_ternary(*group) for name, group in groups.items()}
-        self.dense = {name: _plain_dense(*group) for name, group in groups.items()}
+        self.ternary = {name: _single_weight(m, CudaTernaryLinear) for name, m in self.modules.items()}
+        dense = {name: _single_weight(m, CudaDenseLinear) for name, m in self.modules.items()}
+        self.dense = {name: None if w is None else w.data for name, w in dense.items()}  # f32 [M, K]
         if fused_act is None:
             self.ternary["down"] = None  # the gated activation runs before Wdown, not in its prologue
         self.fused_act = fused_act
@@ -136,11 +136,7 @@ class _CudaLayer:
         if down is not None:
             norm = None if layer.ffn_sub_norm is None else layer.ffn_sub_norm.weight
             return _norm_linear(down, gate_up, norm, self.eps, residual=hidden, activation=self.fused_act)
-        if self.activation in ACTIVATIONS:
-            ffn_out = act_and_mul(gate_up, self.activation)  # [T, I]
-        else:
-            gate, up = gate_up.chunk(2, dim=1)
-            ffn_out = layer.act_and_mul(gate, up)
+        ffn_out = act_and_mul(gate_up, self.activation)  # [T, I]
         return self._project("down", ffn_out, layer.ffn_sub_norm, hidden)
 
 
@@ -154,8 +150,6 @@ def _norm_linear(
     activation: str | None = None,
 ) -> torch.Tensor:
     """Two launches: act/norm + int8 quantization of x, then the W2A8 kernel (+ residual)."""
-    from bitserve.kernels.cuda.quantize import norm_quantize
-
     q, s_act = norm_quantize(x, norm_weight, eps, activation=activation)
     return weight.run_quantized(q, s_act, residual)
 
@@ -194,8 +188,6 @@ class CudaDecoder:
         metadata: DeviceAttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions int64 [T] -> hidden_states f32 [T, hidden] (final norm applied)."""
-        from bitserve.kernels.cuda.paged_attention import rotary_and_cache_
-
         hidden = self.embedding[input_ids].to(torch.float32)  # [T, hidden]
         num_tokens = hidden.shape[0]
         for cuda_layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -219,8 +211,6 @@ class CudaDecoder:
     def _attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: DeviceAttentionMetadata
     ) -> torch.Tensor:
-        from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
-
         if metadata.decode_only:
             return paged_decode_attention(
                 q,
@@ -249,10 +239,8 @@ def _device_embedding(model: DecoderModel, device: torch.device) -> torch.Tensor
     """The token table on the device: float files as stored (F16 rows widen exactly), block-quantized
     ones decoded once to f32 (the same values `dense_rows` gives the CPU path)."""
     table = model.embed_tokens.table
-    if table.layout in (Layout.F16, Layout.BF16, Layout.F32):
-        dtype = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout.F32: torch.float32}[
-            table.layout
-        ]
+    dtype = _FLOAT_LAYOUTS.get(table.layout)
+    if dtype is not None:
         return table.data.view(dtype).reshape(table.shape).to(device)
     all_rows = torch.arange(table.shape[0], dtype=torch.int64)
     return dense_rows(table, all_rows).to(device)

@@ -56,7 +56,7 @@ class DecodeGraphs:
         *,
         max_batch: int,
         max_blocks_per_seq: int,
-        scratch_slot: int,
+        scratch_block: int,
         device: torch.device,
     ) -> None:
         self.decoder = decoder
@@ -64,12 +64,12 @@ class DecodeGraphs:
         self.block_size = kv_caches[0].shape[2]  # [2, blocks, block_size, kv_heads, head_dim]
         self.sizes = bucket_sizes(max_batch)
         self.widths = context_widths(max_blocks_per_seq, self.block_size)
-        self.scratch_slot = scratch_slot
-        self.scratch_block = scratch_slot // self.block_size
+        self.scratch_block = scratch_block  # a KV page no sequence owns: padded rows write there
+        self.scratch_slot = scratch_block * self.block_size
         size, width = self.sizes[-1], self.widths[-1]
         # static inputs on the device; rows past a step's sequences keep the padding written here
         self.inputs = torch.zeros((4, size), dtype=torch.int64, device=device)  # ids, positions, slots, lens
-        self.inputs[SLOTS].fill_(scratch_slot)
+        self.inputs[SLOTS].fill_(self.scratch_slot)
         self.inputs[SEQ_LENS].fill_(1)
         self.block_table = torch.full((size, width), self.scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)

@@ -19,6 +19,7 @@ from bitserve.errors import InvalidRequest
 from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
 from bitserve.models.decoder import DecoderModel
 from bitserve.runner.cuda_graphs import DecodeGraphs
+from bitserve.runner.input_batch import build_batch_inputs
 from bitserve.runner.kv_cache import CacheLayout
 from bitserve.runner.model_runner import ModelRunner
 
@@ -48,7 +49,7 @@ class CudaModelRunner(ModelRunner):
                 self.kv_caches,
                 max_batch=max_num_seqs,
                 max_blocks_per_seq=self.max_blocks_per_seq,
-                scratch_slot=self.scratch_block * layout.block_size,
+                scratch_block=self.scratch_block,
                 device=device,
             )
             self.graphs.capture_all()
@@ -79,47 +80,22 @@ class CudaModelRunner(ModelRunner):
             if len(sample_rows) == len(requests):
                 return logits
             return logits[sample_rows] if sample_rows else None
-        input_ids, positions, metadata, last_rows = self._eager_inputs(requests, decode_only)
-        hidden = self.decoder(input_ids, positions, self.kv_caches, metadata)
-        if not sample_rows:
-            return None
-        rows = torch.tensor([last_rows[row] for row in sample_rows], dtype=torch.int64)
-        return self.decoder.compute_logits(hidden[rows.to(self.device)])
-
-    def _eager_inputs(
-        self, requests: Sequence[ScheduledRequest], decode_only: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, DeviceAttentionMetadata, list[int]]:
-        """Host lists -> device tensors for one eager forward; last_rows[i]: request i's last token row."""
-        block_size = self.layout.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        max_blocks = max(max((len(r.block_ids) for r in requests), default=1), 1)
-        block_table = torch.zeros((len(requests), max_blocks), dtype=torch.int32)
-        for row, request in enumerate(requests):
-            start, num_new = request.start_position, len(request.token_ids)
-            input_ids.extend(request.token_ids)
-            positions.extend(range(start, start + num_new))
-            slots.extend(
-                request.block_ids[p // block_size] * block_size + p % block_size
-                for p in range(start, start + num_new)
-            )
-            seq_lens.append(start + num_new)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            block_table[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+        # the CPU runner's host-side batch layout, sent to the device in pinned, non-blocking copies
+        batch = build_batch_inputs(requests, self.layout.block_size)
+        attn = batch.attn
         metadata = DeviceAttentionMetadata(
-            slot_mapping=self._send(torch.tensor(slots, dtype=torch.int64)),
-            block_table=self._send(block_table),
-            seq_lens=self._send(torch.tensor(seq_lens, dtype=torch.int32)),
-            query_start_loc=self._send(torch.tensor(query_start_loc, dtype=torch.int32)),
+            slot_mapping=self._send(attn.slot_mapping),
+            block_table=self._send(attn.block_table.to(torch.int32)),
+            seq_lens=self._send(torch.tensor(attn.seq_lens, dtype=torch.int32)),
+            query_start_loc=self._send(torch.tensor(attn.query_start_loc, dtype=torch.int32)),
             max_query_len=max(len(r.token_ids) for r in requests),
             decode_only=decode_only,
         )
-        ids = self._send(torch.tensor(input_ids, dtype=torch.int64))
-        pos = self._send(torch.tensor(positions, dtype=torch.int64))
-        return ids, pos, metadata, [end - 1 for end in query_start_loc[1:]]
+        input_ids, positions = self._send(batch.input_ids), self._send(batch.positions)
+        hidden = self.decoder(input_ids, positions, self.kv_caches, metadata)
+        if not batch.sampled_request_ids:
+            return None
+        return self.decoder.compute_logits(hidden[self._send(batch.sample_indices)])
 
     def _send(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu.pin_memory().to(self.device, non_blocking=True)

@@ -6,41 +6,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from bitserve.engine.instance import ModelInstance
+from bitserve.config import ServerConfig
 
-STEP_S = 0.05  # every engine step is slowed to this, so the running request holds its slot ~2 s
 LONG = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture()
-def one_slot_client(synthetic_models: dict[str, Path]) -> Iterator[TestClient]:
-    from bitserve.server.app import build_app
-
-    instance = ModelInstance.load(
-        EngineConfig(
-            model=ModelConfig(model=str(synthetic_models["TQ2_0"]), backend="reference"),
-            scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=1),
-        )
-    )
-    execute = instance.engine.runner.execute
-
-    def slow_execute(scheduler_output):  # noqa: ANN001, ANN202
-        time.sleep(STEP_S)
-        return execute(scheduler_output)
-
-    instance.engine.runner.execute = slow_execute
-    app = build_app(ServerConfig(warmup=False), instance=instance)
-    try:
-        with TestClient(app) as client:
-            yield client
-    finally:
-        instance.close()
+def one_slot_client(slowed_client) -> Iterator[TestClient]:  # noqa: ANN001
+    with slowed_client(ServerConfig(warmup=False)) as client:
+        yield client
 
 
 def test_deadline_in_the_queue(one_slot_client: TestClient) -> None:

@@ -6,17 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from bitserve.engine.instance import ModelInstance
+from bitserve.config import ServerConfig
 from bitserve.engine.messages import Priority
 from bitserve.frontend.admission import AdmissionLimits
 
-STEP_S = 0.05  # every engine step is slowed: each admitted request holds its place for ~2 s
 LONG = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "temperature": 0}
 
 
@@ -34,29 +31,11 @@ def test_caps_shed_low_first_and_keep_a_share_for_high() -> None:
 
 
 @pytest.fixture()
-def saturable_client(synthetic_models: dict[str, Path]) -> Iterator[TestClient]:
-    from bitserve.server.app import build_app
-
-    instance = ModelInstance.load(
-        EngineConfig(
-            model=ModelConfig(model=str(synthetic_models["TQ2_0"]), backend="reference"),
-            scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=1),
-        )
-    )
-    execute = instance.engine.runner.execute
-
-    def slow_execute(scheduler_output):  # noqa: ANN001, ANN202
-        time.sleep(STEP_S)
-        return execute(scheduler_output)
-
-    instance.engine.runner.execute = slow_execute
+def saturable_client(slowed_client) -> Iterator[TestClient]:  # noqa: ANN001
+    # caps: high 5, normal 4, low 2
     config = ServerConfig(warmup=False, max_num_waiting=5, high_priority_reserve=0.2, low_priority_share=0.4)
-    app = build_app(config, instance=instance)  # caps: high 5, normal 4, low 2
-    try:
-        with TestClient(app) as client:
-            yield client
-    finally:
-        instance.close()
+    with slowed_client(config) as client:
+        yield client
 
 
 def test_under_saturation_low_goes_first_and_high_still_gets_in(saturable_client: TestClient) -> None:
