@@ -15,6 +15,7 @@ from starlette.routing import Route as StarletteRoute
 
 from bitserve.server import (
     health,
+    playground,
     serving_admin,
     serving_chat,
     serving_completions,
@@ -43,6 +44,7 @@ class Route:
     body: type[BaseModel] | None = None  # the JSON body the handler parses itself (shown in /docs)
     # the path parameter naming a model alias: a key limited to some models may only name those
     model_param: str | None = None
+    in_schema: bool = True  # described in /openapi.json (the playground's page and files are not API)
 
 
 ROUTES: tuple[Route, ...] = (
@@ -97,6 +99,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/health/live", health.live, "public"),
     Route("GET", "/health/ready", health.ready, "public"),
     Route("GET", "/metrics", health.metrics, "metrics"),
+    # The web playground (server/playground.py): a static page, public; its API calls carry the user's key.
+    Route("GET", "/", playground.index, "public", in_schema=False),
+    Route("GET", f"{playground.ASSET_PREFIX}{{name}}", playground.asset, "public", in_schema=False),
 )
 # Routes FastAPI adds itself: the API description and its viewers, public like the API they describe.
 FRAMEWORK_ROUTE_SCOPES: dict[str, Scope] = {
@@ -201,6 +206,7 @@ def register_routes(app: FastAPI) -> None:
             name=route.handler.__name__,
             openapi_extra=extra,
             responses=_responses(route),
+            include_in_schema=route.in_schema,
         )
     build_openapi = app.openapi
 

@@ -73,6 +73,8 @@ def test_every_served_route_has_a_scope() -> None:
     public = sorted(rule.path for rule in rules.values() if rule.scope == "public")
     assert public == sorted(
         [
+            "/",
+            "/playground/{name}",
             "/health",
             "/health/live",
             "/health/ready",
