@@ -203,12 +203,13 @@ def test_playground_streams_stops_and_switches_models(
     assert page.locator("#model-details").inner_text().count("version") == 1
     page.fill("#temperature", "0")
 
-    send(page, "Write a haiku about the sea.", max_tokens=32)
+    send(page, "Write a haiku about the sea.", max_tokens=48)
     lengths = watch_stream(page)
     assert last_answer(page).get_attribute("data-state") == "done"
     growth = sorted(set(lengths))
     assert len(growth) >= 3 and lengths == sorted(lengths), lengths  # streamed: the text grew in steps
     assert MAIN_MODEL in last_answer(page).locator(".meta").inner_text()
+    assert "finish: " in last_answer(page).locator(".meta").inner_text()
 
     send(page, "Tell me a long story about a lighthouse keeper.", max_tokens=1000)
     wait_until(lambda: len(last_answer(page).locator(".content").inner_text()) > 20, what="tokens")

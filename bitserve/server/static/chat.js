@@ -15,15 +15,15 @@ function bubble(role, text) {
   return node;
 }
 
-function describeAnswer(last, usage, seconds) {
-  const parts = [last.model, last.model_version].filter(Boolean);
-  if (usage) {
-    parts.push(`${usage.completion_tokens} tokens`);
-    if (seconds > 0) parts.push(`${(usage.completion_tokens / seconds).toFixed(1)} tok/s`);
+// "model · version · N tokens · X tok/s · finish: stop", from what the stream said about itself.
+function describeAnswer(seen, seconds) {
+  const parts = [seen.model, seen.version];
+  if (seen.usage) {
+    parts.push(`${seen.usage.completion_tokens} tokens`);
+    if (seconds > 0) parts.push(`${(seen.usage.completion_tokens / seconds).toFixed(1)} tok/s`);
   }
-  const finish = last.choices?.[0]?.finish_reason;
-  if (finish) parts.push(`finish: ${finish}`);
-  return parts.join(" · ");
+  if (seen.finish) parts.push(`finish: ${seen.finish}`);
+  return parts.filter(Boolean).join(" · ");
 }
 
 export class Chat {
@@ -84,13 +84,14 @@ export class Chat {
     this.controller = new AbortController();
     this.setBusy(true);
     answer.dataset.state = "streaming";
-    let last = {};
-    let usage = null;
+    const seen = {}; // model, version, usage and finish reason, from the chunks
     let firstTokenAt = 0;
     try {
       await streamChat(body, this.controller.signal, (chunk) => {
-        last = chunk;
-        usage = chunk.usage || usage;
+        seen.model = chunk.model;
+        seen.version = chunk.model_version;
+        seen.usage = chunk.usage || seen.usage;
+        seen.finish = chunk.choices?.[0]?.finish_reason || seen.finish;
         const delta = chunk.choices?.[0]?.delta?.content;
         if (delta) {
           firstTokenAt ||= performance.now();
@@ -99,11 +100,11 @@ export class Chat {
         }
       });
       answer.dataset.state = "done";
-      meta.textContent = describeAnswer(last, usage, (performance.now() - firstTokenAt) / 1000);
+      meta.textContent = describeAnswer(seen, (performance.now() - firstTokenAt) / 1000);
     } catch (error) {
       const isStopped = error.name === "AbortError";
       answer.dataset.state = isStopped ? "stopped" : "error";
-      const stopped = [describeAnswer(last, null, 0), "stopped"].filter(Boolean).join(" · ");
+      const stopped = [describeAnswer(seen, 0), "stopped"].filter(Boolean).join(" · ");
       meta.textContent = isStopped ? stopped : error.message;
     } finally {
       this.controller = null;

@@ -57,7 +57,8 @@ export class ModelPicker {
     const options = this.models.map((model) => {
       const option = document.createElement("option");
       option.value = model.id;
-      option.textContent = `${model.id} · ${model.version || "?"} · ${model.state}${model.is_default ? " · default" : ""}`;
+      const label = [model.id, model.version || "?", model.state, model.is_default ? "default" : ""];
+      option.textContent = label.filter(Boolean).join(" · ");
       return option;
     });
     this.select.replaceChildren(...options);
