@@ -241,5 +241,8 @@ def test_playground_streams_stops_and_switches_models(
     page.click("[data-snippet='python']")
     assert f'model="{SECOND_MODEL}"' in page.inner_text("#snippet-python")
 
+    page.reload()  # the key stays in this browser (localStorage): the models load without typing it
+    page.wait_for_selector("#model option:nth-child(2)", state="attached")
+    assert page.input_value("#api-key") == API_KEY
     assert not [error for error in errors if "401" not in error], errors
     page.close()

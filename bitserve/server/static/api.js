@@ -39,6 +39,15 @@ async function errorOf(response) {
   return new ApiError(response.status, message, detail.code);
 }
 
+// Run `refresh` (async) now and then `intervalMs` after each run ends (never two at once).
+export function pollEvery(intervalMs, refresh) {
+  const poll = async () => {
+    await refresh();
+    setTimeout(poll, intervalMs);
+  };
+  poll();
+}
+
 export async function getJson(path, signal) {
   const response = await fetch(path, { headers: headers(), signal });
   if (!response.ok) throw await errorOf(response);

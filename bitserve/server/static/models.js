@@ -1,7 +1,7 @@
 // The model picker, from GET /v1/models (the `models:read` scope): each alias with its version,
 // device(s) and state; refreshed every few seconds, so models loaded or swapped meanwhile show up.
 
-import { getJson } from "./api.js";
+import { getJson, pollEvery } from "./api.js";
 
 const REFRESH_MS = 5000;
 
@@ -34,11 +34,7 @@ export class ModelPicker {
   }
 
   start() {
-    const poll = async () => {
-      await this.refresh();
-      setTimeout(poll, REFRESH_MS);
-    };
-    poll();
+    pollEvery(REFRESH_MS, () => this.refresh());
   }
 
   async refresh() {

@@ -1,7 +1,7 @@
 // Live view of GET /v1/stats (the `metrics` scope): the picked model's requests in flight, waiting
 // requests, last step's batch, tokens/s and KV cache use, polled every second, with a chart.
 
-import { getJson } from "./api.js";
+import { getJson, pollEvery } from "./api.js";
 import { LineChart, formatNumber } from "./chart.js";
 
 const POLL_MS = 1000;
@@ -40,11 +40,7 @@ export class StatsView {
   }
 
   start() {
-    const poll = async () => {
-      await this.refresh();
-      setTimeout(poll, POLL_MS);
-    };
-    poll();
+    pollEvery(POLL_MS, () => this.refresh());
   }
 
   async refresh() {
