@@ -13,6 +13,8 @@ import base64
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -171,6 +173,20 @@ def distinct_colors(browser: Any, png: bytes) -> int:
         page.close()
 
 
+def assert_snippets_run(curl: str, python: str) -> None:
+    """The request as shown, copied into a shell and into Python (the key from $BITSERVE_API_KEY), streams."""
+    env = {**os.environ, "BITSERVE_API_KEY": API_KEY}
+
+    def run(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    if shutil.which("curl") is not None:
+        shell = run("bash", "-c", curl)
+        assert shell.returncode == 0 and shell.stdout.rstrip().endswith("data: [DONE]"), shell
+    script = run(sys.executable, "-c", python)
+    assert script.returncode == 0 and script.stdout, script
+
+
 def open_with_key(browser: Any, server: ServerProcess) -> tuple[Any, list[str], list[dict[str, Any]]]:
     """The page, with the key typed into its field; (page, console errors, chat request bodies)."""
     page = browser.new_page(viewport=VIEWPORT)
@@ -217,7 +233,7 @@ def test_playground_streams_stops_and_switches_models(
     assert num_running(server, MAIN_MODEL) == 1
     page.click("#stop")
     wait_until(lambda: num_running(server, MAIN_MODEL) == 0, timeout_s=10.0, what="the server to abort")
-    assert last_answer(page).get_attribute("data-state") == "stopped"
+    page.wait_for_selector(".message.assistant:last-child[data-state='stopped']")
     stopped_at = last_answer(page).locator(".content").inner_text()
     page.wait_for_selector("#stat-active:text-is('0')")
     assert last_answer(page).locator(".content").inner_text() == stopped_at  # nothing came after stop
@@ -239,7 +255,9 @@ def test_playground_streams_stops_and_switches_models(
     assert SECOND_MODEL in last_answer(page).locator(".meta").inner_text()
     assert len(bodies[-1]["messages"]) == 5  # the conversation so far, then the new turn
     page.click("[data-snippet='python']")
-    assert f'model="{SECOND_MODEL}"' in page.inner_text("#snippet-python")
+    python = page.inner_text("#snippet-python")
+    assert f'model="{SECOND_MODEL}"' in python
+    assert_snippets_run(page.inner_text("#snippet-curl"), python)
 
     page.reload()  # the key stays in this browser (localStorage): the models load without typing it
     page.wait_for_selector("#model option:nth-child(2)", state="attached")

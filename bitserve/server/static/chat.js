@@ -110,7 +110,8 @@ export class Chat {
       this.controller = null;
       this.setBusy(false);
     }
-    if (answer.dataset.state !== "error") {
+    // a failed turn is not context; nor is one the user cleared away while it streamed
+    if (answer.dataset.state !== "error" && answer.isConnected) {
       this.history.push(question, { role: "assistant", content: content.textContent });
     }
   }
