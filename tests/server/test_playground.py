@@ -10,6 +10,7 @@ Skips without /usr/bin/chromium locally; under CI (`.ci/run` installs it) it fai
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import shutil
@@ -79,12 +80,18 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iter
         server.stop()
 
 
+def require(is_present: bool, what: str, how: str) -> None:
+    """Skip locally without `what`; under CI, where .ci/run provides it, fail."""
+    if not is_present:
+        if os.environ.get("CI"):
+            pytest.fail(f"{what} is missing under CI: .ci/run should have installed it")
+        pytest.skip(f"{what} is not installed ({how}; .ci/run does)")
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not CHROMIUM.exists():
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing under CI: .ci/run should have installed it")
-        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run does)")
+    require(CHROMIUM.exists(), str(CHROMIUM), "apt-get install chromium")
+    require(importlib.util.find_spec("playwright") is not None, "playwright", "pip install -e '.[test]'")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
