@@ -8,6 +8,8 @@ AttentionMetadata -> hidden_states [num_tokens, hidden_size]; compute_logits pic
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -22,6 +24,9 @@ from bitserve.layers.norm import RMSNorm
 from bitserve.layers.rotary import RotaryEmbedding
 from bitserve.models.spec import ModelSpec
 from bitserve.models.weights import WeightSource
+
+if TYPE_CHECKING:
+    from bitserve.models.cpu_fast_decode import FastCpuDecode
 
 
 class DecoderLayer(nn.Module):
@@ -59,6 +64,8 @@ class DecoderLayer(nn.Module):
             [model.output_scale(weights, f"{prefix}.ffn_{n}") for n in ("gate", "up")],
         )
         self.act_and_mul = GATED_ACTIVATIONS[spec.activation]
+        if spec.activation == "silu" and model.q8_blocks:  # the fast decode step's SiLU (cpu_fast_decode.py)
+            self.act_and_mul = weights.backend.silu_and_mul  # type: ignore[attr-defined]
         self.ffn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.ffn_sub_norm.weight", fused)
         self.down_proj = Linear(
             weights.backend,
@@ -115,6 +122,10 @@ class DecoderModel(nn.Module):
             )
         self.spec = spec
         self.fused = fused = weights.backend.fused_ops()  # once per model; None: eager torch layers
+        # the cpu backend's int8 block-weight numerics (kernels/cpu/blockdot.py): a fast decode step exists
+        self.q8_blocks = (
+            weights.backend.name == "cpu" and getattr(weights.backend, "block_activations", "") == "q8"
+        )
         self.embed_tokens = TokenEmbedding(weights.packed("token_embd.weight"))
         self.rotary = RotaryEmbedding(
             spec.rope_dim,
@@ -133,6 +144,15 @@ class DecoderModel(nn.Module):
         head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
         ggml_f16_head = weights.linear_mode.ggml_numerics and weights.packed(head_name).layout is Layout.F16
         self.lm_head = LMHead(weights.head(head_name), weights.backend, ggml_f16_head)
+        self.fast_decode = self._fast_decode(weights)
+
+    def _fast_decode(self, weights: WeightSource) -> FastCpuDecode | None:
+        """The cpu backend's lean decode step (models/cpu_fast_decode.py) where this model qualifies."""
+        if not self.q8_blocks:
+            return None
+        from bitserve.models.cpu_fast_decode import FastCpuDecode  # NOTE: deferred, imports numba kernels
+
+        return FastCpuDecode.build(self)
 
     def rope_freq_factors(self, weights: WeightSource) -> torch.Tensor | None:
         return None
@@ -151,6 +171,9 @@ class DecoderModel(nn.Module):
 
         Without kv_caches / attn_metadata the batch is one sequence from position 0 (golden path).
         """
+        fast = self.fast_decode
+        if fast is not None and fast.applies(input_ids.shape[0], kv_caches, attn_metadata):
+            return fast.forward(input_ids, positions, kv_caches, attn_metadata)  # type: ignore[arg-type]
         hidden_states = self.embed_tokens(input_ids)
         for layer_id, layer in enumerate(self.layers):
             kv_cache = kv_caches[layer_id] if kv_caches is not None else None

@@ -43,9 +43,9 @@ from numba.core.errors import NumbaError
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cpu import blockquant, fused
+from bitserve.kernels.cpu import blockquant, decode_glue, fused
 from bitserve.kernels.cpu import ternary as kernels
-from bitserve.kernels.cpu.isa import Isa, resolve_isa, supported_isas
+from bitserve.kernels.cpu.isa import Isa, resolve_block_activations, resolve_isa, supported_isas
 from bitserve.kernels.cpu.prepared import (
     BitnetBlockLinear,
     BitnetLinear,
@@ -56,6 +56,7 @@ from bitserve.kernels.cpu.prepared import (
     FloatTernaryLinear,
     Int8BitnetBlockLinear,
     Int8BitnetLinear,
+    Int8BlockLinear,
     Q4Linear,
     Q8Linear,
     TqLinear,
@@ -97,6 +98,7 @@ class CpuBackend(KernelBackend):
         block_gemm_min_tokens: int = DEFAULT_BLOCK_GEMM_MIN_TOKENS,
         max_dense_weight_bytes: int = 0,
         isa: Isa | str | None = None,
+        block_activations: str | None = None,
     ) -> None:
         """gemm_min_tokens: batch size from which bitnet mode uses the chunked exact sgemm (generic ISA).
         num_threads: numba threads for this backend's kernels (numba's setting is per calling thread,
@@ -105,7 +107,11 @@ class CpuBackend(KernelBackend):
         block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm.
         max_dense_weight_bytes: budget of f32 copies of block weights for those batches (0: none).
         isa: the bitnet-mode ternary kernel variant (an Isa or its name; kernels/cpu/isa.py): None reads
-        $BITSERVE_CPU_ISA, default "auto", the best this CPU supports. ValueError if it cannot run here."""
+        $BITSERVE_CPU_ISA, default "auto", the best this CPU supports. ValueError if it cannot run here.
+        block_activations: how Q4_0 / Q4_1 / Q8_0 weights meet activations below block_gemm_min_tokens:
+        "q8" (int8 per 32-value block, llama.cpp's numerics, kernels/cpu/blockdot.py; needs the avx2 or
+        vnni variant) or "f32" (exact f32 activations, kernels/cpu/blockquant.py). None reads
+        $BITSERVE_BLOCK_ACTIVATIONS, default "q8" where the ISA allows it, else "f32"."""
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in 1..{numba.config.NUMBA_NUM_THREADS}, got {num_threads}")
         self.gemm_min_tokens = gemm_min_tokens
@@ -116,10 +122,12 @@ class CpuBackend(KernelBackend):
             raise ValueError(f"max_dense_weight_bytes must be >= 0, got {max_dense_weight_bytes}")
         self.dense_bytes_left = max_dense_weight_bytes  # spent at load, weight by weight, in load order
         self._isa = resolve_isa(isa)
+        self.block_activations = resolve_block_activations(block_activations, self._isa)
         logger.info(
-            "cpu backend: ternary kernels %s (supported here: %s)",
+            "cpu backend: ternary kernels %s (supported here: %s), block-weight activations %s",
             self._isa.value,
             ", ".join(s.value for s in supported_isas()),
+            self.block_activations,
         )
         self.tuning = CpuTuning(gemm_min_tokens, block_gemm_min_tokens, num_threads, self._isa)
 
@@ -197,6 +205,14 @@ class CpuBackend(KernelBackend):
             )
         rows = weight.data.reshape(m, row_bytes)
         extras: dict[str, torch.Tensor] = {}
+        if self.block_activations == "q8":
+            data = rows.clone()  # [M, row_bytes]: the file's blocks (the file pages may be released)
+            d = blockquant.block_field_f32(rows, k, type_size, 0)  # [M, nb]
+            if weight.layout is Layout.Q4_1:
+                extras["m"] = blockquant.block_field_f32(rows, k, type_size, 2)
+            elif weight.layout is Layout.Q4_0:
+                extras["m"] = d * -8.0  # exact: (code - 8) d = code d - 8 d
+            return self._with_dense(Int8BlockLinear, m, k, weight.layout, data, d, extras)
         if weight.layout is Layout.Q8_0:
             data, d = blockquant.repack_q8_0(rows, k)
             strategy: type[BlockLinear] = Q8Linear
@@ -204,6 +220,19 @@ class CpuBackend(KernelBackend):
             data, d, extras["m"] = blockquant.repack_q4(rows, k, has_min=weight.layout is Layout.Q4_1)
             strategy = Q4Linear
         layout = Layout.Q8_0 if strategy is Q8Linear else Layout.Q4_1
+        return self._with_dense(strategy, m, k, layout, data, d, extras)
+
+    def _with_dense(
+        self,
+        strategy: type[BlockLinear],
+        m: int,
+        k: int,
+        layout: Layout,
+        data: torch.Tensor,
+        d: torch.Tensor,
+        extras: dict[str, torch.Tensor],
+    ) -> PreparedLinear:
+        """The prepared block weight, with an f32 copy ("dense") while max_dense_weight_bytes lasts."""
         tuning = self.tuning
         packed = strategy(m, k, layout, None, data, d, self.name, MappingProxyType(extras), tuning=tuning)
         if self.dense_bytes_left < 4 * m * k:
@@ -228,7 +257,9 @@ class CpuBackend(KernelBackend):
             return None
         if len({weight.in_features for weight in weights}) != 1:
             return None
-        if issubclass(strategy, BlockLinear):
+        if strategy is Int8BlockLinear and len({weight.layout for weight in weights}) == 1:
+            return self._fuse_int8(strategy, weights, row_scale=False)
+        if issubclass(strategy, BlockLinear) and strategy is not Int8BlockLinear:
             return self._fuse_block(strategy, weights)
         if strategy is Int8BitnetLinear:
             return self._fuse_int8(strategy, weights, row_scale=True)
@@ -240,9 +271,10 @@ class CpuBackend(KernelBackend):
     def _fuse_int8(
         self, strategy: type[CpuLinear], weights: Sequence[PreparedLinear], *, row_scale: bool
     ) -> tuple[PreparedLinear, list[int]]:
-        """Int8 bitnet weights: packed rows uint8 [M_i, Kp / 4] concatenated (no padding rows). Scales:
-        per-tensor ones become f32 [sum M_i], each row's own (row_scale); per-block ones f32 [M_i, nb]
-        are concatenated as they are (equal nb)."""
+        """Row-major weights (int8 bitnet: packed rows uint8 [M_i, Kp / 4]; Int8BlockLinear: file blocks
+        [M_i, row_bytes]) concatenated, no padding rows. Scales: per-tensor ones become f32 [sum M_i],
+        each row's own (row_scale); per-block ones f32 [M_i, nb] are concatenated as they are (equal nb).
+        Extras every weight has (Q4 mins "m", f32 copies "dense", both [M_i, ...]) are concatenated too."""
         offsets = [0]
         for weight in weights[:-1]:
             offsets.append(offsets[-1] + weight.out_features)
@@ -250,6 +282,7 @@ class CpuBackend(KernelBackend):
         if row_scale:
             scales = [row_scales(scale, w.out_features) for scale, w in zip(scales, weights, strict=True)]
         first = weights[0]
+        shared_extras = [key for key in first.extras if all(key in w.extras for w in weights)]
         stacked = strategy(
             sum(weight.out_features for weight in weights),
             first.in_features,
@@ -258,6 +291,7 @@ class CpuBackend(KernelBackend):
             torch.cat([weight.data for weight in weights]),  # [sum M_i, Kp / 4]
             torch.cat(scales),
             self.name,
+            MappingProxyType({key: torch.cat([w.extras[key] for w in weights]) for key in shared_extras}),
             tuning=self.tuning,
         )
         return stacked, offsets
@@ -305,6 +339,13 @@ class CpuBackend(KernelBackend):
         x = x.contiguous()
         out = torch.empty_like(x)
         fused.rms_norm_kernel(x.numpy(), weight.detach().numpy(), eps, out.numpy())
+        return out
+
+    def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """f32 [T, I] each -> silu(gate) * up, with the fast decode step's arithmetic (decode_glue.silu_mul):
+        the q8 mode's module forward uses it so that both forwards agree to the bit."""
+        out = torch.empty(gate.shape, dtype=torch.float32)
+        decode_glue.silu_mul(gate.contiguous().numpy(), up.contiguous().numpy(), out.numpy())
         return out
 
     def rotary_(

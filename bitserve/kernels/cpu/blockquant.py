@@ -26,6 +26,12 @@ def _f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, :, start : start + 2].contiguous().view(torch.float16).squeeze(-1).float().contiguous()
 
 
+def block_field_f32(rows: torch.Tensor, num_cols: int, type_size: int, start: int) -> torch.Tensor:
+    """The f16 field at byte `start` of every block of rows uint8 [M, nb * type_size] -> f32 [M, nb]."""
+    blocks = rows.reshape(rows.shape[0], num_cols // QK, type_size)
+    return _f16_field(blocks, start)
+
+
 def _group_rows(a: torch.Tensor) -> torch.Tensor:
     """[M, C] -> [ceil(M / GROUP_ROWS), C, GROUP_ROWS] (zero rows pad M): the kernels' inner loop runs
     over GROUP_ROWS output rows of one column, which LLVM's loop vectorizer handles without reassociation."""

@@ -24,6 +24,8 @@ import numba
 logger = logging.getLogger(__name__)
 
 ISA_ENV_VAR = "BITSERVE_CPU_ISA"  # read only here (resolve_isa): auto, vnni, avx2 or generic
+BLOCK_ACTIVATIONS_ENV_VAR = "BITSERVE_BLOCK_ACTIVATIONS"  # read only here: q8 or f32
+BLOCK_ACTIVATIONS = ("q8", "f32")
 
 
 class Isa(enum.Enum):
@@ -88,3 +90,19 @@ def resolve_isa(requested: Isa | str | None = None) -> Isa:
             f"(supported: {', '.join(s.value for s in supported)})"
         )
     return isa
+
+
+def resolve_block_activations(requested: str | None, isa: Isa) -> str:
+    """How Q4_* / Q8_0 weights meet activations (CpuBackend): `requested`, else $BITSERVE_BLOCK_ACTIVATIONS,
+    else "q8" where the ISA variant has integer dots (avx2, vnni), "f32" on generic. ValueError for an
+    unknown name or "q8" on the generic variant."""
+    if requested is None:
+        requested = os.environ.get(BLOCK_ACTIVATIONS_ENV_VAR, "").strip().lower() or None
+    if requested is None:
+        return "f32" if isa is Isa.GENERIC else "q8"
+    if requested not in BLOCK_ACTIVATIONS:
+        choices = ", ".join(BLOCK_ACTIVATIONS)
+        raise ValueError(f"unknown block activations {requested!r}; choose one of: {choices}")
+    if requested == "q8" and isa is Isa.GENERIC:
+        raise ValueError("block activations 'q8' need the avx2 or vnni kernel variant, not generic")
+    return requested

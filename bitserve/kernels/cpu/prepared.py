@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bitserve.kernels.backend import NO_EXTRAS, LinearMode, PreparedLinear, check_linear_input
-from bitserve.kernels.cpu import blockquant, int8dot
+from bitserve.kernels.cpu import blockdot, blockquant, int8dot
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.isa import Isa
 from bitserve.kernels.packed import Layout
@@ -345,3 +345,48 @@ class Q8Linear(BlockLinear):
         out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
         blockquant.q8_0_linear_kernel(self._codes, self._d, x.numpy(), out)
         return torch.from_numpy(out)
+
+
+class Int8BlockLinear(BlockLinear):
+    """Q4_0 / Q4_1 / Q8_0 rows as the file stores them (uint8 [M, nb * type_size]) on int8 activations
+    (kernels/cpu/blockdot.py: llama.cpp's Q8_1-style numerics) for T < block_gemm_min_tokens: the GEMV
+    tile for T = 1, the GEMM tile (weights read once per step) above. Larger batches: chunked dequantize
+    + sgemm (or the resident f32 copy, as BlockLinear) on the same int8-rounded activations, so results
+    differ between batch sizes only by f32 summation order. `scale` (d) and, for
+    Q4_*, extras "m": f32 [M, nb], decoded once for decode_rows; the kernels read the rows' f16 fields."""
+
+    __slots__ = ("_kernels", "_m_np")
+    activation_key = "q8-blocks"
+
+    def _bind(self) -> None:
+        super()._bind()
+        kind = self.layout.name.lower()  # "q4_1", "q4_0" or "q8_0"
+        self._kernels = blockdot.KERNELS[(self.tuning.isa, kind)]
+        self._m_np = self.extras["m"].numpy() if "m" in self.extras else self._d  # Q8_0: unused
+
+    def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(q int8 [Tp, K], dx f32 [Tp, nb], sx f32 [Tp, nb]); None for batches that take the sgemm."""
+        num_tokens = x.shape[0]
+        if num_tokens >= self._block_gemm_min_tokens:
+            return None
+        padded = 1 if num_tokens == 1 else blockdot.padded_token_count(num_tokens, blockdot.GEMM_TOKENS)
+        return blockdot.quantize_block_q8(x.numpy(), padded)
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        if x.shape[0] < self._block_gemm_min_tokens:
+            return self.gemv(x, acts)
+        return self._gemm(torch.from_numpy(blockdot.q8_roundtrip(x.numpy())))
+
+    def decode_rows(self, r0: int, out: np.ndarray) -> None:
+        blockdot.decode_rows(self._codes, self._d, self._m_np, self.layout is Layout.Q8_0, r0, out)
+
+    def gemv(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        return torch.from_numpy(self.gemv_q8(acts, x.shape[0]))  # type: ignore[arg-type]
+
+    def gemv_q8(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:
+        """acts from quantize() (or the decode glue) -> f32 [num_tokens, M]."""
+        q, dx, sx = acts
+        out = np.empty((num_tokens, self.out_features), dtype=np.float32)
+        kernel = self._kernels.gemv if num_tokens == 1 else self._kernels.gemm
+        kernel(self._codes, q, dx, sx, out)
+        return out

@@ -1,0 +1,82 @@
+"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 dots on int8 activations, on every ISA variant this CPU runs.
+
+The activation quantizer is checked against gguf-py's numpy Q8_0 quantizer (an independent implementation
+of the same per-32-block scheme); the kernels against a float64 product of the dequantized weights
+(gguf-py's dequantizer) and the dequantized int8 activations: the integer dots are exact, so only the f32
+epilogue's rounding remains (RTOL of max |y|).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from bitserve.kernels.cpu import blockdot
+from bitserve.kernels.cpu.isa import Isa, supported_isas
+
+RTOL = 1e-5
+INT8_ISAS = [isa for isa in supported_isas() if isa is not Isa.GENERIC]
+GGML_TYPES = {
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+def test_activation_codes_agree_with_gguf_q8_0() -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((7, 1536)) * rng.uniform(0.01, 30, size=(7, 1))).astype(np.float32)
+    x[3, 64:96] = 0.0  # an all-zero block: codes and scale 0
+    q, dx, sx = blockdot.quantize_block_q8(x, 8)
+    assert q.shape == (8, 1536) and dx.shape == sx.shape == (8, 48)
+    assert not q[7].any() and not dx[7].any()  # the padding row
+    assert not q[3, 64:96].any() and dx[3, 2] == 0.0
+    raw = gguf.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(7, 48, 34)
+    theirs = raw[:, :, 2:].copy().view(np.int8).reshape(7, 1536)
+    diff = np.abs(q[:7].astype(np.int32) - theirs)
+    # gguf divides by the f32 scale and rounds half away from zero; ggml's AVX2 path (and ours)
+    # multiplies by 127 / amax and rounds half to even: codes may differ by one where x sits at a tie
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.999
+    amax = np.abs(x.reshape(7, 48, 32)).max(axis=2)
+    np.testing.assert_array_equal(dx[:7], amax / np.float32(127.0))
+    np.testing.assert_allclose(sx[:7], dx[:7] * q[:7].reshape(7, 48, 32).sum(axis=2), rtol=1e-6)
+
+
+@pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
+@pytest.mark.parametrize("isa", INT8_ISAS, ids=lambda isa: isa.value)
+@pytest.mark.parametrize("kind", list(GGML_TYPES))
+@pytest.mark.parametrize("shape", [(70, 576), (33, 96), (16, 1536)])
+def test_kernels_equal_the_exact_product_of_what_they_multiply(
+    isa: Isa, kind: str, shape: tuple[int, int]
+) -> None:
+    rng = np.random.default_rng(shape[0] + shape[1])
+    num_rows, num_cols = shape
+    w = (rng.standard_normal((num_rows, num_cols)) * 0.05).astype(np.float32)
+    w[5] = 0.0  # zero blocks in the weights too
+    raw = gguf.quantize(w, GGML_TYPES[kind])
+    rows = np.ascontiguousarray(raw.reshape(num_rows, -1).view(np.uint8))
+    w_values = gguf.dequantize(raw, GGML_TYPES[kind]).reshape(num_rows, num_cols).astype(np.float64)
+    kernels = blockdot.KERNELS[(isa, kind)]
+    for num_tokens in (1, 2, 3, 5):
+        x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32) * 3
+        tile = 1 if num_tokens == 1 else blockdot.GEMM_TOKENS
+        q, dx, sx = blockdot.quantize_block_q8(x, blockdot.padded_token_count(num_tokens, tile))
+        out = np.full((num_tokens, num_rows), np.nan, dtype=np.float32)
+        (kernels.gemv if num_tokens == 1 else kernels.gemm)(rows, q, dx, sx, out)
+        x_values = q[:num_tokens].reshape(num_tokens, -1, 32) * dx[:num_tokens, :, None].astype(np.float64)
+        expected = x_values.reshape(num_tokens, num_cols) @ w_values.T
+        err = np.abs(out - expected).max()
+        assert err <= RTOL * np.abs(expected).max(), f"T={num_tokens}: {err:.3g}"
+        # batch invariance: a token's row is the same whatever the batch size and tile
+        single = np.empty((1, num_rows), dtype=np.float32)
+        q1, dx1, sx1 = blockdot.quantize_block_q8(x[-1:], 1)
+        kernels.gemv(rows, q1, dx1, sx1, single)
+        np.testing.assert_array_equal(single[0], out[-1])
+
+
+def test_q8_roundtrip_is_what_the_kernels_multiply() -> None:
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    q, dx, _ = blockdot.quantize_block_q8(x, 3)
+    expected = (q.reshape(3, 2, 32).astype(np.float32) * dx[:, :, None]).reshape(3, 64)
+    np.testing.assert_array_equal(blockdot.q8_roundtrip(x), expected)
