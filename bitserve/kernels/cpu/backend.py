@@ -69,7 +69,9 @@ from bitserve.kernels.reference.dense import check_dense_weight
 logger = logging.getLogger(__name__)
 
 DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the chunked sgemm
-DEFAULT_BLOCK_GEMM_MIN_TOKENS = 8  # crossover of the Q4_* / Q8_0 kernels and dequantize + sgemm (2 cores)
+# crossover of the Q4_* / Q8_0 kernels and dequantize + sgemm (2 cores, benchmarks/RESULTS.md): the f32
+# kernels lose from 8 tokens, the int8 ones (q8 activations) win up to 64 and lose from 128
+BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block
 
 
@@ -95,7 +97,7 @@ class CpuBackend(KernelBackend):
         gemm_min_tokens: int = DEFAULT_GEMM_MIN_TOKENS,
         num_threads: int | None = None,
         block_kernels: bool = True,
-        block_gemm_min_tokens: int = DEFAULT_BLOCK_GEMM_MIN_TOKENS,
+        block_gemm_min_tokens: int | None = None,
         max_dense_weight_bytes: int = 0,
         isa: Isa | str | None = None,
         block_activations: str | None = None,
@@ -104,7 +106,8 @@ class CpuBackend(KernelBackend):
         num_threads: numba threads for this backend's kernels (numba's setting is per calling thread,
         so it is applied on every call); None keeps numba's default (all cores).
         block_kernels: keep Q4_0 / Q4_1 / Q8_0 weights packed (False: the loader dequantizes them to f32).
-        block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm.
+        block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm
+        (None: BLOCK_GEMM_MIN_TOKENS of the block activations).
         max_dense_weight_bytes: budget of f32 copies of block weights for those batches (0: none).
         isa: the bitnet-mode ternary kernel variant (an Isa or its name; kernels/cpu/isa.py): None reads
         $BITSERVE_CPU_ISA, default "auto", the best this CPU supports. ValueError if it cannot run here.
@@ -117,12 +120,14 @@ class CpuBackend(KernelBackend):
         self.gemm_min_tokens = gemm_min_tokens
         self.num_threads = num_threads
         self.block_kernels = block_kernels
-        self.block_gemm_min_tokens = block_gemm_min_tokens
         if max_dense_weight_bytes < 0:
             raise ValueError(f"max_dense_weight_bytes must be >= 0, got {max_dense_weight_bytes}")
         self.dense_bytes_left = max_dense_weight_bytes  # spent at load, weight by weight, in load order
         self._isa = resolve_isa(isa)
         self.block_activations = resolve_block_activations(block_activations, self._isa)
+        if block_gemm_min_tokens is None:
+            block_gemm_min_tokens = BLOCK_GEMM_MIN_TOKENS[self.block_activations]
+        self.block_gemm_min_tokens = block_gemm_min_tokens
         logger.info(
             "cpu backend: ternary kernels %s (supported here: %s), block-weight activations %s",
             self._isa.value,
