@@ -66,6 +66,9 @@ def test_inspect_json_smollm2(capsys, smollm2_path: Path) -> None:  # noqa: ANN0
     assert summary["tokenizer"]["vocab_size"] == 49152
     assert summary["hyperparameters"]["num_layers"] == 30
     assert summary["dialect"] == "upstream"
+    kernels = summary["cpu_kernels"]  # this machine's choice, as the cpu backend makes it
+    assert kernels["isa"] == kernels["supported_isas"][0] and kernels["supported_isas"][-1] == "generic"
+    assert kernels["block_activations"] == ("f32" if kernels["isa"] == "generic" else "q8")
 
 
 def test_inspect_text_names_the_dialect(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001

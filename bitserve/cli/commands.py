@@ -66,11 +66,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    from bitserve.kernels.select import cpu_kernel_choices
     from bitserve.loader.gguf_reader import read_gguf
     from bitserve.loader.inspect import format_summary, summarize
 
     with read_gguf(resolve_model(args.model, fetch=False)) as gguf:
         summary = summarize(gguf)
+    summary["cpu_kernels"] = cpu_kernel_choices()  # this machine's, not the file's
     if args.json:
         emit_json(summary)
     else:

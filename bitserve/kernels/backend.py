@@ -239,6 +239,13 @@ class KernelBackend(Protocol):
     called from the engine thread; compiled kernels drop the GIL."""
 
     name: str
+    # how Q4_* / Q8_0 weights meet activations: "f32" (exact) or "q8" (int8 per 32-value block, the cpu
+    # backend's kernels/cpu/blockdot.py); a q8 model's module forward and fast decode step follow it
+    block_activations: str = "f32"
+
+    def describe(self) -> dict[str, str]:
+        """The kernel choices made at construction, for logs, /health, /v1/models and benchmark rows."""
+        return {"backend": self.name, "block_activations": self.block_activations}
 
     def prepare_ternary(self, codes: TernaryCodes, *, mode: LinearMode) -> PreparedLinear:
         """Once, at load: repack ternary codes (int8 [M, K] in {-1,0,1} + scale) into the runtime

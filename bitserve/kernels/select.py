@@ -26,6 +26,20 @@ def _numba_works() -> bool:
     return cpu_backend.is_available()
 
 
+def cpu_kernel_choices() -> dict[str, object] | None:
+    """What the cpu backend would pick on this machine (for `bitserve inspect`), None without numba."""
+    if not _numba_works():
+        return None
+    from bitserve.kernels.cpu.isa import resolve_block_activations, resolve_isa, supported_isas
+
+    isa = resolve_isa()
+    return {
+        "isa": isa.value,
+        "supported_isas": [variant.value for variant in supported_isas()],
+        "block_activations": resolve_block_activations(None, isa),
+    }
+
+
 def available_backends() -> list[str]:
     """Names of the backends that work in this process, the reference first."""
     names = ["reference"]

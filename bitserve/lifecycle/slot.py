@@ -199,6 +199,7 @@ def describe_replica(replica: Replica) -> dict[str, Any]:
     return {
         "device": replica.device,
         "backend": replica.instance.loaded.backend.name,
+        "kernels": replica.instance.loaded.backend.describe(),  # ISA variant, block-weight activations
         "is_alive": engine.is_alive,
         "is_draining": engine.is_draining,
         "num_active_requests": engine.num_active_requests,

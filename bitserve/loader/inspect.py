@@ -70,4 +70,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append("tensor types")
     for name, entry in summary["tensor_types"].items():
         lines.append(f"  {name:8s}{entry['count']:6d} tensors {entry['bytes'] / 1e6:12.2f} MB")
+    kernels = summary.get("cpu_kernels")
+    if kernels:
+        lines.append(
+            f"cpu kernels   isa={kernels['isa']} (supported: {', '.join(kernels['supported_isas'])}), "
+            f"block activations={kernels['block_activations']}"
+        )
     return "\n".join(lines)

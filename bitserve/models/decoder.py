@@ -123,9 +123,7 @@ class DecoderModel(nn.Module):
         self.spec = spec
         self.fused = fused = weights.backend.fused_ops()  # once per model; None: eager torch layers
         # the cpu backend's int8 block-weight numerics (kernels/cpu/blockdot.py): a fast decode step exists
-        self.q8_blocks = (
-            weights.backend.name == "cpu" and getattr(weights.backend, "block_activations", "") == "q8"
-        )
+        self.q8_blocks = weights.backend.name == "cpu" and weights.backend.block_activations == "q8"
         self.embed_tokens = TokenEmbedding(weights.packed("token_embd.weight"))
         self.rotary = RotaryEmbedding(
             spec.rope_dim,

@@ -114,6 +114,10 @@ def test_lowest_predicted_time_hint_and_observability(two_replicas: dict[str, An
         assert replicas["cpu"]["mean_step_time_s"] > replicas["cuda:0"]["mean_step_time_s"]
         health = client.get("/health").json()["components"]
         assert [r["device"] for r in health["replicas"]] == ["cuda:0", "cpu"]
+        for replica in health["replicas"]:  # each replica's kernel choices (ISA variant on the cpu backend)
+            assert replica["kernels"]["backend"] == replica["backend"]
+            assert replica["kernels"]["block_activations"] in ("f32", "q8")
+            assert replica["backend"] != "cpu" or replica["kernels"]["isa"] in ("vnni", "avx2", "generic")
         assert all(r["is_alive"] for r in health["replicas"]) and health["model"]["devices"] == [
             "cuda:0",
             "cpu",

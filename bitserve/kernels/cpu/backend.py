@@ -136,6 +136,9 @@ class CpuBackend(KernelBackend):
         )
         self.tuning = CpuTuning(gemm_min_tokens, block_gemm_min_tokens, num_threads, self._isa)
 
+    def describe(self) -> dict[str, str]:
+        return {**super().describe(), "isa": self._isa.value}
+
     @property
     def isa(self) -> Isa:
         """The bitnet-mode ternary kernel variant chosen at construction (for logs, /health, benchmarks)."""
