@@ -1,6 +1,6 @@
 """A lean decode step for Llama-family models with Q4_0 / Q4_1 / Q8_0 weights on the cpu backend.
 
-Why a second forward (docs/architecture-deviations.md): at decode shapes the module forward of
+Why a second forward (README, Layout: deviations): at decode shapes the module forward of
 models/decoder.py spends more time in Python and torch dispatch (~40 calls a layer: norms, splits,
 reshapes, RoPE, cache writes, attention, residual adds) than in its matmuls: ~20 ms a step on SmolLM2's
 30 layers. This path makes 8 calls a layer: four int8 GEMVs on the stacked weights
