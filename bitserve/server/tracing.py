@@ -7,8 +7,10 @@ collector in batches. The SDK is an optional dependency: `pip install 'bitserve[
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -63,13 +65,8 @@ class TracingMiddleware:
             "url.path": scope["path"],
             "bitserve.request_id": scope.get("state", {}).get("request_id", ""),
         }
-        with self.tracer.start_as_current_span(
-            f"{scope['method']} {scope['path']}",
-            context=self.propagator.extract(headers),
-            kind=trace.SpanKind.SERVER,
-            attributes=attributes,
-        ) as span:
-            token = TRACE_ID.set(format(span.get_span_context().trace_id, "032x"))
+        name = f"{scope['method']} {scope['path']}"
+        with server_span(self.tracer, name, attributes, self.propagator.extract(headers)) as span:
             status = 0
 
             async def send_traced(message: Message) -> None:
@@ -84,7 +81,22 @@ class TracingMiddleware:
             finally:
                 if status >= 500:
                     span.set_status(trace.Status(trace.StatusCode.ERROR))
-                TRACE_ID.reset(token)
+
+
+@contextlib.contextmanager
+def server_span(tracer: Any, name: str, attributes: dict[str, Any], context: Any = None) -> Iterator[Any]:
+    """A SERVER span (the child of `context`, a client's extracted traceparent) that is current while
+    open; its trace id stamps the log lines meanwhile."""
+    from opentelemetry import trace
+
+    with tracer.start_as_current_span(
+        name, context=context, kind=trace.SpanKind.SERVER, attributes=attributes
+    ) as span:
+        token = TRACE_ID.set(format(span.get_span_context().trace_id, "032x"))
+        try:
+            yield span
+        finally:
+            TRACE_ID.reset(token)
 
 
 def current_span() -> Any:

@@ -80,10 +80,10 @@ def build_model_root(base: Path, smollm2_path: Path) -> ModelRoot:
 class ThreadServer:
     """uvicorn serving build_app() in a thread on 127.0.0.1; `run()` executes a coroutine on its loop."""
 
-    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig) -> None:
+    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig, **app_options: Any) -> None:
         from bitserve.server.app import build_app
 
-        self.app = build_app(server_config, engine_config)
+        self.app = build_app(server_config, engine_config, **app_options)
         config = uvicorn.Config(
             self.app,
             host="127.0.0.1",
