@@ -34,6 +34,7 @@ from bitserve.server.tracing import TRACER_NAME, TracingMiddleware, build_tracer
 
 logger = logging.getLogger(__name__)
 
+
 class RequestContextMiddleware:
     """Outermost: the request id (client's if valid, else new) in logs and on every response, and
     the last-resort handler that turns an unhandled exception into a logged 500."""

@@ -26,6 +26,7 @@ from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.deadlines import TIMEOUT_HEADER, request_deadline
 from bitserve.server.prompts import encode_prompt
 from bitserve.server.protocol import GenerationRequest, PromptInput, new_request_id, usage_payload
+from bitserve.server.request_log import log_if_slow
 from bitserve.server.security.guard import RequestSecurity
 from bitserve.server.security.request_context import charge_tokens, request_security, token_cost
 from bitserve.server.state import AppState, get_state
@@ -125,11 +126,10 @@ async def admit(state: AppState, body: BodyT, id_prefix: str, caller: Caller, st
             lease.finish(error)  # once, when every prompt's stream has ended
             if settle is not None:
                 settle(error)
+            timing = stream.timing
             if span is not None:
-                timing = stream.timing
-                record_generation_spans(
-                    state.tracer, span, timing.arrival, timing.first_token_at, timing.num_output_tokens
-                )
+                record_generation_spans(state.tracer, span, timing)
+            log_if_slow(state.server_config.slow_request_s, started, timing, stream.num_prompt_tokens)
 
         stream.on_close = on_close
     prompt_ids = [admitted.submission.prompt_token_ids for admitted in streams]

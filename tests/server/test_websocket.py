@@ -212,7 +212,9 @@ def test_rate_limits_apply_per_request(server: ThreadServer) -> None:
     statuses = [done_status(messages, f"q{index}") for index in range(4)]
     assert statuses == ["completed", "completed", "completed", "failed"]
     (limited,) = [m for m in messages if m["type"] == "error"]
-    assert limited["id"] == "q3" and limited["status"] == 429 and limited["error"]["type"] == "rate_limit_error"
+    assert (
+        limited["id"] == "q3" and limited["status"] == 429 and limited["error"]["type"] == "rate_limit_error"
+    )
 
 
 async def _open(url: str, headers: dict[str, str]) -> None:
