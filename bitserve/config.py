@@ -148,12 +148,10 @@ class ServerConfig:
         metadata=_help("largest WebSocket message on /v1/ws; a larger one closes the socket (code 1009)"),
     )
     ws_max_requests: int = field(
-        default=8,
-        metadata=_help("requests in flight at once on one /v1/ws socket; more get a 429-equivalent error"),
+        default=8, metadata=_help("requests in flight at once on one /v1/ws socket; more get a 429 error")
     )
     slow_request_s: float = field(
-        default=10.0,
-        metadata=_help("a request whose end-to-end time passes this is logged with its timings (WARNING)"),
+        default=10.0, metadata=_help("a request slower than this end to end is logged with its timings")
     )
     liveness_stall_s: float = field(
         default=120.0,

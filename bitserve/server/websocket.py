@@ -42,7 +42,7 @@ from bitserve.errors import (
 )
 from bitserve.log import REQUEST_ID
 from bitserve.server.body import parse_json_object, validate_request
-from bitserve.server.errors import socket_error_message
+from bitserve.server.errors import lookup, socket_error_message
 from bitserve.server.pipeline import Caller, Generation, ResponseFormat, admit
 from bitserve.server.protocol import (
     ChatCompletionRequest,
@@ -151,10 +151,32 @@ class SocketSession:
                 raise Forbidden(f"this credential lacks the {SCOPE!r} scope", hint=f"use a key with {SCOPE}")
         except (InvalidRequest, Unauthenticated, Forbidden) as exc:
             logger.warning("refused a WebSocket from %s: %s", self.security.client, exc.message)
+            self._audit_refusal(exc)
             await self._send_error(exc, None)
             return False
         self.security = RequestSecurity(guard, principal, self.security.client)
         return True
+
+    def _audit_refusal(self, exc: BitserveError) -> None:
+        """The audit log's line for a token refused in the first message (the middleware audits the
+        refusals it makes at the upgrade)."""
+        assert self.security is not None
+        audit = self.security.guard.audit
+        if audit is None:
+            return
+        event = "permission_denied" if isinstance(exc, Forbidden) else "auth_failure"
+        try:
+            audit.record(
+                event,
+                request_id=self.socket_id,
+                principal=None,
+                source=self.security.client,
+                route="/v1/ws",
+                outcome=lookup(exc).status,
+                reason=exc.message,
+            )
+        except OSError:
+            logger.exception("could not write the audit log")
 
     # ----------------------------------------------------------------- messages
 

@@ -31,15 +31,17 @@ def json_log() -> Iterator[io.StringIO]:
     handler.setFormatter(JsonFormatter())
     handler.addFilter(RequestIdFilter())
     handler.addFilter(RedactionFilter())
-    root = logging.getLogger()
-    level = root.level
+    root, access = logging.getLogger(), logging.getLogger("uvicorn.access")
+    level, propagate = root.level, access.propagate
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    access.propagate = True  # as configure_logging sets it (a server started with access_log=False unsets it)
     try:
         yield output
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+        access.propagate = propagate
 
 
 def request_lines(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -31,12 +31,15 @@ GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tq2_model_path: Path) -> Iterator[ThreadServer]:
-    auth_file = st.write_auth_file(tmp_path_factory.mktemp("ws") / "auth.toml")
+    folder = tmp_path_factory.mktemp("ws")
+    auth_file = st.write_auth_file(folder / "auth.toml")
     config = ServerConfig(port=free_port(), ws_max_requests=MAX_WS_REQUESTS, body_read_timeout_s=5.0)
     engine = EngineConfig(
         model=ModelConfig(model=str(tq2_model_path)), scheduler=SchedulerConfig(max_model_len=128)
     )
-    thread_server = ThreadServer(config, engine, security=SecurityConfig(auth_file=str(auth_file)))
+    security = SecurityConfig(auth_file=str(auth_file), audit_log=str(folder / "audit.log"))
+    thread_server = ThreadServer(config, engine, security=security)
+    thread_server.audit_path = folder / "audit.log"  # type: ignore[attr-defined]
     thread_server.start()
     yield thread_server
     thread_server.stop()
@@ -197,6 +200,14 @@ def test_authentication(server: ThreadServer) -> None:
             return await read_until_done(socket, {"r"})
 
     assert done_status(asyncio.run(token_in_first_message()), "r") == "completed"
+    audit = [json.loads(line) for line in server.audit_path.read_text().splitlines()]  # type: ignore[attr-defined]
+    refusals = [
+        (entry["event"], entry["outcome"])
+        for entry in audit
+        if "ws" in str(entry.get("path") or entry.get("route"))
+    ]
+    # the bad key and the scopeless key at the upgrade, the missing token in the first message
+    assert refusals == [("auth_failure", 401), ("permission_denied", 403), ("auth_failure", 401)], audit
 
 
 def test_rate_limits_apply_per_request(server: ThreadServer) -> None:

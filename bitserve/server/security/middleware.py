@@ -76,6 +76,15 @@ class SecurityMiddleware:
                 partial = (self.rules.get(id(route)), child.get("path_params", {}))
         return partial if partial is not None else (None, {})
 
+    def _identify(self, scope: Scope, client: str, rule: Any, *, may_defer: bool = False) -> Principal:
+        """The caller, from an allowed address; `may_defer` (a WebSocket): NOBODY when auth is on and
+        the upgrade carries no credentials."""
+        if not self.guard.is_allowed_address(client):
+            raise Forbidden("this client address may not use the server", hint="see --allow-cidr")
+        if may_defer and self.guard.has_auth and not self.guard.has_credentials(scope):
+            return NOBODY
+        return self._authenticate(scope, rule)
+
     def _authenticate(self, scope: Scope, rule: Any) -> Principal:
         if rule is not None and rule.scope == PUBLIC:
             return self.guard.authenticate_optional(scope)
@@ -104,9 +113,7 @@ class SecurityMiddleware:
         rule, path_params = self._match(scope)
         principal: Principal | None = None
         try:
-            if not self.guard.is_allowed_address(client):
-                raise Forbidden("this client address may not use the server", hint="see --allow-cidr")
-            principal = self._authenticate(scope, rule)
+            principal = self._identify(scope, client, rule)
             self._authorize(principal, rule, path_params)
             rate = await self.guard.limiter.admit(principal)
         except (Unauthenticated, Forbidden, RateLimited, LimiterUnavailable) as exc:
@@ -139,12 +146,8 @@ class SecurityMiddleware:
         rule, path_params = self._match(scope)
         principal: Principal | None = None
         try:
-            if not self.guard.is_allowed_address(client):
-                raise Forbidden("this client address may not use the server", hint="see --allow-cidr")
-            if self.guard.has_auth and not self.guard.has_credentials(scope):
-                principal = NOBODY  # the handler asks for a token in the first message
-            else:
-                principal = self.guard.authenticate(scope)
+            principal = self._identify(scope, client, rule, may_defer=True)
+            if principal is not NOBODY:  # NOBODY: the handler asks for a token in the first message
                 self._authorize(principal, rule, path_params)
         except (Unauthenticated, Forbidden) as exc:
             spec = lookup(exc)
