@@ -235,6 +235,10 @@ async def _open(url: str, headers: dict[str, str]) -> None:
 
 def test_chat_stream_equals_the_http_answer(blackbox: ServerProcess) -> None:
     body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 12, "temperature": 0}
+    # NOTE: twice, and the second answer is the reference: the first fills the prefix cache, and a prompt
+    # served partly from the cache runs a shorter prefill (another kernel path on CPU) whose rounding can
+    # flip a near-tie, so the socket's request is compared with one that met the same cache.
+    assert httpx.post(f"{blackbox.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
     response = httpx.post(f"{blackbox.url}/v1/chat/completions", json=body, timeout=60)
     expected = response.json()["choices"][0]["message"]["content"]
 
