@@ -143,6 +143,16 @@ class ServerConfig:
     sse_keepalive_s: float = field(
         default=15.0, metadata=_help("seconds between ': ping' comments on an idle stream")
     )
+    ws_max_message_bytes: int = field(
+        default=1024 * 1024,
+        metadata=_help("largest WebSocket message on /v1/ws; a larger one closes the socket (code 1009)"),
+    )
+    ws_max_requests: int = field(
+        default=8, metadata=_help("requests in flight at once on one /v1/ws socket; more get a 429 error")
+    )
+    slow_request_s: float = field(
+        default=10.0, metadata=_help("a request slower than this end to end is logged with its timings")
+    )
     liveness_stall_s: float = field(
         default=120.0,
         metadata=_help("/health/live fails when work is pending and the engine made no step for this long"),
@@ -204,9 +214,17 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.ws_max_message_bytes < 1024:
+            raise ValueError(f"ws_max_message_bytes must be >= 1024, got {self.ws_max_message_bytes}")
         if self.max_header_bytes < 1024:
             raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
-        for name in ("body_read_timeout_s", "header_read_timeout_s", "sse_keepalive_s", "liveness_stall_s"):
+        for name in (
+            "body_read_timeout_s",
+            "header_read_timeout_s",
+            "sse_keepalive_s",
+            "liveness_stall_s",
+            "slow_request_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.drain_timeout_s >= 0:
@@ -226,6 +244,7 @@ class ServerConfig:
             "max_num_waiting",
             "max_num_queued_tokens",
             "probation_min_requests",
+            "ws_max_requests",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -142,6 +142,7 @@ def serve(settings: Settings) -> int:
         http=header_timeout_protocol(config.header_read_timeout_s),
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=config.keep_alive_timeout_s,
+        ws_max_size=config.ws_max_message_bytes,
         timeout_graceful_shutdown=POST_DRAIN_GRACE_S,
         server_header=False,  # no `Server: uvicorn`: the stack's name helps only an attacker
     )

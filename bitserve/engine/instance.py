@@ -5,6 +5,7 @@ server's model manager from the same EngineConfig."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -186,6 +187,11 @@ class ModelInstance:
             max_model_len,
             scheduler_config,
         )
+
+    @functools.cached_property
+    def quant_format(self) -> str:
+        """The projections' GGUF type ("I2_S", "Q4_1", ...): a metrics label, one small fixed vocabulary."""
+        return projection_format(self.loaded.gguf)
 
     @property
     def pooling(self) -> str:

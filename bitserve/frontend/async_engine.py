@@ -62,6 +62,7 @@ class AsyncEngine:
         self.instance = instance
         self.name = name or instance.name  # the model label of outputs and metrics (the served alias)
         self.device = device or instance.config.model.device  # the replica's device: a metrics label
+        self.quant_format = instance.quant_format  # the version's weight format: a metrics label
         self.limits = limits or AdmissionLimits.from_config(ServerConfig())
         self.stats = stats or NullStatsSink()
         self.processor = OutputProcessor(instance.tokenizer)
@@ -215,6 +216,7 @@ class AsyncEngine:
             RequestStats(
                 model=self.name,
                 device=self.device,
+                quant_format=self.quant_format,
                 finish_reason=stream.finish_reason if stream.is_finished else "abort",
                 num_prompt_tokens=stream.num_prompt_tokens,
                 num_output_tokens=timing.num_output_tokens,
@@ -243,7 +245,7 @@ class AsyncEngine:
                 last, weight = self.mean_step_time_s, STEP_TIME_EWMA_WEIGHT
                 step_s = result.stats.step_time_s
                 self.mean_step_time_s = step_s if last is None else (1 - weight) * last + weight * step_s
-        self.stats.record_step(self.name, self.device, result.stats)
+        self.stats.record_step(self.name, self.device, self.quant_format, result.stats)
         self._record_queue_times(result.outputs)
         deltas, abort_ids = self.processor.process(result.outputs)
         if abort_ids and self._client is not None:

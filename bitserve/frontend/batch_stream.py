@@ -60,10 +60,15 @@ class BatchStream(OutputStream):
         """The batch as one request (tracing): first arrival, first token of any prompt, all tokens."""
         timings = [stream.timing for stream in self.streams]
         firsts = [t.first_token_at for t in timings if t.first_token_at is not None]
+        arrival = min(t.arrival for t in timings)
+        # the first schedule of any prompt, measured from the batch's arrival
+        scheduled = [t.arrival + t.queue_s for t in timings if t.queue_s is not None]
         return StreamTiming(
-            arrival=min(t.arrival for t in timings),
+            arrival=arrival,
             first_token_at=min(firsts) if firsts else None,
+            last_token_at=max((t.last_token_at or 0.0 for t in timings), default=0.0) or None,
             num_output_tokens=sum(t.num_output_tokens for t in timings),
+            queue_s=min(scheduled) - arrival if scheduled else None,
         )
 
     async def next(self, timeout: float | None = None) -> RequestOutput | None:

@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from bitserve.core.step_outputs import StepStats
+from bitserve.metrics.energy import EnergyCollector
 from bitserve.metrics.stats import LifecycleEvent, RequestStats, SlotLabels
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ CGROUP_MEMORY_LIMIT_FILES = (
     Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
 )
 NO_CGROUP_LIMIT = 2**60
+# The labels of every per-replica series. NOTE: quant_format is the projections' GGUF type, a small fixed
+# vocabulary, and a replica has one, so it adds no series; the version (a new value on every swap) is not a
+# label here but on bitserve_model_info, joined in PromQL where a panel needs it.
+REPLICA_LABELS = ["model", "device", "quant_format"]
 
 
 def read_memory_limit_bytes(files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> int | None:
@@ -136,9 +141,10 @@ class PrometheusStatsSink:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        # (model, device) -> last StepStats.num_preempted_total of that replica
-        self._last_preempted_total: dict[tuple[str, str], int] = {}
-        self._devices: dict[str, set[str]] = {}  # model -> devices whose gauges exist (forget_model)
+        # (model, device, quant_format) -> last StepStats.num_preempted_total of that replica
+        self._last_preempted_total: dict[tuple[str, str, str], int] = {}
+        # model -> device -> quant_format of the replicas whose gauges exist (forget_model)
+        self._devices: dict[str, dict[str, str]] = {}
         self._http_error_reasons: set[str] = set()
         self._build_request_metrics()
         self._build_step_metrics()
@@ -151,7 +157,7 @@ class PrometheusStatsSink:
 
     def _build_request_metrics(self) -> None:
         # `device`: the replica that served the request (an alias may have one per device)
-        reg, model = self.registry, ["model", "device"]
+        reg, model = self.registry, REPLICA_LABELS
         self.ttft = Histogram(
             "bitserve_time_to_first_token_seconds",
             "Time from arrival to the first output token.",
@@ -189,12 +195,12 @@ class PrometheusStatsSink:
         self.requests = Counter(
             "bitserve_requests_total",
             "Finished requests by finish reason.",
-            ["model", "device", "finish_reason"],
+            [*REPLICA_LABELS, "finish_reason"],
             registry=reg,
         )
 
     def _build_step_metrics(self) -> None:
-        reg, model = self.registry, ["model", "device"]  # one series per replica
+        reg, model = self.registry, REPLICA_LABELS  # one series per replica
         self.num_running = Gauge(
             "bitserve_num_requests_running", "Requests in the running batch.", model, registry=reg
         )
@@ -300,6 +306,8 @@ class PrometheusStatsSink:
         reg = self.registry
         ProcessCollector(registry=reg)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         reg.register(MemoryLimitCollector())
+        self.energy = EnergyCollector()
+        reg.register(self.energy)
         # The names ecosystem tools read (vLLM's; the Gateway API Inference Extension routes on them):
         # per model, summed over its replicas (the KV ratio: the fullest replica's).
         alias = ["model_name"]
@@ -315,10 +323,10 @@ class PrometheusStatsSink:
             alias,
             registry=reg,
         )
-        self._replica_load: dict[tuple[str, str], tuple[int, int, float]] = {}
+        self._replica_load: dict[tuple[str, str, str], tuple[int, int, float]] = {}
 
     def _update_aliases(self, model: str) -> None:
-        loads = [load for (name, _), load in self._replica_load.items() if name == model]
+        loads = [load for (name, _, _), load in self._replica_load.items() if name == model]
         if not loads:
             for gauge in (self.vllm_running, self.vllm_waiting, self.vllm_kv_usage):
                 gauge.remove(model)
@@ -329,11 +337,13 @@ class PrometheusStatsSink:
 
     # ----------------------------------------------------------------- StatsSink
 
-    def record_step(self, model: str, device: str, stats: StepStats) -> None:
+    def record_step(self, model: str, device: str, quant_format: str, stats: StepStats) -> None:
         """One engine step of `model`'s replica on `device`: gauges take the latest values, counters the
         step's increments."""
-        self._devices.setdefault(model, set()).add(device)
-        labels = (model, device)
+        if self._devices.get(model, {}).get(device, quant_format) != quant_format:
+            self.forget_model(model, device)  # swapped to a version of another format: drop the old gauges
+        self._devices.setdefault(model, {})[device] = quant_format
+        labels = (model, device, quant_format)
         self.num_running.labels(*labels).set(stats.num_running)
         self.num_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_usage.labels(*labels).set(stats.kv_usage)
@@ -362,7 +372,7 @@ class PrometheusStatsSink:
 
     def record_request(self, stats: RequestStats) -> None:
         """One finished client request; latencies that are unknown (None) are not observed."""
-        labels = (stats.model, stats.device)
+        labels = (stats.model, stats.device, stats.quant_format)
         self.requests.labels(*labels, stats.finish_reason).inc()
         self.prompt_tokens.labels(*labels).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(stats.num_output_tokens)
@@ -415,13 +425,14 @@ class PrometheusStatsSink:
     def forget_model(self, model: str, device: str | None = None) -> None:
         """Drop `model`'s gauge series on `device`, or on every device (after an unload), so a gone
         model or replica does not report stale load."""
-        devices = self._devices.get(model, set())
+        devices = self._devices.get(model, {})
         for gone in [device] if device is not None else list(devices):
-            for gauge in (self.num_running, self.num_waiting, self.kv_usage):
-                gauge.remove(model, gone)  # a no-op when the series does not exist
-            self._last_preempted_total.pop((model, gone), None)
-            self._replica_load.pop((model, gone), None)
-            devices.discard(gone)
+            quant_format = devices.pop(gone, None)
+            if quant_format is not None:
+                for gauge in (self.num_running, self.num_waiting, self.kv_usage):
+                    gauge.remove(model, gone, quant_format)
+            self._last_preempted_total.pop((model, gone, quant_format), None)
+            self._replica_load.pop((model, gone, quant_format), None)
         self._update_aliases(model)
         if not devices:
             self._devices.pop(model, None)
@@ -429,6 +440,10 @@ class PrometheusStatsSink:
     def render(self) -> tuple[bytes, str]:
         """The body and content type for GET /metrics (Prometheus text exposition format)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def energy_status(self) -> dict[str, str]:
+        """Per energy source, "ok: ..." or why bitserve_energy_joules_total has no samples for it."""
+        return self.energy.status()
 
     def record_limiter_error(self, on_error: str) -> None:
         """The rate limiter's backend failed; `on_error` is "open" or "closed"."""

@@ -19,6 +19,7 @@ class RequestStats:
 
     model: str
     device: str  # the replica's device ("cpu", "cuda:0")
+    quant_format: str  # the projections' GGUF type ("I2_S", "Q4_1"): the version's weight format
     finish_reason: str
     num_prompt_tokens: int
     num_output_tokens: int
@@ -50,8 +51,8 @@ class SlotLabels:
 
 
 class StatsSink(Protocol):
-    def record_step(self, model: str, device: str, stats: StepStats) -> None:
-        """One engine step of `model`'s replica on `device`."""
+    def record_step(self, model: str, device: str, quant_format: str, stats: StepStats) -> None:
+        """One engine step of `model`'s replica on `device` (serving weights of `quant_format`)."""
         ...
 
     def record_request(self, stats: RequestStats) -> None: ...
@@ -71,7 +72,7 @@ class StatsSink(Protocol):
 
 
 class NullStatsSink:
-    def record_step(self, model: str, device: str, stats: StepStats) -> None:
+    def record_step(self, model: str, device: str, quant_format: str, stats: StepStats) -> None:
         return None
 
     def record_request(self, stats: RequestStats) -> None:

@@ -25,6 +25,7 @@ from bitserve.log import REQUEST_ID
 from bitserve.metrics.prometheus import PrometheusStatsSink
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
+from bitserve.server.protocol import valid_request_id
 from bitserve.server.routes import register_routes
 from bitserve.server.security.config import SecurityConfig
 from bitserve.server.security.install import install_security
@@ -32,15 +33,6 @@ from bitserve.server.state import AppState, read_build_info
 from bitserve.server.tracing import TRACER_NAME, TracingMiddleware, build_tracer_provider, otlp_endpoint
 
 logger = logging.getLogger(__name__)
-
-MAX_REQUEST_ID_CHARS = 128
-
-
-def valid_request_id(value: bytes) -> str | None:
-    """A client X-Request-Id is kept if it is 1..128 printable ASCII characters without spaces."""
-    if not 1 <= len(value) <= MAX_REQUEST_ID_CHARS or not all(0x21 <= byte <= 0x7E for byte in value):
-        return None
-    return value.decode("ascii")
 
 
 class RequestContextMiddleware:
@@ -52,13 +44,16 @@ class RequestContextMiddleware:
         self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         header = next((value for name, value in scope["headers"] if name == b"x-request-id"), b"")
         request_id = valid_request_id(header) or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         REQUEST_ID.set(request_id)  # this request's task only
+        if scope["type"] == "websocket":  # the socket's id; each of its requests logs its own
+            await self.app(scope, receive, send)
+            return
         is_started = False
 
         async def send_with_id(message: Message) -> None:

@@ -61,7 +61,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 def parse_request(body: bytes, model_cls: type[RequestT]) -> RequestT:
     """Body bytes -> validated request model. Unknown fields are logged and otherwise ignored."""
-    data = parse_json_object(body)
+    return validate_request(parse_json_object(body), model_cls)
+
+
+def validate_request(data: dict[str, Any], model_cls: type[RequestT]) -> RequestT:
+    """A parsed JSON object -> validated request model (InvalidRequest naming the field)."""
     try:
         request = model_cls.model_validate(data)
     except ValidationError as exc:

@@ -151,6 +151,19 @@ def sse_error_event(exc: BaseException) -> bytes:
     return b"data: " + json.dumps(error_payload(exc)).encode() + b"\n\n"
 
 
+def socket_error_message(
+    exc: BaseException, request_id: str | None, retry_after_s: float | None = None
+) -> dict[str, Any]:
+    """A WebSocket `error` message (server/websocket.py): the table's body, the HTTP status it stands
+    for, and `retry_after_s` where the HTTP answer would carry Retry-After."""
+    spec = lookup(exc)
+    message: dict[str, Any] = {"type": "error", "id": request_id, "status": spec.status}
+    retry_after = error_headers(exc, spec, retry_after_s).get("Retry-After")
+    if retry_after is not None:
+        message["retry_after_s"] = int(retry_after)
+    return {**message, **error_payload(exc, spec)}
+
+
 async def send_error(
     send: Send, exc: BaseException, *, close: bool = False, retry_after_s: float | None = None
 ) -> None:

@@ -74,6 +74,7 @@ async def health(request: Request) -> Response:
         "engine": None,
         "replicas": [],
         "http": {"is_draining": state.is_draining, "num_live_streams": state.num_live_streams},
+        "energy": state.stats.energy_status(),  # why bitserve_energy_joules_total is absent, if it is
     }
     if state.load_error is not None:
         components["model"] = {"error": state.load_error}

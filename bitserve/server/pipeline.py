@@ -1,10 +1,12 @@
 """The one serving pipeline every generation endpoint shares.
 
-`prepare()`: parse the body -> lease the model it names -> fill the model's default parameters ->
-encode the prompt -> SamplingParams -> `Lease.submit`, whose router picks a replica of that version
-(admission errors, and a `device` hint this version does not run on, raise here, before any
-response header). `respond()`: SSE frames or one JSON body, both built by the endpoint's small
-`ResponseFormat`. The lease is released when the stream closes, however it ends.
+`prepare()`: parse the body, then `admit()`: lease the model it names -> fill the model's default
+parameters -> encode the prompt -> SamplingParams -> `Lease.submit`, whose router picks a replica of
+that version (admission errors, and a `device` hint this version does not run on, raise here, before
+any response header). `admit()` takes what it needs of the transport as a `Caller`, so one WebSocket
+message (server/websocket.py) is admitted by the same code as an HTTP request. `respond()`: SSE frames
+or one JSON body, both built by the endpoint's small `ResponseFormat`. The lease is released when the
+stream closes, however it ends.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.deadlines import TIMEOUT_HEADER, request_deadline
 from bitserve.server.prompts import encode_prompt
 from bitserve.server.protocol import GenerationRequest, PromptInput, new_request_id, usage_payload
-from bitserve.server.security.request_context import charge_tokens, token_cost
+from bitserve.server.request_log import log_if_slow
+from bitserve.server.security.guard import RequestSecurity
+from bitserve.server.security.request_context import charge_tokens, request_security, token_cost
 from bitserve.server.state import AppState, get_state
 from bitserve.server.streaming import (
     CLIENT_CLOSED_STATUS,
@@ -77,23 +81,37 @@ class ResponseFormat(Protocol):
     def body(self, result: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What admission needs of the transport a generation came by (an HTTP request, a socket message)."""
+
+    security: RequestSecurity | None  # the caller's principal and budgets (None: an app without security)
+    timeout_header: str | None = None  # X-Request-Timeout, where the transport has headers
+
+
 async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Generation:
-    """Parse, lease, default, encode and admit one generation request (raises before any header). A
-    batched completions request admits one stream per prompt, seen as one BatchStream."""
+    """Parse and admit one HTTP generation request (raises before any header)."""
     started = time.monotonic()
-    state = get_state(request)
     body = parse_request(await request.body(), body_cls)
+    caller = Caller(request_security(request), request.headers.get(TIMEOUT_HEADER))
+    return await admit(get_state(request), body, id_prefix, caller, started)
+
+
+async def admit(state: AppState, body: BodyT, id_prefix: str, caller: Caller, started: float) -> Generation:
+    """Lease, default, encode and admit one validated generation request (`started`: its arrival,
+    time.monotonic()). A batched completions request admits one stream per prompt, seen as one
+    BatchStream."""
     lease = state.acquire(body.model)
     with lease.released_on_error():
         body = with_model_defaults(body, lease.slot.source.default_params)  # may set `timeout` too
-        deadline = request_deadline(started, body.timeout, request.headers.get(TIMEOUT_HEADER))
+        deadline = request_deadline(started, body.timeout, caller.timeout_header)
         prompts = body.prompt_inputs()
         request_id = new_request_id(id_prefix)
         streams: list[RoutedStream] = []
         try:
             for index, prompt in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                streams.append(await _admit(request, lease, body, prompt, deadline, sub_id))
+                streams.append(await _admit(caller, lease, body, prompt, deadline, sub_id))
         except BaseException:
             for admitted in streams:
                 admitted.close()  # aborts it and gives its tokens back; the lease is released below
@@ -108,11 +126,10 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
             lease.finish(error)  # once, when every prompt's stream has ended
             if settle is not None:
                 settle(error)
+            timing = stream.timing
             if span is not None:
-                timing = stream.timing
-                record_generation_spans(
-                    state.tracer, span, timing.arrival, timing.first_token_at, timing.num_output_tokens
-                )
+                record_generation_spans(state.tracer, span, timing)
+            log_if_slow(state.server_config.slow_request_s, started, timing, stream.num_prompt_tokens)
 
         stream.on_close = on_close
     prompt_ids = [admitted.submission.prompt_token_ids for admitted in streams]
@@ -120,7 +137,7 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
 
 
 async def _admit(
-    request: Request,
+    caller: Caller,
     lease: Lease,
     body: GenerationRequest,
     prompt: PromptInput,
@@ -132,7 +149,7 @@ async def _admit(
     params = body.to_sampling_params()
     # the caller's token budget pays the most this can use now; what it did not use comes back
     cost = token_cost(len(prompt_ids), params, lease.instance.max_model_len)
-    settle = await charge_tokens(request, cost)
+    settle = await charge_tokens(caller.security, cost)
     try:
         stream = lease.submit(
             prompt_ids,

@@ -50,6 +50,7 @@ MAX_PROMPT_TOKEN_IDS = 1_048_576
 MAX_BATCH_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_BATCH_CHOICES = 64  # prompts x n in one request (each choice is one engine sequence)
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
+MAX_REQUEST_ID_CHARS = 128  # a client-chosen request id (X-Request-Id, a WebSocket request's id)
 
 PRIORITIES = {"high": Priority.HIGH, "normal": Priority.NORMAL, "low": Priority.LOW}
 
@@ -477,6 +478,14 @@ def usage_payload(
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
+
+
+def valid_request_id(value: bytes) -> str | None:
+    """A client's request id (X-Request-Id, a WebSocket message's `id`) is kept if it is 1..128
+    printable ASCII characters without spaces."""
+    if not 1 <= len(value) <= MAX_REQUEST_ID_CHARS or not all(0x21 <= byte <= 0x7E for byte in value):
+        return None
+    return value.decode("ascii")
 
 
 def new_request_id(prefix: str) -> str:

@@ -1,7 +1,8 @@
 """THE route table: method, path, handler, scope, one line each. The scope is what a caller's
 credential must grant (security/middleware.py checks it, for every route, before the handler runs):
 `inference`, `models:read`, `models:admin`, `metrics`, or `public` (no credential: the probes).
-A route the app serves without a scope here makes build_app fail (route_rules)."""
+A route the app serves without a scope here makes build_app fail (route_rules). Method WEBSOCKET marks
+a WebSocket route (its scope is checked at the upgrade and again per request message)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel
 from starlette.routing import Route as StarletteRoute
+from starlette.routing import WebSocketRoute
 
 from bitserve.server import (
     health,
@@ -21,6 +23,7 @@ from bitserve.server import (
     serving_completions,
     serving_embeddings,
     serving_native,
+    websocket,
 )
 from bitserve.server.protocol import (
     ChatCompletionRequest,
@@ -32,6 +35,7 @@ from bitserve.server.protocol import (
 from bitserve.server.security.principal import ROUTE_SCOPES
 
 Scope = Literal["public", "inference", "models:read", "models:admin", "metrics"]
+WEBSOCKET = "WEBSOCKET"  # Route.method of a WebSocket route
 MODEL = "model"  # Route.model_param of the admin actions: the path parameter naming an alias
 
 
@@ -65,6 +69,7 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route("POST", "/v1/inference", serving_native.inference, "inference", InferenceRequest),
     Route("POST", "/v1/inference/stream", serving_native.inference_stream, "inference", InferenceRequest),
+    Route(WEBSOCKET, "/v1/ws", websocket.serve_socket, "inference"),
     Route("POST", "/tokenize", serving_native.tokenize, "inference", TokenizeRequest),
     Route("POST", "/detokenize", serving_native.detokenize, "inference", DetokenizeRequest),
     Route("GET", "/v1/models", serving_admin.list_models, "models:read"),
@@ -129,8 +134,10 @@ def route_rules(app: FastAPI) -> dict[int, RouteRule]:
     for served in app.router.routes:
         path = getattr(served, "path", None)
         methods = getattr(served, "methods", None) or set()
+        if isinstance(served, WebSocketRoute):
+            methods = {WEBSOCKET}
         entries = [table.get((path, method)) for method in sorted(methods - {"HEAD"})] if path else []
-        if entries and all(entries) and isinstance(served, StarletteRoute):
+        if entries and all(entries) and isinstance(served, StarletteRoute | WebSocketRoute):
             first = entries[0]
             assert first is not None
             rules[id(served)] = RouteRule(first.scope, first.path, first.model_param)
@@ -193,6 +200,9 @@ def register_routes(app: FastAPI) -> None:
     """Add every route; bodies the handlers parse themselves are described in /openapi.json."""
     definitions: dict[str, Any] = {}
     for route in ROUTES:
+        if route.method == WEBSOCKET:
+            app.add_api_websocket_route(route.path, route.handler, name=route.handler.__name__)
+            continue
         extra = None
         if route.body is not None:
             schema, nested = _body_schema(route.body)

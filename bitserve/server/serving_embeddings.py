@@ -31,7 +31,7 @@ from bitserve.server.protocol import (
     check_token_ids,
     new_request_id,
 )
-from bitserve.server.security.request_context import charge_tokens
+from bitserve.server.security.request_context import charge_tokens, request_security
 from bitserve.server.state import get_state
 from bitserve.server.streaming import (
     CLIENT_CLOSED_STATUS,
@@ -136,7 +136,7 @@ async def create_embeddings(request: Request) -> Response:
         inputs = await _token_ids(lease, body)
         num_tokens = sum(len(token_ids) for token_ids in inputs)
         engine = _engine(lease)
-        settle = await charge_tokens(request, num_tokens)
+        settle = await charge_tokens(request_security(request), num_tokens)
         num_used = 0  # a refusal or failure gives the tokens back
         try:
             vectors = await until_disconnect(

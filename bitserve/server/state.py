@@ -40,6 +40,8 @@ class MetricsSink(StatsSink, Protocol):
 
     def render(self) -> tuple[bytes, str]: ...
 
+    def energy_status(self) -> dict[str, str]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class BuildInfo:

@@ -130,37 +130,53 @@ class SSEResponse(Response):
                 await aclose()
 
 
-async def sse_events(
+async def stream_payloads(
     stream: GenerationStream | RoutedStream | BatchStream,
     keepalive_s: float,
     response_format: ResponseFormat,
-) -> AsyncIterator[bytes]:
-    """SSE frames of one admitted stream: the format's prologue, its chunks per output, its epilogue
-    (given the usage), [DONE]. Any error after the first frame becomes an error event followed by
-    [DONE]. Closing this iterator (client disconnect) closes the stream, which aborts the request."""
+) -> AsyncIterator[dict[str, Any] | None]:
+    """The chunk objects of one admitted stream, for any transport: the format's prologue, its chunks
+    per output, its epilogue (given the usage); None when `keepalive_s` passed with no output. Raises
+    what the stream raises. Closing this iterator (client disconnect, a cancel) closes the stream, which
+    aborts the request."""
     num_completion_tokens = num_cached_tokens = 0
     try:
         for payload in response_format.prologue():
-            yield sse_frame(payload)
+            yield payload
         while True:
             try:
                 output = await stream.next(keepalive_s)
             except StopAsyncIteration:
                 break
             if output is None:
-                yield PING_FRAME
+                yield None
                 continue
             num_completion_tokens += output.num_output_tokens
             num_cached_tokens = max(num_cached_tokens, output.num_cached_tokens)
             for payload in response_format.chunks(output):
-                yield sse_frame(payload)
+                yield payload
         usage = usage_payload(stream.num_prompt_tokens, num_completion_tokens, num_cached_tokens)
         for payload in response_format.epilogue(usage):
-            yield sse_frame(payload)
+            yield payload
+    finally:
+        stream.close()
+
+
+async def sse_events(
+    stream: GenerationStream | RoutedStream | BatchStream,
+    keepalive_s: float,
+    response_format: ResponseFormat,
+) -> AsyncIterator[bytes]:
+    """SSE frames of one admitted stream (stream_payloads), a ping comment when idle, [DONE]. Any error
+    after the first frame becomes an error event followed by [DONE]."""
+    payloads = stream_payloads(stream, keepalive_s, response_format)
+    try:
+        async for payload in payloads:
+            yield PING_FRAME if payload is None else sse_frame(payload)
     except Exception as exc:  # noqa: BLE001 - headers are out: the table's body goes in an error event
         if not isinstance(exc, BitserveError):
             logger.exception("stream failed")
         yield sse_error_event(exc)
     finally:
-        stream.close()
+        await payloads.aclose()  # closes the stream (an abort) also when this iterator is closed early
     yield DONE_FRAME

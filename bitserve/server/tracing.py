@@ -1,18 +1,21 @@
 """OpenTelemetry tracing, off unless `--otel-endpoint` (BITSERVE_OTEL_ENDPOINT) or the standard
 OTEL_EXPORTER_OTLP_ENDPOINT is set: one SERVER span per HTTP request (a W3C `traceparent` from the client
-is its parent), with child spans for a generation's time to first token (queue wait and prefill: the
-engine does not report when a request is first scheduled, so the two are one span) and its decode. The
+is its parent; a WebSocket request gets one of its own), with child spans for a generation's queue wait,
+prefill and decode. The
 span's trace id is on every JSON log line of the request (`trace_id`). Spans go to an OTLP/HTTP
 collector in batches. The SDK is an optional dependency: `pip install 'bitserve[otel]'`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from bitserve.frontend.generation_stream import StreamTiming
 from bitserve.log import TRACE_ID
 
 TRACER_NAME = "bitserve"
@@ -63,13 +66,8 @@ class TracingMiddleware:
             "url.path": scope["path"],
             "bitserve.request_id": scope.get("state", {}).get("request_id", ""),
         }
-        with self.tracer.start_as_current_span(
-            f"{scope['method']} {scope['path']}",
-            context=self.propagator.extract(headers),
-            kind=trace.SpanKind.SERVER,
-            attributes=attributes,
-        ) as span:
-            token = TRACE_ID.set(format(span.get_span_context().trace_id, "032x"))
+        name = f"{scope['method']} {scope['path']}"
+        with server_span(self.tracer, name, attributes, self.propagator.extract(headers)) as span:
             status = 0
 
             async def send_traced(message: Message) -> None:
@@ -84,7 +82,22 @@ class TracingMiddleware:
             finally:
                 if status >= 500:
                     span.set_status(trace.Status(trace.StatusCode.ERROR))
-                TRACE_ID.reset(token)
+
+
+@contextlib.contextmanager
+def server_span(tracer: Any, name: str, attributes: dict[str, Any], context: Any = None) -> Iterator[Any]:
+    """A SERVER span (the child of `context`, a client's extracted traceparent) that is current while
+    open; its trace id stamps the log lines meanwhile."""
+    from opentelemetry import trace
+
+    with tracer.start_as_current_span(
+        name, context=context, kind=trace.SpanKind.SERVER, attributes=attributes
+    ) as span:
+        token = TRACE_ID.set(format(span.get_span_context().trace_id, "032x"))
+        try:
+            yield span
+        finally:
+            TRACE_ID.reset(token)
 
 
 def current_span() -> Any:
@@ -93,10 +106,10 @@ def current_span() -> Any:
     return trace.get_current_span()
 
 
-def record_generation_spans(
-    tracer: Any, parent: Any, arrival: float, first_token_at: float | None, num_output_tokens: int
-) -> None:
-    """Child spans of `parent` from a finished generation's monotonic timestamps."""
+def record_generation_spans(tracer: Any, parent: Any, timing: StreamTiming) -> None:
+    """Child spans of `parent` from a finished generation's monotonic timestamps: queue wait (arrival to
+    first schedule), prefill (to the first token) and decode. A request that ended earlier gets the
+    spans it reached (queue wait alone when it never left the queue)."""
     from opentelemetry import trace
 
     now_monotonic, now_ns = time.monotonic(), time.time_ns()
@@ -105,13 +118,15 @@ def record_generation_spans(
         return now_ns - int((now_monotonic - monotonic) * 1e9)
 
     context = trace.set_span_in_context(parent)
-    first = tracer.start_span("bitserve.time_to_first_token", context=context, start_time=wall_ns(arrival))
-    first.end(end_time=wall_ns(first_token_at if first_token_at is not None else now_monotonic))
-    if first_token_at is not None:
-        decode = tracer.start_span(
-            "bitserve.decode",
-            context=context,
-            start_time=wall_ns(first_token_at),
-            attributes={"bitserve.output_tokens": num_output_tokens},
-        )
-        decode.end(end_time=now_ns)
+    scheduled_at = timing.arrival + timing.queue_s if timing.queue_s is not None else None
+    decoded = {"bitserve.output_tokens": timing.num_output_tokens}
+    phases = (
+        ("bitserve.queue", timing.arrival, scheduled_at, {}),
+        ("bitserve.prefill", scheduled_at, timing.first_token_at, {}),
+        ("bitserve.decode", timing.first_token_at, None, decoded),
+    )
+    for name, start, end, attributes in phases:
+        if start is None:
+            return  # the request never reached this phase
+        span = tracer.start_span(name, context=context, start_time=wall_ns(start), attributes=attributes)
+        span.end(end_time=wall_ns(end if end is not None else now_monotonic))

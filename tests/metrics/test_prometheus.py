@@ -27,7 +27,12 @@ def samples(sink: PrometheusStatsSink) -> dict[tuple[str, frozenset[tuple[str, s
     return values
 
 
+FORMAT = "Q4_1"  # the quant_format label of the replicas here
+
+
 def value(values: dict, name: str, **labels: str) -> float:
+    if "model" in labels:  # a per-replica series
+        labels.setdefault("quant_format", FORMAT)
     return values[(name, frozenset(labels.items()))]
 
 
@@ -56,10 +61,16 @@ def test_sink_satisfies_the_protocol() -> None:
 def test_request_stats_become_histograms_and_counters() -> None:
     sink = PrometheusStatsSink()
     sink.record_request(
-        RequestStats("m1", "cpu", "length", 10, 5, e2e_s=1.5, ttft_s=0.3, mean_itl_s=0.02, queue_s=0.1)
+        RequestStats(
+            "m1", "cpu", FORMAT, "length", 10, 5, e2e_s=1.5, ttft_s=0.3, mean_itl_s=0.02, queue_s=0.1
+        )
     )
-    sink.record_request(RequestStats("m1", "cpu", "stop", 7, 3, e2e_s=0.9, ttft_s=0.4, mean_itl_s=None))
-    sink.record_request(RequestStats("m2", "cuda:0", "abort", 4, 0, e2e_s=0.2, ttft_s=None, mean_itl_s=None))
+    sink.record_request(
+        RequestStats("m1", "cpu", FORMAT, "stop", 7, 3, e2e_s=0.9, ttft_s=0.4, mean_itl_s=None)
+    )
+    sink.record_request(
+        RequestStats("m2", "cuda:0", FORMAT, "abort", 4, 0, e2e_s=0.2, ttft_s=None, mean_itl_s=None)
+    )
     values = samples(sink)
     assert value(values, "bitserve_requests_total", model="m1", device="cpu", finish_reason="length") == 1
     assert value(values, "bitserve_requests_total", model="m1", device="cpu", finish_reason="stop") == 1
@@ -79,7 +90,7 @@ def test_request_stats_become_histograms_and_counters() -> None:
     assert (
         value(values, "bitserve_time_to_first_token_seconds_bucket", model="m1", device="cpu", le="60.0") == 2
     )
-    no_ttft = frozenset({("model", "m2"), ("device", "cuda:0")})
+    no_ttft = frozenset({("model", "m2"), ("device", "cuda:0"), ("quant_format", FORMAT)})
     assert ("bitserve_time_to_first_token_seconds_count", no_ttft) not in values
     assert value(values, "bitserve_inter_token_latency_seconds_count", model="m1", device="cpu") == 1
     assert value(values, "bitserve_request_queue_seconds_count", model="m1", device="cpu") == 1
@@ -88,10 +99,11 @@ def test_request_stats_become_histograms_and_counters() -> None:
 
 def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
     sink = PrometheusStatsSink()
-    sink.record_step("m", "cpu", step())
+    sink.record_step("m", "cpu", FORMAT, step())
     sink.record_step(
         "m",
         "cpu",
+        FORMAT,
         step(
             num_running=1,
             num_waiting=0,
@@ -103,7 +115,7 @@ def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
         ),
     )
     sink.record_step(
-        "m", "cpu", step(num_preempted_total=5, num_prefix_hit_tokens=0, num_prefix_query_tokens=0)
+        "m", "cpu", FORMAT, step(num_preempted_total=5, num_prefix_hit_tokens=0, num_prefix_query_tokens=0)
     )
     values = samples(sink)
     # gauges hold the last step's values
@@ -117,7 +129,7 @@ def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
     assert value(values, "bitserve_batched_tokens_per_step_bucket", model="m", device="cpu", le="1.0") == 1
     assert value(values, "bitserve_step_duration_seconds_count", model="m", device="cpu") == 3
     # a fresh engine restarts its cumulative count: the whole new count is new preemptions
-    sink.record_step("m", "cpu", step(num_preempted_total=1))
+    sink.record_step("m", "cpu", FORMAT, step(num_preempted_total=1))
     assert value(samples(sink), "bitserve_preemptions_total", model="m", device="cpu") == 6
 
 
@@ -148,32 +160,48 @@ def test_http_error_reasons_are_bounded() -> None:
 
 def test_registries_are_independent_and_forget_model_drops_gauges() -> None:
     first, second = PrometheusStatsSink(), PrometheusStatsSink()
-    first.record_step("a", "cpu", step())
-    first.record_step("a", "cuda:1", step())
-    first.record_step("b", "cpu", step(num_running=7))
+    first.record_step("a", "cpu", FORMAT, step())
+    first.record_step("a", "cuda:1", FORMAT, step())
+    first.record_step("b", "cpu", FORMAT, step(num_running=7))
     assert not any(name == "bitserve_num_requests_running" for name, _ in samples(second))
     assert value(samples(first), "bitserve_num_requests_running", model="a", device="cuda:1") == 2
     first.forget_model("a", "cuda:1")  # a swap moved "a" off that device
     values = samples(first)
-    assert ("bitserve_num_requests_running", frozenset({("model", "a"), ("device", "cuda:1")})) not in values
+    assert (
+        "bitserve_num_requests_running",
+        frozenset({("model", "a"), ("device", "cuda:1"), ("quant_format", FORMAT)}),
+    ) not in values
     assert value(values, "bitserve_num_requests_running", model="a", device="cpu") == 2
-    first.record_step("a", "cuda:1", step())
+    first.record_step("a", "cuda:1", FORMAT, step())
     first.forget_model("a")
     values = samples(first)
     for device in ("cpu", "cuda:1"):  # every replica's gauges go
         assert (
             "bitserve_num_requests_running",
-            frozenset({("model", "a"), ("device", device)}),
+            frozenset({("model", "a"), ("device", device), ("quant_format", FORMAT)}),
         ) not in values
     assert value(values, "bitserve_num_requests_running", model="b", device="cpu") == 7
     # counters of a forgotten model stay (they are totals, and Prometheus expects them monotonic)
     assert value(values, "bitserve_prefix_cache_hits_total", model="a", device="cpu") == 16
 
 
+def test_a_swap_to_another_format_drops_the_old_gauges() -> None:
+    sink = PrometheusStatsSink()
+    sink.record_step("m", "cpu", "Q4_1", step(num_running=4))
+    sink.record_step("m", "cpu", "I2_S", step(num_running=1))
+    values = samples(sink)
+    assert value(values, "bitserve_num_requests_running", model="m", device="cpu", quant_format="I2_S") == 1
+    assert (
+        "bitserve_num_requests_running",
+        frozenset({("model", "m"), ("device", "cpu"), ("quant_format", "Q4_1")}),
+    ) not in values
+    assert value(values, "vllm:num_requests_running", model_name="m") == 1
+
+
 def test_vllm_alias_gauges_follow_the_replicas() -> None:
     sink = PrometheusStatsSink()
-    sink.record_step("m", "cpu", step(num_running=2, num_waiting=3, kv_usage=0.25))
-    sink.record_step("m", "cuda:0", step(num_running=5, num_waiting=1, kv_usage=0.75))
+    sink.record_step("m", "cpu", FORMAT, step(num_running=2, num_waiting=3, kv_usage=0.25))
+    sink.record_step("m", "cuda:0", FORMAT, step(num_running=5, num_waiting=1, kv_usage=0.75))
     values = samples(sink)
     assert value(values, "vllm:num_requests_running", model_name="m") == 7  # summed over replicas
     assert value(values, "vllm:num_requests_waiting", model_name="m") == 4

@@ -80,17 +80,24 @@ def build_model_root(base: Path, smollm2_path: Path) -> ModelRoot:
 class ThreadServer:
     """uvicorn serving build_app() in a thread on 127.0.0.1; `run()` executes a coroutine on its loop."""
 
-    def __init__(self, server_config: ServerConfig, engine_config: EngineConfig) -> None:
+    def __init__(
+        self,
+        server_config: ServerConfig,
+        engine_config: EngineConfig,
+        *,
+        access_log: bool = False,
+        **app_options: Any,
+    ) -> None:
         from bitserve.server.app import build_app
 
-        self.app = build_app(server_config, engine_config)
+        self.app = build_app(server_config, engine_config, **app_options)
         config = uvicorn.Config(
             self.app,
             host="127.0.0.1",
             port=server_config.port,
             log_config=None,
             lifespan="on",
-            access_log=False,
+            access_log=access_log,
             timeout_keep_alive=server_config.keep_alive_timeout_s,
         )
         self.server = uvicorn.Server(config)

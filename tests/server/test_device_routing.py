@@ -221,7 +221,7 @@ def requests_on(url: str, model: str, device: str) -> float:
         for family in families
         for sample in family.samples
         if sample.name == "bitserve_requests_total"
-        and sample.labels | {"finish_reason": ""} == {"model": model, "device": device, "finish_reason": ""}
+        and (sample.labels["model"], sample.labels["device"]) == (model, device)
     )
 
 

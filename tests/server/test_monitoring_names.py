@@ -133,3 +133,23 @@ def test_a_served_request_observes_its_queue_time(client: TestClient) -> None:
     body = {"prompt": "one two", "max_tokens": 2, "temperature": 0}
     assert client.post("/v1/completions", json=body).status_code == 200
     assert queue_count() == before + 1
+
+
+def test_per_replica_series_carry_the_quant_format(client: TestClient) -> None:
+    running = [
+        line
+        for line in client.get("/metrics").text.splitlines()
+        if line.startswith("bitserve_requests_total{")
+    ]
+    assert running and all('quant_format="TQ2_0"' in line for line in running)  # the synthetic model's format
+
+
+def test_energy_is_exported_where_readable_and_health_says_why_not(client: TestClient) -> None:
+    status = client.get("/health").json()["components"]["energy"]
+    samples = [
+        line for line in client.get("/metrics").text.splitlines() if line.startswith("bitserve_energy_joules")
+    ]
+    if status["cpu"].startswith("ok"):
+        assert any(line.startswith('bitserve_energy_joules_total{device="cpu"}') for line in samples)
+    else:  # e.g. a VM without /sys/class/powercap: no sample, and the reason in /health
+        assert not any('device="cpu"' in line for line in samples) and status["cpu"]

@@ -148,6 +148,16 @@ class Guard:
         credential = self._credential(scope)
         if credential is None:
             raise Unauthenticated(NO_CREDENTIALS)
+        return self.verify_credential(credential)
+
+    def has_credentials(self, scope: Scope) -> bool:
+        """Whether the request carries a key or token (Unauthenticated when its headers are malformed)."""
+        return self._credential(scope) is not None
+
+    def verify_credential(self, credential: str) -> Principal:
+        """The principal of an API key or JWT (a WebSocket may send it in its first message)."""
+        if not self.has_auth:
+            return ANONYMOUS
         if self.jwt is not None and looks_like_jwt(credential):
             return self.jwt.verify(credential)
         principal = self.keys.lookup(credential)

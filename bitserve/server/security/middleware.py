@@ -8,6 +8,8 @@ body is read and before routing. In order:
    them when auth is configured: 401 with `WWW-Authenticate: Bearer`;
 4. the route's scope, and a model named in the path against the key's models: 403;
 5. the principal's request budget: 429 with Retry-After.
+A WebSocket upgrade is checked for the address and any credentials it carries (server/websocket.py
+takes a token in the first message otherwise, and charges budgets per request message).
 Responses get the security headers, and authenticated ones the x-ratelimit-* headers. Denials and
 admin actions go to the audit log.
 """
@@ -24,7 +26,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bitserve.errors import BitserveError, Forbidden, LimiterUnavailable, RateLimited, Unauthenticated
 from bitserve.server.errors import lookup, send_error
 from bitserve.server.security.guard import Guard, RequestSecurity
-from bitserve.server.security.principal import CURRENT_PRINCIPAL, PUBLIC, Principal, check_model_access
+from bitserve.server.security.principal import (
+    CURRENT_PRINCIPAL,
+    NOBODY,
+    PUBLIC,
+    Principal,
+    check_model_access,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +45,7 @@ AUDITED_STATUSES = {401: "auth_failure", 403: "permission_denied", 429: "rate_li
 ADMIN_SCOPE = "models:admin"
 MAX_AUDITED_PATH_CHARS = 256
 SECURITY_STATE = "security"  # the RequestSecurity's key in the ASGI scope's state
+POLICY_VIOLATION = 1008  # the WebSocket close code of a refused socket (RFC 6455)
 
 
 class SecurityMiddleware:
@@ -67,6 +76,15 @@ class SecurityMiddleware:
                 partial = (self.rules.get(id(route)), child.get("path_params", {}))
         return partial if partial is not None else (None, {})
 
+    def _identify(self, scope: Scope, client: str, rule: Any, *, may_defer: bool = False) -> Principal:
+        """The caller, from an allowed address; `may_defer` (a WebSocket): NOBODY when auth is on and
+        the upgrade carries no credentials."""
+        if not self.guard.is_allowed_address(client):
+            raise Forbidden("this client address may not use the server", hint="see --allow-cidr")
+        if may_defer and self.guard.has_auth and not self.guard.has_credentials(scope):
+            return NOBODY
+        return self._authenticate(scope, rule)
+
     def _authenticate(self, scope: Scope, rule: Any) -> Principal:
         if rule is not None and rule.scope == PUBLIC:
             return self.guard.authenticate_optional(scope)
@@ -88,16 +106,14 @@ class SecurityMiddleware:
         if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
             return
-        if scope["type"] != "http":  # no websocket routes: refuse rather than pass unchecked
-            await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] == "websocket":
+            await self._open_socket(scope, receive, send)
             return
         client = self.guard.client_address(scope)
         rule, path_params = self._match(scope)
         principal: Principal | None = None
         try:
-            if not self.guard.is_allowed_address(client):
-                raise Forbidden("this client address may not use the server", hint="see --allow-cidr")
-            principal = self._authenticate(scope, rule)
+            principal = self._identify(scope, client, rule)
             self._authorize(principal, rule, path_params)
             rate = await self.guard.limiter.admit(principal)
         except (Unauthenticated, Forbidden, RateLimited, LimiterUnavailable) as exc:
@@ -120,6 +136,30 @@ class SecurityMiddleware:
         finally:
             CURRENT_PRINCIPAL.reset(token)
             self._audit_response(scope, status or 500, client, principal, rule)
+
+    async def _open_socket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket upgrade. The address, and credentials the upgrade carries with the route's scope,
+        are checked now; a refusal closes the handshake (the client sees HTTP 403). Without
+        credentials where auth is on, the principal is NOBODY and the socket's handler takes a token
+        in the first message. Request budgets are charged per request message, by the handler."""
+        client = self.guard.client_address(scope)
+        rule, path_params = self._match(scope)
+        principal: Principal | None = None
+        try:
+            principal = self._identify(scope, client, rule, may_defer=True)
+            if principal is not NOBODY:  # NOBODY: the handler asks for a token in the first message
+                self._authorize(principal, rule, path_params)
+        except (Unauthenticated, Forbidden) as exc:
+            spec = lookup(exc)
+            if self.on_error is not None:
+                self.on_error(spec.status, spec.code)
+            logger.warning("refused a WebSocket on %s from %s: %s", scope.get("path", "")[:256], client, exc)
+            self._audit(scope, spec.status, client, principal, rule, reason=exc.message)
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": POLICY_VIOLATION})
+            return
+        scope.setdefault("state", {})[SECURITY_STATE] = RequestSecurity(self.guard, principal, client)
+        await self.app(scope, receive, send)
 
     @staticmethod
     def _headers(headers: Any, context: RequestSecurity | None) -> list[tuple[bytes, bytes]]:

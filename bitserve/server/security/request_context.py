@@ -8,14 +8,21 @@ from collections.abc import Callable
 from fastapi import Request
 
 from bitserve.sampling_params import SamplingParams
+from bitserve.server.security.guard import RequestSecurity
 from bitserve.server.security.middleware import SECURITY_STATE
 from bitserve.server.security.principal import ANONYMOUS, Principal
 from bitserve.server.security.rate_limits import token_specs
 
 
+def request_security(request: Request) -> RequestSecurity | None:
+    """What SecurityMiddleware found about this request (None for an app built without it)."""
+    context: RequestSecurity | None = request.scope.get("state", {}).get(SECURITY_STATE)
+    return context
+
+
 def request_principal(request: Request) -> Principal:
     """The principal SecurityMiddleware found (ANONYMOUS for an app built without it)."""
-    context = request.scope.get("state", {}).get(SECURITY_STATE)
+    context = request_security(request)
     return context.principal if context is not None else ANONYMOUS
 
 
@@ -30,10 +37,9 @@ def _no_refund(num_used: int) -> None:
     return None
 
 
-async def charge_tokens(request: Request, cost: int) -> Callable[[int], None]:
+async def charge_tokens(context: RequestSecurity | None, cost: int) -> Callable[[int], None]:
     """Take `cost` tokens from the caller's token budgets (RateLimited when over), and return
     `settle(num_used)`, which gives back `cost - num_used` once (call it when the generation ends)."""
-    context = request.scope.get("state", {}).get(SECURITY_STATE)
     if context is None or not token_specs(context.principal.limits):
         return _no_refund
     charged = await context.guard.limiter.charge(context.principal, cost)
