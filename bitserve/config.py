@@ -19,6 +19,9 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+LM_HEAD_CHOICES = ("auto", "q8_0")  # --lm-head: keep the file's head, or quantize a float one to Q8_0
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str = field(default=DEFAULT_MODEL, metadata=_help("catalog name or path of a GGUF file"))
@@ -35,6 +38,13 @@ class ModelConfig:
         metadata=_help(
             "ternary linear semantics: bitnet (per-token int8, bitnet.cpp), float, llamacpp-tq, "
             "bitnetcpp (bitnet plus bitnet.cpp's F16 attention / RoPE rounding)"
+        ),
+    )
+    lm_head: str = field(
+        default="auto",
+        metadata=_help(
+            "LM head storage: auto (as the file stores it) or q8_0 (an F16/BF16/F32 head quantized to Q8_0 "
+            "at load: ~half the bytes read per token; cpu backend; quality cost in benchmarks/RESULTS.md)"
         ),
     )
     i2s_variant: str = field(
@@ -65,6 +75,10 @@ class ModelConfig:
             "4 bytes per weight, faster GEMMs; 0 keeps only the packed blocks"
         ),
     )
+
+    def __post_init__(self) -> None:
+        if self.lm_head not in LM_HEAD_CHOICES:
+            raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, got {self.lm_head!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
         backend=args.backend,
         device=args.device,
         linear_mode=args.linear_mode,
+        lm_head=args.lm_head,
         i2s_variant=args.i2s_variant,
         tl_config=args.tl_config,
         tokenizer_pre=args.tokenizer_pre,

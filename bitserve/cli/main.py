@@ -17,7 +17,7 @@ from bitserve.loader.catalog import DEFAULT_MODEL
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    from bitserve.config import ModelConfig
+    from bitserve.config import LM_HEAD_CHOICES, ModelConfig
 
     fields = ModelConfig.__dataclass_fields__
     parser.add_argument(
@@ -26,6 +26,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=fields["device"].default, help=fields["device"].metadata["help"])
     parser.add_argument(
         "--linear-mode", default=fields["linear_mode"].default, help=fields["linear_mode"].metadata["help"]
+    )
+    parser.add_argument(
+        "--lm-head",
+        default=fields["lm_head"].default,
+        choices=list(LM_HEAD_CHOICES),
+        help=fields["lm_head"].metadata["help"],
     )
     parser.add_argument(
         "--i2s-variant",

@@ -112,6 +112,7 @@ class ModelInstance:
                 device=str(device),
             ),
             linear_mode=parse_linear_mode(model_config.linear_mode),
+            lm_head=model_config.lm_head,
             i2s_variant=model_config.i2s_variant,
             tl_config=model_config.tl_config,
         )

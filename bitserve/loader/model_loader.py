@@ -11,13 +11,14 @@ from pathlib import Path
 
 import torch
 
-from bitserve.errors import InvalidModelFile
+from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference.dequant import dequantize, unpack_ternary
 from bitserve.loader.decode import DecodeOptions, make_packed_weight
 from bitserve.loader.gguf_reader import GGUFFile, read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
+from bitserve.loader.requantize import quantize_q8_0
 from bitserve.loader.tl_config import TLConfigTable, load_kernel_config_ini, preset, sidecar_path
 from bitserve.models.architectures import ARCHITECTURES
 from bitserve.models.decoder import DecoderModel
@@ -34,6 +35,7 @@ FLOAT_LAYOUTS = frozenset({Layout.F32, Layout.F16, Layout.BF16})
 class LoadOptions:
     backend: KernelBackend
     linear_mode: LinearMode = LinearMode.BITNET
+    lm_head: str = "auto"  # or "q8_0": a float head quantized at load (loader/requantize.py)
     i2s_variant: str = "A"
     tl_config: str | None = None  # path to a kernel_config.ini, or "preset:<name>"
 
@@ -46,6 +48,7 @@ class GGUFWeightSource:
     backend: KernelBackend
     linear_mode: LinearMode
     decode_options: DecodeOptions
+    lm_head: str = "auto"
     used: set[str] = field(default_factory=set)
 
     def has(self, name: str) -> bool:
@@ -77,7 +80,16 @@ class GGUFWeightSource:
     def head(self, name: str) -> PreparedLinear | torch.Tensor:
         """The LM head: block-quantized in the backend's packed form when it has one (no float copy:
         SmolLM2's tied Q8_0 head reads 28 MB per token instead of 113 MB), else dense()."""
-        prepared = self._prepare_block(self.packed(name))
+        weight = self.packed(name)
+        if self.lm_head == "q8_0" and weight.layout in FLOAT_LAYOUTS:
+            prepared = self.backend.prepare_block(quantize_q8_0(weight))
+            if prepared is None:
+                raise UnsupportedModel(
+                    f"--lm-head q8_0 needs a backend with Q8_0 kernels; {self.backend.name!r} has none",
+                    hint="use the cpu backend, or --lm-head auto",
+                )
+            return prepared
+        prepared = self._prepare_block(weight)
         # pages stay resident: a tied head's table also serves embedding lookups
         return prepared if prepared is not None else self.dense(name)
 
@@ -166,7 +178,7 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadResult:
         decode_options = DecodeOptions(
             i2s_variant=options.i2s_variant, tl_configs=tl_configs_for(path, options.tl_config, gguf)
         )
-        source = GGUFWeightSource(gguf, options.backend, options.linear_mode, decode_options)
+        source = GGUFWeightSource(gguf, options.backend, options.linear_mode, decode_options, options.lm_head)
         with torch.inference_mode():
             model = ARCHITECTURES[spec.architecture](spec, source)
         model.eval()

@@ -101,12 +101,15 @@ def make_weights(config: SyntheticConfig, vocab_size: int) -> SyntheticWeights:
     embedding_type = GGMLType[config.embedding_type]
     if embedding_type is GGMLType.F32:
         embedding, embedding_bytes = raw, raw.tobytes()
+    elif embedding_type is GGMLType.F16:
+        half = raw.astype(np.float16)
+        embedding, embedding_bytes = half.astype(np.float32), half.tobytes()
     elif embedding_type is GGMLType.Q8_0:
         packed = gguf.quants.quantize(raw, gguf.GGMLQuantizationType.Q8_0)
         embedding = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
         embedding_bytes = packed.tobytes()
     else:
-        raise ValueError(f"embedding_type must be F32 or Q8_0, got {config.embedding_type!r}")
+        raise ValueError(f"embedding_type must be F32, F16 or Q8_0, got {config.embedding_type!r}")
     ternary, scales, norms = {}, {}, {}
     for layer in range(config.num_layers):
         for name in PROJECTIONS:

@@ -10,10 +10,10 @@ int8 [T, K], a scale dx per block and, for the Q4 min term, sx = dx * sum(q). Pe
 the integer dot is exact (`vpmaddubsw` + `vpmaddwd` on AVX2, `vpdpbusd` on VNNI; code <= 15 and |q| <= 127
 keep the int16 pairs far from saturation); then, as ggml's AVX2 `vec_dot_q4_1_q8_1` does, one f32 FMA per
 block into 8 lanes, acc = fma(d * dx, f32(dot lanes), acc), the lanes summed once per row, plus the
-scalar min term sum_b m_b * sx_b (fused multiply-adds, in block order). This changes the numerics of Q4 / Q8_0 models toward llama.cpp's (the
-activations are rounded to int8); `block_activations="f32"` keeps the exact-f32 kernels of
-kernels/cpu/blockquant.py. Not bit-exact with ggml: dx stays f32 (ggml rounds it to f16), and ggml's lane
-split differs for some shapes.
+scalar min term sum_b m_b * sx_b (fused multiply-adds, in block order). This changes the numerics of
+Q4 / Q8_0 models toward llama.cpp's (the activations are rounded to int8); `block_activations="f32"`
+keeps the exact-f32 kernels of kernels/cpu/blockquant.py. Not bit-exact with ggml: dx stays f32 (ggml
+rounds it to f16), and ggml's lane split differs for some shapes.
 
 Like int8dot.py, the tile is an `@intrinsic` writing its loop in LLVM IR, compiled only where the ISA
 variant runs (kernels/cpu/isa.py).
