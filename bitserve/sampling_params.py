@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bitserve.errors import InvalidRequest
+from bitserve.structured.guide import Guide
 
 # The one home of every sampling bound: SamplingParams checks them and the HTTP request models
 # (server/protocol.py) declare the same ones as field bounds, so a client sees the limit in a 400.
@@ -80,6 +81,9 @@ class SamplingParams:
     logprobs: int | None = field(default=None, metadata=_help("also return this many top logprobs per token"))
     logit_bias: tuple[tuple[int, float], ...] = field(default=(), metadata=_help("(token id, bias) pairs"))
     skip_special_tokens: bool = field(default=True, metadata=_help("leave special tokens out of the text"))
+    guide: Guide | None = field(
+        default=None, metadata=_help("constrain the output to a JSON schema, regex, choice or grammar")
+    )
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -115,6 +119,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, hint="use null for no logprobs")
         self._set("logit_bias", _normalise_logit_bias(self.logit_bias))
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.guide is not None:
+            _check_guide(self)
 
     def _set(self, name: str, value: Any) -> None:
         # The dataclass is frozen; normalisation happens once, here, before anyone sees the object.
@@ -148,6 +154,20 @@ class SamplingParams:
                     param="stop_token_ids",
                     hint="use token ids produced by this model's tokenizer",
                 )
+
+
+def _check_guide(params: SamplingParams) -> None:
+    """A guided output ends with EOS where its grammar is complete: nothing may forbid that EOS."""
+    if not isinstance(params.guide, Guide):
+        raise InvalidRequest(f"guide must be a Guide, got {type(params.guide).__name__}", param="guide")
+    for name, value in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
+        if value:
+            raise InvalidRequest(
+                f"{name} cannot be combined with structured output ({params.guide.param}): the grammar "
+                "decides where the output ends",
+                param=name,
+                hint=f"remove {name}",
+            )
 
 
 def _range_text(low: float, high: float, low_open: bool) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from bitserve.sampling_params import SamplingParams
 
-NOT_FLAGS = ("skip_special_tokens",)  # text output detail, not a sampling choice
+NOT_FLAGS = ("skip_special_tokens", "guide")  # text output detail; structured output is an API feature
 
 
 def _flag(name: str) -> str:

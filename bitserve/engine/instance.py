@@ -26,6 +26,8 @@ from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model
 from bitserve.runner.embeddings import pooling_from_metadata
 from bitserve.runner.kv_cache import CacheLayout, plan_cache, resolve_kv_dtype
 from bitserve.runner.model_runner import ModelRunner
+from bitserve.structured.grammars import GrammarCompiler
+from bitserve.structured.masks import GuidedRows
 from bitserve.tokenizer.chat_template import ChatTemplate, encode_chat
 from bitserve.tokenizer.gguf_vocab import GGUFTokenizer, tokenizer_from_gguf
 
@@ -97,6 +99,7 @@ class ModelInstance:
     config: EngineConfig  # as given: the operator's values, never rewritten with derived ones
     max_model_len: int  # the context served: the model's own, capped by config.scheduler.max_model_len
     scheduler_config: SchedulerConfig  # the engine's resolved batch limits (derived at load)
+    grammars: GrammarCompiler  # structured output: validates guides at the edge, feeds the runner
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelInstance:
@@ -165,6 +168,8 @@ class ModelInstance:
         runner = make_runner(
             loaded, layout, device, scheduler_config, max_model_len, cuda_graphs=config.model.cuda_graphs
         )
+        grammars = GrammarCompiler(tokenizer, loaded.spec.vocab_size)
+        runner.guided = GuidedRows(grammars)
         engine = Engine.build(runner, scheduler_config, config.cache)
         logger.info(
             "model %s ready: max_model_len %d, %d KV blocks of %d tokens (%.1f MB), max_num_seqs %d, "
@@ -187,6 +192,7 @@ class ModelInstance:
             config,
             max_model_len,
             scheduler_config,
+            grammars,
         )
 
     @functools.cached_property

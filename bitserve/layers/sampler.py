@@ -5,7 +5,8 @@ final `.tolist()`. Imports no scheduling code: the runner builds one `SamplingRe
 
 Per row, in this order (vLLM's order, except that min-p runs last, after top-p):
   0. logprobs, if requested, come from the RAW distribution, log_softmax(logits) before any step
-     below (vLLM's default `logprobs_mode="raw_logprobs"`, which is what OpenAI reports);
+     below (vLLM's default `logprobs_mode="raw_logprobs"`, which is what OpenAI reports); then the
+     caller's `constrain` (the runner's grammar masks, structured/masks.py) sets -inf in place;
   1. min_tokens: while fewer than `min_tokens` tokens were generated, stop_token_ids and EOS
      (unless `ignore_eos`) get -inf;
   2. logit_bias is added;
@@ -89,7 +90,12 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequestState]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRequestState],
+        constrain: Callable[[torch.Tensor], None] | None = None,
+    ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} must be [num_rows={len(rows)}, vocab_size]")
         logits = logits.float().contiguous()  # no copy when already float32 and contiguous
@@ -98,6 +104,8 @@ class Sampler:
         if logprob_rows:
             # [num_logprob_rows, vocab_size], before any processing (see the module docstring)
             raw_logprobs = _select_rows(logits, logprob_rows).log_softmax(dim=-1)
+        if constrain is not None:
+            constrain(logits)
         _apply_min_tokens(logits, rows)
         _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)

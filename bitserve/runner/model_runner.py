@@ -7,7 +7,7 @@ from the engine thread only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,6 +17,7 @@ from bitserve.models.decoder import DecoderModel
 from bitserve.runner import embeddings
 from bitserve.runner.input_batch import build_batch_inputs
 from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
+from bitserve.structured.masks import GuidedRows
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_caches(layout)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
+        # Grammar matchers of guided requests; set by ModelInstance, which owns the tokenizer.
+        self.guided: GuidedRows | None = None
 
     def allocate_kv_caches(self, layout: CacheLayout) -> list[torch.Tensor]:
         return allocate_kv_caches(layout)
@@ -52,8 +55,9 @@ class ModelRunner:
         logits = self.forward_logits(requests)  # [num_sampled, vocab], or None: nothing to sample
         if logits is None:
             return RunnerOutput(sampled_token_ids={}, logprobs=None)
-        rows = self._sampling_rows([r for r in requests if r.sample])
-        sampled = self.sampler(logits, rows)
+        sampled_requests = [r for r in requests if r.sample]
+        rows = self._sampling_rows(sampled_requests)
+        sampled = self.sampler(logits, rows, self._constrainer(sampled_requests))
         token_ids = {rid: [tok] for rid, tok in zip(sampled_ids, sampled.token_ids, strict=True)}
         logprobs = None
         if sampled.logprobs is not None:
@@ -95,6 +99,17 @@ class ModelRunner:
             )
         return rows
 
+    def _constrainer(
+        self, requests: Sequence[ScheduledRequest]
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The grammar masks of this step's guided rows, or None when no row has a guide."""
+        if self.guided is None or all(request.params.guide is None for request in requests):
+            return None
+        guided = self.guided
+        return lambda logits: guided.mask_logits(logits, requests)
+
     def free_request_state(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        if self.guided is not None:
+            self.guided.free(request_ids)

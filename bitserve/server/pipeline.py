@@ -11,6 +11,7 @@ stream closes, however it ends.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -147,6 +148,8 @@ async def _admit(
     """Encode one prompt, charge its tokens, submit it; its on_close gives back what it did not use."""
     prompt_ids = await encode_prompt(lease.instance, prompt)
     params = body.to_sampling_params()
+    if params.guide is not None:  # a bad schema, regex or grammar is a 400 before admission
+        await asyncio.to_thread(lease.instance.grammars.compile, params.guide)
     # the caller's token budget pays the most this can use now; what it did not use comes back
     cost = token_cost(len(prompt_ids), params, lease.instance.max_model_len)
     settle = await charge_tokens(caller.security, cost)

@@ -28,9 +28,11 @@ async def encode_text(instance: ModelInstance, text: str, *, add_special: bool =
     return await _run(len(text), lambda: instance.tokenizer.encode(text, add_special=add_special))
 
 
-async def encode_messages(instance: ModelInstance, messages: list[ChatMessage]) -> list[int]:
+async def encode_messages(
+    instance: ModelInstance, messages: list[ChatMessage], tools_text: str | None = None
+) -> list[int]:
     """Render with the model's chat template and tokenize. InvalidRequest when it has no template."""
-    rendered = template_messages(messages)
+    rendered = template_messages(messages, tools_text)
     num_chars = sum(len(message["content"]) for message in rendered)
     return await _run(num_chars, lambda: instance.encode_chat(rendered))
 
@@ -38,7 +40,7 @@ async def encode_messages(instance: ModelInstance, messages: list[ChatMessage]) 
 async def encode_prompt(instance: ModelInstance, prompt: PromptInput) -> list[int]:
     """The prompt's token ids, whichever form the request gave it in."""
     if prompt.messages is not None:
-        return await encode_messages(instance, prompt.messages)
+        return await encode_messages(instance, prompt.messages, prompt.tools_text)
     if prompt.text is not None:
         return await encode_text(instance, prompt.text)
     token_ids = list(prompt.token_ids or [])

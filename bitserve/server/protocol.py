@@ -35,6 +35,18 @@ from bitserve.sampling_params import (
 )
 from bitserve.server.deadlines import MAX_REQUEST_TIMEOUT_S
 from bitserve.server.errors import UnsupportedParameter
+from bitserve.structured.guide import MAX_CHOICES, MAX_GUIDE_CHARS, Guide
+from bitserve.structured.request_fields import extension_guides, one_guide, response_format_guide
+from bitserve.structured.tools import (
+    Tool,
+    ToolChoice,
+    assistant_tool_calls_text,
+    parse_tool_choice,
+    parse_tools,
+    tool_call_guide,
+    tools_prompt,
+    with_tools_prompt,
+)
 from bitserve.tokenizer.base import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,14 +104,15 @@ class ChatMessage(StrictModel):
     tool_call_id: Any = None
 
     def text(self, index: int) -> str:
-        """The message's text; non-text parts and tool messages are refused (UnsupportedParameter)."""
+        """The message's text (an assistant's tool calls in the convention of structured/tools.py);
+        non-text parts are refused (UnsupportedParameter)."""
         where = f"messages[{index}]"
-        if self.role == "tool" or self.tool_calls is not None or self.tool_call_id is not None:
-            raise UnsupportedParameter(
-                f"{where}: tool messages and tool calls are not supported by bitserve",
-                param=where,
-                hint="send only system, user and assistant text messages",
-            )
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise InvalidRequest(f"{where}: only assistant messages carry tool_calls", param=where)
+            return assistant_tool_calls_text(self.tool_calls, where)
+        if self.tool_call_id is not None and self.role != "tool":
+            raise InvalidRequest(f"{where}: only tool messages carry tool_call_id", param=where)
         if self.content is None:
             if self.role != "assistant":
                 raise InvalidRequest(
@@ -120,9 +133,10 @@ class ChatMessage(StrictModel):
         return "".join(texts)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Plain dicts for the chat template ("developer" is OpenAI's newer name for "system")."""
-    rendered = []
+def template_messages(messages: list[ChatMessage], tools_text: str | None = None) -> list[dict[str, str]]:
+    """Plain dicts for the chat template ("developer" is OpenAI's newer name for "system"); `tools_text`
+    (the tools' description) joins the leading system message."""
+    rendered: list[dict[str, str]] = []
     for index, message in enumerate(messages):
         entry = {
             "role": "system" if message.role == "developer" else message.role,
@@ -131,7 +145,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         if message.name is not None:
             entry["name"] = message.name
         rendered.append(entry)
-    return rendered
+    return rendered if tools_text is None else with_tools_prompt(rendered, tools_text)
 
 
 class StreamOptions(StrictModel):
@@ -181,6 +195,7 @@ class PromptInput:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    tools_text: str | None = None  # chat with tools: their description, for the system message
 
 
 class GenerationRequest(SamplingFields):
@@ -195,9 +210,20 @@ class GenerationRequest(SamplingFields):
     # Extension: seconds from arrival; past it the request is aborted (504, or an error event when streaming).
     # The X-Request-Timeout header does the same; with both, the stricter wins.
     timeout: float | None = Field(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)
+    # Structured output (structured/): OpenAI's response_format and vLLM's guided_* extensions.
+    response_format: Any = None
+    guided_regex: str | None = Field(None, min_length=1, max_length=MAX_GUIDE_CHARS)
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Field(None, min_length=1, max_length=MAX_GUIDE_CHARS)
 
     def prompt_input(self) -> PromptInput:
         raise NotImplementedError
+
+    def guide(self) -> Guide | None:
+        """What the output is constrained to (at most one field may ask); shapes checked here, whether
+        it compiles by the grammar engine before admission (server/pipeline.py)."""
+        extensions = extension_guides(self.guided_regex, self.guided_choice, self.guided_grammar)
+        return one_guide([response_format_guide(self.response_format), *extensions])
 
     def prompt_inputs(self) -> list[PromptInput]:
         """Every prompt, in order: one, except a batched /v1/completions request."""
@@ -248,12 +274,12 @@ class GenerationRequest(SamplingFields):
             kwargs["top_k"] = max(0, self.top_k)  # -1 (vLLM's "off") and 0 both disable top-k
         if self.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs, guide=self.guide())
 
 
 # ----------------------------------------------------------------- OpenAI chat / completions
 
-_NO_TOOLS = "tool and function calling are not implemented"
+_NO_FUNCTIONS = "the legacy functions API is not implemented: send tools and tool_choice"
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -261,12 +287,13 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Known OpenAI fields without an implementation: anything but their no-op value gets 400.
+    # Tool calls (structured/tools.py): checked in check_supported, which keeps the parsed forms.
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    # Known OpenAI fields without an implementation: anything but their no-op value gets 400.
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -275,16 +302,8 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: Any = None
 
     def check_supported(self) -> None:
-        _unsupported("tools", self.tools, lambda v: v in (None, []), _NO_TOOLS)
-        _unsupported("tool_choice", self.tool_choice, lambda v: v in (None, "none"), _NO_TOOLS)
-        _unsupported("functions", self.functions, lambda v: v in (None, []), _NO_TOOLS)
-        _unsupported("function_call", self.function_call, lambda v: v in (None, "none"), _NO_TOOLS)
-        _unsupported(
-            "response_format",
-            self.response_format,
-            lambda v: v is None or v == {"type": "text"},
-            'only {"type": "text"} is implemented; JSON modes and schemas are not',
-        )
+        _unsupported("functions", self.functions, lambda v: v in (None, []), _NO_FUNCTIONS)
+        _unsupported("function_call", self.function_call, lambda v: v in (None, "none"), _NO_FUNCTIONS)
         _unsupported("audio", self.audio, lambda v: v is None, "text only")
         _unsupported("modalities", self.modalities, lambda v: v in (None, ["text"]), "text only")
         _unsupported(
@@ -298,7 +317,18 @@ class ChatCompletionRequest(GenerationRequest):
         self.check_stream_options()
 
     def prompt_input(self) -> PromptInput:
-        return PromptInput("messages", messages=self.messages)
+        tools, choice = self.tool_setup()
+        text = tools_prompt(tools, choice, self.parallel_tool_calls) if choice.mode != "none" else None
+        return PromptInput("messages", messages=self.messages, tools_text=text)
+
+    def tool_setup(self) -> tuple[list[Tool], ToolChoice]:
+        """The parsed tools and tool_choice (InvalidRequest naming the field when malformed)."""
+        tools = parse_tools(self.tools)
+        return tools, parse_tool_choice(self.tool_choice, tools)
+
+    def guide(self) -> Guide | None:
+        tools, choice = self.tool_setup()
+        return one_guide([super().guide(), tool_call_guide(tools, choice, self.parallel_tool_calls)])
 
     @property
     def requested_max_tokens(self) -> int | None:

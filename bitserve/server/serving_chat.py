@@ -10,7 +10,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from bitserve.engine.messages import TokenLogprobs
-from bitserve.outputs import CompletionOutput
+from bitserve.outputs import CompletionOutput, RequestOutput
+from bitserve.server.chat_tool_calls import StreamedToolCalls, message_with_tool_calls
 from bitserve.server.openai_format import OpenAIFormat
 from bitserve.server.pipeline import Generation, prepare, respond
 from bitserve.server.protocol import ChatCompletionRequest, finite_logprob, token_text
@@ -35,12 +36,20 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs]) -> dic
     return {"content": content}
 
 
+def _carries_something(choice: dict[str, Any]) -> bool:
+    return bool(choice["delta"] or choice["finish_reason"] or choice["logprobs"])
+
+
 class ChatFormat(OpenAIFormat):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, generation: Generation) -> None:
         super().__init__(generation)
         self.request: ChatCompletionRequest = generation.body
+        self.tools, choice = self.request.tool_setup()
+        self.reads_tool_calls = choice.mode != "none"
+        self.forced_tool_calls = choice.mode in ("required", "function")
+        self._streams: dict[int, StreamedToolCalls] = {}  # per choice index, while streaming
 
     def _logprobs(self, output: CompletionOutput) -> dict[str, Any] | None:
         return chat_logprobs(self.tokenizer, output.logprobs or ()) if self.request.logprobs else None
@@ -58,21 +67,38 @@ class ChatFormat(OpenAIFormat):
             for index in range(self.request.n)
         ]
 
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        # a tool-call reply's text may add nothing to a delta yet (held back, or between calls)
+        return [
+            chunk
+            for chunk in super().chunks(output)
+            if any(_carries_something(choice) for choice in chunk["choices"])
+        ]
+
     def choice_delta(self, delta: CompletionOutput) -> dict[str, Any]:
+        content, finish_reason = ({"content": delta.text} if delta.text else {}), delta.finish_reason
+        if self.reads_tool_calls:
+            stream = self._streams.get(delta.index)
+            if stream is None:
+                stream = self._streams[delta.index] = StreamedToolCalls(self.tools, self.forced_tool_calls)
+            content, finish_reason = stream.delta(delta.text, delta.finish_reason)
         return {
             "index": delta.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": content,
             "logprobs": self._logprobs(delta),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": delta.stop_reason,
         }
 
     def choice(self, output: CompletionOutput) -> dict[str, Any]:
+        message, finish_reason = {"role": "assistant", "content": output.text}, output.finish_reason
+        if self.reads_tool_calls:
+            message, finish_reason = message_with_tool_calls(output.text, output.finish_reason, self.tools)
         return {
             "index": output.index,
-            "message": {"role": "assistant", "content": output.text},
+            "message": message,
             "logprobs": self._logprobs(output),
-            "finish_reason": output.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": output.stop_reason,
         }
 

@@ -21,7 +21,7 @@ from bitserve.tokenizer.base import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # "tool": results of tool calls (structured/tools.py)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
