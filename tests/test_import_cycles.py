@@ -27,6 +27,7 @@ PACKAGES = (
     "server",
     "metrics",
     "tokenizer",
+    "structured",
     "cli",
 )
 

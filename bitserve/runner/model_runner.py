@@ -99,9 +99,7 @@ class ModelRunner:
             )
         return rows
 
-    def _constrainer(
-        self, requests: Sequence[ScheduledRequest]
-    ) -> Callable[[torch.Tensor], None] | None:
+    def _constrainer(self, requests: Sequence[ScheduledRequest]) -> Callable[[torch.Tensor], None] | None:
         """The grammar masks of this step's guided rows, or None when no row has a guide."""
         if self.guided is None or all(request.params.guide is None for request in requests):
             return None

@@ -156,20 +156,12 @@ def test_bad_values_get_400_naming_the_field(
 @pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"store": True}, "store"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content[0].type",
-        ),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
-            "messages[0]",
         ),
         ("/v1/completions", {"suffix": "tail"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
