@@ -87,6 +87,8 @@ FORBIDDEN_IMPORTS = {
     "layers": {"models", "runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
     "kernels": {"layers", "models", "runner", "engine", "frontend", "lifecycle", "server", "cli", "loader"},
     "loader": {"runner", "engine", "frontend", "lifecycle", "server", "cli"},
+    # structured output: guides (torch-free, for the server and SamplingParams) and the runner's masks
+    "structured": {"runner", "engine", "frontend", "lifecycle", "server", "cli"},
     "tokenizer": {
         "models",
         "layers",

@@ -149,7 +149,7 @@ async def _admit(
     prompt_ids = await encode_prompt(lease.instance, prompt)
     params = body.to_sampling_params()
     if params.guide is not None:  # a bad schema, regex or grammar is a 400 before admission
-        await asyncio.to_thread(lease.instance.grammars.compile, params.guide)
+        await asyncio.to_thread(lease.instance.grammars.validate, params.guide)
     # the caller's token budget pays the most this can use now; what it did not use comes back
     cost = token_cost(len(prompt_ids), params, lease.instance.max_model_len)
     settle = await charge_tokens(caller.security, cost)

@@ -14,6 +14,8 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from bitserve.errors import InvalidRequest
 from bitserve.structured.guide import Guide, GuideKind
 from bitserve.tokenizer.base import Tokenizer
@@ -107,6 +109,19 @@ class GrammarCompiler:
             vocab, xgrammar.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
         )
         return xgrammar.GrammarCompiler(info, max_threads=1)
+
+    def validate(self, guide: Guide) -> None:
+        """The server's check before admission: the guide compiles and its grammar allows some first
+        token (`root ::= root` compiles but matches nothing). InvalidRequest otherwise."""
+        matcher = self.matcher(guide)
+        bitmask = torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise InvalidRequest(
+                f"invalid {guide.param}: it matches no text at all",
+                param=guide.param,
+                hint=_HINTS[guide.kind],
+            )
 
     def matcher(self, guide: Guide) -> Any:
         """A fresh xgrammar.GrammarMatcher for `guide` (compiled, usually from the cache)."""

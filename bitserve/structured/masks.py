@@ -74,10 +74,13 @@ class GuidedRows:
                 )
                 state.matcher = None
             state.num_consumed += 1
-        if state.matcher is None or state.matcher.is_terminated():
-            bitmask[row] = self._stop_only_row()
-        else:
+        if state.matcher is not None and not state.matcher.is_terminated():
             state.matcher.fill_next_token_bitmask(bitmask, row)
+            if bitmask[row].any():
+                return
+            logger.warning("request %s: its grammar allows no token here; ending it", request.request_id)
+            state.matcher = None
+        bitmask[row] = self._stop_only_row()
 
     def _new_matcher(self, request: ScheduledRequest) -> Any:
         assert request.params.guide is not None

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.errors import InvalidRequest
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.sampling_params import SamplingParams
 from bitserve.structured.grammars import GrammarCompiler
@@ -77,3 +78,8 @@ def test_a_refused_token_ends_the_request_not_the_engine(
     assert allowed_ids(logits[0]) == tokenizer.eos_token_ids
     guided.free(["r", "c"])
     assert not math.isnan(logits[0].softmax(-1).sum().item())
+
+
+def test_a_grammar_that_matches_nothing_is_refused_before_admission(guided: GuidedRows) -> None:
+    with pytest.raises(InvalidRequest, match="matches no text"):
+        guided.compiler.validate(Guide(GuideKind.GRAMMAR, "root ::= root", "guided_grammar"))
