@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,21 +68,39 @@ def median_us(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e6, 1)
 
 
-def time_walk(
-    fill: Callable[[], None], advance: Callable[[int], None], tokens: list[int]
-) -> tuple[list[float], list[float]]:
-    fill_s, advance_s = [], []
-    for token in tokens:
+@dataclass
+class Engine:
+    """One grammar engine's calls, so both are timed by the same loop (`bench`)."""
+
+    name: str
+    compile: Callable[[str], Any]  # JSON schema text -> grammar (checked, ready for matchers)
+    new_matcher: Callable[[Any], Any]
+    fill: Callable[[Any], None]  # fill row 0 of the engine's bitmask
+    advance: Callable[[Any, int], bool]
+    apply: Callable[[], None]  # the whole bitmask onto [batch, vocab] logits
+
+
+def bench(engine: Engine, tokens: list[int], repeat: int, batch: int) -> list[dict]:
+    rows = []
+    for name, schema in GRAMMARS.items():
         start = time.perf_counter()
-        fill()
-        middle = time.perf_counter()
-        advance(token)
-        fill_s.append(middle - start)
-        advance_s.append(time.perf_counter() - middle)
-    return fill_s, advance_s
+        grammar = engine.compile(schema)
+        compile_s = time.perf_counter() - start
+        fill_s, advance_s = [], []
+        for _ in range(repeat):  # per token of each walk, a fresh matcher per walk
+            matcher = engine.new_matcher(grammar)
+            for token in tokens:
+                start = time.perf_counter()
+                engine.fill(matcher)
+                middle = time.perf_counter()
+                _check(engine.advance(matcher, token), token)
+                fill_s.append(middle - start)
+                advance_s.append(time.perf_counter() - middle)
+        rows.append(_row(engine.name, name, compile_s, fill_s, advance_s, _time_apply(engine.apply), batch))
+    return rows
 
 
-def bench_xgrammar(tokenizer: GGUFTokenizer, tokens: list[int], args: argparse.Namespace) -> list[dict]:
+def xgrammar_engine(tokenizer: GGUFTokenizer, batch: int) -> Engine:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo(
@@ -91,29 +110,19 @@ def bench_xgrammar(tokenizer: GGUFTokenizer, tokens: list[int], args: argparse.N
         stop_token_ids=sorted(tokenizer.eos_token_ids),
     )
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-    bitmask = xgr.allocate_token_bitmask(args.batch, tokenizer.vocab_size)
-    logits = torch.randn(args.batch, tokenizer.vocab_size)
-    rows = []
-    for name, schema in GRAMMARS.items():
-        start = time.perf_counter()
-        compiled = compiler.compile_json_schema(schema, any_whitespace=True, strict_mode=True)
-        compile_s = time.perf_counter() - start
-        fill_s, advance_s = [], []
-        for _ in range(args.repeat):
-            matcher = xgr.GrammarMatcher(compiled)
-            f, a = time_walk(
-                lambda matcher=matcher: matcher.fill_next_token_bitmask(bitmask, 0),
-                lambda token, matcher=matcher: _check(matcher.accept_token(token), token),
-                tokens,
-            )
-            fill_s += f
-            advance_s += a
-        apply_s = _time_apply(lambda: xgr.apply_token_bitmask_inplace(logits, bitmask))
-        rows.append(_row("xgrammar", name, compile_s, fill_s, advance_s, apply_s, args.batch))
-    return rows
+    bitmask = xgr.allocate_token_bitmask(batch, tokenizer.vocab_size)
+    logits = torch.randn(batch, tokenizer.vocab_size)
+    return Engine(
+        "xgrammar",
+        lambda schema: compiler.compile_json_schema(schema, any_whitespace=True, strict_mode=True),
+        xgr.GrammarMatcher,
+        lambda matcher: matcher.fill_next_token_bitmask(bitmask, 0),
+        lambda matcher, token: matcher.accept_token(token),
+        lambda: xgr.apply_token_bitmask_inplace(logits, bitmask),
+    )
 
 
-def bench_llguidance(tokenizer: GGUFTokenizer, tokens: list[int], args: argparse.Namespace) -> list[dict]:
+def llguidance_engine(tokenizer: GGUFTokenizer, batch: int) -> Engine:
     import llguidance
     import llguidance.torch as llg_torch
 
@@ -127,28 +136,23 @@ def bench_llguidance(tokenizer: GGUFTokenizer, tokens: list[int], args: argparse
             return tokenizer.encode(text.decode("utf-8", errors="replace"), add_special=False)
 
     ll_tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()))
-    bitmask = llg_torch.allocate_token_bitmask(args.batch, tokenizer.vocab_size)
-    logits = torch.randn(args.batch, tokenizer.vocab_size)
-    rows = []
-    for name, schema in GRAMMARS.items():
-        start = time.perf_counter()
+    bitmask = llg_torch.allocate_token_bitmask(batch, tokenizer.vocab_size)
+    logits = torch.randn(batch, tokenizer.vocab_size)
+
+    def compile_schema(schema: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
-        first = llguidance.LLMatcher(ll_tokenizer, grammar)
-        compile_s = time.perf_counter() - start
+        first = llguidance.LLMatcher(ll_tokenizer, grammar)  # builds the parser: part of the compile
         _check(not first.is_error(), first.get_error())
-        fill_s, advance_s = [], []
-        for _ in range(args.repeat):
-            matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
-            f, a = time_walk(
-                lambda matcher=matcher: llg_torch.fill_next_token_bitmask(matcher, bitmask, 0),
-                lambda token, matcher=matcher: _check(matcher.consume_token(token), token),
-                tokens,
-            )
-            fill_s += f
-            advance_s += a
-        apply_s = _time_apply(lambda: llg_torch.apply_token_bitmask_inplace(logits, bitmask))
-        rows.append(_row("llguidance", name, compile_s, fill_s, advance_s, apply_s, args.batch))
-    return rows
+        return grammar
+
+    return Engine(
+        "llguidance",
+        compile_schema,
+        lambda grammar: llguidance.LLMatcher(ll_tokenizer, grammar),
+        lambda matcher: llg_torch.fill_next_token_bitmask(matcher, bitmask, 0),
+        lambda matcher, token: matcher.consume_token(token),
+        lambda: llg_torch.apply_token_bitmask_inplace(logits, bitmask),
+    )
 
 
 def _check(ok: object, what: object) -> None:
@@ -192,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = tokenizer_from_gguf(read_gguf(resolve_model(args.model)).metadata)
     tokens = tokenizer.encode(DOCUMENT, add_special=False) + [tokenizer.eos_token_id]
-    benches = {"xgrammar": bench_xgrammar, "llguidance": bench_llguidance}
+    builders = {"xgrammar": xgrammar_engine, "llguidance": llguidance_engine}
     for engine in args.engines:
         try:
-            rows = benches[engine](tokenizer, tokens, args)
+            rows = bench(builders[engine](tokenizer, args.batch), tokens, args.repeat, args.batch)
         except ImportError as exc:
             rows = [{"engine": engine, "error": f"cannot import: {exc}"}]
         for row in rows:
