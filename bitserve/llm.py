@@ -72,6 +72,8 @@ class LLM:
             check_request(
                 ids, params, max_model_len=self.instance.max_model_len, vocab_size=tokenizer.vocab_size
             )
+        if params.guide is not None:  # InvalidRequest here, as the server's 400, not an ended request
+            self.instance.grammars.validate(params.guide)
         for ids in prompt_ids:
             parent_id = f"offline-{self._num_requests}"
             self._num_requests += 1
