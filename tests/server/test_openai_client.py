@@ -162,9 +162,7 @@ def test_logprobs_with_top_logprobs(client: openai.OpenAI) -> None:
             "model_not_found",
         ),
         (
-            lambda api: api.chat.completions.create(
-                model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]
-            ),
+            lambda api: api.chat.completions.create(model=MODEL, messages=MESSAGES, store=True),
             openai.BadRequestError,
             400,
             "unsupported_parameter",
