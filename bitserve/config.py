@@ -68,11 +68,15 @@ class ModelConfig:
     num_threads: int | None = field(
         default=None, metadata=_help("torch intra-op threads (default: all cores)")
     )
+    # default 0: with the int8 block kernels (q8 activations, up to 95 tokens) an f32 copy only serves
+    # prefill-sized steps, where it measured 0.94-1.29x dequantize + sgemm (512-token SmolLM2 prefill) for
+    # 540 MB of RSS (benchmarks/RESULTS.md); with f32 activations (from 8 tokens) it pays more
     max_dense_weight_bytes: int = field(
-        default=1024 * 1024 * 1024,
+        default=0,
         metadata=_help(
-            "f32 copies of Q4/Q8 block weights kept for batched steps (8+ tokens: prefill, many streams); "
-            "4 bytes per weight, faster GEMMs; 0 keeps only the packed blocks"
+            "f32 copies of Q4/Q8 block weights kept for batched steps too large for the packed kernels "
+            "(96+ tokens with q8 activations, 8+ with f32); 4 bytes per weight; 0 (default) keeps only the "
+            "packed blocks"
         ),
     )
 
