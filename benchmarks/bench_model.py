@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bitserve.engine.messages import EngineRequest  # noqa: E402
+from bitserve.kernels.select import cpu_kernel_choices  # noqa: E402
 from bitserve.llm import LLM  # noqa: E402
 from bitserve.loader.catalog import resolve_model  # noqa: E402
 from bitserve.sampling_params import SamplingParams  # noqa: E402
@@ -504,7 +505,16 @@ def machine_info() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "loadavg_start": os.getloadavg(),
+        "cpu_flags": _vector_flags(),
+        "cpu_kernels": cpu_kernel_choices(),  # the cpu backend's ISA variant and block activations here
     }
+
+
+def _vector_flags() -> list[str]:
+    """The /proc/cpuinfo flags that pick the kernels (avx2, fma, f16c, avx512*, avx_vnni)."""
+    with open("/proc/cpuinfo", encoding="ascii") as cpuinfo:
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    return sorted(f for f in flags if f in ("avx2", "fma", "f16c", "avx_vnni") or f.startswith("avx512"))
 
 
 def print_pair(title: str, results: dict[str, Any]) -> None:
@@ -534,6 +544,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"torch {info['torch']}, OMP_WAIT_POLICY={info['omp_wait_policy']}, "
         f"load average {info['loadavg_start']} -> {info.get('loadavg_end')}"
     )
+    print(f"CPU flags: {' '.join(info['cpu_flags'])}; cpu kernels: {info['cpu_kernels']}")
     section = report.get("2b_i2s")
     if section:
         print(f"\n2B-4T-shaped I2_S ({section['file']}, {section['file_bytes'] / 1e9:.2f} GB)")
