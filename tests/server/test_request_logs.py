@@ -32,16 +32,20 @@ def json_log() -> Iterator[io.StringIO]:
     handler.addFilter(RequestIdFilter())
     handler.addFilter(RedactionFilter())
     root, access = logging.getLogger(), logging.getLogger("uvicorn.access")
-    level, propagate = root.level, access.propagate
+    saved = (root.level, access.propagate, access.level, access.disabled)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
-    access.propagate = True  # as configure_logging sets it (a server started with access_log=False unsets it)
+    # as configure_logging sets it: servers started earlier in the session (uvicorn's dictConfig, or
+    # access_log=False) may have stopped its propagation, raised its level or disabled it
+    access.propagate, access.disabled = True, False
+    access.setLevel(logging.INFO)
     try:
         yield output
     finally:
         root.removeHandler(handler)
-        root.setLevel(level)
-        access.propagate = propagate
+        root.setLevel(saved[0])
+        access.propagate, access.disabled = saved[1], saved[3]
+        access.setLevel(saved[2])
 
 
 def request_lines(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
