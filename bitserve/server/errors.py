@@ -31,11 +31,13 @@ from bitserve.errors import (
     ModelLoadError,
     ModelNotFound,
     ModelUnavailable,
+    NotFound,
     PayloadTooLarge,
     QueueFull,
     RateLimited,
     RequestFailed,
     ServerShuttingDown,
+    ServiceUnavailable,
     Unauthenticated,
 )
 
@@ -87,6 +89,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     ),
     (Forbidden, ErrorSpec(403, "permission_error", "forbidden")),
     (ModelNotFound, ErrorSpec(404, "invalid_request_error", "model_not_found")),
+    (NotFound, ErrorSpec(404, "invalid_request_error", "not_found")),
     (Conflict, ErrorSpec(409, "invalid_request_error", "conflict")),
     (RateLimited, ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded", has_retry_after=True)),
     (QueueFull, ErrorSpec(429, "rate_limit_error", "queue_full", has_retry_after=True)),
@@ -96,6 +99,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     ),
     (ServerShuttingDown, ErrorSpec(503, "service_unavailable", "server_shutting_down", has_retry_after=True)),
     (ModelUnavailable, ErrorSpec(503, "service_unavailable", "model_unavailable", has_retry_after=True)),
+    (ServiceUnavailable, ErrorSpec(503, "service_unavailable", "service_unavailable")),
     (EngineDead, ErrorSpec(503, "server_error", "engine_dead", has_retry_after=True)),
     (RequestFailed, ErrorSpec(500, "server_error", "request_failed")),
     # the client's own deadline passed (request `timeout` / X-Request-Timeout): a gateway timeout
