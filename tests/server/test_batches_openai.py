@@ -4,8 +4,10 @@ with pagination, cancel, failures in the error file, delete."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from batch_testing import MODEL, chat_line, file_lines, jsonl, wait_final
@@ -114,21 +116,29 @@ def test_list_pages_newest_first(client: openai.OpenAI) -> None:
         wait_final(client, batch_id)
 
 
-def test_cancel_keeps_every_request_once(client: openai.OpenAI) -> None:
-    lines = [chat_line(f"r{index}", "Tell me about rivers.", max_tokens=8) for index in range(12)]
+def test_cancel_aborts_running_requests_and_keeps_every_request_once(
+    client: openai.OpenAI, blackbox: ServerProcess
+) -> None:
+    lines = [chat_line(f"r{index}", "Tell me about rivers.", max_tokens=400) for index in range(12)]
+    for line in lines:
+        line["body"]["ignore_eos"] = True  # long enough to be running when the cancel lands
     created = client.batches.create(
         input_file_id=upload(client, jsonl(lines)), endpoint="/v1/chat/completions", completion_window="24h"
     )
+    while client.batches.retrieve(created.id).status == "validating":
+        time.sleep(0.05)
     cancelling = client.batches.cancel(created.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
-    batch = wait_final(client, created.id)
+    batch = wait_final(client, created.id, timeout_s=30)
     assert batch.status == "cancelled" and batch.cancelled_at
+    # the running requests were aborted, not left to finish
+    assert httpx.get(f"{blackbox.url}/v1/stats").json()["requests"]["num_active"] == 0
     output, errors = file_lines(client, batch.output_file_id), file_lines(client, batch.error_file_id)
     assert set(output) | set(errors) == {f"r{index}" for index in range(12)} and not set(output) & set(errors)
     assert batch.request_counts.completed == len(output) < 12
     assert {line["error"]["code"] for line in errors.values()} == {"batch_cancelled"}
     finished = client.batches.create(
-        input_file_id=upload(client, jsonl(lines[:1])),
+        input_file_id=upload(client, jsonl([chat_line("short", "Hi", max_tokens=2)])),
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )

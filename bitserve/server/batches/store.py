@@ -327,14 +327,6 @@ class BatchStore:
                 (attempts, next_attempt_at, request.batch_id, request.line),
             )
 
-    def num_open_requests(self, batch_id: str) -> int:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT count(*) FROM batch_requests WHERE batch_id = ? AND status IN ('pending', 'running')",
-                (batch_id,),
-            ).fetchone()
-        return int(row[0])
-
     def finalize(self, batch: BatchRecord, status: str, now: int) -> None:
         """One transaction: the output and error files from the requests' committed results (read in
         it, so a result committed a moment before is in them and none can land after), the unfinished
