@@ -19,6 +19,7 @@ from bitserve.errors import InvalidRequest, NotFound
 from bitserve.server.batches.input_file import parse_input_file
 from bitserve.server.batches.records import FileRecord
 from bitserve.server.batches.service import BatchService
+from bitserve.server.batches.store import BatchStore
 from bitserve.server.body import parse_request
 from bitserve.server.protocol import StrictModel
 from bitserve.server.security.principal import Principal, check_model_access
@@ -61,9 +62,14 @@ class FileUploadForm(StrictModel):
 
 
 def _service(request: Request) -> BatchService:
+    """The app's Batch API; ServiceUnavailable (503 saying why) when it is off."""
     service: BatchService = get_state(request).batches
     service.require_store()
     return service
+
+
+def _store(request: Request) -> BatchStore:
+    return _service(request).require_store()
 
 
 def _owner(request: Request) -> Principal:
@@ -77,7 +83,7 @@ def _checked_id(value: str, what: str) -> str:
 
 
 async def _owned_file(request: Request, file_id: str) -> FileRecord:
-    store = _service(request).require_store()
+    store = _store(request)
     record = await asyncio.to_thread(store.get_file, _checked_id(file_id, "file"), _owner(request).name)
     if record is None:
         raise NotFound(f"no file {file_id!r}", param="file_id")
@@ -117,13 +123,13 @@ async def get_file(request: Request, file_id: str) -> Response:
 
 async def get_file_content(request: Request, file_id: str) -> Response:
     record = await _owned_file(request, file_id)
-    content = await asyncio.to_thread(_service(request).require_store().read_file, record.id)
+    content = await asyncio.to_thread(_store(request).read_file, record.id)
     return Response(content, media_type=JSONL_MEDIA_TYPE)
 
 
 async def delete_file(request: Request, file_id: str) -> Response:
     record = await _owned_file(request, file_id)
-    await asyncio.to_thread(_service(request).require_store().delete_file, record.id, record.owner)
+    await asyncio.to_thread(_store(request).delete_file, record.id, record.owner)
     return JSONResponse({"id": record.id, "object": "file", "deleted": True})
 
 
@@ -152,7 +158,7 @@ async def create_batch(request: Request) -> Response:
 
 
 async def get_batch(request: Request, batch_id: str) -> Response:
-    store = _service(request).require_store()
+    store = _store(request)
     batch = await asyncio.to_thread(store.get_batch, _checked_id(batch_id, "batch"), _owner(request).name)
     if batch is None:
         raise NotFound(f"no batch {batch_id!r}", param="batch_id")
@@ -168,7 +174,7 @@ def _list_limit(value: str | None) -> int:
 
 
 async def list_batches(request: Request) -> Response:
-    store = _service(request).require_store()
+    store = _store(request)
     limit = _list_limit(request.query_params.get("limit"))
     after = request.query_params.get("after")
     if after is not None and len(after) > MAX_ID_CHARS:

@@ -4,7 +4,6 @@ a `body` the endpoint's own request model accepts (so a batch never fails for a 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -102,9 +101,3 @@ def parse_input_file(
     if not lines:
         raise InvalidRequest("the file has no requests", param="file", hint="one JSON request per line")
     return lines
-
-
-def dump_line(line: BatchLine) -> bytes:
-    """The JSONL line of one request, as a client would write it."""
-    record = {"custom_id": line.custom_id, "method": "POST", "url": line.url, "body": line.body}
-    return json.dumps(record, separators=(",", ":")).encode()

@@ -7,9 +7,9 @@ import sqlite3
 from dataclasses import dataclass, fields
 from typing import Any
 
-# A batch's statuses (OpenAI's): open ones are the worker's to move on, the rest are final.
+# A batch's statuses (OpenAI's): open ones are the worker's to move on; completed, failed, expired
+# and cancelled are final.
 OPEN_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
 CANCELLABLE_STATUSES = ("validating", "in_progress")
 # When a batch entered each status (a column per status that has one).
 STATUS_TIMES = {
