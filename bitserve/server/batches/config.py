@@ -52,8 +52,11 @@ class BatchConfig:
         metadata=_help("largest batch input file (POST /v1/files); larger gets 413"),
     )
     batch_max_lines: int = field(default=50_000, metadata=_help("most requests in one batch input file"))
+    # NOTE: running batch requests share every engine step with interactive ones (low priority only
+    # decides admission), so this caps what a batch costs them: measured on 2 vCPUs, SmolLM2, interactive
+    # latency x2.4 at 2 and x7 at 8 (benchmarks/RESULTS.md). Raise it for throughput on a bigger machine.
     batch_concurrency: int = field(
-        default=8, metadata=_help("batch requests the worker runs at once (all batches together)")
+        default=2, metadata=_help("batch requests the worker runs at once (all batches together)")
     )
     batch_max_attempts: int = field(
         default=5,
