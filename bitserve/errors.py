@@ -71,6 +71,14 @@ class ModelNotFound(BitserveError):
     """The named model is not known to the catalog or the model roots."""
 
 
+class NotFound(BitserveError):
+    """The caller has no resource of that id (a batch, a file): missing, or another caller's."""
+
+
+class ServiceUnavailable(BitserveError):
+    """A part of the server is off or could not start (e.g. the Batch API without its database)."""
+
+
 class ModelUnavailable(BitserveError):
     """The model exists but cannot serve now (loading, draining, missing weights file)."""
 

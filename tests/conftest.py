@@ -20,6 +20,14 @@ if os.environ.get("CI"):
 SMOLLM2_ENTRY = CATALOG[DEFAULT_MODEL]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def server_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Servers the tests start keep their data (the batch database) in a temp dir, not under $HOME."""
+    path = tmp_path_factory.mktemp("server-data")
+    os.environ["BITSERVE_DATA_DIR"] = str(path)
+    return path
+
+
 def _patch_triton_interpreter() -> None:
     """Triton 3.6's interpreter turns a loop bound into an int with int(array of shape [1]), which
     NumPy >= 2.4 refuses; give its tensors an __index__ that takes the one element. Only when

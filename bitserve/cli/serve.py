@@ -130,7 +130,9 @@ def serve(settings: Settings) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, settings.engine, on_fatal=on_fatal, security=settings.security)
+    app = build_app(
+        config, settings.engine, on_fatal=on_fatal, security=settings.security, batch=settings.batch
+    )
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,

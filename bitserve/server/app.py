@@ -23,16 +23,21 @@ from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.model_files import ModelFiles, default_alias
 from bitserve.log import REQUEST_ID
 from bitserve.metrics.prometheus import PrometheusStatsSink
+from bitserve.server.batches.config import BatchConfig
+from bitserve.server.batches.service import BatchService
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
 from bitserve.server.protocol import valid_request_id
-from bitserve.server.routes import register_routes
+from bitserve.server.routes import batch_endpoints, register_routes
 from bitserve.server.security.config import SecurityConfig
 from bitserve.server.security.install import install_security
 from bitserve.server.state import AppState, read_build_info
 from bitserve.server.tracing import TRACER_NAME, TracingMiddleware, build_tracer_provider, otlp_endpoint
 
 logger = logging.getLogger(__name__)
+
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # a batch file's multipart framing and form fields
+UPLOAD_PATH = "/v1/files"
 
 
 class RequestContextMiddleware:
@@ -118,6 +123,7 @@ def build_app(
     on_fatal: Callable[[], None] | None = None,
     security: SecurityConfig | None = None,
     tracer_provider: Any | None = None,
+    batch: BatchConfig | None = None,
 ) -> FastAPI:
     """The bitserve ASGI app. With `instance` (tests), serve that already-loaded model (the caller
     closes it), or a mapping of device -> instance as the replicas of one model; otherwise load
@@ -125,7 +131,9 @@ def build_app(
     warm. `on_fatal` runs if the model cannot be loaded. More models
     come and go through the admin routes (ModelManager). `security`: keys, JWT, limits, CORS / IP rules
     and the audit log (default: none, which serves only on a loopback address). `tracer_provider`: an
-    OpenTelemetry TracerProvider (tests); by default one is built when an OTLP endpoint is configured."""
+    OpenTelemetry TracerProvider (tests); by default one is built when an OTLP endpoint is configured.
+    `batch`: the Batch API's database and worker settings (default: the Batch API is off, its routes
+    answer 503; `bitserve serve` always passes one)."""
     server_config = server_config or ServerConfig()
     state = build_state(server_config, engine_config or EngineConfig())
     endpoint = otlp_endpoint(server_config.otel_endpoint)
@@ -134,6 +142,7 @@ def build_app(
         logger.info("OpenTelemetry tracing to %s", endpoint)
     if tracer_provider is not None:
         state.tracer = tracer_provider.get_tracer(TRACER_NAME)
+    state.batches = BatchService(batch, batch_endpoints(), server_config.max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -144,9 +153,11 @@ def build_app(
             state.is_starting = False
         else:
             load_task = asyncio.create_task(_load_startup_model(state, on_fatal))
+        await state.batches.start(app, is_ready=lambda: state.phase == "ready")
         try:
             yield
         finally:
+            await state.batches.stop()  # before the engines: unfinished batch requests run again next start
             if load_task is not None:
                 load_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -168,6 +179,7 @@ def build_app(
         body_read_timeout_s=server_config.body_read_timeout_s,
         max_header_bytes=server_config.max_header_bytes,
         on_error=state.stats.record_http_error,
+        path_limits={UPLOAD_PATH: batch.batch_max_file_bytes + MULTIPART_OVERHEAD_BYTES} if batch else None,
     )
     guard = install_security(
         app,

@@ -31,11 +31,13 @@ from bitserve.errors import (
     ModelLoadError,
     ModelNotFound,
     ModelUnavailable,
+    NotFound,
     PayloadTooLarge,
     QueueFull,
     RateLimited,
     RequestFailed,
     ServerShuttingDown,
+    ServiceUnavailable,
     Unauthenticated,
 )
 
@@ -87,6 +89,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     ),
     (Forbidden, ErrorSpec(403, "permission_error", "forbidden")),
     (ModelNotFound, ErrorSpec(404, "invalid_request_error", "model_not_found")),
+    (NotFound, ErrorSpec(404, "invalid_request_error", "not_found")),
     (Conflict, ErrorSpec(409, "invalid_request_error", "conflict")),
     (RateLimited, ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded", has_retry_after=True)),
     (QueueFull, ErrorSpec(429, "rate_limit_error", "queue_full", has_retry_after=True)),
@@ -96,6 +99,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     ),
     (ServerShuttingDown, ErrorSpec(503, "service_unavailable", "server_shutting_down", has_retry_after=True)),
     (ModelUnavailable, ErrorSpec(503, "service_unavailable", "model_unavailable", has_retry_after=True)),
+    (ServiceUnavailable, ErrorSpec(503, "service_unavailable", "service_unavailable")),
     (EngineDead, ErrorSpec(503, "server_error", "engine_dead", has_retry_after=True)),
     (RequestFailed, ErrorSpec(500, "server_error", "request_failed")),
     # the client's own deadline passed (request `timeout` / X-Request-Timeout): a gateway timeout
@@ -200,6 +204,18 @@ def invalid_request_from_errors(errors: list[Any]) -> InvalidRequest:
     return InvalidRequest(text, param=param)
 
 
+def allowed_methods(request: Request) -> str:
+    """`Allow` for the request's path: the methods of every route with the path template of the first
+    route that matches it (a template like /v1/files/{file_id} is served by one route per method)."""
+    routes = [route for route in request.app.router.routes if getattr(route, "path_regex", None)]
+    template = next((route.path for route in routes if route.path_regex.match(request.url.path)), None)
+    methods: set[str] = set()
+    for route in routes:
+        if route.path == template:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(
     app: FastAPI, retry_after_s: Callable[[], float | None], on_error: Callable[[int, str], None]
 ) -> None:
@@ -235,8 +251,10 @@ def install_error_handlers(
         message = (
             f"no route for {request.method} {request.url.path[:200]}" if status in (404, 405) else str(detail)
         )
-        # a 405 keeps Starlette's `Allow` header (RFC 9110 requires it)
+        # a 405 names every method the path has (RFC 9110): Starlette's names only its first route's
         headers = exc.headers if isinstance(exc, StarletteHTTPException) else None
+        if status == 405:
+            headers = {**(headers or {}), "Allow": allowed_methods(request)}
         return respond(BitserveError(message, hint="see GET /docs for the routes"), spec, headers)
 
     app.add_exception_handler(BitserveError, on_bitserve_error)

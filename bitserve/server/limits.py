@@ -52,10 +52,12 @@ class BodyLimitMiddleware:
         body_read_timeout_s: float,
         max_header_bytes: int,
         on_error: Callable[[int, str], None] | None = None,
+        path_limits: dict[str, int] | None = None,
     ) -> None:
         self.app = app
         self.on_error = on_error
         self.max_body_bytes = max_body_bytes
+        self.path_limits = path_limits or {}  # exact path -> its own body limit (batch file uploads)
         self.body_read_timeout_s = body_read_timeout_s
         self.max_header_bytes = max_header_bytes
 
@@ -63,9 +65,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_body_bytes = self.path_limits.get(scope.get("path", ""), self.max_body_bytes)
         try:
-            self._check_headers(scope)
-            body, disconnected = await self._read_body(receive)
+            self._check_headers(scope, max_body_bytes)
+            body, disconnected = await self._read_body(receive, max_body_bytes)
         except (PayloadTooLarge, RequestTimeout, InvalidRequest, HeadersTooLarge) as exc:
             logger.warning("request refused before the app: %s", exc.message)
             if self.on_error is not None:
@@ -77,7 +80,7 @@ class BodyLimitMiddleware:
             return  # the client left while sending; nobody to answer
         await self.app(scope, _replay(body, receive), send)
 
-    def _check_headers(self, scope: Scope) -> None:
+    def _check_headers(self, scope: Scope, max_body_bytes: int) -> None:
         num_bytes = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
         num_bytes += sum(len(name) + len(value) + 4 for name, value in scope["headers"])  # ": " and CRLF
         if num_bytes > self.max_header_bytes:
@@ -90,14 +93,13 @@ class BodyLimitMiddleware:
                 continue
             if not value.isdigit() or len(value) > 18:
                 raise InvalidRequest("the Content-Length header is not a valid length")
-            if int(value) > self.max_body_bytes:
+            if int(value) > max_body_bytes:
                 raise PayloadTooLarge(
-                    f"the request body of {int(value)} bytes "
-                    f"exceeds the limit of {self.max_body_bytes} bytes",
+                    f"the request body of {int(value)} bytes exceeds the limit of {max_body_bytes} bytes",
                     hint="send a smaller request",
                 )
 
-    async def _read_body(self, receive: Receive) -> tuple[bytes, bool]:
+    async def _read_body(self, receive: Receive, max_body_bytes: int) -> tuple[bytes, bool]:
         """(body, client disconnected). Raises PayloadTooLarge / RequestTimeout."""
         chunks: list[bytes] = []
         num_bytes = 0
@@ -115,9 +117,9 @@ class BodyLimitMiddleware:
                 return b"", True
             chunk = message.get("body", b"")
             num_bytes += len(chunk)
-            if num_bytes > self.max_body_bytes:
+            if num_bytes > max_body_bytes:
                 raise PayloadTooLarge(
-                    f"the request body exceeds the limit of {self.max_body_bytes} bytes",
+                    f"the request body exceeds the limit of {max_body_bytes} bytes",
                     hint="send a smaller request",
                 )
             chunks.append(chunk)

@@ -186,6 +186,11 @@ async def respond(
         result = await until_disconnect(request.receive, generation.stream.collect())
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_STATUS)
+    finally:
+        # NOTE: collect() closes the stream itself, but a collect cancelled before its first step (a
+        # batch request stopped the moment it was admitted) never runs: close here too (idempotent),
+        # or the engine would go on generating for nobody.
+        generation.stream.close()
     num_prompt_tokens = generation.stream.num_prompt_tokens  # summed over a batch's prompts
     usage = usage_payload(num_prompt_tokens, result.num_output_tokens, result.num_cached_tokens)
     return JSONResponse(response_format.body(result, usage), headers=headers)

@@ -19,12 +19,14 @@ from bitserve.server import (
     health,
     playground,
     serving_admin,
+    serving_batches,
     serving_chat,
     serving_completions,
     serving_embeddings,
     serving_native,
     websocket,
 )
+from bitserve.server.batches.executor import Endpoint
 from bitserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +51,7 @@ class Route:
     # the path parameter naming a model alias: a key limited to some models may only name those
     model_param: str | None = None
     in_schema: bool = True  # described in /openapi.json (the playground's page and files are not API)
+    media_type: str = "application/json"  # of `body`
 
 
 ROUTES: tuple[Route, ...] = (
@@ -72,6 +75,24 @@ ROUTES: tuple[Route, ...] = (
     Route(WEBSOCKET, "/v1/ws", websocket.serve_socket, "inference"),
     Route("POST", "/tokenize", serving_native.tokenize, "inference", TokenizeRequest),
     Route("POST", "/detokenize", serving_native.detokenize, "inference", DetokenizeRequest),
+    # The Batch API: the same scope as the requests a batch runs; files and batches belong to their creator.
+    Route(
+        "POST",
+        "/v1/files",
+        serving_batches.create_file,
+        "inference",
+        serving_batches.FileUploadForm,
+        media_type="multipart/form-data",
+    ),
+    Route("GET", "/v1/files/{file_id}", serving_batches.get_file, "inference"),
+    Route("DELETE", "/v1/files/{file_id}", serving_batches.delete_file, "inference"),
+    Route("GET", "/v1/files/{file_id}/content", serving_batches.get_file_content, "inference"),
+    Route(
+        "POST", "/v1/batches", serving_batches.create_batch, "inference", serving_batches.CreateBatchRequest
+    ),
+    Route("GET", "/v1/batches", serving_batches.list_batches, "inference"),
+    Route("GET", "/v1/batches/{batch_id}", serving_batches.get_batch, "inference"),
+    Route("POST", "/v1/batches/{batch_id}/cancel", serving_batches.cancel_batch, "inference"),
     Route("GET", "/v1/models", serving_admin.list_models, "models:read"),
     # Admin: one scope, so one auth policy covers every action that changes what is served.
     Route("GET", "/v1/models/operations/{operation_id}", serving_admin.get_operation, "models:admin"),
@@ -115,6 +136,17 @@ FRAMEWORK_ROUTE_SCOPES: dict[str, Scope] = {
     "/docs/oauth2-redirect": "public",
     "/redoc": "public",
 }
+
+
+def batch_endpoints() -> dict[str, Endpoint]:
+    """The routes a batch line may name (url -> handler and body model), from this table."""
+    table = {route.path: route for route in ROUTES if route.method == "POST"}
+    endpoints = {}
+    for url in serving_batches.BATCH_URLS:
+        body = table[url].body
+        assert body is not None, url
+        endpoints[url] = Endpoint(table[url].handler, body)
+    return endpoints
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +208,7 @@ TEXT_BODIES = {
     "/v1/chat/completions": "text/event-stream",
     "/v1/completions": "text/event-stream",
     "/v1/inference/stream": "text/event-stream",
+    "/v1/files/{file_id}/content": serving_batches.JSONL_MEDIA_TYPE,
 }
 
 
@@ -207,7 +240,7 @@ def register_routes(app: FastAPI) -> None:
         if route.body is not None:
             schema, nested = _body_schema(route.body)
             definitions.update(nested)
-            extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+            extra = {"requestBody": {"required": True, "content": {route.media_type: {"schema": schema}}}}
         app.add_api_route(
             route.path,
             route.handler,

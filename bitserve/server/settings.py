@@ -27,6 +27,7 @@ from typing import Any, Optional
 from bitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from bitserve.engine.devices import parse_devices
 from bitserve.errors import InvalidRequest
+from bitserve.server.batches.config import BatchConfig
 from bitserve.server.security.config import SecurityConfig
 
 if typing.TYPE_CHECKING:
@@ -47,6 +48,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("engine", EngineConfig),
     ("server", ServerConfig),
     ("security", SecurityConfig),
+    ("batch", BatchConfig),
 )
 _NESTED_ENGINE_FIELDS = ("model", "cache", "scheduler")
 
@@ -65,6 +67,7 @@ class Settings:
     server: ServerConfig
     sources: dict[str, str]  # setting name -> "cli" | "env" | "toml" for every value that was set
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
 
 
 def _scalar_type(annotation: Any) -> type[Any]:
@@ -190,7 +193,9 @@ def load_settings(
     for source, values in layers:
         merged.update(values)
         sources.update(dict.fromkeys(values, source))
-    return Settings(*build_configs(merged), sources=sources, security=build_security(merged))
+    return Settings(
+        *build_configs(merged), sources=sources, security=build_security(merged), batch=build_batch(merged)
+    )
 
 
 def _section_values(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -206,11 +211,20 @@ def _section_values(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return kwargs
 
 
-def build_security(values: Mapping[str, Any]) -> SecurityConfig:
+def _build_section(values: Mapping[str, Any], section: str) -> Any:
+    """One flat section's dataclass (security, batch) from set values; its checks become InvalidRequest."""
     try:
-        return SecurityConfig(**_section_values(values)["security"])
+        return dict(SECTIONS)[section](**_section_values(values)[section])
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"invalid settings: {exc}") from None
+
+
+def build_security(values: Mapping[str, Any]) -> SecurityConfig:
+    return typing.cast(SecurityConfig, _build_section(values, "security"))
+
+
+def build_batch(values: Mapping[str, Any]) -> BatchConfig:
+    return typing.cast(BatchConfig, _build_section(values, "batch"))
 
 
 def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig]:

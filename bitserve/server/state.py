@@ -23,6 +23,7 @@ from bitserve.errors import ModelUnavailable, ServerShuttingDown
 from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.slot import Lease, ModelSlot
 from bitserve.metrics.stats import StatsSink
+from bitserve.server.batches.service import BatchService
 from bitserve.server.security.principal import check_model_access
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class AppState:
     is_draining: bool = False
     started_at: float = field(default_factory=time.time)
     tracer: Any = None  # an OpenTelemetry tracer when tracing is on (server/tracing.py)
+    batches: BatchService = field(default_factory=lambda: BatchService(None, {}, 0))  # the Batch API
 
     @property
     def phase(self) -> str:

@@ -67,7 +67,12 @@ class ServerProcess:
             cwd=REPO_ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            # each server its own batch database (the Batch API's file lock allows one process per file)
+            env={
+                **os.environ,
+                "BITSERVE_BATCH_DB": str(log_path.with_suffix(".batches.sqlite3")),
+                **(env or {}),
+            },
         )
 
     def log_tail(self, num_chars: int = 4000) -> str:

@@ -1,0 +1,284 @@
+"""The batch worker and store as a unit, over a real SQLite database: retries with backoff and the
+dead letter, expiry, cancel, resuming after a process dies mid-batch (exactly once), migrations, the
+one-process lock, and upload validation. Only the executor is faked (scripted HTTP outcomes), to
+isolate the worker from the model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from bitserve.errors import Conflict, InvalidRequest, PayloadTooLarge, QueueFull
+from bitserve.server.batches.config import BatchConfig
+from bitserve.server.batches.executor import Endpoint, InProcessExecutor, Outcome
+from bitserve.server.batches.input_file import InputLimits, parse_input_file
+from bitserve.server.batches.migrations import LATEST_VERSION
+from bitserve.server.batches.store import BatchStore, DatabaseInUse
+from bitserve.server.batches.worker import BatchWorker
+from bitserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+URL = "/v1/completions"
+BODY_MODELS = {URL: CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+LIMITS = InputLimits(max_file_bytes=1 << 20, max_lines=100, max_body_bytes=4096)
+FINAL = ("completed", "failed", "expired", "cancelled")
+BLOCK = -1  # a scripted status: wait until cancelled
+
+
+def jsonl(prompts: list[str], url: str = URL) -> bytes:
+    lines = [
+        {"custom_id": prompt, "method": "POST", "url": url, "body": {"prompt": prompt, "max_tokens": 4}}
+        for prompt in prompts
+    ]
+    return "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
+
+
+class ScriptedExecutor:
+    """Answers each prompt with its scripted statuses in turn (then 200); BLOCK waits to be cancelled."""
+
+    def __init__(self, script: dict[str, list[int]] | None = None) -> None:
+        self.script = {prompt: list(statuses) for prompt, statuses in (script or {}).items()}
+        self.calls: Counter[str] = Counter()
+        self.cancelled: Counter[str] = Counter()
+
+    async def __call__(self, url: str, body: dict[str, Any]) -> Outcome:
+        prompt = body["prompt"]
+        self.calls[prompt] += 1
+        statuses = self.script.get(prompt) or [200]
+        status = statuses.pop(0) if len(statuses) > 1 else statuses[0]
+        if status == BLOCK:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled[prompt] += 1
+                raise
+        body_out = {"text": prompt.upper()} if status == 200 else {"error": {"code": str(status)}}
+        return Outcome(status, body_out, f"req-{prompt}-{self.calls[prompt]}")
+
+
+def make_worker(
+    store: BatchStore,
+    executor: ScriptedExecutor,
+    clock: Callable[[], float] | None = None,
+    is_ready: bool = True,
+    **config: Any,
+) -> BatchWorker:
+    settings = {"batch_max_attempts": 3, "batch_retry_base_s": 0.01, "batch_retry_max_s": 0.02, **config}
+    extra = {"clock": clock} if clock is not None else {}
+    return BatchWorker(
+        store, executor, BatchConfig(**settings), BODY_MODELS, LIMITS, is_ready=lambda: is_ready, **extra
+    )
+
+
+def submit(store: BatchStore, content: bytes, *, expires_at: float = 1e12, endpoint: str = URL) -> str:
+    record = store.add_file("alice", "batch", "in.jsonl", content, 1)
+    return store.create_batch("alice", endpoint, record.id, "24h", None, 1, expires_at).id
+
+
+async def run_until(
+    worker: BatchWorker, store: BatchStore, batch_id: str, done: Callable[[Any], bool]
+) -> Any:
+    for _ in range(2000):
+        await worker.step()
+        batch = store.get_batch(batch_id)
+        if done(batch):
+            return batch
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"batch stuck: {store.get_batch(batch_id)}")
+
+
+def lines_of(store: BatchStore, file_id: str | None) -> dict[str, dict[str, Any]]:
+    if file_id is None:
+        return {}
+    records = [json.loads(line) for line in store.read_file(file_id).decode().splitlines()]
+    by_id = {record["custom_id"]: record for record in records}
+    assert len(by_id) == len(records), "a custom_id appears twice"
+    return by_id
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> BatchStore:
+    opened = BatchStore(tmp_path / "batches.sqlite3")
+    yield opened
+    opened.close()
+
+
+def test_retries_with_backoff_then_dead_letter(store: BatchStore) -> None:
+    executor = ScriptedExecutor(
+        {"a": [503, 503, 200], "b": [503], "c": [400], "d": [429, 200], "e": [500, 200]}
+    )
+    worker = make_worker(store, executor)
+    batch_id = submit(store, jsonl(["a", "b", "c", "d", "e"]))
+    batch = asyncio.run(run_until(worker, store, batch_id, lambda b: b.status in FINAL))
+    assert batch.status == "completed"
+    assert batch.to_object()["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    # b kept failing: dead-lettered after batch_max_attempts; c's 400 is not retryable
+    assert executor.calls == {"a": 3, "b": 3, "c": 1, "d": 2, "e": 2}
+    output, errors = lines_of(store, batch.output_file_id), lines_of(store, batch.error_file_id)
+    assert set(output) == {"a", "d", "e"} and set(errors) == {"b", "c"}
+    assert output["a"]["response"] == {"status_code": 200, "request_id": "req-a-3", "body": {"text": "A"}}
+    assert output["a"]["error"] is None and output["a"]["id"].startswith("batch_req_")
+    assert errors["b"]["response"]["status_code"] == 503 and errors["c"]["response"]["status_code"] == 400
+    assert batch.finalizing_at is not None and batch.completed_at is not None
+
+
+def test_expiry_stops_what_is_unfinished(store: BatchStore) -> None:
+    now = [1000.0]
+    executor = ScriptedExecutor({"slow1": [BLOCK], "slow2": [BLOCK]})
+    worker = make_worker(store, executor, clock=lambda: now[0])
+    batch_id = submit(store, jsonl(["fast", "slow1", "slow2"]), expires_at=1100.0)
+
+    async def scenario() -> Any:
+        await run_until(worker, store, batch_id, lambda b: b.num_completed == 1 and worker.num_running == 2)
+        now[0] = 1100.0  # the completion window ends
+        return await run_until(worker, store, batch_id, lambda b: b.status in FINAL)
+
+    batch = asyncio.run(scenario())
+    assert batch.status == "expired" and batch.expired_at == 1100 and batch.completed_at is None
+    assert executor.cancelled == {"slow1": 1, "slow2": 1}  # the running requests were aborted
+    assert set(lines_of(store, batch.output_file_id)) == {"fast"}
+    errors = lines_of(store, batch.error_file_id)
+    assert {line["error"]["code"] for line in errors.values()} == {"batch_expired"}
+    assert set(errors) == {"slow1", "slow2"} and errors["slow1"]["response"] is None
+
+
+def test_cancel_stops_the_batch_and_keeps_what_finished(store: BatchStore) -> None:
+    executor = ScriptedExecutor({"slow": [BLOCK]})
+    worker = make_worker(store, executor, batch_concurrency=2)
+    batch_id = submit(store, jsonl(["fast", "slow", "never1", "never2"]))
+
+    async def scenario() -> Any:
+        await run_until(
+            worker, store, batch_id, lambda b: b.num_completed >= 1 and executor.calls["slow"] == 1
+        )
+        cancelling = store.cancel_batch(batch_id, "alice", 5)
+        assert cancelling is not None and cancelling.status == "cancelling" and cancelling.cancelling_at == 5
+        return await run_until(worker, store, batch_id, lambda b: b.status in FINAL)
+
+    batch = asyncio.run(scenario())
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    assert executor.cancelled["slow"] == 1
+    output, errors = lines_of(store, batch.output_file_id), lines_of(store, batch.error_file_id)
+    assert set(output) | set(errors) == {"fast", "slow", "never1", "never2"} and not set(output) & set(errors)
+    assert {line["error"]["code"] for line in errors.values()} == {"batch_cancelled"}
+    assert store.cancel_batch(batch_id, "alice", 6).status == "cancelled"  # idempotent
+    assert store.cancel_batch(batch_id, "mallory", 6) is None  # another owner's: not found
+    done_id = submit(store, jsonl(["x"]))
+    asyncio.run(run_until(worker, store, done_id, lambda b: b.status in FINAL))
+    with pytest.raises(Conflict, match="completed"):
+        store.cancel_batch(done_id, "alice", 7)
+
+
+def test_a_process_killed_mid_batch_resumes_exactly_once(tmp_path: Path) -> None:
+    path = tmp_path / "batches.sqlite3"
+    first = BatchStore(path)
+    batch_id = submit(first, jsonl(["a", "b", "c", "d"]))
+    executor = ScriptedExecutor()
+    worker = make_worker(first, executor, is_ready=False)  # claims nothing: the test claims by hand
+    asyncio.run(worker.step())  # validating -> in_progress
+    claimed = first.claim(3, now=2e12)  # three start running...
+    assert [request.custom_id for request in claimed] == ["a", "b", "c"]
+    line = {"custom_id": "a", "response": {"status_code": 200}}
+    assert first.finish_request(claimed[0], "completed", line, 1)  # ...one commits, then the process dies
+    first._db.close()  # no shutdown path: what a SIGKILL leaves (the lock file closes with the process)
+    first._lock_file.close()
+
+    second = BatchStore(path)  # the restart: b and c were running, so they run again
+    try:
+        batch = asyncio.run(
+            run_until(make_worker(second, executor), second, batch_id, lambda b: b.status in FINAL)
+        )
+        assert batch.to_object()["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+        assert executor.calls == {"b": 1, "c": 1, "d": 1}  # a, committed before the kill, never ran again
+        output = second.read_file(batch.output_file_id).decode().splitlines()
+        assert sorted(json.loads(text)["custom_id"] for text in output) == ["a", "b", "c", "d"]
+        assert not second.finish_request(claimed[0], "completed", line, 1)  # a result lands only once
+    finally:
+        second.close()
+
+
+def test_validation_fails_a_batch_whose_lines_name_another_endpoint(store: BatchStore) -> None:
+    worker = make_worker(store, ScriptedExecutor())
+    batch_id = submit(store, jsonl(["a"], url=URL), endpoint="/v1/chat/completions")
+    batch = asyncio.run(run_until(worker, store, batch_id, lambda b: b.status in FINAL))
+    assert batch.status == "failed" and batch.failed_at is not None
+    error = batch.to_object()["errors"]["data"][0]
+    assert "line 1" in error["message"] and "/v1/chat/completions" in error["message"]
+
+
+def test_migrations_versions_and_the_process_lock(tmp_path: Path) -> None:
+    path = tmp_path / "b.sqlite3"
+    store = BatchStore(path)
+    assert store.schema_version == LATEST_VERSION
+    with pytest.raises(DatabaseInUse, match="another bitserve process"):
+        BatchStore(path)
+    store.close()
+    assert BatchStore(path).schema_version == LATEST_VERSION  # reopening applies nothing twice
+    newer = tmp_path / "newer.sqlite3"
+    with sqlite3.connect(newer) as db:
+        db.execute(f"PRAGMA user_version = {LATEST_VERSION + 1}")
+    with pytest.raises(ValueError, match="newer than this bitserve"):
+        BatchStore(newer)
+
+
+def test_server_database_urls_say_they_are_not_supported_yet() -> None:
+    with pytest.raises(ValueError, match="postgresql is not supported yet"):
+        BatchConfig(batch_db="postgresql://user@db/bitserve")
+    assert BatchConfig(batch_db="sqlite:////srv/b.db").database == Path("/srv/b.db")
+    assert BatchConfig(data_dir="/data").database == Path("/data/batches.sqlite3")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (jsonl(["a", "b", "a"]), "line 3: custom_id 'a' repeats line 1"),
+        (jsonl(["a"], url="/v1/images"), "line 1: url '/v1/images' is not a batch endpoint"),
+        (
+            b'{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}',
+            "line 1: method must be POST",
+        ),
+        (jsonl(["a"]) + b"{not json\n", "line 2: the request body is not valid JSON"),
+        (jsonl(["a"]).replace(b'"max_tokens": 4', b'"max_tokens": -4'), "line 1: max_tokens"),
+        (jsonl(["a"]).replace(b'"max_tokens": 4', b'"stream": true'), "line 1: stream is not supported"),
+        (jsonl([str(index) for index in range(101)]), "more than 100 requests"),
+        (b"\n\n", "the file has no requests"),
+    ],
+)
+def test_upload_validation_names_the_line(content: bytes, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message.replace("(", r"\(")):
+        parse_input_file(content, BODY_MODELS, LIMITS)
+
+
+def test_upload_size_caps() -> None:
+    with pytest.raises(PayloadTooLarge, match="more than the limit"):
+        parse_input_file(jsonl(["a"]), BODY_MODELS, InputLimits(10, 100, 4096))
+    with pytest.raises(PayloadTooLarge, match="line 1"):
+        parse_input_file(jsonl(["a"]), BODY_MODELS, InputLimits(1 << 20, 100, 20))
+
+
+def test_the_executor_runs_the_route_handler_in_process_at_low_priority() -> None:
+    seen: dict[str, Any] = {}
+
+    async def handler(request: Request) -> JSONResponse:
+        seen.update(json.loads(await request.body()))
+        return JSONResponse({"object": "text_completion"})
+
+    async def shed(request: Request) -> JSONResponse:
+        raise QueueFull("the queue is full", retry_after_s=3.0)
+
+    endpoints = {URL: Endpoint(handler, CompletionRequest), "/shed": Endpoint(shed, CompletionRequest)}
+    executor = InProcessExecutor(FastAPI(), endpoints)
+    outcome = asyncio.run(executor(URL, {"prompt": "x", "priority": "high"}))
+    assert seen == {"prompt": "x", "priority": "low"}  # batch work is always shed first
+    assert (outcome.status_code, outcome.body) == (200, {"object": "text_completion"})
+    shed_outcome = asyncio.run(executor("/shed", {"prompt": "x"}))
+    assert shed_outcome.status_code == 429 and shed_outcome.retry_after_s == 3.0
+    assert shed_outcome.body["error"]["code"] == "queue_full"
