@@ -63,6 +63,8 @@ class StepStats:
     num_prefix_hit_tokens: int
     num_prefix_query_tokens: int
     step_time_s: float = 0.0  # filled by the engine (dataclasses.replace)
+    schedule_time_s: float = 0.0  # of which forming the batch (Scheduler.schedule); filled by the engine
+    device_memory_bytes: int | None = None  # the runner's device allocator in use (CUDA); None on CPU
 
 
 @dataclass(frozen=True, slots=True)

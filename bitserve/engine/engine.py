@@ -65,6 +65,7 @@ class Engine:
         """Run one step. Any exception escaping here leaves the engine untrustworthy (EngineDead)."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         if scheduler_output.requests:
             runner_output = self.runner.execute(scheduler_output)
         else:
@@ -72,5 +73,10 @@ class Engine:
             runner_output = RunnerOutput()
         outputs = self.scheduler.update(scheduler_output, runner_output)
         self.num_steps += 1
-        stats = dataclasses.replace(self.scheduler.get_stats(), step_time_s=time.perf_counter() - start)
+        stats = dataclasses.replace(
+            self.scheduler.get_stats(),
+            step_time_s=time.perf_counter() - start,
+            schedule_time_s=scheduled - start,
+            device_memory_bytes=self.runner.device_memory_bytes(),
+        )
         return StepResult(outputs=outputs, stats=stats)

@@ -245,6 +245,19 @@ class PrometheusStatsSink:
             buckets=STEP_BUCKETS_S,
             registry=reg,
         )
+        self.batch_formation = Histogram(
+            "bitserve_batch_formation_seconds",
+            "Time one engine step spent forming its batch (the scheduler's admission and KV allocation).",
+            model,
+            buckets=STEP_BUCKETS_S,
+            registry=reg,
+        )
+        self.device_memory = Gauge(
+            "bitserve_device_memory_bytes",
+            "Bytes the replica's device allocator holds (CUDA; on CPU see process_resident_memory_bytes).",
+            model,
+            registry=reg,
+        )
 
     def _build_edge_metrics(self) -> None:
         reg = self.registry
@@ -369,6 +382,9 @@ class PrometheusStatsSink:
             self.batched_tokens.labels(*labels).observe(stats.num_batched_tokens)
         if stats.step_time_s > 0:
             self.step_time.labels(*labels).observe(stats.step_time_s)
+            self.batch_formation.labels(*labels).observe(stats.schedule_time_s)
+        if stats.device_memory_bytes is not None:
+            self.device_memory.labels(*labels).set(stats.device_memory_bytes)
 
     def record_request(self, stats: RequestStats) -> None:
         """One finished client request; latencies that are unknown (None) are not observed."""
@@ -429,8 +445,8 @@ class PrometheusStatsSink:
         for gone in [device] if device is not None else list(devices):
             quant_format = devices.pop(gone, None)
             if quant_format is not None:
-                for gauge in (self.num_running, self.num_waiting, self.kv_usage):
-                    gauge.remove(model, gone, quant_format)
+                for gauge in (self.num_running, self.num_waiting, self.kv_usage, self.device_memory):
+                    gauge.remove(model, gone, quant_format)  # a series never set: nothing to remove
             self._last_preempted_total.pop((model, gone, quant_format), None)
             self._replica_load.pop((model, gone, quant_format), None)
         self._update_aliases(model)

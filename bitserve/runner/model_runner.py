@@ -68,6 +68,13 @@ class ModelRunner:
             }
         return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
 
+    def device_memory_bytes(self) -> int | None:
+        """Bytes the device allocator holds for tensors (CUDA replicas), None on the CPU (the process RSS,
+        process_resident_memory_bytes, covers it)."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.memory_allocated(self.device)
+
     def forward_logits(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:
         """One forward over the scheduled tokens -> f32 [num_sampled, vocab] logits of the requests whose
         `sample` is set (in order), or None when none is."""

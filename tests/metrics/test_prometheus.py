@@ -128,6 +128,13 @@ def test_step_stats_gauges_prefix_cache_and_preemption_deltas() -> None:
     assert value(values, "bitserve_batched_tokens_per_step_count", model="m", device="cpu") == 3
     assert value(values, "bitserve_batched_tokens_per_step_bucket", model="m", device="cpu", le="1.0") == 1
     assert value(values, "bitserve_step_duration_seconds_count", model="m", device="cpu") == 3
+    assert value(values, "bitserve_batch_formation_seconds_count", model="m", device="cpu") == 3
+    # device memory: only where the runner reports it (CUDA), dropped with the replica
+    assert not [key for key in values if key[0] == "bitserve_device_memory_bytes"]
+    sink.record_step("m", "cuda:0", FORMAT, step(device_memory_bytes=123456789))
+    assert value(samples(sink), "bitserve_device_memory_bytes", model="m", device="cuda:0") == 123456789
+    sink.forget_model("m", "cuda:0")
+    assert not [key for key in samples(sink) if key[0] == "bitserve_device_memory_bytes"]
     # a fresh engine restarts its cumulative count: the whole new count is new preemptions
     sink.record_step("m", "cpu", FORMAT, step(num_preempted_total=1))
     assert value(samples(sink), "bitserve_preemptions_total", model="m", device="cpu") == 6
