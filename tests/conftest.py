@@ -121,13 +121,6 @@ def b158_file(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) 
     from benchmarks.make_2b4t_model import write_2b4t_model
     from bitserve.testing.synthetic import SyntheticConfig
 
-    config = SyntheticConfig(
-        num_layers=2,
-        hidden_size=256,
-        intermediate_size=768,
-        num_heads=4,
-        num_kv_heads=2,
-        architecture="bitnet-b1.58",
-    )
+    config = SyntheticConfig(num_kv_heads=2, architecture="bitnet-b1.58")  # 2 layers, 256 wide, 4 heads: GQA
     path = tmp_path_factory.mktemp("b158") / "b158-i2s.gguf"
     return write_2b4t_model(path, "I2_S", tokenizer_source=tokenizer_source, config=config)
