@@ -121,7 +121,7 @@ class DecoderModel(nn.Module):
             )
         self.spec = spec
         self.fused = fused = weights.backend.fused_ops()  # once per model; None: eager torch layers
-        # the cpu backend's int8 block-weight numerics (kernels/cpu/blockdot.py): a fast decode step exists
+        # the cpu backend's int8 block-weight numerics (kernels/cpu/blockdot.py): the fast step's SiLU
         self.q8_blocks = weights.backend.name == "cpu" and weights.backend.block_activations == "q8"
         self.embed_tokens = TokenEmbedding(weights.packed("token_embd.weight"))
         self.rotary = RotaryEmbedding(

@@ -133,8 +133,8 @@ def test_ternary_fast_step_tokens_equal_the_reference_backend(b158_cpu: LLM, b15
         reference.close()
 
 
-def test_ternary_fast_step_not_built_for_bitnetcpp_or_output_scales(
-    b158_file: Path, tmp_path: Path, synthetic_weights
+def test_ternary_fast_step_not_built_for_bitnetcpp_generic_or_output_scales(
+    b158_file: Path, tmp_path: Path, synthetic_weights, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
     from bitserve.testing.synthetic import SyntheticConfig, write_synthetic_model
 
@@ -146,7 +146,12 @@ def test_ternary_fast_step_not_built_for_bitnetcpp_or_output_scales(
         weights=weights,
         tokenizer=tokenizer,
     )
-    for path, options in ((b158_file, {"linear_mode": "bitnetcpp"}), (scaled, {})):
+    for path, options, isa in (
+        (b158_file, {"linear_mode": "bitnetcpp"}, "auto"),
+        (b158_file, {}, "generic"),  # the int16 kernels (BitnetLinear): no int8 activations to hand on
+        (scaled, {}, "auto"),
+    ):
+        monkeypatch.setenv(ISA_ENV_VAR, isa)
         llm = LLM(str(path), backend="cpu", **options)
         try:
             assert llm.instance.loaded.model.fast_decode is None
