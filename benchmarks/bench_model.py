@@ -13,6 +13,8 @@ Measures, with 2 threads and OMP_WAIT_POLICY=PASSIVE (set before torch loads lib
   alternately on the same token ids, and their ratios.
 - --tq2: the same 2B weights as TQ2_0 (arch `bitnet`) through llama.cpp, beside bitserve's I2_S, and
   beside bitserve loading that same TQ2_0 file.
+- --fast-decode-ab: the 2B I2_S file on the cpu backend with its lean decode step
+  (models/cpu_fast_decode.py) on and off, alternating, and a cProfile of decode steps each way.
 bitserve is driven through its Engine one step at a time (no detokenization); llama.cpp through
 `Llama.eval` with a greedy argmax over the last logits. Timings only; nothing is asserted.
 """
@@ -143,15 +145,14 @@ def bitserve_generate(
 class BitserveRunner:
     """Prefill / decode measurements of one loaded bitserve model; request ids stay unique."""
 
-    name = "bitserve"
-
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, name: str = "bitserve") -> None:
         self.llm = llm
+        self.name = name
         self._count = 0
 
     def _tag(self) -> str:
         self._count += 1
-        return f"bench-{self._count}"
+        return f"bench-{self.name}-{self._count}"
 
     def prefill(self, ids: Sequence[int]) -> float:
         """Seconds to the first token of a fresh prompt (prompt forward + LM head + sampling)."""
@@ -161,6 +162,25 @@ class BitserveRunner:
         """Per-token decode step times (prefill step dropped) and all generated ids."""
         times, tokens = bitserve_generate(self.llm, ids, num_tokens + 1, self._tag())
         return times[1:], tokens
+
+
+class FastStepRunner(BitserveRunner):
+    """A BitserveRunner whose model runs with the given fast decode step (None: the module forward)."""
+
+    def __init__(self, llm: LLM, name: str, fast_decode: Any) -> None:
+        super().__init__(llm, name)
+        self.fast_decode = fast_decode
+
+    def switch(self) -> None:
+        self.llm.instance.loaded.model.fast_decode = self.fast_decode
+
+    def prefill(self, ids: Sequence[int]) -> float:
+        self.switch()
+        return super().prefill(ids)
+
+    def decode(self, ids: Sequence[int], num_tokens: int) -> tuple[list[float], list[int]]:
+        self.switch()
+        return super().decode(ids, num_tokens)
 
 
 # ------------------------------------------------------------------------------------------ llama.cpp
@@ -285,7 +305,8 @@ def profile_categories() -> list[tuple[str, Any]]:
     """(label, function) whose cumulative time is one part of a decode step."""
     from bitserve.core.scheduler import Scheduler
     from bitserve.engine.engine import Engine
-    from bitserve.kernels.cpu import int8dot, ternary
+    from bitserve.kernels.cpu import decode_glue, int8dot, ternary
+    from bitserve.kernels.cpu.backend import CpuBackend
     from bitserve.layers.activation import relu2_and_mul
     from bitserve.layers.attention import PagedAttention
     from bitserve.layers.embedding import LMHead, TokenEmbedding
@@ -293,6 +314,7 @@ def profile_categories() -> list[tuple[str, Any]]:
     from bitserve.layers.norm import RMSNorm
     from bitserve.layers.rotary import RotaryEmbedding
     from bitserve.layers.sampler import Sampler
+    from bitserve.models.cpu_fast_decode import FastCpuDecode
     from bitserve.runner.input_batch import build_batch_inputs
 
     return [
@@ -311,7 +333,13 @@ def profile_categories() -> list[tuple[str, Any]]:
         ("attention (PagedAttention.forward)", PagedAttention.forward),
         ("RMSNorm (all)", RMSNorm.forward),
         ("RoPE (RotaryEmbedding.forward)", RotaryEmbedding.forward),
-        ("relu2 * up", relu2_and_mul),
+        ("relu2 * up (torch)", relu2_and_mul),
+        ("relu2 * up (cpu backend, numba)", CpuBackend.relu2_and_mul),
+        ("fast decode step (FastCpuDecode.forward)", FastCpuDecode.forward),
+        ("  glue: norm + quantize (first layer)", decode_glue.norm_quantize),
+        ("  glue: residual + norm + quantize", decode_glue.residual_norm_quantize),
+        ("  glue: RoPE + KV write + attention + sub-norm + quantize", decode_glue.rope_attend_quantize),
+        ("  glue: relu2 / SiLU * up + sub-norm + quantize", decode_glue.gated_quantize),
         ("embedding lookup (TokenEmbedding.forward)", TokenEmbedding.forward),
         ("sampler (Sampler.__call__)", Sampler.__call__),
         ("scheduler schedule()", Scheduler.schedule),
@@ -481,6 +509,32 @@ def bench_2b_tq2(args: argparse.Namespace, report: dict[str, Any]) -> None:
     llm.close()
 
 
+FAST_NAMES = ("fast-step-on", "fast-step-off")
+
+
+def bench_fast_decode_ab(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The 2B I2_S file on the cpu backend, its lean decode step on and off in turn (same model, same
+    prompts), then a cProfile of decode steps each way."""
+    path = ensure_model(args.model_2b, "I2_S", args.layers)
+    llm = LLM(str(path), backend="cpu")
+    model = llm.instance.loaded.model
+    fast = model.fast_decode
+    if fast is None:
+        raise SystemExit(f"{path}: no fast decode step on the cpu backend (see models/cpu_fast_decode.py)")
+    on, off = (FastStepRunner(llm, name, step) for name, step in zip(FAST_NAMES, (fast, None), strict=True))
+    base_ids = llm.tokenizer.encode(TEXT, add_special=False)
+    results = compare([(on, off)], base_ids, args)
+    results["greedy_agreement"] = agreement(results[on.name]["tokens"], results[off.name]["tokens"])
+    if args.profile_steps:
+        for runner in (on, off):
+            runner.switch()
+            ids = prompt_ids(base_ids, args.decode_prompt_tokens, 77)
+            results[runner.name]["profile"] = profile_decode(llm, ids, args.profile_steps)
+    model.fast_decode = fast
+    report["2b_fast_decode"] = results
+    llm.close()
+
+
 # ------------------------------------------------------------------------------------------ report
 def machine_info() -> dict[str, Any]:
     cpu = next(
@@ -517,10 +571,12 @@ def _vector_flags() -> list[str]:
     return sorted(f for f in flags if f in ("avx2", "fma", "f16c", "avx_vnni") or f.startswith("avx512"))
 
 
-def print_pair(title: str, results: dict[str, Any]) -> None:
-    a, b = results["bitserve"], results["llama.cpp"]
+def print_pair(
+    title: str, results: dict[str, Any], names: tuple[str, str] = ("bitserve", "llama.cpp")
+) -> None:
+    a, b = results[names[0]], results[names[1]]
     print(f"\n{title} (median of {a['repeats']} alternating runs)")
-    print(f"  {'':22} {'bitserve':>10} {'llama.cpp':>10} {'ratio b/l':>10}")
+    print(f"  {'':22} {names[0]:>13} {names[1]:>13} {'ratio':>10}")
     for key, label in (
         ("prefill_tok_s", "prefill tok/s"),
         ("decode_tok_s", "decode tok/s"),
@@ -529,7 +585,7 @@ def print_pair(title: str, results: dict[str, Any]) -> None:
         ("load_s", "load s"),
     ):
         if key in a and key in b:
-            print(f"  {label:22} {a[key]:10.2f} {b[key]:10.2f} {a[key] / b[key]:10.3f}")
+            print(f"  {label:22} {a[key]:13.2f} {b[key]:13.2f} {a[key] / b[key]:10.3f}")
     if "greedy_agreement" in results:
         print(
             f"  greedy tokens identical before the first difference: "
@@ -583,6 +639,13 @@ def print_report(report: dict[str, Any]) -> None:
             "2B-4T-shaped: bitserve I2_S (bitnet-b1.58) vs llama.cpp TQ2_0 (bitnet), same ternary weights",
             report["2b_tq2_vs_i2s"],
         )
+    if "2b_fast_decode" in report:
+        results = report["2b_fast_decode"]
+        print_pair("2B-4T-shaped I2_S, cpu backend: lean decode step on / off", results, FAST_NAMES)
+        for name in FAST_NAMES:
+            if "profile" in results[name]:
+                print(f"\n{name}:")
+                print_profile(results[name]["profile"])
     if "2b_tq2_vs_tq2" in report:
         print_pair(
             "2B-4T-shaped: bitserve TQ2_0 vs llama.cpp TQ2_0 (both arch bitnet), the same file",
@@ -602,6 +665,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-2b", action="store_true")
     parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument("--tq2", action="store_true", help="also llama.cpp on the TQ2_0 twin of the 2B file")
+    parser.add_argument(
+        "--fast-decode-ab", action="store_true", help="2B decode with the lean cpu decode step on vs off"
+    )
     parser.add_argument("--prefill-tokens", type=int, default=128)
     parser.add_argument("--decode-prompt-tokens", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -630,6 +696,8 @@ def main() -> None:
         bench_smollm2(args, report)
     if args.tq2:
         bench_2b_tq2(args, report)
+    if args.fast_decode_ab:
+        bench_fast_decode_ab(args, report)
     report["machine"]["loadavg_end"] = os.getloadavg()
     print_report(report)
     if args.json is not None:

@@ -112,3 +112,15 @@ def synthetic_models(
         )
         for fmt in FORMATS
     }
+
+
+@pytest.fixture(scope="session")
+def b158_file(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> Path:
+    """A small bitnet-b1.58 I2_S file (relu2, sub-norms, GQA, no output scales), written with the 2B-4T
+    writer from the tokenizer the session has (the package's or the carried one)."""
+    from benchmarks.make_2b4t_model import write_2b4t_model
+    from bitserve.testing.synthetic import SyntheticConfig
+
+    config = SyntheticConfig(num_kv_heads=2, architecture="bitnet-b1.58")  # 2 layers, 256 wide, 4 heads: GQA
+    path = tmp_path_factory.mktemp("b158") / "b158-i2s.gguf"
+    return write_2b4t_model(path, "I2_S", tokenizer_source=tokenizer_source, config=config)

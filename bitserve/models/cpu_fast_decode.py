@@ -1,93 +1,147 @@
-"""A lean decode step for Llama-family models with Q4_0 / Q4_1 / Q8_0 weights on the cpu backend.
+"""A lean decode step on the cpu backend for models whose projections run on int8 activations: Llama-family
+models with Q4_0 / Q4_1 / Q8_0 weights (block_activations="q8") and BitNet b1.58 ternary models (bitnet
+linear mode, the avx2 / vnni kernels).
 
 Why a second forward (README, Layout: deviations): at decode shapes the module forward of
 models/decoder.py spends more time in Python and torch dispatch (~40 calls a layer: norms, splits,
 reshapes, RoPE, cache writes, attention, residual adds) than in its matmuls: ~20 ms a step on SmolLM2's
 30 layers. This path makes 8 calls a layer: four int8 GEMVs on the stacked weights
-(kernels/cpu/blockdot.py) and four numba glue calls between them (kernels/cpu/decode_glue.py), each
-handing the next GEMV its int8 activations. It computes what the module forward computes with
-`block_activations="q8"` (the same kernels, quantization, norm, RoPE and attention arithmetic; SiLU as
-x / (1 + e^-x) in f32) and is used only where that holds: every token of the step is a decode (one per
-sequence), fewer than block_gemm_min_tokens of them, an f32 KV cache, and a model whose q/k/v and
-gate/up stacked into one int8 block weight each, without sub-norms, output scales or ggml numerics.
-Anything else (prefill, mixed steps, other weights) runs the module forward.
+(kernels/cpu/blockdot.py or int8dot.py) and four numba glue calls between them
+(kernels/cpu/decode_glue.py), each handing the next GEMV its int8 activations (sub-norms included). It
+computes what the module forward computes (the same kernels, quantization, norm, RoPE and attention
+arithmetic, the same numba SiLU / relu2 via CpuBackend) and is used only where that holds: every token of
+the step is a decode (one per sequence), an f32 KV cache, and a model whose q/k/v and gate/up stacked into
+one int8 weight each (Int8BlockLinear or Int8BitnetLinear), without output scales or ggml numerics
+(bitnetcpp mode). Anything else (prefill, mixed steps, other weights) runs the module forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 import torch
 
-from bitserve.kernels.cpu import blockdot, decode_glue
-from bitserve.kernels.cpu.prepared import Int8BlockLinear
+from bitserve.kernels.cpu import blockdot, decode_glue, int8dot
+from bitserve.kernels.cpu.prepared import NEVER, CpuTuning, Int8BitnetLinear, Int8BlockLinear
+from bitserve.kernels.cpu.ternary import padded_in_features
 from bitserve.layers.attention import AttentionMetadata
 from bitserve.layers.rotary import RopeStyle
+
+if TYPE_CHECKING:
+    from bitserve.kernels.cpu.backend import CpuBackend
+
+Int8Weight = Int8BlockLinear | Int8BitnetLinear
+
+
+@dataclass(frozen=True, slots=True)
+class _WeightKind:
+    """What differs between the two kinds of int8 weights, for the glue and the step's bounds."""
+
+    token_tile: int  # the GEMM kernels' token tile: activations of T > 1 tokens are padded to it
+    glue_kp: Callable[[int], int | None]  # in_features -> decode_glue's `kp` (picks the quantizer)
+    max_tokens: Callable[[CpuTuning], int]  # steps of this many tokens or more take the module forward
+
+
+_KINDS = {
+    # block weights: llama.cpp-style Q8 blocks; above block_gemm_min_tokens the module forward's sgemm
+    Int8BlockLinear: _WeightKind(blockdot.GEMM_TOKENS, lambda k: None, lambda t: t.block_gemm_min_tokens),
+    # ternary: per-token int8 in the permuted order, the int8 kernels for every batch size
+    Int8BitnetLinear: _WeightKind(int8dot.GEMM_TOKENS, padded_in_features, lambda t: NEVER),
+}
 
 
 @dataclass(frozen=True, slots=True)
 class _FastLayer:
     attn_norm: np.ndarray  # f32 [hidden]
-    qkv: Int8BlockLinear  # stacked q, k, v rows
-    o_proj: Int8BlockLinear
+    qkv: Int8Weight  # stacked q, k, v rows
+    attn_sub_norm: np.ndarray | None  # f32 [heads * head_dim] (BitNet), before o_proj
+    o_proj: Int8Weight
     ffn_norm: np.ndarray  # f32 [hidden]
-    gate_up: Int8BlockLinear  # stacked gate, up rows
-    down: Int8BlockLinear
+    gate_up: Int8Weight  # stacked gate, up rows
+    ffn_sub_norm: np.ndarray | None  # f32 [intermediate] (BitNet), before down
+    down: Int8Weight
 
 
-def _single_int8_block(weights: list) -> Int8BlockLinear | None:
-    return weights[0] if len(weights) == 1 and type(weights[0]) is Int8BlockLinear else None
+def _single_int8(weights: list) -> Int8Weight | None:
+    return weights[0] if len(weights) == 1 and type(weights[0]) in _KINDS else None
+
+
+def _norm_weight(norm: torch.nn.Module | None) -> np.ndarray | None:
+    return None if norm is None else norm.weight.detach().numpy()
+
+
+def _fast_layer(layer: torch.nn.Module) -> _FastLayer | None:
+    """One DecoderLayer's weights, or None where it does not qualify (see the module docstring)."""
+    qkv, gate_up = _single_int8(layer.qkv.weights), _single_int8(layer.gate_up.weights)
+    o_proj, down = _single_int8(layer.o_proj.weights), _single_int8(layer.down_proj.weights)
+    scales = [*layer.qkv.output_scales, *layer.gate_up.output_scales]
+    scales += [layer.o_proj.output_scale, layer.down_proj.output_scale]
+    if None in (qkv, gate_up, o_proj, down) or any(s is not None for s in scales):
+        return None
+    if len({type(w) for w in (qkv, gate_up, o_proj, down)}) != 1:
+        return None
+    if layer.attn.ggml_numerics or layer.gate_up.row_offsets != [0, gate_up.out_features // 2]:
+        return None
+    return _FastLayer(
+        _norm_weight(layer.attn_norm),
+        qkv,
+        _norm_weight(layer.attn_sub_norm),
+        o_proj,
+        _norm_weight(layer.ffn_norm),
+        gate_up,
+        _norm_weight(layer.ffn_sub_norm),
+        down,
+    )
+
+
+def _is_relu2(model: torch.nn.Module, backend: CpuBackend) -> bool | None:
+    """The glue's activation flag: True for relu2, False for SiLU, None where the module forward's
+    activation is not one of the glue's numba functions (then the two forwards would differ)."""
+    act = model.layers[0].act_and_mul
+    if act == backend.relu2_and_mul:
+        return True
+    return False if act == backend.silu_and_mul else None
 
 
 class FastCpuDecode:
     """The decode step of one DecoderModel (see the module docstring); build() says whether it applies."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[_FastLayer], max_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list[_FastLayer], relu2: bool) -> None:
         spec = model.spec
+        first = layers[0]
+        kind = _KINDS[type(first.qkv)]
         self.model = model
         self.layers = layers
-        self.max_tokens = max_tokens  # block_gemm_min_tokens: larger batches take the sgemm path
+        self.relu2 = relu2
+        self.max_tokens = kind.max_tokens(first.qkv.tuning)
+        self.token_tile = kind.token_tile
+        # decode_glue's quantizer argument for the inputs of qkv / gate_up, o_proj and down
+        self.kp_hidden = kind.glue_kp(first.qkv.in_features)
+        self.kp_attn = kind.glue_kp(first.o_proj.in_features)
+        self.kp_inter = kind.glue_kp(first.down.in_features)
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
-        self.intermediate = layers[0].down.in_features
+        self.intermediate = first.down.in_features
         self.eps = spec.rms_norm_eps
         rotary = model.rotary
         self.cos, self.sin = rotary.cos.numpy(), rotary.sin.numpy()  # f32 [max_positions, rope_dim / 2]
         self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
         self.scale = model.layers[0].attn.scale
-        self.num_threads = layers[0].qkv.num_threads
+        self.num_threads = first.qkv.num_threads
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> FastCpuDecode | None:
+    def build(cls, model: torch.nn.Module, backend: CpuBackend) -> FastCpuDecode | None:
         """Once, at load: the fast step when every layer qualifies, else None."""
-        spec = model.spec
-        if spec.has_sub_norms or spec.activation != "silu" or model.rotary.fused is None:
+        relu2 = _is_relu2(model, backend)
+        if relu2 is None or model.rotary.fused is None:
             return None
-        layers = []
-        for layer in model.layers:
-            qkv, gate_up = _single_int8_block(layer.qkv.weights), _single_int8_block(layer.gate_up.weights)
-            o_proj, down = (
-                _single_int8_block(layer.o_proj.weights),
-                _single_int8_block(layer.down_proj.weights),
-            )
-            scales = [*layer.qkv.output_scales, *layer.gate_up.output_scales]
-            scales += [layer.o_proj.output_scale, layer.down_proj.output_scale]
-            if None in (qkv, gate_up, o_proj, down) or any(s is not None for s in scales):
-                return None
-            if layer.attn.ggml_numerics or layer.gate_up.row_offsets != [0, gate_up.out_features // 2]:
-                return None
-            layers.append(
-                _FastLayer(
-                    layer.attn_norm.weight.detach().numpy(),
-                    qkv,
-                    o_proj,
-                    layer.ffn_norm.weight.detach().numpy(),
-                    gate_up,
-                    down,
-                )
-            )
-        return cls(model, layers, qkv.tuning.block_gemm_min_tokens)
+        layers = [_fast_layer(layer) for layer in model.layers]
+        if None in layers or len({type(layer.qkv) for layer in layers}) != 1:  # type: ignore[union-attr]
+            return None
+        return cls(model, layers, relu2)  # type: ignore[arg-type]
 
     def applies(
         self, num_tokens: int, kv_caches: list[torch.Tensor] | None, metadata: AttentionMetadata | None
@@ -115,7 +169,8 @@ class FastCpuDecode:
         if self.num_threads is not None:
             numba.set_num_threads(self.num_threads)
         num_tokens = input_ids.shape[0]
-        padded = 1 if num_tokens == 1 else blockdot.padded_token_count(num_tokens, blockdot.GEMM_TOKENS)
+        padded = 1 if num_tokens == 1 else int8dot.padded_token_count(num_tokens, self.token_tile)
+        eps = self.eps
         x = self.model.embed_tokens(input_ids).contiguous().numpy()  # f32 [T, hidden], the residual stream
         positions_np = positions.numpy()
         slots = metadata.slot_mapping.numpy()
@@ -124,11 +179,13 @@ class FastCpuDecode:
         delta = None  # the last projection's output, added to x by the next glue call
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             acts = (
-                decode_glue.norm_quantize(x, layer.attn_norm, self.eps, padded)
+                decode_glue.norm_quantize(x, layer.attn_norm, eps, self.kp_hidden, padded)
                 if delta is None
-                else decode_glue.residual_norm_quantize(x, delta, layer.attn_norm, self.eps, padded)
+                else decode_glue.residual_norm_quantize(
+                    x, delta, layer.attn_norm, eps, self.kp_hidden, padded
+                )
             )
-            qkv = layer.qkv.gemv_q8(acts, num_tokens)
+            qkv = layer.qkv.run_quantized(acts, num_tokens)
             acts = decode_glue.rope_attend_quantize(
                 qkv,
                 self.num_heads,
@@ -144,12 +201,19 @@ class FastCpuDecode:
                 block_table,
                 seq_lens,
                 self.scale,
+                layer.attn_sub_norm,
+                eps,
+                self.kp_attn,
                 padded,
             )
-            attn_out = layer.o_proj.gemv_q8(acts, num_tokens)
-            acts = decode_glue.residual_norm_quantize(x, attn_out, layer.ffn_norm, self.eps, padded)
-            gate_up = layer.gate_up.gemv_q8(acts, num_tokens)
-            acts = decode_glue.silu_mul_quantize(gate_up, self.intermediate, padded)
-            delta = layer.down.gemv_q8(acts, num_tokens)
+            attn_out = layer.o_proj.run_quantized(acts, num_tokens)
+            acts = decode_glue.residual_norm_quantize(
+                x, attn_out, layer.ffn_norm, eps, self.kp_hidden, padded
+            )
+            gate_up = layer.gate_up.run_quantized(acts, num_tokens)
+            acts = decode_glue.gated_quantize(
+                gate_up, self.intermediate, self.relu2, layer.ffn_sub_norm, eps, self.kp_inter, padded
+            )
+            delta = layer.down.run_quantized(acts, num_tokens)
         x += delta
         return self.model.norm(torch.from_numpy(x))

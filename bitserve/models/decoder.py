@@ -8,6 +8,7 @@ AttentionMetadata -> hidden_states [num_tokens, hidden_size]; compute_logits pic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import FusedOps
 from bitserve.kernels.packed import Layout
-from bitserve.layers.activation import GATED_ACTIVATIONS
+from bitserve.layers.activation import GATED_ACTIVATIONS, relu2_and_mul
 from bitserve.layers.attention import AttentionMetadata, PagedAttention
 from bitserve.layers.embedding import LMHead, TokenEmbedding
 from bitserve.layers.linear import Linear, LinearGroup
@@ -63,9 +64,7 @@ class DecoderLayer(nn.Module):
             [weights.linear(f"{prefix}.ffn_{n}.weight", may_be_ternary=ternary) for n in ("gate", "up")],
             [model.output_scale(weights, f"{prefix}.ffn_{n}") for n in ("gate", "up")],
         )
-        self.act_and_mul = GATED_ACTIVATIONS[spec.activation]
-        if spec.activation == "silu" and model.q8_blocks:  # the fast decode step's SiLU (cpu_fast_decode.py)
-            self.act_and_mul = weights.backend.silu_and_mul  # type: ignore[attr-defined]
+        self.act_and_mul = model.gated_activation(weights, spec.activation)
         self.ffn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.ffn_sub_norm.weight", fused)
         self.down_proj = Linear(
             weights.backend,
@@ -122,7 +121,7 @@ class DecoderModel(nn.Module):
             )
         self.spec = spec
         self.fused = fused = weights.backend.fused_ops()  # once per model; None: eager torch layers
-        # the cpu backend's int8 block-weight numerics (kernels/cpu/blockdot.py): a fast decode step exists
+        # the cpu backend's int8 block-weight numerics (kernels/cpu/blockdot.py): the fast step's SiLU
         self.q8_blocks = weights.backend.name == "cpu" and weights.backend.block_activations == "q8"
         self.embed_tokens = TokenEmbedding(weights.packed("token_embd.weight"))
         self.rotary = RotaryEmbedding(
@@ -146,11 +145,24 @@ class DecoderModel(nn.Module):
 
     def _fast_decode(self, weights: WeightSource) -> FastCpuDecode | None:
         """The cpu backend's lean decode step (models/cpu_fast_decode.py) where this model qualifies."""
-        if not self.q8_blocks:
+        if weights.backend.name != "cpu":
             return None
         from bitserve.models.cpu_fast_decode import FastCpuDecode  # NOTE: deferred, imports numba kernels
 
-        return FastCpuDecode.build(self)
+        return FastCpuDecode.build(self, weights.backend)  # type: ignore[arg-type]
+
+    def gated_activation(
+        self, weights: WeightSource, name: str
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The FFN's act(gate) * up. On the cpu backend the fast decode step's numba functions where it may
+        run (cpu_fast_decode.py), so both forwards agree to the bit: SiLU in the q8 block mode (rounded
+        unlike torch's), relu2 always (rounded as torch's, so the reference backend agrees too)."""
+        backend = weights.backend
+        if backend.name == "cpu" and name == "silu" and self.q8_blocks:
+            return backend.silu_and_mul  # type: ignore[attr-defined]
+        if backend.name == "cpu" and GATED_ACTIVATIONS[name] is relu2_and_mul:
+            return backend.relu2_and_mul  # type: ignore[attr-defined]
+        return GATED_ACTIVATIONS[name]
 
     def rope_freq_factors(self, weights: WeightSource) -> torch.Tensor | None:
         return None

@@ -4,7 +4,9 @@ Each decode step runs both ways from the same KV cache (snapshotted and restored
 equal to the bit: the two forwards make the same operations with the same kernels (the q8 mode's module
 forward uses the fast step's SiLU for this reason: with int8 activations a last-bit difference anywhere
 flips a rounding that later layers amplify, to cosine ~0.996 here with torch's SiLU). Greedy tokens are
-then compared with llama.cpp's native Q4_1 run (the golden fixture).
+then compared with llama.cpp's native Q4_1 run (the golden fixture). The same holds for a BitNet b1.58
+ternary model (relu2, sub-norms, GQA) on the int8 kernels in bitnet mode, whose greedy tokens also equal
+the reference backend's (bitnet mode is bit-exact across backends).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bitserve.kernels.cpu.isa import BLOCK_ACTIVATIONS_ENV_VAR, Isa, supported_isas
+from bitserve.kernels.cpu.isa import BLOCK_ACTIVATIONS_ENV_VAR, ISA_ENV_VAR, Isa, supported_isas
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
 
@@ -33,9 +35,10 @@ def smollm2_q8(smollm2_path: Path) -> LLM:
     llm.close()
 
 
-def test_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
-    model = smollm2_q8.instance.loaded.model
-    runner = smollm2_q8.engine.runner
+def assert_fast_step_matches_module_forward(llm: LLM) -> None:
+    """Generate batched (3 sequences) and single; every step runs both ways from the same KV cache."""
+    model = llm.instance.loaded.model
+    runner = llm.engine.runner
     fast = model.fast_decode
     assert fast is not None
     forward_logits = runner.forward_logits
@@ -57,11 +60,15 @@ def test_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
     runner.forward_logits = both_ways
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        smollm2_q8.generate(["The capital of France is", "def add(a, b):", "Once upon a time"], params)
-        smollm2_q8.generate(["Hello"], params)
+        llm.generate(["The capital of France is", "def add(a, b):", "Once upon a time"], params)
+        llm.generate(["Hello"], params)
     finally:
         runner.forward_logits = forward_logits
     assert 3 in compared and 1 in compared  # batched and single decode steps both took the fast path
+
+
+def test_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
+    assert_fast_step_matches_module_forward(smollm2_q8)
 
 
 def test_fast_step_is_built_only_for_the_q8_mode(smollm2_path: Path) -> None:
@@ -90,3 +97,76 @@ def test_greedy_tokens_follow_llamacpp_native_q4_1(smollm2_q8: LLM) -> None:
             assert case["greedy_margins"][first] < NATIVE_NEAR_TIE, (
                 f"prompt {index} diverges at a clear choice"
             )
+
+
+# ---------------------------------------------------------------- BitNet b1.58, ternary int8 kernels
+
+
+@pytest.fixture(scope="module")
+def b158_cpu(b158_file: Path) -> LLM:
+    llm = LLM(str(b158_file), backend="cpu")
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("isa", supported_isas()[:-1])  # every int8 variant this CPU runs (not GENERIC)
+def test_ternary_fast_step_logits_match_the_module_forward(
+    b158_file: Path, isa: Isa, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ISA_ENV_VAR, isa.value)
+    llm = LLM(str(b158_file), backend="cpu")
+    try:
+        assert_fast_step_matches_module_forward(llm)
+    finally:
+        llm.close()
+
+
+def test_ternary_fast_step_tokens_equal_the_reference_backend(b158_cpu: LLM, b158_file: Path) -> None:
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert b158_cpu.instance.loaded.model.fast_decode is not None
+    fast = [out.outputs[0].token_ids for out in b158_cpu.generate(prompts, params)]
+    reference = LLM(str(b158_file), backend="reference")
+    try:
+        assert fast == [out.outputs[0].token_ids for out in reference.generate(prompts, params)]
+    finally:
+        reference.close()
+
+
+def test_ternary_fast_step_not_built_for_bitnetcpp_generic_or_output_scales(
+    b158_file: Path, tmp_path: Path, synthetic_weights, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    from bitserve.testing.synthetic import SyntheticConfig, write_synthetic_model
+
+    tokenizer, weights = synthetic_weights
+    scaled = write_synthetic_model(  # bitnet-b1.58 with a `.scale` per projection
+        tmp_path / "b158-scaled.gguf",
+        "I2_S",
+        config=SyntheticConfig(architecture="bitnet-b1.58"),
+        weights=weights,
+        tokenizer=tokenizer,
+    )
+    for path, options, isa in (
+        (b158_file, {"linear_mode": "bitnetcpp"}, "auto"),
+        (b158_file, {}, "generic"),  # the int16 kernels (BitnetLinear): no int8 activations to hand on
+        (scaled, {}, "auto"),
+    ):
+        monkeypatch.setenv(ISA_ENV_VAR, isa)
+        llm = LLM(str(path), backend="cpu", **options)
+        try:
+            assert llm.instance.loaded.model.fast_decode is None
+        finally:
+            llm.close()
+
+
+def test_cpu_relu2_rounds_as_torch() -> None:
+    """The cpu backend's numba relu2 (both forwards use it) equals layers.activation's torch relu2 to the
+    bit, so bitnet mode stays bit-exact with the reference backend."""
+    from bitserve.kernels.cpu.backend import CpuBackend
+    from bitserve.layers.activation import relu2_and_mul
+
+    generator = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(5, 333, generator=generator) * 40 for _ in range(2))
+    gate[0, :4] = torch.tensor([-0.0, 0.0, float("nan"), float("inf")])
+    expected = relu2_and_mul(gate, up)
+    assert torch.equal(CpuBackend().relu2_and_mul(gate, up).view(torch.int32), expected.view(torch.int32))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 
 import numba
@@ -352,9 +352,12 @@ class CpuBackend(KernelBackend):
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """f32 [T, I] each -> silu(gate) * up, with the fast decode step's arithmetic (decode_glue.silu_mul):
         the q8 mode's module forward uses it so that both forwards agree to the bit."""
-        out = torch.empty(gate.shape, dtype=torch.float32)
-        decode_glue.silu_mul(gate.contiguous().numpy(), up.contiguous().numpy(), out.numpy())
-        return out
+        return _gated(decode_glue.silu_mul, gate, up)
+
+    def relu2_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """f32 [T, I] each -> relu(gate)^2 * up by decode_glue.relu2_mul: the fast decode step's relu2,
+        rounded as layers.activation.relu2_and_mul (torch) is, so the reference backend agrees too."""
+        return _gated(decode_glue.relu2_mul, gate, up)
 
     def rotary_(
         self,
@@ -401,3 +404,10 @@ def _pad_rows(dense: torch.Tensor, num_rows: int) -> torch.Tensor:
     if dense.shape[0] == num_rows:
         return dense
     return torch.cat([dense, dense.new_zeros(num_rows - dense.shape[0], dense.shape[1])])
+
+
+def _gated(kernel: Callable[..., None], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A decode_glue gated activation (gate, up, out: f32 [T, I]) on torch tensors."""
+    out = torch.empty(gate.shape, dtype=torch.float32)
+    kernel(gate.contiguous().numpy(), up.contiguous().numpy(), out.numpy())
+    return out

@@ -1,10 +1,13 @@
-"""numba glue between the int8 block-weight GEMVs of a fused decode step (models/cpu_fast_decode.py).
+"""numba glue between the int8 GEMVs of a fused decode step (models/cpu_fast_decode.py).
 
 Each function does, in one call, the small per-layer work between two matmuls and hands the next matmul
-its int8 activations (blockdot.quantize_block_q8: q int8 [Tp, K], dx / sx f32 [Tp, nb]). A decode step
-of a 30-layer model then makes 8 calls per layer from Python instead of ~40 torch / numba ones. The norm,
-RoPE and attention arithmetic is the fused kernels' (kernels/cpu/fused.py); SiLU is silu_mul below, which
-the module forward of the q8 mode calls too.
+its int8 activations. A decode step of a 30-layer model then makes 8 calls per layer from Python instead
+of ~40 torch / numba ones. Two kinds of weights take two kinds of activations, chosen by the type of the
+`kp` argument at compile time (quantize_for below): None for the Q4 / Q8_0 block weights
+(blockdot.quantize_block_q8: q int8 [Tp, K], dx / sx f32 [Tp, nb]), the padded width Kp (an int) for the
+ternary int8 kernels (int8dot.quantize_permute_i8: q int8 [Tp, Kp] permuted, s_act f32 [T], q_sum int32
+[T]). The norm, RoPE and attention arithmetic is the fused kernels' (kernels/cpu/fused.py); the gated
+activations are silu_mul / relu2_mul below, which the module forward on the cpu backend calls too.
 """
 
 from __future__ import annotations
@@ -12,30 +15,56 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from bitserve.kernels.cpu.blockdot import quantize_block_q8
 from bitserve.kernels.cpu.fused import paged_decode_attention_kernel, rms_norm_kernel, rotary_kernel
+from bitserve.kernels.cpu.int8dot import quantize_permute_i8
+
+
+def quantize_for(x: np.ndarray, kp: int | None, padded: int) -> tuple:
+    """x f32 [T, K] -> the next GEMV's int8 activations, T padded to `padded` rows (numba only)."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(quantize_for)
+def _quantize_for(x, kp, padded):  # noqa: ANN001, ANN202 - numba compares these names with the lambdas'
+    # chosen by kp's type while typing: the two quantizers return different tuples, and a compile-time
+    # choice (unlike a function argument) keeps the callers' on-disk cache valid
+    if isinstance(kp, types.NoneType):
+        return lambda x, kp, padded: quantize_block_q8(x, padded)
+    return lambda x, kp, padded: quantize_permute_i8(x, kp, padded)
 
 
 @njit(nogil=True, cache=True)
-def norm_quantize(x: np.ndarray, weight: np.ndarray, eps: float, padded: int) -> tuple:
+def norm_quantize(x: np.ndarray, weight: np.ndarray, eps: float, kp: int | None, padded: int) -> tuple:
     """RMSNorm(x f32 [T, N]) -> int8 activations of it, T padded to `padded` rows."""
     normed = np.empty_like(x)
     rms_norm_kernel(x, weight, eps, normed)
-    return quantize_block_q8(normed, padded)
+    return quantize_for(normed, kp, padded)
+
+
+@njit(nogil=True, cache=True)
+def sub_norm_quantize(
+    x: np.ndarray, sub_norm: np.ndarray | None, eps: float, kp: int | None, padded: int
+) -> tuple:
+    """int8 activations of x f32 [T, N], RMSNorm'd first where the model has a sub-norm there."""
+    if sub_norm is None:
+        return quantize_for(x, kp, padded)
+    return norm_quantize(x, sub_norm, eps, kp, padded)
 
 
 @njit(nogil=True, cache=True)
 def residual_norm_quantize(
-    x: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float, padded: int
+    x: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float, kp: int | None, padded: int
 ) -> tuple:
     """x += delta (in place, both f32 [T, N]: the residual stream and a projection's output), then
     norm_quantize(x)."""
     for t in range(x.shape[0]):
         for i in range(x.shape[1]):
             x[t, i] += delta[t, i]
-    return norm_quantize(x, weight, eps, padded)
+    return norm_quantize(x, weight, eps, kp, padded)
 
 
 @njit(nogil=True, cache=True)
@@ -51,13 +80,38 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(nogil=True, cache=True)
-def silu_mul_quantize(gate_up: np.ndarray, intermediate: int, padded: int) -> tuple:
-    """gate_up f32 [T, 2 I] (gate columns, then up) -> int8 activations of silu(gate) * up [T, I]."""
+def relu2_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """out = relu(gate)^2 * up, all f32 [T, I] C-contiguous, rounded as torch.relu(g).square() * up
+    (two f32 products; NaN passes through relu as torch's does). The cpu backend's relu2 for both
+    forwards (CpuBackend.relu2_and_mul)."""
+    zero = np.float32(0.0)
+    for t in range(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            g = gate[t, i]
+            r = zero if g <= zero else g
+            out[t, i] = (r * r) * up[t, i]
+
+
+@njit(nogil=True, cache=True)
+def gated_quantize(
+    gate_up: np.ndarray,
+    intermediate: int,
+    relu2: bool,
+    sub_norm: np.ndarray | None,
+    eps: float,
+    kp: int | None,
+    padded: int,
+) -> tuple:
+    """gate_up f32 [T, 2 I] (gate columns, then up) -> int8 activations of act(gate) * up [T, I]
+    (relu2 or SiLU), through the FFN sub-norm where the model has one."""
     gate = np.ascontiguousarray(gate_up[:, :intermediate])
     up = np.ascontiguousarray(gate_up[:, intermediate:])
     act = np.empty_like(gate)
-    silu_mul(gate, up, act)
-    return quantize_block_q8(act, padded)
+    if relu2:
+        relu2_mul(gate, up, act)
+    else:
+        silu_mul(gate, up, act)
+    return sub_norm_quantize(act, sub_norm, eps, kp, padded)
 
 
 @njit(nogil=True, cache=True)
@@ -76,12 +130,15 @@ def rope_attend_quantize(
     block_table: np.ndarray,
     seq_lens: np.ndarray,
     scale: float,
+    sub_norm: np.ndarray | None,
+    eps: float,
+    kp: int | None,
     padded: int,
 ) -> tuple:
     """One decode token per sequence (row t of qkv is sequence t). qkv f32 [T, (H + 2 KV) D]: q, k, v
     columns as the stacked projection writes them; RoPE on q and k, k and v written to their cache slots
     (pages f32 [num_blocks, block_size, KV, D]), paged attention over each sequence's seq_lens[t] keys,
-    and the int8 activations of the output [T, H D]."""
+    the attention sub-norm where the model has one, and the int8 activations of the output [T, H D]."""
     num_tokens = qkv.shape[0]
     head_dim = key_pages.shape[3]
     block_size = key_pages.shape[1]
@@ -97,4 +154,4 @@ def rope_attend_quantize(
                 value_pages[block, offset, h, d] = qkv[t, q_cols + kv_cols + h * head_dim + d]
     out = np.empty_like(q)
     paged_decode_attention_kernel(q, key_pages, value_pages, block_table, seq_lens, scale, out)
-    return quantize_block_q8(out.reshape(num_tokens, q_cols), padded)
+    return sub_norm_quantize(out.reshape(num_tokens, q_cols), sub_norm, eps, kp, padded)

@@ -177,11 +177,15 @@ class Int8BitnetLinear(_Int8Activations):
         self._row_scale = row_scales(self.scale, self.out_features).numpy()  # f32 [M]: the kernels read
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
-        q, s_act, q_sum = acts  # type: ignore[misc]
-        out = np.empty((x.shape[0], self.out_features), dtype=np.float32)
-        kernel = self._kernels.gemv if x.shape[0] == 1 else self._kernels.gemm
+        return torch.from_numpy(self.run_quantized(acts, x.shape[0]))  # type: ignore[arg-type]
+
+    def run_quantized(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:
+        """acts from quantize() (or the decode glue) -> f32 [num_tokens, M]."""
+        q, s_act, q_sum = acts
+        out = np.empty((num_tokens, self.out_features), dtype=np.float32)
+        kernel = self._kernels.gemv if num_tokens == 1 else self._kernels.gemm
         kernel(self._w, q, q_sum, s_act, self._row_scale, out)
-        return torch.from_numpy(out)
+        return out
 
 
 def row_scales(scale: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -381,9 +385,9 @@ class Int8BlockLinear(BlockLinear):
         blockdot.decode_rows(self._codes, self._d, self._m_np, self.layout is Layout.Q8_0, r0, out)
 
     def gemv(self, x: torch.Tensor, acts: object) -> torch.Tensor:
-        return torch.from_numpy(self.gemv_q8(acts, x.shape[0]))  # type: ignore[arg-type]
+        return torch.from_numpy(self.run_quantized(acts, x.shape[0]))  # type: ignore[arg-type]
 
-    def gemv_q8(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:
+    def run_quantized(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:
         """acts from quantize() (or the decode glue) -> f32 [num_tokens, M]."""
         q, dx, sx = acts
         out = np.empty((num_tokens, self.out_features), dtype=np.float32)
