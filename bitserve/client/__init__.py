@@ -19,7 +19,7 @@ from bitserve.client.errors import (
     ServiceUnavailableError,
     WaitTimeout,
 )
-from bitserve.client.types import (
+from bitserve.client.schema import (
     Batch,
     BatchResult,
     Detokenized,

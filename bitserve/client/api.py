@@ -11,7 +11,7 @@ from typing import Any, TypeVar, Union
 
 from bitserve.client import calls
 from bitserve.client.calls import Call, Deadline, Placement, settled
-from bitserve.client.types import (
+from bitserve.client.schema import (
     Batch,
     BatchResult,
     Detokenized,

@@ -11,25 +11,13 @@ from typing import Any, Generic, TypeVar
 
 import httpx
 
+from bitserve.client import schema
 from bitserve.client.errors import (
     BatchAPIUnavailable,
     OperationFailed,
     WaitTimeout,
     error_from_response,
     is_missing_route,
-)
-from bitserve.client.types import (
-    Batch,
-    BatchResult,
-    Detokenized,
-    FileObject,
-    Health,
-    Model,
-    ModelList,
-    Operation,
-    Probe,
-    Stats,
-    Tokenized,
 )
 
 T = TypeVar("T")
@@ -73,12 +61,12 @@ def _without_none(values: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------- models and operations
 
 
-def list_models() -> Call[ModelList]:
-    return Call("GET", "/v1/models", _model(ModelList))
+def list_models() -> Call[schema.ModelList]:
+    return Call("GET", "/v1/models", _model(schema.ModelList))
 
 
-def get_model(alias: str) -> Call[Model]:
-    return Call("GET", f"/v1/models/{alias}", _model(Model))
+def get_model(alias: str) -> Call[schema.Model]:
+    return Call("GET", f"/v1/models/{alias}", _model(schema.Model))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,39 +80,39 @@ class Placement:
         return _without_none({"device": self.device, "devices": list(self.devices) if self.devices else None})
 
 
-def load_model(model: str, alias: str | None, placement: Placement, validate: bool) -> Call[Operation]:
+def load_model(model: str, alias: str | None, placement: Placement, validate: bool) -> Call[schema.Operation]:
     body = {"model": model, "alias": alias, "validate": validate, **placement.fields()}
-    return Call("POST", "/v1/models/load", _model(Operation), json=_without_none(body))
+    return Call("POST", "/v1/models/load", _model(schema.Operation), json=_without_none(body))
 
 
-def swap_model(alias: str, model: str, placement: Placement, validate: bool) -> Call[Operation]:
+def swap_model(alias: str, model: str, placement: Placement, validate: bool) -> Call[schema.Operation]:
     body = {"model": model, "validate": validate, **placement.fields()}
-    return Call("POST", f"/v1/models/{alias}/swap", _model(Operation), json=body)
+    return Call("POST", f"/v1/models/{alias}/swap", _model(schema.Operation), json=body)
 
 
-def alias_action(alias: str, action: str) -> Call[Operation]:
+def alias_action(alias: str, action: str) -> Call[schema.Operation]:
     """rollback or unload."""
-    return Call("POST", f"/v1/models/{alias}/{action}", _model(Operation), json={})
+    return Call("POST", f"/v1/models/{alias}/{action}", _model(schema.Operation), json={})
 
 
-def get_operation(operation_id: str) -> Call[Operation]:
-    return Call("GET", f"{OPERATIONS_PATH}/{operation_id}", _model(Operation))
+def get_operation(operation_id: str) -> Call[schema.Operation]:
+    return Call("GET", f"{OPERATIONS_PATH}/{operation_id}", _model(schema.Operation))
 
 
 # ----------------------------------------------------------------- health, stats, tokenizer
 
 
-def health() -> Call[Health]:
-    return Call("GET", "/health", _model(Health))
+def health() -> Call[schema.Health]:
+    return Call("GET", "/health", _model(schema.Health))
 
 
-def probe(name: str) -> Call[Probe]:
+def probe(name: str) -> Call[schema.Probe]:
     """live or ready: a failing probe answers 503 with the same body, read as an answer."""
-    return Call("GET", f"/health/{name}", _model(Probe), ok_statuses=frozenset({503}))
+    return Call("GET", f"/health/{name}", _model(schema.Probe), ok_statuses=frozenset({503}))
 
 
-def stats() -> Call[Stats]:
-    return Call("GET", "/v1/stats", _model(Stats))
+def stats() -> Call[schema.Stats]:
+    return Call("GET", "/v1/stats", _model(schema.Stats))
 
 
 def metrics() -> Call[str]:
@@ -133,18 +121,18 @@ def metrics() -> Call[str]:
 
 def tokenize(
     prompt: str | None, messages: list[dict[str, Any]] | None, model: str | None, add_special_tokens: bool
-) -> Call[Tokenized]:
+) -> Call[schema.Tokenized]:
     body = _without_none(
         {"prompt": prompt, "messages": messages, "model": model, "add_special_tokens": add_special_tokens}
     )
-    return Call("POST", "/tokenize", _model(Tokenized), json=body)
+    return Call("POST", "/tokenize", _model(schema.Tokenized), json=body)
 
 
-def detokenize(tokens: Sequence[int], model: str | None) -> Call[Detokenized]:
+def detokenize(tokens: Sequence[int], model: str | None) -> Call[schema.Detokenized]:
     return Call(
         "POST",
         "/detokenize",
-        _model(Detokenized),
+        _model(schema.Detokenized),
         json=_without_none({"tokens": list(tokens), "model": model}),
     )
 
@@ -166,11 +154,11 @@ def batch_jsonl(bodies: Sequence[dict[str, Any]], endpoint: str, custom_ids: Seq
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
-def upload_batch_file(content: bytes, filename: str = "batch.jsonl") -> Call[FileObject]:
+def upload_batch_file(content: bytes, filename: str = "batch.jsonl") -> Call[schema.FileObject]:
     return Call(
         "POST",
         "/v1/files",
-        _model(FileObject),
+        _model(schema.FileObject),
         files={"file": (filename, content, "application/jsonl")},
         data={"purpose": "batch"},
         is_batch_api=True,
@@ -179,7 +167,7 @@ def upload_batch_file(content: bytes, filename: str = "batch.jsonl") -> Call[Fil
 
 def create_batch(
     input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, str] | None
-) -> Call[Batch]:
+) -> Call[schema.Batch]:
     body = _without_none(
         {
             "input_file_id": input_file_id,
@@ -188,27 +176,31 @@ def create_batch(
             "metadata": metadata,
         }
     )
-    return Call("POST", "/v1/batches", _model(Batch), json=body, is_batch_api=True)
+    return Call("POST", "/v1/batches", _model(schema.Batch), json=body, is_batch_api=True)
 
 
-def get_batch(batch_id: str) -> Call[Batch]:
-    return Call("GET", f"/v1/batches/{batch_id}", _model(Batch), is_batch_api=True)
+def get_batch(batch_id: str) -> Call[schema.Batch]:
+    return Call("GET", f"/v1/batches/{batch_id}", _model(schema.Batch), is_batch_api=True)
 
 
-def cancel_batch(batch_id: str) -> Call[Batch]:
-    return Call("POST", f"/v1/batches/{batch_id}/cancel", _model(Batch), is_batch_api=True)
+def cancel_batch(batch_id: str) -> Call[schema.Batch]:
+    return Call("POST", f"/v1/batches/{batch_id}/cancel", _model(schema.Batch), is_batch_api=True)
 
 
-def file_results(file_id: str) -> Call[list[BatchResult]]:
+def file_results(file_id: str) -> Call[list[schema.BatchResult]]:
     """A batch output or error file, one BatchResult per JSONL line."""
 
-    def read(response: httpx.Response) -> list[BatchResult]:
-        return [BatchResult.model_validate_json(line) for line in response.text.splitlines() if line.strip()]
+    def read(response: httpx.Response) -> list[schema.BatchResult]:
+        return [
+            schema.BatchResult.model_validate_json(line)
+            for line in response.text.splitlines()
+            if line.strip()
+        ]
 
     return Call("GET", f"/v1/files/{file_id}/content", read, is_batch_api=True)
 
 
-def result_files(batch: Batch) -> list[str]:
+def result_files(batch: schema.Batch) -> list[str]:
     """The files holding a batch's answers: its output file, then its error file."""
     return [file_id for file_id in (batch.output_file_id, batch.error_file_id) if file_id]
 
@@ -227,7 +219,7 @@ class Deadline:
             raise WaitTimeout(f"{what} did not finish in time", hint="it goes on on the server; wait again")
 
 
-def settled(operation: Operation) -> Operation:
+def settled(operation: schema.Operation) -> schema.Operation:
     """A finished operation, or OperationFailed when it failed."""
     if operation.state == "failed":
         raise OperationFailed(operation)

@@ -35,7 +35,11 @@ def request_arguments(call: Call[Any]) -> dict[str, Any]:
     return {"json": call.json, "files": call.files, "data": call.data}
 
 
-class Client(ClientMethods):
+class Connection(ClientMethods):
+    """What both clients hold: the server's URL, the poll interval, and the httpx client."""
+
+    http_class: type[httpx.Client] | type[httpx.AsyncClient]
+
     def __init__(
         self,
         url: str = DEFAULT_URL,
@@ -43,13 +47,19 @@ class Client(ClientMethods):
         api_key: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         poll_s: float = DEFAULT_POLL_S,
-        http_client: httpx.Client | None = None,
+        http_client: httpx.Client | httpx.AsyncClient | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.poll_s = poll_s
-        self._http = http_client or httpx.Client(
+        self._http: Any = http_client or self.http_class(
             base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key)
         )
+
+
+class Client(Connection):
+    """Blocking calls (`http_client`, if given, is an httpx.Client)."""
+
+    http_class = httpx.Client
 
     def _drive(self, steps: Steps[T]) -> T:
         answer: Any = None
@@ -81,21 +91,10 @@ class Client(ClientMethods):
         self.close()
 
 
-class AsyncClient(ClientMethods):
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        *,
-        api_key: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        poll_s: float = DEFAULT_POLL_S,
-        http_client: httpx.AsyncClient | None = None,
-    ) -> None:
-        self.url = url.rstrip("/")
-        self.poll_s = poll_s
-        self._http = http_client or httpx.AsyncClient(
-            base_url=self.url, timeout=timeout_s, headers=auth_headers(api_key)
-        )
+class AsyncClient(Connection):
+    """The same calls as coroutines (`http_client`, if given, is an httpx.AsyncClient)."""
+
+    http_class = httpx.AsyncClient
 
     async def _drive(self, steps: Steps[T]) -> T:  # type: ignore[override]
         answer: Any = None

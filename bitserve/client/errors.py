@@ -12,7 +12,7 @@ import httpx
 from bitserve.errors import BitserveError
 
 if TYPE_CHECKING:
-    from bitserve.client.types import Operation
+    from bitserve.client.schema import Operation
 
 MAX_TEXT_CHARS = 200  # of a body that is not bitserve's error JSON, in the message
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -72,38 +73,18 @@ def _copy(output: CompletionOutput) -> CompletionOutput:
 
 
 def _output_json(output: CompletionOutput) -> dict[str, Any]:
-    logprobs = None
-    if output.logprobs is not None:
-        logprobs = [
-            [entry.token_id, entry.logprob, entry.rank, [list(pair) for pair in entry.top_logprobs]]
-            for entry in output.logprobs
-        ]
-    return {
-        "index": output.index,
-        "text": output.text,
-        "token_ids": output.token_ids,
-        "finish_reason": output.finish_reason,
-        "stop_reason": output.stop_reason,
-        "logprobs": logprobs,
-    }
+    return dataclasses.asdict(output)  # TokenLogprobs entries become dicts, their pairs lists
 
 
 def _output_of(item: dict[str, Any]) -> CompletionOutput:
-    logprobs = None
-    if item["logprobs"] is not None:
-        logprobs = [
-            TokenLogprobs(
-                int(token_id), float(logprob), int(rank), tuple((int(t), float(lp)) for t, lp in top)
-            )
-            for token_id, logprob, rank, top in item["logprobs"]
-        ]
     if item["finish_reason"] not in COMPLETE_FINISH_REASONS:
         raise ValueError(f"a cache entry with finish reason {item['finish_reason']!r}")
-    return CompletionOutput(
-        int(item["index"]),
-        str(item["text"]),
-        [int(token) for token in item["token_ids"]],
-        item["finish_reason"],
-        item["stop_reason"],
-        logprobs,
-    )
+    logprobs = item.pop("logprobs")
+    if logprobs is not None:
+        logprobs = [
+            TokenLogprobs(
+                **{**entry, "top_logprobs": tuple((int(t), float(lp)) for t, lp in entry["top_logprobs"])}
+            )
+            for entry in logprobs
+        ]
+    return CompletionOutput(**item, logprobs=logprobs)

@@ -5,6 +5,7 @@ output; RecordingStream passes a generation through and hands its answer over on
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from bitserve.frontend.batch_stream import BatchStream
 from bitserve.frontend.device_router import RoutedStream
@@ -63,21 +64,9 @@ class RecordingStream(OutputStream):
         self.on_complete = on_complete
         self._result = inner.empty_result()
 
-    @property
-    def request_id(self) -> str:
-        return self.inner.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.inner.num_prompt_tokens
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.inner.num_output_tokens
-
-    @property
-    def timing(self) -> StreamTiming:
-        return self.inner.timing
+    def __getattr__(self, name: str) -> Any:
+        """request_id, num_prompt_tokens, num_output_tokens, timing, error: the inner stream's."""
+        return getattr(self.inner, name)
 
     @property
     def on_close(self) -> Callable[[BaseException | None], None] | None:
