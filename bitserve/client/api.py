@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, TypedDict, TypeVar, Union, Unpack
 
 from bitserve.client import calls
 from bitserve.client.calls import Call, Deadline, Placement, settled
@@ -28,6 +28,16 @@ T = TypeVar("T")
 Reply = Union[T, Awaitable[T]]  # noqa: UP007 - a generic alias: T from Client, Awaitable[T] from AsyncClient
 OperationCallback = Callable[[Operation], None]
 BatchCallback = Callable[[Batch], None]
+
+
+class Waiting(TypedDict, total=False):
+    """How an admin action is awaited. wait (default True): poll its operation until it ends, raising
+    OperationFailed if it failed (False: return the running operation); on_progress: called with each
+    polled state; timeout_s: WaitTimeout past it (the action goes on)."""
+
+    wait: bool
+    on_progress: OperationCallback | None
+    timeout_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +78,13 @@ class ClientMethods:
         device: str | None = None,
         devices: Sequence[str] | None = None,
         validate: bool = True,
-        wait: bool = True,
-        on_progress: OperationCallback | None = None,
-        timeout_s: float | None = None,
+        **waiting: Unpack[Waiting],
     ) -> Reply[Operation]:
         """Load `model` (a registered or catalog name, or a path inside a model root) beside what
         serves, as `alias`. With `wait`, poll until it ends (`on_progress` sees each state) and raise
         OperationFailed if it failed; else return the running operation."""
         call = calls.load_model(model, alias, Placement(device, devices), validate)
-        return self._drive(self._operation(call, wait, on_progress, timeout_s))
+        return self._drive(self._operation(call, **waiting))
 
     def swap(
         self,
@@ -86,37 +94,19 @@ class ClientMethods:
         device: str | None = None,
         devices: Sequence[str] | None = None,
         validate: bool = True,
-        wait: bool = True,
-        on_progress: OperationCallback | None = None,
-        timeout_s: float | None = None,
+        **waiting: Unpack[Waiting],
     ) -> Reply[Operation]:
         """Replace what `alias` serves with `model` (validated first; the old version drains)."""
         call = calls.swap_model(alias, model, Placement(device, devices), validate)
-        return self._drive(self._operation(call, wait, on_progress, timeout_s))
+        return self._drive(self._operation(call, **waiting))
 
-    def rollback(
-        self,
-        alias: str,
-        *,
-        wait: bool = True,
-        on_progress: OperationCallback | None = None,
-        timeout_s: float | None = None,
-    ) -> Reply[Operation]:
+    def rollback(self, alias: str, **waiting: Unpack[Waiting]) -> Reply[Operation]:
         """Serve `alias`'s previous version again."""
-        return self._drive(
-            self._operation(calls.alias_action(alias, "rollback"), wait, on_progress, timeout_s)
-        )
+        return self._drive(self._operation(calls.alias_action(alias, "rollback"), **waiting))
 
-    def unload(
-        self,
-        alias: str,
-        *,
-        wait: bool = True,
-        on_progress: OperationCallback | None = None,
-        timeout_s: float | None = None,
-    ) -> Reply[Operation]:
+    def unload(self, alias: str, **waiting: Unpack[Waiting]) -> Reply[Operation]:
         """Drain `alias`, then free it."""
-        return self._drive(self._operation(calls.alias_action(alias, "unload"), wait, on_progress, timeout_s))
+        return self._drive(self._operation(calls.alias_action(alias, "unload"), **waiting))
 
     def operation(self, operation_id: str) -> Reply[Operation]:
         return self._drive(one(calls.get_operation(operation_id)))
@@ -134,9 +124,9 @@ class ClientMethods:
     def _operation(
         self,
         call: Call[Operation],
-        wait: bool,
-        on_progress: OperationCallback | None,
-        timeout_s: float | None,
+        wait: bool = True,
+        on_progress: OperationCallback | None = None,
+        timeout_s: float | None = None,
     ) -> Steps[Operation]:
         operation: Operation = yield call
         if not wait:
