@@ -189,6 +189,21 @@ def test_an_expired_answer_is_generated_again(server: ThreadServer, api: openai.
     assert chat(api, temperature=0, messages=messages)[0] == "hit"  # stored again
 
 
+def test_an_answer_cut_short_is_not_stored(server: ThreadServer, api: openai.OpenAI) -> None:
+    """A deadline that passes mid-generation (504, or an error event when streaming) stores nothing:
+    the same request without a deadline (not part of the key) is generated, then cached."""
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    options: dict[str, Any] = {"temperature": 0, "messages": messages, "max_tokens": 200}
+    body = {"model": ALIAS, **options, "ignore_eos": True}
+    with pytest.raises(openai.APIStatusError) as expired:
+        chat(api, **options, extra_body={"ignore_eos": True, "timeout": 0.001})
+    assert expired.value.status_code == 504
+    status, chunks, is_done = sse_chat(server, {**body, "timeout": 0.001})
+    assert status == "miss" and is_done and "error" in chunks[-1]
+    assert chat(api, **options, extra_body={"ignore_eos": True})[0] == "miss"
+    assert chat(api, **options, extra_body={"ignore_eos": True})[0] == "hit"
+
+
 def test_a_swap_never_serves_the_old_versions_answers(
     server: ThreadServer, api: openai.OpenAI, chat_root: ModelRoot
 ) -> None:
