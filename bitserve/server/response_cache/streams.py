@@ -53,9 +53,9 @@ class ReplayStream(OutputStream):
 
 
 class RecordingStream(OutputStream):
-    """`inner`, unchanged to its reader; its outputs are merged aside and, when the last one arrives
-    with every choice complete (stop or length), `on_complete(result)` gets the whole answer. An
-    error, a deadline or a close before the end records nothing."""
+    """`inner`, unchanged to its reader; its outputs are merged aside and, when the finished one
+    arrives, `on_complete(result)` gets the whole answer (which keeps it only if every choice ended
+    with stop or length). An error, a deadline or a close before the end hands over nothing."""
 
     def __init__(
         self, inner: RoutedStream | BatchStream, on_complete: Callable[[RequestOutput], None]
