@@ -94,14 +94,56 @@ def test_errors_are_typed_and_carry_the_servers_json(client: Client) -> None:
     client.rollback(ALIAS)
 
 
-def test_batch_methods_need_the_batch_api(client: Client) -> None:
-    """This server has no /v1/files or /v1/batches: a clear error, not a bare 404."""
+def has_batch_api() -> bool:
+    from bitserve.server.routes import ROUTES
+
+    return any(route.path == "/v1/batches" for route in ROUTES)
+
+
+def test_batch_methods_without_the_batch_api(client: Client) -> None:
+    """A server without /v1/files and /v1/batches: a clear BatchAPIUnavailable, not a bare 404."""
+    if has_batch_api():
+        pytest.skip("this bitserve serves the Batch API (test_batches_round_trip covers it)")
     with pytest.raises(BatchAPIUnavailable) as unavailable:
         client.create_batch_from_requests([{"model": ALIAS, "messages": [{"role": "user", "content": "hi"}]}])
     assert unavailable.value.status_code == 404 and "Batch API" in (unavailable.value.hint or "")
     for call in (client.batch, client.wait_batch, client.batch_results):
         with pytest.raises(BatchAPIUnavailable):
             call("batch_123")
+
+
+def test_batches_round_trip(request: pytest.FixtureRequest) -> None:
+    """Against `bitserve serve` (embedded SmolLM2, whose Batch API is on): upload the bodies, wait
+    with progress, read every answer by custom id."""
+    if not has_batch_api():
+        pytest.skip("this bitserve has no Batch API (test_batch_methods_without_the_batch_api covers it)")
+    blackbox = request.getfixturevalue("blackbox")
+    bodies = [
+        {
+            "model": "smollm2-135m-instruct",
+            "messages": [{"role": "user", "content": f"Count to {i}."}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        for i in range(2)
+    ]
+    with Client(blackbox.url, poll_s=0.2) as api:
+        created = api.create_batch_from_requests(bodies, custom_ids=["a", "b"], metadata={"job": "client"})
+        assert created.metadata == {"job": "client"} and created.endpoint == "/v1/chat/completions"
+        statuses: list[str] = []
+        finished = api.wait_batch(
+            created.id, on_progress=lambda batch: statuses.append(batch.status), timeout_s=180
+        )
+        assert finished.status == "completed" and statuses[-1] == "completed"
+        assert finished.request_counts is not None and finished.request_counts.completed == 2
+        results = {result.custom_id: result for result in api.batch_results(created.id)}
+        assert set(results) == {"a", "b"}
+        assert all(
+            r.error is None and r.body is not None and r.body["object"] == "chat.completion"
+            for r in results.values()
+        )
+        with pytest.raises(NotFoundError):
+            api.batch("batch_does_not_exist")
 
 
 def test_the_async_client_has_the_same_calls(server: ThreadServer, model_root: ModelRoot) -> None:
