@@ -116,6 +116,7 @@ FORBIDDEN_IMPORTS = {
         "loader",
         "tokenizer",
         "metrics",
+        "structured",
         "torch",
         "numpy",
     },
