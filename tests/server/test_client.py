@@ -1,7 +1,7 @@
 """bitserve.Client and bitserve.AsyncClient against a real server (uvicorn on a socket, tiny synthetic
 model versions in a model root): models load / swap / rollback / unload with progress, health,
-stats, tokenize, and errors as typed exceptions holding the server's error JSON. The Batch API's
-methods are checked against a server without it (a clear BatchAPIUnavailable)."""
+stats, tokenize, and errors as typed exceptions holding the server's error JSON; the batch calls
+against `bitserve serve`'s Batch API (and an older server's route 404 as BatchAPIUnavailable)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from http_testing import free_port
+from http_testing import ServerProcess, free_port
 from lifecycle_testing import ModelRoot, ThreadServer, lifecycle_server, version_of
 
 import bitserve
@@ -94,30 +94,24 @@ def test_errors_are_typed_and_carry_the_servers_json(client: Client) -> None:
     client.rollback(ALIAS)
 
 
-def has_batch_api() -> bool:
-    from bitserve.server.routes import ROUTES
+def test_a_server_without_the_batch_api_is_named_as_such() -> None:
+    """An older bitserve (no /v1/files, /v1/batches) answers the route 404 below: BatchAPIUnavailable
+    with a hint, not a bare 404 (a missing batch on a server with the API stays NotFoundError)."""
+    route_404 = {"error": {"message": "no route for POST /v1/files", "type": "invalid_request_error",
+                           "param": None, "code": "not_found", "hint": None}}  # fmt: skip
 
-    return any(route.path == "/v1/batches" for route in ROUTES)
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json=route_404)
 
-
-def test_batch_methods_without_the_batch_api(client: Client) -> None:
-    """A server without /v1/files and /v1/batches: a clear BatchAPIUnavailable, not a bare 404."""
-    if has_batch_api():
-        pytest.skip("this bitserve serves the Batch API (test_batches_round_trip covers it)")
-    with pytest.raises(BatchAPIUnavailable) as unavailable:
-        client.create_batch_from_requests([{"model": ALIAS, "messages": [{"role": "user", "content": "hi"}]}])
-    assert unavailable.value.status_code == 404 and "Batch API" in (unavailable.value.hint or "")
-    for call in (client.batch, client.wait_batch, client.batch_results):
-        with pytest.raises(BatchAPIUnavailable):
-            call("batch_123")
+    transport = httpx.Client(base_url="http://test", transport=httpx.MockTransport(answer))
+    with Client("http://test", http_client=transport) as api, pytest.raises(BatchAPIUnavailable) as missing:
+        api.create_batch_from_requests([{"model": ALIAS, "prompt": "hi"}], endpoint="/v1/completions")
+    assert missing.value.status_code == 404 and "Batch API" in (missing.value.hint or "")
 
 
-def test_batches_round_trip(request: pytest.FixtureRequest) -> None:
-    """Against `bitserve serve` (embedded SmolLM2, whose Batch API is on): upload the bodies, wait
-    with progress, read every answer by custom id."""
-    if not has_batch_api():
-        pytest.skip("this bitserve has no Batch API (test_batch_methods_without_the_batch_api covers it)")
-    blackbox = request.getfixturevalue("blackbox")
+def test_batches_round_trip(blackbox: ServerProcess) -> None:
+    """Against `bitserve serve` (embedded SmolLM2, its Batch API on): upload the bodies, wait with
+    progress, read every answer by custom id."""
     bodies = [
         {
             "model": "smollm2-135m-instruct",
