@@ -1,7 +1,8 @@
 """bitserve: an inference server for 1-bit / ternary LLMs (BitNet b1.58) and GGUF models.
 
-Public API only: LLM, SamplingParams, RequestOutput, CompletionOutput. Heavy modules load lazily so
-that `import bitserve` stays cheap for the CLI and the server's settings.
+Public API only: LLM, SamplingParams, RequestOutput, CompletionOutput, and Client / AsyncClient (a
+running server's operations). Heavy modules load lazily so that `import bitserve` stays cheap for the
+CLI and the server's settings.
 """
 
 from __future__ import annotations
@@ -16,9 +17,18 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncClient",
+    "Client",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 if TYPE_CHECKING:
+    from bitserve.client import AsyncClient, Client
     from bitserve.llm import LLM
     from bitserve.outputs import CompletionOutput, RequestOutput
     from bitserve.sampling_params import SamplingParams
@@ -28,6 +38,8 @@ _LAZY = {
     "SamplingParams": "bitserve.sampling_params",
     "RequestOutput": "bitserve.outputs",
     "CompletionOutput": "bitserve.outputs",
+    "Client": "bitserve.client",
+    "AsyncClient": "bitserve.client",
 }
 
 

@@ -213,6 +213,32 @@ class ServerConfig:
             "during probation, roll back when the mean inter-token latency exceeds this (off when unset)"
         ),
     )
+    # NOTE: off by default. A hit skips the engine, so a load test or benchmark that repeats a greedy
+    # prompt (`bitserve bench --prompt`) would measure the cache, and a client that repeats a greedy
+    # request to check the engine's determinism would check the cache instead. Operators whose
+    # traffic repeats (evals, CI, FAQ-style prompts) turn it on; see README "Response cache".
+    response_cache: bool = field(
+        default=False,
+        metadata=_help(
+            "answer repeated deterministic requests (temperature 0, or a seed) from a cache; "
+            "never across model versions"
+        ),
+    )
+    response_cache_bytes: int = field(
+        default=256 * 1024 * 1024,
+        metadata=_help("memory budget of the response cache (least recently used answers are evicted)"),
+    )
+    response_cache_dir: str | None = field(
+        default=None,
+        metadata=_help("folder for the response cache's disk tier (compressed; survives restarts)"),
+    )
+    response_cache_disk_bytes: int = field(
+        default=2 * 1024 * 1024 * 1024,
+        metadata=_help("disk budget of the response cache's disk tier (oldest answers are removed)"),
+    )
+    response_cache_ttl_s: float = field(
+        default=3600.0, metadata=_help("seconds a cached answer is served before it is generated again")
+    )
     warmup: bool = field(default=True, metadata=_help("run one short generation before reporting ready"))
     access_log: bool = field(default=True, metadata=_help("log one line per HTTP request"))
     log_format: str = field(default="json", metadata=_help("log format: json (one object per line) or text"))
@@ -272,6 +298,13 @@ class ServerConfig:
             raise ValueError(
                 f"low_priority_share must be in (0, 1 - high_priority_reserve], got {self.low_priority_share}"
             )
+        for name in ("response_cache_bytes", "response_cache_disk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.response_cache_ttl_s > 0:
+            raise ValueError(f"response_cache_ttl_s must be > 0, got {self.response_cache_ttl_s}")
+        if self.response_cache_dir is not None and not self.response_cache:
+            raise ValueError("response_cache_dir needs response_cache on (--response-cache)")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 

@@ -28,6 +28,7 @@ PACKAGES = (
     "metrics",
     "tokenizer",
     "structured",
+    "client",
     "cli",
 )
 

@@ -1,22 +1,20 @@
 """`bitserve models list | load | swap | rollback | unload` against a running server's admin API, and
 `bitserve pull NAME` (a catalog model, downloaded with pip's progress bar, then checked and hashed).
-Actions are submitted without waiting and their operation is polled, showing its phase and progress.
+Actions go through bitserve.Client: submitted without waiting, then their operation is polled, showing
+its phase and progress.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
-import httpx
-
 from bitserve.cli.console import emit, emit_json, emit_progress
+from bitserve.client import Client, Model, Operation
+from bitserve.client.clients import DEFAULT_URL
 from bitserve.errors import BitserveError
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 POLL_S = 0.5
-HTTP_TIMEOUT_S = 30.0
 DEVICE_HELP = (
     "where it runs: auto, cpu, cuda, cuda:N, or a comma-separated list, one replica each "
     "(default: the server's --device for a load, the alias's devices for a swap)"
@@ -24,7 +22,7 @@ DEVICE_HELP = (
 
 
 class AdminCallFailed(BitserveError):
-    """The server refused an admin call or its operation failed."""
+    """A `bitserve pull` of a name the catalog does not have."""
 
 
 def add_models_parsers(sub: Any) -> None:
@@ -63,49 +61,31 @@ def add_models_parsers(sub: Any) -> None:
     pull.add_argument("--json", action="store_true")
 
 
-def _check(response: httpx.Response) -> dict[str, Any]:
-    body: dict[str, Any] = response.json() if response.content else {}
-    if response.status_code >= 400:
-        error = body.get("error") or {}
-        hint = error.get("hint")
-        raise AdminCallFailed(
-            f"{response.status_code} {error.get('code', '')}: {error.get('message', response.text[:200])}",
-            hint=hint,
-        )
-    return body
-
-
-def _wait_for(client: httpx.Client, operation: dict[str, Any]) -> dict[str, Any]:
-    """Poll the operation's status URL, showing phase and progress, until it ends."""
-    while operation["state"] == "running":
+def _show_progress(operation: Operation) -> None:
+    """The progress bar of a running operation; its last frame (with the end state) ends the line."""
+    if operation.is_done:
+        emit_progress(f"{operation.action} {operation.alias}: {operation.state}", 1.0, done=True)
+    else:
         emit_progress(
-            f"{operation['action']} {operation['alias']}: {operation.get('phase') or 'queued'}",
-            operation.get("progress") or 0.0,
+            f"{operation.action} {operation.alias}: {operation.phase or 'queued'}", operation.progress
         )
-        time.sleep(POLL_S)
-        operation = _check(client.get(f"/v1/models/operations/{operation['id']}"))
-    emit_progress(f"{operation['action']} {operation['alias']}: {operation['state']}", 1.0, done=True)
-    if operation["state"] == "failed":
-        error = operation.get("error") or {}
-        raise AdminCallFailed(f"{operation['action']} failed: {error.get('message')}", hint=error.get("hint"))
-    return operation
 
 
-def _format_models(data: list[dict[str, Any]]) -> str:
+def _format_models(models: list[Model]) -> str:
     rows = [("ALIAS", "VERSION", "STATE", "FILE", "ARCH", "FORMATS", "DEVICES", "MEMORY", "ACTIVE")]
-    for model in data:
-        memory = model.get("memory_bytes")
+    for model in models:
+        memory = model.memory_bytes
         rows.append(
             (
-                model["id"] + (" *" if model.get("is_default") else ""),
-                str(model.get("version")),
-                str(model.get("state")),
-                str(model.get("file")),
-                str(model.get("architecture")),
-                ",".join(model.get("quant_formats") or []),
-                ",".join(model.get("devices") or []) or "-",
+                model.id + (" *" if model.is_default else ""),
+                str(model.version),
+                model.state,
+                str(model.file),
+                str(model.architecture),
+                ",".join(model.quant_formats),
+                ",".join(model.devices) or "-",
                 f"{memory / 1e6:.0f} MB" if memory else "-",
-                str(model.get("num_active_requests", 0)),
+                str(model.num_active_requests),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -115,26 +95,36 @@ def _format_models(data: list[dict[str, Any]]) -> str:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    with httpx.Client(base_url=args.url, timeout=HTTP_TIMEOUT_S, headers=headers) as client:
+    with Client(args.url, api_key=args.api_key, poll_s=POLL_S) as client:
         if args.action == "list":
-            body = _check(client.get("/v1/models"))
-            emit_json(body) if args.json else emit(_format_models(body["data"]))
+            listing = client.list_models()
+            emit_json(listing.model_dump()) if args.json else emit(_format_models(listing.data))
             return 0
-        if args.action in ("load", "swap"):
-            devices = [part.strip() for part in args.device.split(",")] if args.device is not None else None
-            payload = {"model": args.model, "validate": args.validate, "devices": devices}
-            if args.action == "load":
-                payload["alias"] = args.alias
-            path = "/v1/models/load" if args.action == "load" else f"/v1/models/{args.alias}/swap"
-            response = client.post(path, json={k: v for k, v in payload.items() if v is not None})
-        else:
-            response = client.post(f"/v1/models/{args.alias}/{args.action}", json={})
-        operation = _wait_for(client, _check(response))
-    emit_json(operation) if args.json else emit(
-        f"{operation['action']} {operation['alias']}: {operation['result']}"
+        operation = _submit(client, args)
+    emit_json(operation.model_dump()) if args.json else emit(
+        f"{operation.action} {operation.alias}: {operation.result}"
     )
     return 0
+
+
+def _submit(client: Client, args: argparse.Namespace) -> Operation:
+    """Run the action, polling its operation with a progress bar; OperationFailed if it fails."""
+    if args.action in ("load", "swap"):
+        devices = [part.strip() for part in args.device.split(",")] if args.device is not None else None
+        if args.action == "load":
+            return client.load(
+                args.model,
+                alias=args.alias,
+                devices=devices,
+                validate=args.validate,
+                on_progress=_show_progress,
+            )
+        return client.swap(
+            args.alias, args.model, devices=devices, validate=args.validate, on_progress=_show_progress
+        )
+    if args.action == "rollback":
+        return client.rollback(args.alias, on_progress=_show_progress)
+    return client.unload(args.alias, on_progress=_show_progress)
 
 
 def run_pull(args: argparse.Namespace) -> int:

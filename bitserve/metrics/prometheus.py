@@ -5,17 +5,23 @@ that imports prometheus_client; each sink owns its CollectorRegistry, so apps an
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from bitserve.core.step_outputs import StepStats
 from bitserve.metrics.energy import EnergyCollector
-from bitserve.metrics.stats import LifecycleEvent, RequestStats, SlotLabels
+from bitserve.metrics.stats import (
+    CacheTierStats,
+    LifecycleEvent,
+    RequestStats,
+    ResponseCacheStats,
+    SlotLabels,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +136,41 @@ class MemoryLimitCollector(Collector):
         if limit is not None:  # no limit: the family is described, with no sample
             family.add_metric([], limit)
         yield family
+
+
+class ResponseCacheCollector(Collector):
+    """bitserve_response_cache_*: read from the cache's own counters on each scrape (the cache keeps
+    them for /v1/stats too, so there is one count). `tier` is memory or disk."""
+
+    def __init__(self, read: Callable[[], ResponseCacheStats]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._read()
+        tiers: list[tuple[str, CacheTierStats]] = [("memory", stats.memory)]
+        if stats.disk is not None:
+            tiers.append(("disk", stats.disk))
+        prefix = "bitserve_response_cache"
+        hits = CounterMetricFamily(
+            f"{prefix}_hits", "Requests answered from the response cache.", labels=["tier"]
+        )
+        evictions = CounterMetricFamily(
+            f"{prefix}_evictions", "Cached answers removed to stay within the byte budget.", labels=["tier"]
+        )
+        size = GaugeMetricFamily(f"{prefix}_bytes", "Bytes the response cache holds.", labels=["tier"])
+        entries = GaugeMetricFamily(f"{prefix}_entries", "Answers the response cache holds.", labels=["tier"])
+        for tier, tier_stats in tiers:
+            hits.add_metric([tier], tier_stats.hits)
+            evictions.add_metric([tier], tier_stats.evictions)
+            size.add_metric([tier], tier_stats.bytes)
+            entries.add_metric([tier], tier_stats.entries)
+        yield hits
+        yield CounterMetricFamily(
+            f"{prefix}_misses", "Deterministic requests the response cache did not hold.", value=stats.misses
+        )
+        yield evictions
+        yield size
+        yield entries
 
 
 class PrometheusStatsSink:
@@ -452,6 +493,10 @@ class PrometheusStatsSink:
         self._update_aliases(model)
         if not devices:
             self._devices.pop(model, None)
+
+    def watch_response_cache(self, read: Callable[[], ResponseCacheStats]) -> None:
+        """Export the response cache's counters (app.py calls this when --response-cache is on)."""
+        self.registry.register(ResponseCacheCollector(read))
 
     def render(self) -> tuple[bytes, str]:
         """The body and content type for GET /metrics (Prometheus text exposition format)."""

@@ -50,6 +50,33 @@ class SlotLabels:
     architecture: str
 
 
+@dataclass(frozen=True, slots=True)
+class CacheTierStats:
+    """One tier of the response cache now: its hits, entries, bytes and evictions so far."""
+
+    hits: int
+    entries: int
+    bytes: int
+    budget_bytes: int
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseCacheStats:
+    """The response cache's counters (server/response_cache), read by /v1/stats and each scrape."""
+
+    misses: int  # lookups of cacheable requests that found nothing (they were generated)
+    stores: int  # complete answers kept
+    expired: int  # entries found past their TTL (dropped, counted as misses)
+    corrupt: int  # damaged disk entries ignored and removed (counted as misses)
+    memory: CacheTierStats
+    disk: CacheTierStats | None  # None without --response-cache-dir
+
+    @property
+    def hits(self) -> int:
+        return self.memory.hits + (self.disk.hits if self.disk is not None else 0)
+
+
 class StatsSink(Protocol):
     def record_step(self, model: str, device: str, quant_format: str, stats: StepStats) -> None:
         """One engine step of `model`'s replica on `device` (serving weights of `quant_format`)."""

@@ -28,6 +28,7 @@ from bitserve.server.batches.service import BatchService
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
 from bitserve.server.protocol import valid_request_id
+from bitserve.server.response_cache.cache import ResponseCache
 from bitserve.server.routes import batch_endpoints, register_routes
 from bitserve.server.security.config import SecurityConfig
 from bitserve.server.security.install import install_security
@@ -112,7 +113,12 @@ def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> App
     roots = [root for root in (server_config.model_roots or "").split(os.pathsep) if root]
     files = ModelFiles(roots)
     models = ModelManager(engine_config, server_config, stats, files)
-    return AppState(server_config, engine_config, stats, read_build_info(), models)
+    response_cache = ResponseCache.from_config(server_config)
+    if response_cache is not None:
+        stats.watch_response_cache(response_cache.stats)
+    return AppState(
+        server_config, engine_config, stats, read_build_info(), models, response_cache=response_cache
+    )
 
 
 def build_app(
@@ -163,6 +169,8 @@ def build_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await load_task
             await state.models.shutdown()
+            if state.response_cache is not None:
+                await state.response_cache.flush()
             await guard.close()
             if tracer_provider is not None:
                 tracer_provider.shutdown()  # flushes the spans still batched

@@ -28,6 +28,8 @@ from bitserve.server.deadlines import TIMEOUT_HEADER, request_deadline
 from bitserve.server.prompts import encode_prompt
 from bitserve.server.protocol import GenerationRequest, PromptInput, new_request_id, usage_payload
 from bitserve.server.request_log import log_if_slow
+from bitserve.server.response_cache.cache import CACHE_HEADER, look_up
+from bitserve.server.response_cache.streams import RecordingStream, ReplayStream
 from bitserve.server.security.guard import RequestSecurity
 from bitserve.server.security.request_context import charge_tokens, request_security, token_cost
 from bitserve.server.state import AppState, get_state
@@ -43,6 +45,7 @@ from bitserve.server.tracing import current_span, record_generation_spans
 from bitserve.tokenizer.base import Tokenizer
 
 BodyT = TypeVar("BodyT", bound=GenerationRequest)
+OutputStreamLike = RoutedStream | BatchStream | ReplayStream
 
 
 @dataclass(slots=True)
@@ -52,10 +55,11 @@ class Generation:
     state: AppState
     body: Any  # the endpoint's GenerationRequest subclass
     lease: Lease
-    stream: RoutedStream | BatchStream
+    stream: RoutedStream | BatchStream | ReplayStream | RecordingStream
     started: float  # time.monotonic() when the request arrived
     prompt_token_ids: list[list[int]]  # each prompt's (one, unless a batched completions request)
     created: int = field(default_factory=lambda: int(time.time()))
+    cache: str | None = None  # "hit" | "miss" when the response cache looked this request up
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -101,13 +105,19 @@ async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Ge
 async def admit(state: AppState, body: BodyT, id_prefix: str, caller: Caller, started: float) -> Generation:
     """Lease, default, encode and admit one validated generation request (`started`: its arrival,
     time.monotonic()). A batched completions request admits one stream per prompt, seen as one
-    BatchStream."""
+    BatchStream. With the response cache on, a deterministic request's stored answer is replayed
+    instead of admitted, and a generated one is stored once it completes."""
     lease = state.acquire(body.model)
     with lease.released_on_error():
         body = with_model_defaults(body, lease.slot.source.default_params)  # may set `timeout` too
         deadline = request_deadline(started, body.timeout, caller.timeout_header)
-        prompts = body.prompt_inputs()
+        lookup = await look_up(state.response_cache, id_prefix, body, lease.info)
+        if lookup is not None and lookup.entry is not None:
+            replay = ReplayStream(new_request_id(id_prefix), lookup.entry)
+            _close_with_lease(state, lease, replay, started)
+            return Generation(state, body, lease, replay, started, lookup.entry.prompt_token_ids, cache="hit")
         request_id = new_request_id(id_prefix)
+        prompts = body.prompt_inputs()
         streams: list[RoutedStream] = []
         try:
             for index, prompt in enumerate(prompts):
@@ -120,21 +130,32 @@ async def admit(state: AppState, body: BodyT, id_prefix: str, caller: Caller, st
         stream: RoutedStream | BatchStream = (
             streams[0] if len(streams) == 1 else BatchStream(request_id, streams, body.n)
         )
-        settle = stream.on_close
-        span = current_span() if state.tracer is not None else None  # the request's (TracingMiddleware)
-
-        def on_close(error: BaseException | None) -> None:
-            lease.finish(error)  # once, when every prompt's stream has ended
-            if settle is not None:
-                settle(error)
-            timing = stream.timing
-            if span is not None:
-                record_generation_spans(state.tracer, span, timing)
-            log_if_slow(state.server_config.slow_request_s, started, timing, stream.num_prompt_tokens)
-
-        stream.on_close = on_close
+        _close_with_lease(state, lease, stream, started)
     prompt_ids = [admitted.submission.prompt_token_ids for admitted in streams]
-    return Generation(state, body, lease, stream, started, prompt_ids)
+    generation = Generation(state, body, lease, stream, started, prompt_ids)
+    if lookup is not None:
+        generation.stream = lookup.recording(stream, prompt_ids)
+        generation.cache = "miss"
+    return generation
+
+
+def _close_with_lease(state: AppState, lease: Lease, stream: OutputStreamLike, started: float) -> None:
+    """When `stream` closes: release the lease (once, after every prompt's stream ended), run what
+    the stream already had to do on close, record the generation's spans when tracing, and log it
+    if it was slow."""
+    settle = stream.on_close
+    span = current_span() if state.tracer is not None else None  # the request's (TracingMiddleware)
+
+    def on_close(error: BaseException | None) -> None:
+        lease.finish(error)
+        if settle is not None:
+            settle(error)
+        timing = stream.timing
+        if span is not None:
+            record_generation_spans(state.tracer, span, timing)
+        log_if_slow(state.server_config.slow_request_s, started, timing, stream.num_prompt_tokens)
+
+    stream.on_close = on_close
 
 
 async def _admit(
@@ -179,6 +200,8 @@ async def respond(
 ) -> Response:
     """SSE frames when `stream`, else run to the end: one JSON body (499 if the client leaves first)."""
     headers = version_header(generation.version)
+    if generation.cache is not None:
+        headers[CACHE_HEADER] = generation.cache
     if stream:
         keepalive_s = generation.state.server_config.sse_keepalive_s
         return SSEResponse(sse_events(generation.stream, keepalive_s, response_format), headers=headers)

@@ -146,6 +146,8 @@ async def stats(request: Request) -> Response:
             "max_num_queued_tokens": config.max_num_queued_tokens,
         },
     }
+    cache = state.response_cache
+    payload["response_cache"] = cache.describe() if cache is not None else {"enabled": False}
     slot = state.default_slot()
     if slot is None or not slot.replicas:
         return JSONResponse(payload)

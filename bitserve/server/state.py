@@ -24,6 +24,7 @@ from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.slot import Lease, ModelSlot
 from bitserve.metrics.stats import StatsSink
 from bitserve.server.batches.service import BatchService
+from bitserve.server.response_cache.cache import ResponseCache
 from bitserve.server.security.principal import check_model_access
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class AppState:
     started_at: float = field(default_factory=time.time)
     tracer: Any = None  # an OpenTelemetry tracer when tracing is on (server/tracing.py)
     batches: BatchService = field(default_factory=lambda: BatchService(None, {}, 0))  # the Batch API
+    response_cache: ResponseCache | None = None  # --response-cache (server/response_cache)
 
     @property
     def phase(self) -> str:

@@ -25,12 +25,15 @@ from bitserve.frontend.device_router import RoutedStream
 from bitserve.frontend.generation_stream import GenerationStream
 from bitserve.server.errors import sse_error_event
 from bitserve.server.protocol import usage_payload
+from bitserve.server.response_cache.streams import RecordingStream, ReplayStream
 
 if TYPE_CHECKING:
     from bitserve.server.pipeline import ResponseFormat
 
 logger = logging.getLogger(__name__)
 
+# what a generation's stream may be: admitted (one prompt, or a batch), or the response cache's
+AnyStream = GenerationStream | RoutedStream | BatchStream | ReplayStream | RecordingStream
 DONE_FRAME = b"data: [DONE]\n\n"
 PING_FRAME = b": ping\n\n"
 CLIENT_CLOSED_STATUS = 499  # the client left before its answer; only the access log sees it
@@ -131,7 +134,7 @@ class SSEResponse(Response):
 
 
 async def stream_payloads(
-    stream: GenerationStream | RoutedStream | BatchStream,
+    stream: AnyStream,
     keepalive_s: float,
     response_format: ResponseFormat,
 ) -> AsyncIterator[dict[str, Any] | None]:
@@ -163,7 +166,7 @@ async def stream_payloads(
 
 
 async def sse_events(
-    stream: GenerationStream | RoutedStream | BatchStream,
+    stream: AnyStream,
     keepalive_s: float,
     response_format: ResponseFormat,
 ) -> AsyncIterator[bytes]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from http_testing import ServerProcess
+from lifecycle_testing import ModelRoot, build_model_root
 
 from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
@@ -70,3 +71,10 @@ def blackbox(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> It
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="package")
+def model_root(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> ModelRoot:
+    """The lifecycle tests' model root (tiny v1 and v2, broken and escaping files), built once for the
+    package: tests read it, none writes it."""
+    return build_model_root(tmp_path_factory.mktemp("lifecycle"), smollm2_path)

@@ -24,7 +24,6 @@ from fastapi.testclient import TestClient
 from lifecycle_testing import (
     ModelRoot,
     admin,
-    build_model_root,
     failed,
     lifecycle_server,
     run_clients,
@@ -223,11 +222,6 @@ def requests_on(url: str, model: str, device: str) -> float:
         if sample.name == "bitserve_requests_total"
         and (sample.labels["model"], sample.labels["device"]) == (model, device)
     )
-
-
-@pytest.fixture(scope="module")
-def model_root(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> ModelRoot:
-    return build_model_root(tmp_path_factory.mktemp("replicas"), smollm2_path)
 
 
 def test_swap_under_load_replaces_both_replicas_and_loses_nothing(model_root: ModelRoot) -> None:

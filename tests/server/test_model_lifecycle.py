@@ -17,7 +17,6 @@ from lifecycle_testing import (
     KV_CACHE_BYTES,
     ModelRoot,
     admin,
-    build_model_root,
     failed,
     lifecycle_server,
     metric_value,
@@ -27,11 +26,6 @@ from lifecycle_testing import (
 )
 
 ALIAS = "v1"  # the startup model's alias: its file stem
-
-
-@pytest.fixture(scope="module")
-def model_root(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> ModelRoot:
-    return build_model_root(tmp_path_factory.mktemp("lifecycle"), smollm2_path)
 
 
 # ----------------------------------------------------------------- acceptance: swap under load

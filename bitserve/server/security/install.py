@@ -22,6 +22,7 @@ CORS_HEADERS = ["authorization", "content-type", "x-api-key", "x-request-id"]
 CORS_EXPOSED_HEADERS = [
     "x-request-id",
     "x-model-version",
+    "x-cache",  # hit | miss from the response cache
     "retry-after",
     *(
         f"x-ratelimit-{what}-{kind}"
