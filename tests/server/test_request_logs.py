@@ -31,21 +31,26 @@ def json_log() -> Iterator[io.StringIO]:
     handler.setFormatter(JsonFormatter())
     handler.addFilter(RequestIdFilter())
     handler.addFilter(RedactionFilter())
-    root, access = logging.getLogger(), logging.getLogger("uvicorn.access")
-    saved = (root.level, access.propagate, access.level, access.disabled)
+    root = logging.getLogger()
+    uvicorn_loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")]
+    saved_root = root.level
+    saved = [(lg.propagate, lg.level, lg.disabled) for lg in uvicorn_loggers]
     root.addHandler(handler)
     root.setLevel(logging.INFO)
-    # as configure_logging sets it: servers started earlier in the session (uvicorn's dictConfig, or
-    # access_log=False) may have stopped its propagation, raised its level or disabled it
-    access.propagate, access.disabled = True, False
-    access.setLevel(logging.INFO)
+    # as configure_logging leaves them: a server started earlier in the session (uvicorn's own dictConfig,
+    # or access_log=False) may have cut propagation at "uvicorn" or "uvicorn.access", raised a level or
+    # disabled one; uvicorn then sees no handler for the access line and does not write it at all
+    for lg in uvicorn_loggers:
+        lg.propagate, lg.disabled = True, False
+        lg.setLevel(logging.NOTSET)
     try:
         yield output
     finally:
         root.removeHandler(handler)
-        root.setLevel(saved[0])
-        access.propagate, access.disabled = saved[1], saved[3]
-        access.setLevel(saved[2])
+        root.setLevel(saved_root)
+        for lg, (propagate, level, disabled) in zip(uvicorn_loggers, saved, strict=True):
+            lg.propagate, lg.disabled = propagate, disabled
+            lg.setLevel(level)
 
 
 def request_lines(lines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
