@@ -161,6 +161,54 @@ def test_a_stream_replays_a_stored_answer_and_the_reverse(server: ThreadServer, 
     assert replayed.choices[0].message.content == streamed_text(streamed)
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Rome", "Paris"]}},  # short: the call always closes
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_a_cached_tool_call_replays_as_tool_calls(server: ThreadServer, api: openai.OpenAI) -> None:
+    """A stored tool-call answer goes back through the tool-call formatter: a plain hit carries the same
+    tool_calls, and a streamed hit sends them as tool-call deltas, not as text."""
+    request = {
+        "messages": [{"role": "user", "content": "Weather in Rome?"}],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    first_cache, _, first = chat(api, **dict(request))
+    second_cache, _, second = chat(api, **dict(request))
+    assert (first_cache, second_cache) == ("miss", "hit")
+    assert first.choices[0].message.tool_calls, first.choices[0].message.content
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in first.choices[0].message.tool_calls]
+    assert calls and calls == [
+        (c.function.name, json.loads(c.function.arguments)) for c in second.choices[0].message.tool_calls
+    ]
+    assert second.choices[0].finish_reason == "tool_calls" and second.choices[0].message.content is None
+    body = {key: value for key, value in request.items() if key != "messages"}
+    stream_cache, chunks, is_done = sse_chat(server, {**body, "messages": request["messages"]})
+    assert stream_cache == "hit" and is_done and streamed_text(chunks) == ""
+    arguments = "".join(
+        call["function"].get("arguments") or ""
+        for chunk in chunks
+        for choice in chunk["choices"]
+        for call in choice["delta"].get("tool_calls") or []
+    )
+    assert json.loads(arguments) == calls[0][1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" or any(
+        choice.get("finish_reason") == "tool_calls" for chunk in chunks for choice in chunk["choices"]
+    )
+
+
 def test_completions_and_the_native_api_are_cached(server: ThreadServer, api: openai.OpenAI) -> None:
     raws = [
         api.completions.with_raw_response.create(model=ALIAS, prompt="Once upon", max_tokens=6, temperature=0)
@@ -256,51 +304,3 @@ def test_json_of_a_stored_entry_is_compressed_on_disk(cache_dir: Path) -> None:
         raw = path.read_bytes()
         assert raw.startswith(b"BSRC1")
         assert json.loads(zlib.decompress(raw[13:]))["format"] == 1
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Rome", "Paris"]}},  # short: the call always closes
-            "required": ["city"],
-        },
-    },
-}
-
-
-def test_a_cached_tool_call_replays_as_tool_calls(server: ThreadServer, api: openai.OpenAI) -> None:
-    """A stored tool-call answer goes back through the tool-call formatter: a plain hit carries the same
-    tool_calls, and a streamed hit sends them as tool-call deltas, not as text."""
-    request = {
-        "messages": [{"role": "user", "content": "Weather in Rome?"}],
-        "tools": [WEATHER_TOOL],
-        "tool_choice": "required",
-        "parallel_tool_calls": False,
-        "temperature": 0,
-        "max_tokens": 60,
-    }
-    first_cache, _, first = chat(api, **dict(request))
-    second_cache, _, second = chat(api, **dict(request))
-    assert (first_cache, second_cache) == ("miss", "hit")
-    assert first.choices[0].message.tool_calls, first.choices[0].message.content
-    calls = [(c.function.name, json.loads(c.function.arguments)) for c in first.choices[0].message.tool_calls]
-    assert calls and calls == [
-        (c.function.name, json.loads(c.function.arguments)) for c in second.choices[0].message.tool_calls
-    ]
-    assert second.choices[0].finish_reason == "tool_calls" and second.choices[0].message.content is None
-    body = {key: value for key, value in request.items() if key != "messages"}
-    stream_cache, chunks, is_done = sse_chat(server, {**body, "messages": request["messages"]})
-    assert stream_cache == "hit" and is_done and streamed_text(chunks) == ""
-    arguments = "".join(
-        call["function"].get("arguments") or ""
-        for chunk in chunks
-        for choice in chunk["choices"]
-        for call in choice["delta"].get("tool_calls") or []
-    )
-    assert json.loads(arguments) == calls[0][1]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" or any(
-        choice.get("finish_reason") == "tool_calls" for chunk in chunks for choice in chunk["choices"]
-    )
