@@ -275,32 +275,3 @@ def test_bench_serve_rss_prints_the_server_memory_lines(tiny_models: dict[str, P
     assert float(peak.split(": ")[1].split(" MB")[0].replace(",", "")) > 0, out
     assert "requests ok 2 / 2" in out, out
     assert "server RSS after the last of 2 requests: " in out, out
-
-
-BITNETCPP_LLAMA_BENCH = Path(
-    os.environ.get("BITNETCPP_LLAMA_BENCH", "/tmp/bitnetcpp/BitNet/build/bin/llama-bench")
-)
-
-
-@pytest.mark.skipif(not BITNETCPP_LLAMA_BENCH.is_file(), reason="bitnet.cpp's llama-bench is not built here")
-def test_bench_bitnetcpp_prints_the_alternating_rounds_and_the_bound(tiny_models: dict[str, Path]) -> None:
-    out = run(
-        sys.executable,
-        str(BENCHMARKS / "bench_bitnetcpp.py"),
-        str(BITNETCPP_LLAMA_BENCH),
-        "--model",
-        str(tiny_models["I2_S"]),
-        "--rounds",
-        "1",
-        "--peer-repeats",
-        "1",
-        "--prefill-tokens",
-        "8",
-        "--decode-tokens",
-        "3",
-        "--threads",
-        "1",
-        timeout=180.0,
-    )
-    assert re.search(r"^ +decode tok/s +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$", out, flags=re.MULTILINE), out
-    assert "decode bound: " in out and "round 1: bitserve prefill" in out, out
