@@ -16,8 +16,9 @@ Measures, with 2 threads and OMP_WAIT_POLICY=PASSIVE (set before torch loads lib
   beside bitserve loading that same TQ2_0 file.
 - --fast-decode-ab: the 2B I2_S file on the cpu backend with its lean decode step
   (models/cpu_fast_decode.py) on and off, alternating, and a cProfile of decode steps each way.
-- --dense-ab: SmolLM2 in bitserve with the default f32 copy budget (`max_dense_weight_bytes`) beside
-  bitserve with none (0: packed Q4_1 blocks only), alternating; load time and RSS growth of each load.
+- --dense-ab: SmolLM2 in bitserve with a 1 GiB f32 copy budget (`max_dense_weight_bytes`, the default
+  before 53b7e63) beside none (0, today's default: packed Q4_1 blocks only), alternating; load time and RSS
+  growth of each load.
 bitserve is driven through its Engine one step at a time (no detokenization); llama.cpp through
 `Llama.eval` with a greedy argmax over the last logits. Timings only; nothing is asserted.
 """
@@ -489,21 +490,24 @@ def bench_smollm2(args: argparse.Namespace, report: dict[str, Any]) -> None:
     llm.close()
 
 
+DENSE_NAMES = ("f32-copy-1GiB", "packed-only")
+
+
 def bench_smollm2_dense(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """The default f32 dense budget against none, on SmolLM2, alternating in this process."""
+    """A 1 GiB f32 dense budget against none, on SmolLM2, alternating in this process."""
     path = resolve_model("smollm2-135m-instruct")
     runners, loads = [], {}
-    for name, options in (("bitserve", {}), ("dense 0", {"max_dense_weight_bytes": 0})):
+    for name, budget in zip(DENSE_NAMES, (1 << 30, 0), strict=True):
         before = proc_status_kb("VmRSS")["VmRSS"]
         start = time.perf_counter()
-        llm = LLM(str(path), **options)
+        llm = LLM(str(path), max_dense_weight_bytes=budget)
         loads[name] = (time.perf_counter() - start, mb(proc_status_kb("VmRSS")["VmRSS"] - before))
         runners.append(BitserveRunner(llm, name))
     base_ids = runners[0].llm.tokenizer.encode(TEXT, add_special=False)
     results = compare([(runners[0], runners[1])], base_ids, args)
     for name, (load_s, rss_mb) in loads.items():
         results[name]["load_s"], results[name]["rss_growth_mb"] = load_s, rss_mb
-    results["greedy_agreement"] = agreement(results["bitserve"]["tokens"], results["dense 0"]["tokens"])
+    results["greedy_agreement"] = agreement(*(results[name]["tokens"] for name in DENSE_NAMES))
     report["smollm2_dense"] = results
     for runner in runners:
         runner.llm.close()
@@ -599,7 +603,8 @@ def print_pair(
 ) -> None:
     a, b = results[names[0]], results[names[1]]
     print(f"\n{title} (median of {a['repeats']} alternating runs)")
-    print(f"  {'':22} {names[0]:>13} {names[1]:>13} {'ratio':>10}")
+    ratio = f"ratio {names[0][0]}/{names[1][0]}"  # "ratio b/l": bitserve / llama.cpp
+    print(f"  {'':22} {names[0]:>13} {names[1]:>13} {ratio:>10}")
     for key, label in (
         ("prefill_tok_s", "prefill tok/s"),
         ("decode_tok_s", "decode tok/s"),
@@ -660,9 +665,9 @@ def print_report(report: dict[str, Any]) -> None:
         print_pair("SmolLM2-135M-Instruct Q4_1", report["smollm2"])
     if "smollm2_dense" in report:
         print_pair(
-            "SmolLM2-135M-Instruct Q4_1: bitserve default f32 dense budget vs --max-dense-weight-bytes 0",
+            "SmolLM2-135M-Instruct Q4_1: bitserve --max-dense-weight-bytes 1 GiB vs 0",
             report["smollm2_dense"],
-            ("bitserve", "dense 0"),
+            DENSE_NAMES,
         )
     if "2b_tq2_vs_i2s" in report:
         print_pair(
@@ -699,7 +704,7 @@ def parse_args() -> argparse.Namespace:
         "--fast-decode-ab", action="store_true", help="2B decode with the lean cpu decode step on vs off"
     )
     parser.add_argument(
-        "--dense-ab", action="store_true", help="SmolLM2: default f32 dense budget vs 0, alternating"
+        "--dense-ab", action="store_true", help="SmolLM2: 1 GiB f32 dense budget vs 0, alternating"
     )
     parser.add_argument("--prefill-tokens", type=int, default=128)
     parser.add_argument("--decode-prompt-tokens", type=int, default=8)
