@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                  # 2B-4T-shaped I2_S + SmolLM2 vs llama.cpp
     python benchmarks/bench_model.py --tq2 --json benchmarks/out/bench.json
     python benchmarks/bench_model.py --skip-2b        # SmolLM2 only (fast)
+    python benchmarks/bench_model.py --skip-2b --skip-smollm2 --dense-ab   # SmolLM2 f32 copies or not
 
 Measures, with 2 threads and OMP_WAIT_POLICY=PASSIVE (set before torch loads libgomp):
 - 2B-4T-shaped `bitnet-b1.58` I2_S file (random ternary weights, made by make_2b4t_model.py into
@@ -15,6 +16,9 @@ Measures, with 2 threads and OMP_WAIT_POLICY=PASSIVE (set before torch loads lib
   beside bitserve loading that same TQ2_0 file.
 - --fast-decode-ab: the 2B I2_S file on the cpu backend with its lean decode step
   (models/cpu_fast_decode.py) on and off, alternating, and a cProfile of decode steps each way.
+- --dense-ab: SmolLM2 in bitserve with a 1 GiB f32 copy budget (`max_dense_weight_bytes`, the default
+  before 53b7e63) beside none (0, today's default: packed Q4_1 blocks only), alternating; load time and RSS
+  growth of each load.
 bitserve is driven through its Engine one step at a time (no detokenization); llama.cpp through
 `Llama.eval` with a greedy argmax over the last logits. Timings only; nothing is asserted.
 """
@@ -486,6 +490,29 @@ def bench_smollm2(args: argparse.Namespace, report: dict[str, Any]) -> None:
     llm.close()
 
 
+DENSE_NAMES = ("f32-copy-1GiB", "packed-only")
+
+
+def bench_smollm2_dense(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """A 1 GiB f32 dense budget against none, on SmolLM2, alternating in this process."""
+    path = resolve_model("smollm2-135m-instruct")
+    runners, loads = [], {}
+    for name, budget in zip(DENSE_NAMES, (1 << 30, 0), strict=True):
+        before = proc_status_kb("VmRSS")["VmRSS"]
+        start = time.perf_counter()
+        llm = LLM(str(path), max_dense_weight_bytes=budget)
+        loads[name] = (time.perf_counter() - start, mb(proc_status_kb("VmRSS")["VmRSS"] - before))
+        runners.append(BitserveRunner(llm, name))
+    base_ids = runners[0].llm.tokenizer.encode(TEXT, add_special=False)
+    results = compare([(runners[0], runners[1])], base_ids, args)
+    for name, (load_s, rss_mb) in loads.items():
+        results[name]["load_s"], results[name]["rss_growth_mb"] = load_s, rss_mb
+    results["greedy_agreement"] = agreement(*(results[name]["tokens"] for name in DENSE_NAMES))
+    report["smollm2_dense"] = results
+    for runner in runners:
+        runner.llm.close()
+
+
 def bench_2b_tq2(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """llama.cpp on the TQ2_0 twin beside bitserve on the I2_S file, then beside bitserve on the same
     TQ2_0 file (all three loaded: RSS not measured). Each pair alternates on its own, so each ratio
@@ -576,13 +603,15 @@ def print_pair(
 ) -> None:
     a, b = results[names[0]], results[names[1]]
     print(f"\n{title} (median of {a['repeats']} alternating runs)")
-    print(f"  {'':22} {names[0]:>13} {names[1]:>13} {'ratio':>10}")
+    ratio = f"ratio {names[0][0]}/{names[1][0]}"  # "ratio b/l": bitserve / llama.cpp
+    print(f"  {'':22} {names[0]:>13} {names[1]:>13} {ratio:>10}")
     for key, label in (
         ("prefill_tok_s", "prefill tok/s"),
         ("decode_tok_s", "decode tok/s"),
         ("decode_tok_s_median_step", "decode tok/s (med step)"),
         ("decode_median_step_ms", "decode ms/token (med)"),
         ("load_s", "load s"),
+        ("rss_growth_mb", "RSS growth of load, MB"),
     ):
         if key in a and key in b:
             print(f"  {label:22} {a[key]:13.2f} {b[key]:13.2f} {a[key] / b[key]:10.3f}")
@@ -634,6 +663,12 @@ def print_report(report: dict[str, Any]) -> None:
             print_profile(section["profile"])
     if "smollm2" in report:
         print_pair("SmolLM2-135M-Instruct Q4_1", report["smollm2"])
+    if "smollm2_dense" in report:
+        print_pair(
+            "SmolLM2-135M-Instruct Q4_1: bitserve --max-dense-weight-bytes 1 GiB vs 0",
+            report["smollm2_dense"],
+            DENSE_NAMES,
+        )
     if "2b_tq2_vs_i2s" in report:
         print_pair(
             "2B-4T-shaped: bitserve I2_S (bitnet-b1.58) vs llama.cpp TQ2_0 (bitnet), same ternary weights",
@@ -668,6 +703,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--fast-decode-ab", action="store_true", help="2B decode with the lean cpu decode step on vs off"
     )
+    parser.add_argument(
+        "--dense-ab", action="store_true", help="SmolLM2: 1 GiB f32 dense budget vs 0, alternating"
+    )
     parser.add_argument("--prefill-tokens", type=int, default=128)
     parser.add_argument("--decode-prompt-tokens", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -694,6 +732,8 @@ def main() -> None:
         bench_2b(args, report)
     if not args.skip_smollm2:
         bench_smollm2(args, report)
+    if args.dense_ab:
+        bench_smollm2_dense(args, report)
     if args.tq2:
         bench_2b_tq2(args, report)
     if args.fast_decode_ab:

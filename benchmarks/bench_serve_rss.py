@@ -1,12 +1,15 @@
-"""Resident memory of `bitserve serve` while it streams N concurrent requests (issue 4's RSS row).
+r"""Resident memory of `bitserve serve` while it streams N concurrent requests (issue 4's RSS row).
 
     python benchmarks/bench_serve_rss.py benchmarks/out/2b4t-i2s.gguf --concurrency 8 --max-tokens 32
+    python benchmarks/bench_serve_rss.py smollm2 --num-requests 2000 --max-tokens 16 --goal-mb 819 \
+        --server-arg=--max-dense-weight-bytes=0
 
 Starts `bitserve serve --model FILE` as a child process, waits for /health/ready, samples the
 server's /proc/<pid>/status (VmRSS with its RssAnon / RssFile split, and VmHWM) every
 `--interval-s` in a thread, and drives one level of `bitserve bench` (streaming completions,
 `ignore_eos`, so every request produces --max-tokens tokens) against it. Prints the RSS after load,
-the peak while streaming, VmHWM (the whole life: load included) and the load's own bench table.
+the peak while streaming, the RSS after the last request, VmHWM (the whole life: load included) and
+the load's own bench table. --server-arg passes one more option to `bitserve serve` (repeatable).
 Timings are whatever the machine gives; nothing is asserted.
 """
 
@@ -69,6 +72,17 @@ class Sampler:
         self._thread.join()
 
 
+def machine_line() -> str:
+    """Date, CPU model, its ISA flags that pick the kernels, and the load average: for the row."""
+    with open("/proc/cpuinfo", encoding="ascii") as fh:
+        lines = fh.read().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    isa = [flag for flag in flags if flag in ("avx2", "avx512f", "avx512_vnni", "avx_vnni")]
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {model}, {' '.join(isa)}, load average {load}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -109,8 +123,15 @@ def main() -> int:
     parser.add_argument("--interval-s", type=float, default=0.05)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
+    parser.add_argument(
+        "--goal-mb", type=float, default=2048.0, help="the RSS target printed beside the peak"
+    )
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="one more `bitserve serve` option (repeatable)"
+    )
     args = parser.parse_args()
 
+    print(machine_line(), "|", " ".join(sys.argv), flush=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
@@ -127,6 +148,7 @@ def main() -> int:
         "--log-format",
         "text",
         "--no-access-log",
+        *args.server_arg,
     ]
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -160,12 +182,14 @@ def main() -> int:
     print(f"\nserver RSS: ready after {ready_s:.1f} s at {fmt(after_load)}")
     print(
         f"server RSS peak while streaming {args.concurrency} x {args.max_tokens} tokens: {fmt(sampler.peak)} "
-        f"({sampler.num_samples} samples); goal <= 2048 MB"
+        f"({sampler.num_samples} samples); goal <= {args.goal_mb:,.0f} MB"
     )
+    print(f"server RSS after the last of {level['num_requests']} requests: {fmt(end)}")
     print(
         f"server VmHWM (whole life, load included): {end['VmHWM']:,.0f} MB; "
         f"requests ok {level['num_ok']} / {level['num_requests']}"
     )
+    print(machine_line())
     return 0 if level["num_ok"] else 1
 
 

@@ -267,9 +267,11 @@ def test_bench_serve_rss_prints_the_server_memory_lines(tiny_models: dict[str, P
         "4",
         "--threads",
         "1",
+        "--server-arg=--max-dense-weight-bytes=0",
     )
     peak = next(
         line for line in out.splitlines() if line.startswith("server RSS peak while streaming 2 x 3 tokens")
     )
     assert float(peak.split(": ")[1].split(" MB")[0].replace(",", "")) > 0, out
     assert "requests ok 2 / 2" in out, out
+    assert "server RSS after the last of 2 requests: " in out, out
