@@ -1,8 +1,8 @@
 """Tool calls: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` on a documented JSON convention.
 
-The embedded model's chat template (SmolLM2's ChatML) has no tool format, so bitserve uses one of
-its own, whatever the template: the tools are described in the system message, and a reply that
-calls tools is only a JSON array of calls,
+Templates with a tool format of their own (Hermes, Llama 3.1) use it (tool_formats.py); any other
+template, the embedded model's ChatML included, gets bitserve's convention: the tools are described
+in the system message, and a reply that calls tools is only a JSON array of calls,
 
     [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 

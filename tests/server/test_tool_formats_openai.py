@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -52,7 +51,8 @@ def client(
     server = ServerProcess(folder / "server.log", "--model", str(path), "--max-model-len", "1024")
     try:
         server.wait_ready()
-        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120.0) as api:
+        url = f"{server.url}/v1"
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120.0) as api:
             yield api
     finally:
         server.stop()
@@ -96,11 +96,8 @@ def test_required_and_named_calls_whole_and_streamed(client: openai.OpenAI) -> N
 
 
 def test_tool_result_follow_up_renders_through_the_template(client: openai.OpenAI) -> None:
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "get_forecast", "arguments": '{"city": "Paris", "days": 3}'},
-    }
+    arguments = json.dumps({"city": "Paris", "days": 3})
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_forecast", "arguments": arguments}}
     follow_up = [
         *QUESTION,
         {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -48,6 +48,12 @@ TOOLS = parse_tools(
     ]
 )
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# an earlier call as a client sends it back (arguments as JSON text)
+PARIS_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
 # each family's exact reply text for two calls (Llama: one call per turn)
 REPLIES = {
     "hermes": (
@@ -86,14 +92,13 @@ def test_detection_from_the_template_source(tokenizer_source: Path) -> None:
 
 
 def test_hermes_prompt_uses_the_template_and_round_trips_calls() -> None:
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-    }
     history = [
         *QUESTION,
-        {"role": "assistant", "content": "", **HERMES.assistant_fields(assistant_tool_calls([call], "m"))},
+        {
+            "role": "assistant",
+            "content": "",
+            **HERMES.assistant_fields(assistant_tool_calls([PARIS_CALL], "m")),
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
     ]
     messages, template_tools = HERMES.prompt(history, request("auto"))
@@ -110,17 +115,12 @@ def test_hermes_prompt_uses_the_template_and_round_trips_calls() -> None:
 
 
 def test_llama_prompt_puts_tools_in_the_first_user_message() -> None:
-    call = {
-        "id": "c",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-    }
     history = [
         *QUESTION,
         {
             "role": "assistant",
             "content": "",
-            **LLAMA3_JSON.assistant_fields(assistant_tool_calls([call], "m")),
+            **LLAMA3_JSON.assistant_fields(assistant_tool_calls([PARIS_CALL], "m")),
         },
         {"role": "tool", "content": "21 C"},
     ]
