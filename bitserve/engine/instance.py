@@ -28,6 +28,7 @@ from bitserve.runner.kv_cache import CacheLayout, plan_cache, resolve_kv_dtype
 from bitserve.runner.model_runner import ModelRunner
 from bitserve.structured.grammars import GrammarCompiler
 from bitserve.structured.masks import GuidedRows
+from bitserve.structured.tool_formats import ToolFormat, tool_format_for
 from bitserve.tokenizer.chat_template import ChatTemplate, encode_chat
 from bitserve.tokenizer.gguf_vocab import GGUFTokenizer, tokenizer_from_gguf
 
@@ -214,11 +215,21 @@ class ModelInstance:
     def kv_cache_bytes(self) -> int:
         return self.engine.runner.layout.total_bytes
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Render `messages` with the model's chat template and tokenize. Raises InvalidRequest."""
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How tool calls are written for this model: its chat template's own format, else the JSON
+        convention (structured/tool_formats.py)."""
+        source = None if isinstance(self.chat_template, InvalidRequest) else self.chat_template.source
+        return tool_format_for(source)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Render `messages` (and `tools`, the template's own variable) with the model's chat template
+        and tokenize. Raises InvalidRequest."""
         if isinstance(self.chat_template, InvalidRequest):
             raise self.chat_template
-        return encode_chat(self.tokenizer, self.chat_template.render(messages))
+        return encode_chat(self.tokenizer, self.chat_template.render(messages, tools=tools))
 
     def close(self) -> None:
         self.loaded.close()

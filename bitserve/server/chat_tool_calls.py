@@ -1,10 +1,12 @@
-"""A chat choice's text -> OpenAI `tool_calls`, whole or streamed (the convention of structured/tools.py).
+"""A chat choice's text -> OpenAI `tool_calls`, whole or streamed, in the model's tool format
+(structured/tool_formats.py: the template's own, or the JSON convention).
 
-Forced calls (`tool_choice` required or a named function: the grammar makes the whole reply a call
-array) stream as OpenAI streams them: a first delta per call with its id, type and name, then
-`function.arguments` pieces as the model writes them. Under `auto` a reply that starts with "[" may
-be a call array: it is held back until it ends, then sent as calls (whole arguments in one delta)
-if it is one, else as content; any other reply streams as content at once.
+Forced calls (`tool_choice` required or a named function: the grammar makes the whole reply calls)
+stream as OpenAI streams them: a first delta per call with its id, type and name, then
+`function.arguments` pieces as the model writes them. Under `auto` a reply that starts the way the
+format's calls start ("[", "<tool_call>", "{") may be calls: it is held back until it ends, then sent
+as calls (whole arguments in one delta) if it is, else as content; any other reply streams as
+content at once.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bitserve.structured.tools import Tool, ToolCall, ToolCallScanner, new_call_id, parse_tool_calls
+from bitserve.structured.tool_formats import ToolFormat
+from bitserve.structured.tools import Tool, ToolCall, ToolCallScanner, new_call_id
 
 TOOL_CALLS_FINISH = "tool_calls"
 
 
 def message_with_tool_calls(
-    text: str, finish_reason: str | None, tools: list[Tool]
+    text: str, finish_reason: str | None, tools: list[Tool], tool_format: ToolFormat
 ) -> tuple[dict, str | None]:
-    """A whole reply -> (message, finish_reason): tool calls when it is a complete call array."""
-    calls = parse_tool_calls(text, tools) if finish_reason == "stop" else None
+    """A whole reply -> (message, finish_reason): tool calls when it is complete calls in the format."""
+    calls = tool_format.parse(text, tools) if finish_reason == "stop" else None
     if calls is None:
         return {"role": "assistant", "content": text}, finish_reason
     message = {"role": "assistant", "content": None, "tool_calls": [call.to_openai() for call in calls]}
@@ -34,10 +37,14 @@ class StreamedToolCalls:
 
     tools: list[Tool]
     forced: bool
-    scanner: ToolCallScanner = field(default_factory=ToolCallScanner)
+    tool_format: ToolFormat
+    scanner: ToolCallScanner = field(init=False)
     held: str = ""
     is_content: bool = False  # auto: the reply turned out to be text
     num_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.scanner = self.tool_format.scanner()
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         if self.forced:
@@ -47,13 +54,12 @@ class StreamedToolCalls:
         if self.is_content:
             return ({"content": text} if text else {}), finish_reason
         self.held += text
-        stripped = self.held.lstrip()
-        if stripped and not stripped.startswith("["):
+        if self.held.strip() and not self.tool_format.may_be_call(self.held):
             self.is_content = True
             return {"content": self.held}, finish_reason
         if finish_reason is None:
             return {}, None
-        calls = parse_tool_calls(self.held, self.tools) if finish_reason == "stop" else None
+        calls = self.tool_format.parse(self.held, self.tools) if finish_reason == "stop" else None
         if calls is None:
             return ({"content": self.held} if self.held else {}), finish_reason
         return {"tool_calls": self._whole(calls)}, TOOL_CALLS_FINISH

@@ -168,7 +168,7 @@ async def _admit(
 ) -> RoutedStream:
     """Encode one prompt, charge its tokens, submit it; its on_close gives back what it did not use."""
     prompt_ids = await encode_prompt(lease.instance, prompt)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(lease.instance.tool_format)
     if params.guide is not None:  # a bad schema, regex or grammar is a 400 before admission
         await asyncio.to_thread(lease.instance.grammars.validate, params.guide)
     # the caller's token budget pays the most this can use now; what it did not use comes back

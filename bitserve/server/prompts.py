@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from bitserve.engine.instance import ModelInstance
 from bitserve.server.protocol import ChatMessage, PromptInput, check_token_ids, template_messages
+from bitserve.structured.tool_formats import ToolRequest
 
 # Inputs longer than this (characters) are tokenized off the event loop.
 MAX_INLINE_TOKENIZE_CHARS = 8192
@@ -29,18 +30,20 @@ async def encode_text(instance: ModelInstance, text: str, *, add_special: bool =
 
 
 async def encode_messages(
-    instance: ModelInstance, messages: list[ChatMessage], tools_text: str | None = None
+    instance: ModelInstance, messages: list[ChatMessage], tools: ToolRequest | None = None
 ) -> list[int]:
-    """Render with the model's chat template and tokenize. InvalidRequest when it has no template."""
-    rendered = template_messages(messages, tools_text)
+    """Render with the model's chat template and tokenize, `tools` put in the prompt the way the
+    model's tool format says. InvalidRequest when it has no template."""
+    tool_format = instance.tool_format
+    rendered, template_tools = tool_format.prompt(template_messages(messages, tool_format), tools)
     num_chars = sum(len(message["content"]) for message in rendered)
-    return await _run(num_chars, lambda: instance.encode_chat(rendered))
+    return await _run(num_chars, lambda: instance.encode_chat(rendered, template_tools))
 
 
 async def encode_prompt(instance: ModelInstance, prompt: PromptInput) -> list[int]:
     """The prompt's token ids, whichever form the request gave it in."""
     if prompt.messages is not None:
-        return await encode_messages(instance, prompt.messages, prompt.tools_text)
+        return await encode_messages(instance, prompt.messages, prompt.tools)
     if prompt.text is not None:
         return await encode_text(instance, prompt.text)
     token_ids = list(prompt.token_ids or [])

@@ -37,16 +37,8 @@ from bitserve.server.deadlines import MAX_REQUEST_TIMEOUT_S
 from bitserve.server.errors import UnsupportedParameter
 from bitserve.structured.guide import MAX_CHOICES, MAX_GUIDE_CHARS, Guide
 from bitserve.structured.request_fields import extension_guides, one_guide, response_format_guide
-from bitserve.structured.tools import (
-    Tool,
-    ToolChoice,
-    assistant_tool_calls_text,
-    parse_tool_choice,
-    parse_tools,
-    tool_call_guide,
-    tools_prompt,
-    with_tools_prompt,
-)
+from bitserve.structured.tool_formats import JSON_CONVENTION, ToolFormat, ToolRequest
+from bitserve.structured.tools import assistant_tool_calls, parse_tool_choice, parse_tools
 from bitserve.tokenizer.base import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -103,14 +95,22 @@ class ChatMessage(StrictModel):
     tool_calls: Any = None
     tool_call_id: Any = None
 
-    def text(self, index: int) -> str:
-        """The message's text (an assistant's tool calls in the convention of structured/tools.py);
-        non-text parts are refused (UnsupportedParameter)."""
+    def template_fields(self, index: int, tool_format: ToolFormat) -> dict[str, Any]:
+        """The message's fields for the chat template: its text, or an assistant's tool calls as
+        `tool_format` writes them back (structured/tool_formats.py)."""
         where = f"messages[{index}]"
-        if self.tool_calls is not None:
-            if self.role != "assistant":
-                raise InvalidRequest(f"{where}: only assistant messages carry tool_calls", param=where)
-            return assistant_tool_calls_text(self.tool_calls, where)
+        if self.tool_calls is None:
+            fields: dict[str, Any] = {"content": self.text(index)}
+            if self.role == "tool" and isinstance(self.tool_call_id, str):
+                fields["tool_call_id"] = self.tool_call_id
+            return fields
+        if self.role != "assistant":
+            raise InvalidRequest(f"{where}: only assistant messages carry tool_calls", param=where)
+        return tool_format.assistant_fields(assistant_tool_calls(self.tool_calls, where))
+
+    def text(self, index: int) -> str:
+        """The message's text; non-text parts are refused (UnsupportedParameter)."""
+        where = f"messages[{index}]"
         if self.tool_call_id is not None and self.role != "tool":
             raise InvalidRequest(f"{where}: only tool messages carry tool_call_id", param=where)
         if self.content is None:
@@ -133,19 +133,19 @@ class ChatMessage(StrictModel):
         return "".join(texts)
 
 
-def template_messages(messages: list[ChatMessage], tools_text: str | None = None) -> list[dict[str, str]]:
-    """Plain dicts for the chat template ("developer" is OpenAI's newer name for "system"); `tools_text`
-    (the tools' description) joins the leading system message."""
-    rendered: list[dict[str, str]] = []
+def template_messages(
+    messages: list[ChatMessage], tool_format: ToolFormat = JSON_CONVENTION
+) -> list[dict[str, Any]]:
+    """Plain dicts for the chat template ("developer" is OpenAI's newer name for "system"); earlier
+    tool calls as `tool_format` writes them back."""
+    rendered: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
-        entry = {
-            "role": "system" if message.role == "developer" else message.role,
-            "content": message.text(index),
-        }
+        entry = {"role": "system" if message.role == "developer" else message.role}
+        entry.update(message.template_fields(index, tool_format))
         if message.name is not None:
             entry["name"] = message.name
         rendered.append(entry)
-    return rendered if tools_text is None else with_tools_prompt(rendered, tools_text)
+    return rendered
 
 
 class StreamOptions(StrictModel):
@@ -195,7 +195,7 @@ class PromptInput:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
-    tools_text: str | None = None  # chat with tools: their description, for the system message
+    tools: ToolRequest | None = None  # chat with tools: the model's tool format puts them in the prompt
 
 
 class GenerationRequest(SamplingFields):
@@ -219,9 +219,10 @@ class GenerationRequest(SamplingFields):
     def prompt_input(self) -> PromptInput:
         raise NotImplementedError
 
-    def guide(self) -> Guide | None:
+    def guide(self, tool_format: ToolFormat = JSON_CONVENTION) -> Guide | None:
         """What the output is constrained to (at most one field may ask); shapes checked here, whether
-        it compiles by the grammar engine before admission (server/pipeline.py)."""
+        it compiles by the grammar engine before admission (server/pipeline.py). `tool_format`: the
+        model's, for chat requests with tools."""
         extensions = extension_guides(self.guided_regex, self.guided_choice, self.guided_grammar)
         return one_guide([response_format_guide(self.response_format), *extensions])
 
@@ -246,8 +247,9 @@ class GenerationRequest(SamplingFields):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
-    def to_sampling_params(self) -> SamplingParams:
-        """The engine's SamplingParams; unset fields keep SamplingParams' defaults (one source)."""
+    def to_sampling_params(self, tool_format: ToolFormat = JSON_CONVENTION) -> SamplingParams:
+        """The engine's SamplingParams; unset fields keep SamplingParams' defaults (one source).
+        `tool_format`: the serving model's (structured/tool_formats.py), for a chat request's tools."""
         kwargs: dict[str, Any] = {
             "n": self.n,
             "max_tokens": self.requested_max_tokens,
@@ -274,7 +276,7 @@ class GenerationRequest(SamplingFields):
             kwargs["top_k"] = max(0, self.top_k)  # -1 (vLLM's "off") and 0 both disable top-k
         if self.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
-        return SamplingParams(**kwargs, guide=self.guide())
+        return SamplingParams(**kwargs, guide=self.guide(tool_format))
 
 
 # ----------------------------------------------------------------- OpenAI chat / completions
@@ -317,18 +319,16 @@ class ChatCompletionRequest(GenerationRequest):
         self.check_stream_options()
 
     def prompt_input(self) -> PromptInput:
-        tools, choice = self.tool_setup()
-        text = tools_prompt(tools, choice, self.parallel_tool_calls) if choice.mode != "none" else None
-        return PromptInput("messages", messages=self.messages, tools_text=text)
+        return PromptInput("messages", messages=self.messages, tools=self.tool_request())
 
-    def tool_setup(self) -> tuple[list[Tool], ToolChoice]:
-        """The parsed tools and tool_choice (InvalidRequest naming the field when malformed)."""
+    def tool_request(self) -> ToolRequest:
+        """The parsed tools, tool_choice and parallel_tool_calls (InvalidRequest naming the field
+        when malformed)."""
         tools = parse_tools(self.tools)
-        return tools, parse_tool_choice(self.tool_choice, tools)
+        return ToolRequest(tools, parse_tool_choice(self.tool_choice, tools), self.parallel_tool_calls)
 
-    def guide(self) -> Guide | None:
-        tools, choice = self.tool_setup()
-        return one_guide([super().guide(), tool_call_guide(tools, choice, self.parallel_tool_calls)])
+    def guide(self, tool_format: ToolFormat = JSON_CONVENTION) -> Guide | None:
+        return one_guide([super().guide(), tool_format.guide(self.tool_request())])
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -46,9 +46,11 @@ class ChatFormat(OpenAIFormat):
     def __init__(self, generation: Generation) -> None:
         super().__init__(generation)
         self.request: ChatCompletionRequest = generation.body
-        self.tools, choice = self.request.tool_setup()
-        self.reads_tool_calls = choice.mode != "none"
-        self.forced_tool_calls = choice.mode in ("required", "function")
+        tool_request = self.request.tool_request()
+        self.tools = tool_request.tools
+        self.tool_format = generation.lease.instance.tool_format
+        self.reads_tool_calls = tool_request.choice.mode != "none"
+        self.forced_tool_calls = tool_request.forced
         self._streams: dict[int, StreamedToolCalls] = {}  # per choice index, while streaming
 
     def _logprobs(self, output: CompletionOutput) -> dict[str, Any] | None:
@@ -80,7 +82,9 @@ class ChatFormat(OpenAIFormat):
         if self.reads_tool_calls:
             stream = self._streams.get(delta.index)
             if stream is None:
-                stream = self._streams[delta.index] = StreamedToolCalls(self.tools, self.forced_tool_calls)
+                stream = self._streams[delta.index] = StreamedToolCalls(
+                    self.tools, self.forced_tool_calls, self.tool_format
+                )
             content, finish_reason = stream.delta(delta.text, delta.finish_reason)
         return {
             "index": delta.index,
@@ -93,7 +97,9 @@ class ChatFormat(OpenAIFormat):
     def choice(self, output: CompletionOutput) -> dict[str, Any]:
         message, finish_reason = {"role": "assistant", "content": output.text}, output.finish_reason
         if self.reads_tool_calls:
-            message, finish_reason = message_with_tool_calls(output.text, output.finish_reason, self.tools)
+            message, finish_reason = message_with_tool_calls(
+                output.text, output.finish_reason, self.tools, self.tool_format
+            )
         return {
             "index": output.index,
             "message": message,

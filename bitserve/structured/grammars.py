@@ -10,6 +10,7 @@ thread-safe and caches compiled grammars, so the runner's compile of a validated
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,22 @@ def _ebnf_char(char: str) -> str:
     if char.isprintable():
         return char
     return f"\\u{ord(char):04x}" if ord(char) <= 0xFFFF else f"\\U{ord(char):08x}"
+
+
+def _compact_json(node: Any) -> Any:
+    """A structural tag with each `json_schema` content swapped for the schema's grammar in compact
+    JSON (JSON_SEPARATORS), as response_format gets: the tag's own JSON allows free whitespace."""
+    import xgrammar
+
+    if isinstance(node, list):
+        return [_compact_json(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema":
+        schema = json.dumps(node["json_schema"])
+        grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=JSON_SEPARATORS)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: _compact_json(value) for key, value in node.items()}
 
 
 def error_text(exc: BaseException) -> str:
@@ -86,6 +103,8 @@ class GrammarCompiler:
             return compiler.compile_regex(guide.spec)
         if guide.kind == GuideKind.CHOICE:
             return compiler.compile_grammar(_choice_grammar(guide.choices()))
+        if guide.kind == GuideKind.STRUCTURAL_TAG:
+            return compiler.compile_structural_tag(json.dumps(_compact_json(json.loads(guide.spec))))
         return compiler.compile_grammar(guide.spec, root_rule_name="root")
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
@@ -136,4 +155,5 @@ _HINTS = {
     GuideKind.REGEX: "a regular expression in the usual (ECMAScript-like) syntax",
     GuideKind.CHOICE: "a list of strings",
     GuideKind.GRAMMAR: 'an EBNF/GBNF grammar with a root rule, e.g. root ::= "yes" | "no"',
+    GuideKind.STRUCTURAL_TAG: "each tool's parameters must be a JSON schema of type object",
 }

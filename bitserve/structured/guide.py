@@ -2,8 +2,8 @@
 (frozen) can carry it to the engine; the runner compiles it with the grammar engine (grammars.py).
 
 Kinds: a JSON schema (`response_format` json_schema, tool calls), any JSON object (`json_object`),
-a regular expression (`guided_regex`), one of several strings (`guided_choice`) and an EBNF/GBNF
-grammar (`guided_grammar`).
+a regular expression (`guided_regex`), one of several strings (`guided_choice`), an EBNF/GBNF
+grammar (`guided_grammar`) and a structural tag (a chat template's tool-call text, tool_formats.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class GuideKind(str, enum.Enum):
     REGEX = "regex"
     CHOICE = "choice"
     GRAMMAR = "grammar"
+    STRUCTURAL_TAG = "structural_tag"  # xgrammar's structural tag JSON: a template's tool-call text
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """Tool calls: OpenAI's `tools` / `tool_choice` / `parallel_tool_calls` on a documented JSON convention.
 
-The embedded model's chat template (SmolLM2's ChatML) has no tool format, so bitserve uses one of
-its own, whatever the template: the tools are described in the system message, and a reply that
-calls tools is only a JSON array of calls,
+Templates with a tool format of their own (Hermes, Llama 3.1) use it (tool_formats.py); any other
+template, the embedded model's ChatML included, gets bitserve's convention: the tools are described
+in the system message, and a reply that calls tools is only a JSON array of calls,
 
     [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
@@ -194,8 +194,9 @@ def with_tools_prompt(messages: list[dict[str, str]], text: str) -> list[dict[st
     return [{"role": "system", "content": text}, *messages]
 
 
-def assistant_tool_calls_text(tool_calls: Any, where: str) -> str:
-    """An assistant message's `tool_calls` written back in the convention (what the model would say)."""
+def assistant_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` checked: [{"id", "name", "arguments"}], the arguments parsed
+    from their JSON text where they are JSON (a template writes them back as JSON)."""
     if not isinstance(tool_calls, list) or not tool_calls:
         raise InvalidRequest(f"{where}.tool_calls must be a non-empty list", param=f"{where}.tool_calls")
     calls = []
@@ -212,18 +213,40 @@ def assistant_tool_calls_text(tool_calls: Any, where: str) -> str:
             parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
         except json.JSONDecodeError:
             parsed = arguments  # kept as the string it was
-        calls.append({"name": function["name"], "arguments": parsed})
-    return json.dumps(calls)
+        calls.append({"id": str(call.get("id") or ""), "name": function["name"], "arguments": parsed})
+    return calls
+
+
+def assistant_tool_calls_text(calls: list[dict[str, Any]]) -> str:
+    """Checked calls (assistant_tool_calls) written back in the convention (what the model would say)."""
+    return json.dumps([{"name": call["name"], "arguments": call["arguments"]} for call in calls])
 
 
 # ----------------------------------------------------------------- reading the reply
 
 
-def parse_tool_calls(text: str, tools: list[Tool]) -> list[ToolCall] | None:
-    """The calls of a complete reply in the convention, or None when it is not one (then it is content)."""
-    scanner = ToolCallScanner()
+@dataclass(frozen=True, slots=True)
+class CallLayout:
+    """Where a reply's calls sit. `call_depth`: 2 for calls inside a top-level array (the convention),
+    1 for top-level call objects (template formats). `skeleton`: what the reply must be once each
+    top-level JSON value is replaced by NUL (the text around and between the calls)."""
+
+    call_depth: int = 2
+    arguments_key: str = "arguments"
+    skeleton: re.Pattern[str] = re.compile(r"\s*\x00\s*")
+
+
+CONVENTION_LAYOUT = CallLayout()
+
+
+def parse_tool_calls(
+    text: str, tools: list[Tool], layout: CallLayout = CONVENTION_LAYOUT
+) -> list[ToolCall] | None:
+    """The calls of a complete reply laid out as `layout` says, or None when it is not one (then it
+    is content)."""
+    scanner = ToolCallScanner(layout)
     events = scanner.feed(text)
-    if not scanner.is_complete or not events:
+    if not scanner.is_complete or not events or not layout.skeleton.fullmatch(scanner.skeleton):
         return None
     calls = calls_from_events(events)
     known = {tool.name for tool in tools}
@@ -248,13 +271,19 @@ def calls_from_events(events: list[tuple[int, str, str]]) -> list[ToolCall]:
 
 
 class ToolCallScanner:
-    """Reads the convention's array incrementally: `feed(delta)` returns events (call index, "name",
-    name) when a call's name is complete and (call index, "arguments", text) for each new piece of
-    its arguments' JSON text, so a stream can send argument deltas as OpenAI does. A character-level
-    JSON scanner (strings, escapes, depth): it does not validate; the grammar (or parse_tool_calls)
-    does. `is_complete` once the top-level array has closed with nothing but whitespace after it."""
+    """Reads a reply's calls incrementally (the convention's array, or a template's call objects):
+    `feed(delta)` returns events (call index, "name", name) when a call's name is complete and (call
+    index, "arguments", text) for each new piece of its arguments' JSON text, so a stream can send
+    argument deltas as OpenAI does. A character-level JSON scanner (strings, escapes, depth): it does
+    not validate; the grammar (or parse_tool_calls) does. `is_complete` once every top-level value
+    has closed; the text around them is kept in `skeleton` (each value a NUL) for the layout's
+    check."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: CallLayout = CONVENTION_LAYOUT) -> None:
+        self.layout = layout
+        self.call_depth = layout.call_depth
+        self.top_opener = "[" if layout.call_depth == 2 else "{"
+        self.skeleton_parts: list[str] = []
         self.depth = 0
         self.in_string = False
         self.escape = False
@@ -268,7 +297,11 @@ class ToolCallScanner:
 
     @property
     def is_complete(self) -> bool:
-        return self.closed and not self.invalid
+        return self.closed and self.depth == 0 and not self.invalid
+
+    @property
+    def skeleton(self) -> str:
+        return "".join(self.skeleton_parts)
 
     def feed(self, text: str) -> list[tuple[int, str, str]]:
         events: list[tuple[int, str, str]] = []
@@ -282,7 +315,9 @@ class ToolCallScanner:
         return events
 
     def _step(self, char: str, events: list[tuple[int, str, str]], arguments: list[str]) -> None:
-        if self.in_string:
+        if self.depth == 0 and char not in "[{":
+            self.skeleton_parts.append(char)  # text around the calls: the layout's skeleton judges it
+        elif self.in_string:
             self._string_char(char, events)
         elif char == '"':
             self.in_string, self.string = True, []
@@ -290,12 +325,10 @@ class ToolCallScanner:
             self._open(char, arguments)
         elif char in "]}":
             self._close(events, arguments)
-        elif self.depth == 2 and char == ":":
+        elif self.depth == self.call_depth and char == ":":
             self.key = self.last_string
-        elif self.depth == 2 and char == ",":
+        elif self.depth == self.call_depth and char == ",":
             self.key = None
-        elif self.depth == 0 and not char.isspace():
-            self.invalid = True  # text before or after the array
 
     def _string_char(self, char: str, events: list[tuple[int, str, str]]) -> None:
         if self.escape:
@@ -304,7 +337,7 @@ class ToolCallScanner:
             self.escape = True
         elif char == '"':
             self.in_string = False
-            if self.depth == 2:
+            if self.depth == self.call_depth:
                 raw = "".join(self.string)
                 if self.key == "name":
                     events.append((self.call_index, "name", _json_string(raw)))
@@ -313,18 +346,24 @@ class ToolCallScanner:
         self.string.append(char)
 
     def _open(self, char: str, arguments: list[str]) -> None:
-        if self.closed or (self.depth == 0 and char != "["):
-            self.invalid = True
+        if self.depth == 0:
+            self.skeleton_parts.append("\x00")
+            if char != self.top_opener:
+                self.invalid = True
         self.depth += 1
-        if self.depth == 2 and char == "{":
+        if self.depth == self.call_depth and char == "{":
             self.call_index += 1
             self.key = self.last_string = None
-        elif self.depth == 3 and self.key == "arguments" and not self.in_arguments:
+        elif (
+            self.depth == self.call_depth + 1
+            and self.key == self.layout.arguments_key
+            and not self.in_arguments
+        ):
             self.in_arguments = True
             arguments.append(char)
 
     def _close(self, events: list[tuple[int, str, str]], arguments: list[str]) -> None:
-        if self.in_arguments and self.depth == 3:
+        if self.in_arguments and self.depth == self.call_depth + 1:
             self.in_arguments = False
             events.append((self.call_index, "arguments", "".join(arguments)))
             arguments.clear()

@@ -132,6 +132,7 @@ class ChatTemplate:
         self._eos_token = eos_token
         self._bitnet_segmentwise = bitnet_segmentwise
         self._compiled: jinja2.Template | None = None
+        self.source: str | None = None  # the GGUF's Jinja source when it is what renders (tool formats)
         if name is not None:
             if name not in NAMED_TEMPLATES:
                 raise InvalidRequest(
@@ -147,6 +148,7 @@ class ChatTemplate:
             self.name = BITNET_TEMPLATE_NAME
         else:
             self.name = "gguf"
+            self.source = source
         if self.name != BITNET_TEMPLATE_NAME:
             template_source = _NAMED_SOURCES[self.name] if self.name in _NAMED_SOURCES else source
             assert template_source is not None  # "gguf" is chosen only with a source
@@ -180,10 +182,16 @@ class ChatTemplate:
         )
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ChatPrompt:
-        """Validate `messages` and render them. Raises InvalidRequest for bad messages or when the
-        template rejects them (its raise_exception) or fails on them."""
+        """Validate `messages` and render them; `tools` (OpenAI tool objects) is the template's own
+        `tools` variable, for templates with a tool format (structured/tool_formats.py). Raises
+        InvalidRequest for bad messages or when the template rejects them (its raise_exception) or
+        fails on them."""
         clean = normalize_messages(messages)
         if self._compiled is None:
             return ChatPrompt(
@@ -195,7 +203,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
-                tools=None,
+                tools=tools,
                 documents=None,
             )
         except _TemplateRaised as exc:
@@ -247,12 +255,14 @@ def encode_chat(tokenizer: Tokenizer, prompt: ChatPrompt) -> list[int]:
     return ids
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Check OpenAI-style messages; returns plain {"role", "content"[, "name"]} dicts with string
-    content (a list of text parts is joined with newlines). Raises InvalidRequest naming the field."""
+    content (a list of text parts is joined with newlines), keeping an assistant's `tool_calls` list
+    and a tool result's `tool_call_id` for templates that render them. Raises InvalidRequest naming
+    the field."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
-    result: list[dict[str, str]] = []
+    result: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, Mapping):
@@ -262,14 +272,27 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise InvalidRequest(
                 f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role"
             )
-        clean = {"role": role, "content": _content_text(message.get("content"), role, where)}
+        clean: dict[str, Any] = {"role": role, "content": _content_text(message.get("content"), role, where)}
         name = message.get("name")
         if name is not None:
             if not isinstance(name, str):
                 raise InvalidRequest(f"{where}.name must be a string", param=f"{where}.name")
             clean["name"] = name
+        _keep_tool_fields(message, clean, where)
         result.append(clean)
     return result
+
+
+def _keep_tool_fields(message: Mapping[str, Any], clean: dict[str, Any], where: str) -> None:
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if message["role"] != "assistant" or not isinstance(tool_calls, list):
+            raise InvalidRequest(
+                f"{where}.tool_calls must be a list, on an assistant message", param=f"{where}.tool_calls"
+            )
+        clean["tool_calls"] = tool_calls
+    if isinstance(message.get("tool_call_id"), str):
+        clean["tool_call_id"] = message["tool_call_id"]
 
 
 def _content_text(content: Any, role: str, where: str) -> str:

@@ -10,6 +10,7 @@ import pytest
 
 from bitserve.errors import InvalidRequest
 from bitserve.server.chat_tool_calls import StreamedToolCalls, message_with_tool_calls
+from bitserve.structured.tool_formats import JSON_CONVENTION
 from bitserve.structured.tools import (
     ToolCallScanner,
     calls_from_events,
@@ -58,12 +59,12 @@ def test_scanner_pieces_reassemble_to_the_whole_reply() -> None:
 )
 def test_anything_else_is_content(text: str) -> None:
     assert parse_tool_calls(text, TOOLS) is None
-    message, finish = message_with_tool_calls(text, "stop", TOOLS)
+    message, finish = message_with_tool_calls(text, "stop", TOOLS, JSON_CONVENTION)
     assert message["content"] == text and finish == "stop"
 
 
 def test_streamed_deltas_follow_openai() -> None:
-    stream = StreamedToolCalls(TOOLS, forced=True)
+    stream = StreamedToolCalls(TOOLS, True, JSON_CONVENTION)
     deltas = [stream.delta(REPLY[i : i + 5], None)[0] for i in range(0, len(REPLY), 5)]
     _, finish = stream.delta("", "stop")
     entries = [entry for delta in deltas for entry in delta.get("tool_calls", [])]
@@ -77,10 +78,10 @@ def test_streamed_deltas_follow_openai() -> None:
 
 
 def test_auto_holds_a_possible_call_and_streams_text_at_once() -> None:
-    text = StreamedToolCalls(TOOLS, forced=False)
+    text = StreamedToolCalls(TOOLS, False, JSON_CONVENTION)
     assert text.delta("  Hel", None) == ({"content": "  Hel"}, None)
     assert text.delta("lo", "stop") == ({"content": "lo"}, "stop")
-    call = StreamedToolCalls(TOOLS, forced=False)
+    call = StreamedToolCalls(TOOLS, False, JSON_CONVENTION)
     assert call.delta(REPLY[:20], None) == ({}, None)
     delta, finish = call.delta(REPLY[20:], "stop")
     assert finish == "tool_calls" and [e["function"]["name"] for e in delta["tool_calls"]] == [
