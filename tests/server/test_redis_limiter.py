@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 import security_testing as st
 from conftest import IN_PROCESS_SERVER
 from fastapi.testclient import TestClient
@@ -116,7 +117,12 @@ def test_replicas_share_one_budget(redis_server: RedisProcess | ExternalRedis) -
 
 def test_concurrent_charges_never_overspend(redis_server: RedisProcess | ExternalRedis) -> None:
     async def run() -> int:
-        limiters = [RedisRateLimiter(redis_server.url) for _ in range(4)]
+        # a generous socket timeout: this test is about atomicity; on a loaded CI machine 100 concurrent
+        # charges can wait past the production 0.5 s, which would fail them as "limiter unavailable"
+        limiters = [
+            RedisRateLimiter(redis_server.url, client=aioredis.from_url(redis_server.url, socket_timeout=30))
+            for _ in range(4)
+        ]
         caller = principal(f"race-{time.time_ns()}", tokens_per_day=1000)
 
         async def one(limiter: RedisRateLimiter) -> bool:
