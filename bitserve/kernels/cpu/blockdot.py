@@ -219,43 +219,53 @@ def _block_tile(
 # ---------------------------------------------------------------- activations
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _quantize_token(x: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray) -> None:
+    """One token: x f32 [K] -> q int8 [K], dx / sx f32 [nb] (see quantize_block_q8)."""
+    for blk in range(x.shape[0] // QK):
+        amax = np.float32(0.0)
+        for j in range(blk * QK, blk * QK + QK):
+            amax = max(amax, abs(x[j]))
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        total = 0
+        for j in range(blk * QK, blk * QK + QK):
+            v = np.int8(np.round(x[j] * inv))  # |x * inv| <= 127: no clamp needed
+            q[j] = v
+            total += v
+        d = amax / np.float32(127.0)
+        dx[blk] = d
+        sx[blk] = d * np.float32(total)
+
+
 @njit(nogil=True, cache=True)
 def quantize_block_q8(x: np.ndarray, padded_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x f32 [T, K] -> (q int8 [padded_tokens, K], dx f32 [padded_tokens, nb], sx f32 [padded_tokens, nb]),
     zero rows as padding. Per 32-value block, as ggml's AVX2 quantize_row_q8_1: amax = max |x|,
-    q = round_half_even(x * (127 / amax)) (0 for an all-zero block), dx = amax / 127, sx = dx * sum(q)."""
+    q = round_half_even(x * (127 / amax)) (0 for an all-zero block), dx = amax / 127, sx = dx * sum(q).
+    Serial: decode-sized batches, where a parallel region's start costs more than the work."""
     num_tokens, k = x.shape
-    num_blocks = k // QK
     q = np.zeros((padded_tokens, k), dtype=np.int8)
-    dx = np.zeros((padded_tokens, num_blocks), dtype=np.float32)
-    sx = np.zeros((padded_tokens, num_blocks), dtype=np.float32)
+    dx = np.zeros((padded_tokens, k // QK), dtype=np.float32)
+    sx = np.zeros((padded_tokens, k // QK), dtype=np.float32)
     for t in range(num_tokens):
-        for blk in range(num_blocks):
-            amax = np.float32(0.0)
-            for j in range(blk * QK, blk * QK + QK):
-                amax = max(amax, abs(x[t, j]))
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            total = 0
-            for j in range(blk * QK, blk * QK + QK):
-                v = np.int8(np.round(x[t, j] * inv))  # |x * inv| <= 127: no clamp needed
-                q[t, j] = v
-                total += v
-            d = amax / np.float32(127.0)
-            dx[t, blk] = d
-            sx[t, blk] = d * np.float32(total)
+        _quantize_token(x[t], q[t], dx[t], sx[t])
     return q, dx, sx
 
 
-@njit(nogil=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def q8_roundtrip(x: np.ndarray) -> np.ndarray:
-    """x f32 [T, K] -> the values the kernels multiply, f32 [T, K]: q * dx per block. Batches that take
-    the sgemm path run on these, so a token's result does not depend on the size of its batch beyond
-    f32 summation order."""
-    q, dx, _ = quantize_block_q8(x, x.shape[0])
+    """x f32 [T, K] -> the values the kernels multiply, f32 [T, K]: q * dx per block (quantize_block_q8's
+    arithmetic). Batches that take the sgemm path run on these, so a token's result does not depend on the
+    size of its batch beyond f32 summation order. Parallel over tokens: these are prefill-sized batches."""
+    num_tokens, k = x.shape
     out = np.empty_like(x)
-    for t in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            out[t, j] = np.float32(q[t, j]) * dx[t, j // QK]
+    for t in prange(num_tokens):
+        q = np.empty(k, dtype=np.int8)
+        dx = np.empty(k // QK, dtype=np.float32)
+        sx = np.empty(k // QK, dtype=np.float32)
+        _quantize_token(x[t], q, dx, sx)
+        for j in range(k):
+            out[t, j] = np.float32(q[j]) * dx[j // QK]
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 from bitserve.kernels.cpu.blockdot import quantize_block_q8
@@ -67,16 +67,31 @@ def residual_norm_quantize(
     return norm_quantize(x, weight, eps, kp, padded)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _silu_mul_row(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    one = np.float32(1.0)
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = g / (one + np.float32(math.exp(-g))) * up[i]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _relu2_mul_row(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    zero = np.float32(0.0)
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        r = zero if g <= zero else g
+        out[i] = (r * r) * up[i]
+
+
 @njit(nogil=True, cache=True)
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     """out = silu(gate) * up, all f32 [T, I] C-contiguous; silu(g) = g / (1 + e^-g) in f32. The one SiLU of
-    the q8 mode: the module forward (CpuBackend.silu_and_mul) and the fast step both call this
-    specialization, so their results are identical."""
-    one = np.float32(1.0)
+    the q8 mode: the module forward (CpuBackend.silu_and_mul) and the fast step both compute it with
+    _silu_mul_row, elementwise and scalar (numba has no vector exp here: no SVML), so their results are
+    identical, serial or parallel."""
     for t in range(gate.shape[0]):
-        for i in range(gate.shape[1]):
-            g = gate[t, i]
-            out[t, i] = g / (one + np.float32(math.exp(-g))) * up[t, i]
+        _silu_mul_row(gate[t], up[t], out[t])
 
 
 @njit(nogil=True, cache=True)
@@ -84,12 +99,22 @@ def relu2_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     """out = relu(gate)^2 * up, all f32 [T, I] C-contiguous, rounded as torch.relu(g).square() * up
     (two f32 products; NaN passes through relu as torch's does). The cpu backend's relu2 for both
     forwards (CpuBackend.relu2_and_mul)."""
-    zero = np.float32(0.0)
     for t in range(gate.shape[0]):
-        for i in range(gate.shape[1]):
-            g = gate[t, i]
-            r = zero if g <= zero else g
-            out[t, i] = (r * r) * up[t, i]
+        _relu2_mul_row(gate[t], up[t], out[t])
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def silu_mul_parallel(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """silu_mul over tokens in parallel (prefill-sized batches), the same elementwise arithmetic."""
+    for t in prange(gate.shape[0]):
+        _silu_mul_row(gate[t], up[t], out[t])
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def relu2_mul_parallel(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """relu2_mul over tokens in parallel (prefill-sized batches), the same elementwise arithmetic."""
+    for t in prange(gate.shape[0]):
+        _relu2_mul_row(gate[t], up[t], out[t])
 
 
 @njit(nogil=True, cache=True)
