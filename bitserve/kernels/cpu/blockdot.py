@@ -153,10 +153,6 @@ def _hsum8(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     )
 
 
-def _is_c_vector_matrix(ty: types.Type, dtype: types.Type) -> bool:
-    return isinstance(ty, types.Array) and ty.dtype == dtype and ty.ndim == 2 and ty.layout == "C"
-
-
 @intrinsic
 def _block_tile(
     typingctx: object,
@@ -181,7 +177,7 @@ def _block_tile(
         return None
     if not (_is_c_matrix(w, types.uint8) and _is_c_matrix(q, types.int8)):
         return None
-    if not (_is_c_vector_matrix(dx, types.float32) and _is_c_vector_matrix(sx, types.float32)):
+    if not (_is_c_matrix(dx, types.float32) and _is_c_matrix(sx, types.float32)):
         return None
     isa_code, kind_code, num_rows, num_toks = (v.literal_value for v in literals)
     sig = types.UniTuple(types.float32, num_rows * num_toks)(
