@@ -2,11 +2,18 @@
 graph's kernels by GPU time (torch.profiler over replays). One JSON line per model, then the table.
 
     python benchmarks/profile_gpu_step.py /tmp/bitserve-gpu/2b4t-i2s.gguf [more.gguf ...]
+
+BITSERVE_PROFILE_HOST=1 adds the host side's cProfile (engine steps of the batch-1 decode loop, sorted by
+own time): what the host does between two graph replays.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
+import os
+import pstats
 import statistics
 import sys
 import time
@@ -54,6 +61,17 @@ def kernel_table(graph: torch.cuda.CUDAGraph) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
 
 
+def host_profile(llm: LLM) -> str:
+    """cProfile of a batch-1 decode loop's engine steps, the top functions by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step_times(llm, num_steps=200)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
 def main() -> None:
     for path in sys.argv[1:]:
         llm = LLM(path, device="cuda")
@@ -68,6 +86,8 @@ def main() -> None:
         }
         sys.stdout.write(json.dumps(row) + "\n")
         sys.stdout.write(kernel_table(graph) + "\n")
+        if os.environ.get("BITSERVE_PROFILE_HOST") == "1":
+            sys.stdout.write(host_profile(llm) + "\n")
         llm.close()
         del llm
         torch.cuda.empty_cache()

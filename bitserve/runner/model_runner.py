@@ -7,6 +7,7 @@ from the engine thread only.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,6 +21,8 @@ from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
 from bitserve.structured.masks import GuidedRows
 
 logger = logging.getLogger(__name__)
+
+DEVICE_MEMORY_REFRESH_S = 0.5  # how stale bitserve_device_memory_bytes may be (scrapes come every ~15 s)
 
 
 class ModelRunner:
@@ -35,6 +38,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator | None] = {}
         # Grammar matchers of guided requests; set by ModelInstance, which owns the tokenizer.
         self.guided: GuidedRows | None = None
+        self._device_memory: int | None = None
+        self._device_memory_read_at = float("-inf")
 
     def allocate_kv_caches(self, layout: CacheLayout) -> list[torch.Tensor]:
         return allocate_kv_caches(layout)
@@ -70,10 +75,20 @@ class ModelRunner:
 
     def device_memory_bytes(self) -> int | None:
         """Bytes the device allocator holds for tensors (CUDA replicas), None on the CPU (the process RSS,
-        process_resident_memory_bytes, covers it)."""
+        process_resident_memory_bytes, covers it).
+
+        Read at most every DEVICE_MEMORY_REFRESH_S: the engine asks after every step, and
+        torch.cuda.memory_allocated flattens the allocator's whole stats tree (~0.1 ms, measured on an
+        H100 host as 17% of a batch-1 step's host time); the nested form is read without flattening.
+        """
         if self.device.type != "cuda":
             return None
-        return torch.cuda.memory_allocated(self.device)
+        now = time.monotonic()
+        if now - self._device_memory_read_at >= DEVICE_MEMORY_REFRESH_S:
+            stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+            self._device_memory = stats.get("allocated_bytes", {}).get("all", {}).get("current", 0)
+            self._device_memory_read_at = now
+        return self._device_memory
 
     def forward_logits(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:
         """One forward over the scheduled tokens -> f32 [num_sampled, vocab] logits of the requests whose

@@ -12,12 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
+
 ACTIVATIONS = {"silu": 0, "relu2": 1, "relu_sqr": 1, "gelu": 2}
 MAX_ROW_BLOCK = 16384
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,12 +43,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty((num_rows, num_cols), dtype=torch.float32, device=x.device)
     if num_rows:
         block = triton.next_power_of_2(num_cols)
-        _rms_norm_kernel[(num_rows,)](x, weight, out, num_cols, x.stride(0), out.stride(0), eps, BLOCK=block)
+        _rms_norm_kernel[(num_rows,)](
+            x, weight, out, num_cols, x.stride(0), out.stride(0), eps, BLOCK=block, **launch_options(x.device)
+        )
     return out
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, width, gu_stride, out_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(
+    gu_ptr, out_ptr, width, gu_stride, out_stride,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -70,6 +83,13 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         block = 1024
         grid = (num_rows, triton.cdiv(width, block))
         _act_mul_kernel[grid](
-            gate_up, out, width, gate_up.stride(0), out.stride(0), ACT=ACTIVATIONS[activation], BLOCK=block
+            gate_up,
+            out,
+            width,
+            gate_up.stride(0),
+            out.stride(0),
+            ACT=ACTIVATIONS[activation],
+            BLOCK=block,
+            **launch_options(gate_up.device),
         )
     return out

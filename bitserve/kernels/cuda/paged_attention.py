@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
+
 LOG2E = 1.4426950408889634
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # terms the f32 left operand of a dot is split into, by cache dtype (0: f32 operands, tf32x3)
@@ -102,10 +104,12 @@ def _rotary_cache_kernel(
     cache_stride_blk, cache_stride_pos, cache_stride_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, SOFT_BF16: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per token: q rotated in place; k rotated in place and into its cache slot (rest
     of the head copied); v copied into its slot."""
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     slot = tl.load(slots_ptr + token)
@@ -178,7 +182,7 @@ def rotary_and_cache_(
         IS_NEOX=is_neox, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
         BLOCK_D=triton.next_power_of_2(head_dim), SOFT_BF16=q.device.type != "cuda", num_warps=4,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **launch_options(q.device),
     )  # fmt: skip
 
 
@@ -277,12 +281,14 @@ def _decode_kernel(
     out_stride_b, out_stride_h, out_stride_s, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TERMS: tl.constexpr,
-    P_SCALE: tl.constexpr,
+    P_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, kv_head, split): the GROUP query heads of one KV head (rows padded to BLOCK_G, so
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
     NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp."""
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -319,9 +325,12 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, out_stride_b, out_stride_h,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, head): merge the NUM_SPLITS partials [S, D] of one head by their weights
     2^(lse_s - max lse) (the log-sum-exp merge of flash-decoding)."""
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head
     splits = tl.arange(0, BLOCK_S)
@@ -416,13 +425,13 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         TERMS=_split_terms(kv_cache), P_SCALE=_weight_scale(kv_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial, lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
+            BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2, **launch_options(q.device),
         )  # fmt: skip
     return out
 

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
+
 AMAX_FLOOR = 1e-5  # as kernels/reference/ternary.AMAX_FLOOR (docs/formats.md §3.1)
 MAX_SINGLE_BLOCK = 8192  # widest post-activation row kept in registers (BitNet 2B-4T: 6912)
 CHUNK = 2048  # chunk width of the three-pass path
@@ -87,7 +89,10 @@ def _norm_quantize_kernel(
     ACT: tl.constexpr,
     HAS_NORM: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * (2 * K if ACT != 0 else K)
     q_row = q_ptr + row * K
@@ -196,5 +201,6 @@ def norm_quantize(
         USE_LIBDEVICE=x.device.type == "cuda",  # the CPU interpreter has no libdevice
         num_warps=16 if block >= 8192 else (8 if block >= 2048 else 4),
         enable_fp_fusion=False,
+        **launch_options(x.device),
     )
     return q, s_act

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
 from bitserve.kernels.cuda.ternary_pack import GROUP
 
 GEMV_MAX_T = 8  # largest T served by the dp4a GEMV path
@@ -128,6 +129,7 @@ def _gemv_kernel(
     A_1D: tl.constexpr,  # BLOCK_W >= 128 * num_warps: all threads lie along K
     HAS_RES: tl.constexpr,
     USE_ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -135,6 +137,9 @@ def _gemv_kernel(
     w_rows = w_ptr + rows[:, None].to(tl.int64) * KW  # [BM, 1]
     # every weight load of the program is issued first: the DRAM latency is paid once, not per chunk
     chunks = _load_weight_chunks(w_rows, row_ok, KW, BLOCK_W, EVEN_M)
+    # with PDL the weight loads above overlap the previous kernel; q, s_act, residual are its outputs
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
     # NOTE: a tuple of 2-D accumulators (one per token), not a 3-D tensor: Triton gives a loop-carried
     # 3-D accumulator a layout of its own and converts every weight tile to it through shared memory
     accs = ()
@@ -391,6 +396,7 @@ def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig) -> None
         USE_ASM=q.device.type == "cuda",
         num_warps=cfg.num_warps,
         enable_fp_fusion=False,
+        **launch_options(q.device),
     )
 
 

@@ -1,0 +1,63 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and newer).
+
+A batch-1 decode step of a 2B model is ~330 kernels of 1-8 µs; each one's launch latency and ramp-up
+(~1.5 µs measured on an H100, inside a CUDA graph) sat between it and the kernel before it. With PDL a
+kernel is launched while its predecessor still runs (the predecessor signals `gdc_launch_dependents`
+once past its own wait); the new kernel issues the loads that do not depend on the predecessor (a
+GEMV's weight rows) and then blocks in `gdc_wait` until the predecessor has finished and its writes are
+visible.
+
+Order inside a kernel: wait, then trigger. Triggering first let the whole graph's kernels launch
+ahead, each one's programs resident and parked in their wait, taking the SM slots the running GEMV
+needed (measured on an H100: a 2B batch-1 step went from 1.69 to 2.03 ms). Wait-then-trigger keeps
+exactly one kernel launched ahead.
+
+Contract of a kernel launched with `launch_options(...)`: it calls `pdl_wait(USE_PDL)` before it reads
+anything an earlier kernel writes and before any store, so ordering is as strict as without PDL
+(`gdc_wait` waits for the predecessor's completion, and the predecessor itself completed only after its
+own wait: the chain is transitive). Kernels that are not launched this way (cuBLAS, torch ops) start
+after their predecessor has completed, as always.
+
+BITSERVE_CUDA_PDL=0 turns it off (the kernels then compile without the grid-dependency instructions).
+Imports triton: load only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+PDL_ENV = "BITSERVE_CUDA_PDL"
+
+
+@functools.cache
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL on `device`: a CUDA device of compute capability 9.0 or newer, unless BITSERVE_CUDA_PDL=0."""
+    if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments of a Triton launch: USE_PDL (the kernel's constexpr) and launch_pdl, together."""
+    enabled = pdl_enabled(device)
+    return {"USE_PDL": enabled, "launch_pdl": enabled}
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next kernel launch now (it waits in pdl_wait for this one to finish). Call after pdl_wait."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Block until the previous kernel has completed and its writes are visible."""
+    if USE_PDL:
+        gdc_wait()
