@@ -3,8 +3,9 @@ graph's kernels by GPU time (torch.profiler over replays). One JSON line per mod
 
     python benchmarks/profile_gpu_step.py /tmp/bitserve-gpu/2b4t-i2s.gguf [more.gguf ...]
 
-BITSERVE_PROFILE_HOST=1 adds the host side's cProfile (engine steps of the batch-1 decode loop, sorted by
-own time): what the host does between two graph replays.
+BITSERVE_PROFILE_BATCH=N profiles the graph of the N-sequence bucket instead of batch 1 (the kernel
+table; the step times stay batch 1). BITSERVE_PROFILE_HOST=1 adds the host side's cProfile (engine
+steps of the batch-1 decode loop, sorted by own time): what the host does between two graph replays.
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ def main() -> None:
         llm = LLM(path, device="cuda")
         steps = step_times(llm)
         graphs = llm.engine.runner.graphs
-        graph = graphs.graphs[1, graphs.widths[0]]  # batch 1, the shortest-context bucket
+        batch = int(os.environ.get("BITSERVE_PROFILE_BATCH", "1"))
+        graph = graphs.graphs[batch, graphs.widths[0]]  # the shortest-context bucket
         row = {
             "model": Path(path).name,
             "card": torch.cuda.get_device_name(0),
             "step_ms_median": round(statistics.median(steps) * 1000, 3),
+            "graph_batch": batch,
             "graph_replay_ms": round(replay_us(graph) / 1000, 3),
         }
         sys.stdout.write(json.dumps(row) + "\n")

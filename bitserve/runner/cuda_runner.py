@@ -16,6 +16,7 @@ import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
 from bitserve.errors import InvalidRequest
+from bitserve.kernels.cuda.ternary_matmul import GEMV_MAX_T
 from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
 from bitserve.models.decoder import DecoderModel
 from bitserve.runner.cuda_graphs import DecodeGraphs
@@ -42,6 +43,7 @@ class CudaModelRunner(ModelRunner):
         self.decoder = CudaDecoder(model, device)
         self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
         self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
+        self._warm_up_prefill()
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
             self.graphs = DecodeGraphs(
@@ -53,6 +55,30 @@ class CudaModelRunner(ModelRunner):
                 device=device,
             )
             self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def _warm_up_prefill(self) -> None:
+        """Compile, at load, the kernel variants a prefill step can need, so that none compiles in the
+        serving path (a Triton compile takes 1-2 s: a stall of every running stream). The GEMV has one
+        variant per token count up to GEMV_MAX_T; the GEMM's token count and split are run-time values,
+        so one step in each of its tile buckets covers every length. Decode steps are warmed by the
+        graph capture. The warm-up sequence writes no KV (negative slots) and reads the scratch page."""
+        block_size = self.layout.block_size
+        for num_tokens in (*range(1, GEMV_MAX_T + 1), 12, 100, 200):
+            pages = -(-num_tokens // block_size)
+            metadata = DeviceAttentionMetadata(
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+                block_table=torch.full((1, pages), self.scratch_block, dtype=torch.int32, device=self.device),
+                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+                max_query_len=num_tokens,
+                decode_only=False,
+            )
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+            hidden = self.decoder(ids, positions, self.kv_caches, metadata)
+            self.decoder.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
 
     def embed(
         self, inputs: Sequence[Sequence[int]], pooling: str, dimensions: int | None

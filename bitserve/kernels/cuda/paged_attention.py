@@ -439,7 +439,7 @@ def paged_decode_attention(
 # ------------------------------------------------------------------ prefill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride"])  # the batch's table width varies step to step
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, kv_stride_blk, kv_stride_pos, kv_stride_head,

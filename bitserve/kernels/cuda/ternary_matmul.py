@@ -243,7 +243,10 @@ def _decode_plane(packed, J: tl.constexpr, USE_ASM: tl.constexpr):
         return _swar_decode(packed, _PLANE3_ASM)
 
 
-@triton.jit
+# T and the split are run-time values, not specializations: a prefill of a new length must not compile a
+# kernel variant of its own in the serving path (each first-seen split cost a ~1.7 s Triton compile,
+# seen as a TTFT stall of a third of a 100-request wave on an H100)
+@triton.jit(do_not_specialize=["T", "SPLIT_K", "GROUPS_PER_SPLIT"])
 def _gemm_kernel(
     q_ptr,  # int8 [T, K]
     w_ptr,  # uint8 [M, K // 4]
@@ -257,8 +260,8 @@ def _gemm_kernel(
     K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    GROUPS_PER_SPLIT: tl.constexpr,
+    SPLIT_K,  # programs along K (run time)
+    GROUPS_PER_SPLIT,  # 128-column groups per split (run time), divides K // 128
     HAS_RES: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
@@ -270,7 +273,7 @@ def _gemm_kernel(
     lanes = tl.arange(0, 32)
     q_rows = q_ptr + toks[:, None].to(tl.int64) * K + lanes[None, :]  # [BT, 32]
     w_rows = w_ptr + rows[:, None].to(tl.int64) * (K // 4) + lanes[None, :]  # [BN, 32]
-    g_begin = tl.program_id(2) * GROUPS_PER_SPLIT  # GROUPS_PER_SPLIT divides K // 128
+    g_begin = tl.program_id(2) * GROUPS_PER_SPLIT
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.int32)
     for i in range(GROUPS_PER_SPLIT):
         g = g_begin + i
