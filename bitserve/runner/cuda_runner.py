@@ -43,7 +43,7 @@ class CudaModelRunner(ModelRunner):
         self.decoder = CudaDecoder(model, device)
         self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
         self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
-        self._warm_up_prefill()
+        self._warm_up_prefill(max_model_len)
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
             self.graphs = DecodeGraphs(
@@ -57,14 +57,17 @@ class CudaModelRunner(ModelRunner):
             self.graphs.capture_all()
 
     @torch.inference_mode()
-    def _warm_up_prefill(self) -> None:
+    def _warm_up_prefill(self, max_model_len: int) -> None:
         """Compile, at load, the kernel variants a prefill step can need, so that none compiles in the
         serving path (a Triton compile takes 1-2 s: a stall of every running stream). The GEMV has one
         variant per token count up to GEMV_MAX_T; the GEMM's token count and split are run-time values,
         so one step in each of its tile buckets covers every length. Decode steps are warmed by the
         graph capture. The warm-up sequence writes no KV (negative slots) and reads the scratch page."""
         block_size = self.layout.block_size
+        longest = min(max_model_len, self.decoder.cos.shape[0])  # positions the RoPE tables hold
         for num_tokens in (*range(1, GEMV_MAX_T + 1), 12, 100, 200):
+            if num_tokens > longest:
+                break
             pages = -(-num_tokens // block_size)
             metadata = DeviceAttentionMetadata(
                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
