@@ -252,6 +252,12 @@ class KernelBackend(Protocol):
         layout for `mode`. Raises UnsupportedModel if this backend cannot run that shape in that mode."""
         ...
 
+    def prepare_ternary_file(self, weight: PackedWeight, *, mode: LinearMode) -> PreparedLinear | None:
+        """Once, at load: a ternary file weight whose bytes the backend reads as they are (the cpu
+        backend's I2_S, read in place from the file mapping), or None: the loader then unpacks it and
+        calls `prepare_ternary`. The weight's bytes must then stay mapped while the model lives."""
+        return None
+
     def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
         """Once, at load: a float32 [M, K] weight (block formats are dequantized before this)."""
         ...

@@ -93,8 +93,11 @@ def _tl_params(info: TensorInfo, shape: tuple[int, int], options: DecodeOptions)
     return {"BM": tile.BM, "BK": tile.BK, "bm": tile.bm}
 
 
-def make_packed_weight(info: TensorInfo, raw: np.ndarray, *, options: DecodeOptions) -> PackedWeight:
-    """Wrap one tensor's bytes (uint8 [info.nbytes], zero-copy) as a PackedWeight in its file layout.
+def make_packed_weight(
+    info: TensorInfo, raw: np.ndarray | torch.Tensor, *, options: DecodeOptions
+) -> PackedWeight:
+    """Wrap one tensor's bytes (uint8 [info.nbytes], numpy or torch, zero-copy) as a PackedWeight in its
+    file layout.
 
     Checks what can be checked without decoding: byte count, block geometry, the I2_S variant's shape rule and
     the TL tile config. Code-level checks (I2_S code 3, TL ranges) happen when the weight is unpacked.
@@ -107,9 +110,10 @@ def make_packed_weight(info: TensorInfo, raw: np.ndarray, *, options: DecodeOpti
             f"tensor {info.name} has storage type {type_name}, which bitserve cannot decode",
             hint="requantize the model to a supported type (Q8_0, Q4_K, TQ2_0, I2_S, ...)",
         ) from None
-    if raw.size != info.nbytes:
+    data = raw if isinstance(raw, torch.Tensor) else as_uint8_tensor(raw)
+    if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != info.nbytes:
         raise InvalidModelFile(
-            f"tensor {info.name} ({type_name}) got {raw.size} bytes", expected=f"{info.nbytes} bytes"
+            f"tensor {info.name} ({type_name}) got {data.numel()} bytes", expected=f"{info.nbytes} bytes"
         )
     shape = matrix_shape(tuple(info.shape))
     params: dict[str, object] = {}
@@ -123,6 +127,4 @@ def make_packed_weight(info: TensorInfo, raw: np.ndarray, *, options: DecodeOpti
         params["i2s_variant"] = options.i2s_variant
     elif layout in (Layout.TL1, Layout.TL2):
         params.update(_tl_params(info, shape, options))
-    return PackedWeight(
-        data=as_uint8_tensor(raw), shape=shape, layout=layout, source_type=type_name, params=params
-    )
+    return PackedWeight(data=data, shape=shape, layout=layout, source_type=type_name, params=params)

@@ -320,6 +320,13 @@ class GGUFFile:
             )
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.file_offset)
 
+    def file_bytes(self) -> np.ndarray:
+        """uint8 [file_size], a read-only zero-copy view of the whole mapping. Tensors sliced from one
+        such view share its buffer, so a backend can address several of them through one array."""
+        if self._mm is None:
+            raise RuntimeError(f"{self.path}: GGUFFile is closed")
+        return np.frombuffer(self._mm, dtype=np.uint8)
+
     def release_pages(self, name: str) -> None:
         """Drop the resident pages of a tensor the caller copied out and will not read again.
 

@@ -15,7 +15,7 @@ from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference.dequant import dequantize, unpack_ternary
-from bitserve.loader.decode import DecodeOptions, make_packed_weight
+from bitserve.loader.decode import DecodeOptions, as_uint8_tensor, make_packed_weight
 from bitserve.loader.gguf_reader import GGUFFile, read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
 from bitserve.loader.requantize import quantize_q8_0
@@ -50,6 +50,9 @@ class GGUFWeightSource:
     decode_options: DecodeOptions
     lm_head: str = "auto"
     used: set[str] = field(default_factory=set)
+    # the whole mapping as one torch tensor, made on first use: every tensor's bytes are a slice of it,
+    # so weights read in place share one storage (a backend may stack them without a copy)
+    _file: torch.Tensor | None = None
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -66,7 +69,10 @@ class GGUFWeightSource:
                 hint="the file does not match its architecture's tensor layout",
             )
         self.used.add(name)
-        return make_packed_weight(info, self.gguf.tensor_data(name), options=self.decode_options)
+        if self._file is None:
+            self._file = as_uint8_tensor(self.gguf.file_bytes())
+        raw = self._file[info.file_offset : info.file_offset + info.nbytes]
+        return make_packed_weight(info, raw, options=self.decode_options)
 
     def vector(self, name: str) -> torch.Tensor:
         return dequantize(self.packed(name)).reshape(-1)
@@ -105,6 +111,9 @@ class GGUFWeightSource:
     def linear(self, name: str, *, may_be_ternary: bool) -> PreparedLinear:
         weight = self.packed(name)
         if weight.layout in TERNARY_FILE_LAYOUTS:
+            in_place = self.backend.prepare_ternary_file(weight, mode=self.linear_mode)
+            if in_place is not None:
+                return in_place  # reads the file's bytes: their pages stay mapped
             prepared = self.backend.prepare_ternary(unpack_ternary(weight), mode=self.linear_mode)
             # the backend holds its own runtime copy: the file's bytes need not stay resident
             self.gguf.release_pages(name)

@@ -49,7 +49,7 @@ class _WeightKind:
 _KINDS = {
     # block weights: llama.cpp-style Q8 blocks; above block_gemm_min_tokens the module forward's sgemm
     Int8BlockLinear: _WeightKind(blockdot.GEMM_TOKENS, lambda k: None, lambda t: t.block_gemm_min_tokens),
-    # ternary: per-token int8 in the permuted order, the int8 kernels for every batch size
+    # ternary: per-token int8 activations, the int8 kernels for every batch size
     Int8BitnetLinear: _WeightKind(int8dot.GEMM_TOKENS, padded_in_features, lambda t: NEVER),
 }
 

@@ -209,10 +209,10 @@ def test_cpu_quantizer_matches_reference_on_edge_rows() -> None:
     x[2] *= 1e-7  # every |x| below the floor
     x[3, :7] = torch.tensor([127.0, 2.5, 3.5, -0.5, -1.5, 0.5, 126.5]) / 64  # exact halves
     x[3, 7:] = 0.0
-    qp, s_act, q_sum = cpu_kernels.quantize_permute(x.numpy(), cpu_kernels.padded_in_features(300))
+    qp, s_act, q_sum = cpu_kernels.quantize_int16(x.numpy(), cpu_kernels.padded_in_features(300))
     q, s_ref = reference_ternary.quantize_activations(x)
     assert torch.equal(torch.from_numpy(s_act), s_ref)
-    expected = cpu_kernels.permute_columns(q.to(torch.int16), cpu_kernels.padded_in_features(300))
+    expected = cpu_kernels.pad_columns(q.to(torch.int16), cpu_kernels.padded_in_features(300))
     assert torch.equal(torch.from_numpy(qp), expected)
     assert torch.equal(torch.from_numpy(q_sum), q.sum(dim=1, dtype=torch.int32))
     assert q[3, :7].tolist() == [127, 2, 4, 0, -2, 0, 126]

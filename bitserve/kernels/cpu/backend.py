@@ -1,8 +1,10 @@
 """CpuBackend: ternary linears on packed 2-bit weights with numba kernels; dense linears via torch.
 
 Runtime layout of every ternary weight: Layout.TERNARY_2BIT (uint8 [M, pad128(K) / 4], ~2 bits per
-weight). bitnet mode is bit-exact with the reference backend for every batch size. Its kernels depend on
-the ISA variant chosen once per backend (`CpuBackend.isa`, kernels/cpu/isa.py):
+weight), which is I2_S variant A's byte layout: such weights are read in place from the file mapping
+(`prepare_ternary_file`, kernels/cpu/mapped.py), other formats are repacked at load. bitnet mode is
+bit-exact with the reference backend for every batch size. Its kernels depend on the ISA variant chosen
+once per backend (`CpuBackend.isa`, kernels/cpu/isa.py):
 - vnni / avx2 (x86 with AVX2): int8 activations and `vpdpbusd` / `vpmaddubsw` integer dots emitted
   through numba intrinsics (kernels/cpu/int8dot.py), one GEMV tile for T = 1 and one GEMM tile (weights
   read once per step) above, for every batch size: ~3-5x the generic kernels, 2-3x the sgemm path.
@@ -43,7 +45,7 @@ from numba.core.errors import NumbaError
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cpu import blockquant, decode_glue, fused
+from bitserve.kernels.cpu import blockquant, decode_glue, fused, mapped
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.isa import Isa, resolve_block_activations, resolve_isa, supported_isas
 from bitserve.kernels.cpu.prepared import (
@@ -172,23 +174,42 @@ class CpuBackend(KernelBackend):
                     hint="use the bitnet or float linear mode for this model",
                 )
             extras["d_w"] = reference.f16_block_scales(codes)  # [M, K // 256]
-            codes = TernaryCodes(values=codes.values[:, kernels.tq_weight_columns(k)], scale=codes.scale)
-            strategy: type[PreparedLinear] = TqLinear
-        elif mode is LinearMode.FLOAT:
-            scale = codes.scale.reshape(1, 1) if codes.is_per_tensor else codes.scale
-            extras["decode_scale"] = scale.contiguous().clone()  # [1, 1] or [M, nb]
-            strategy = FloatTernaryLinear
-        elif mode is LinearMode.BITNET and self._isa is Isa.GENERIC:
-            strategy = BitnetLinear if codes.is_per_tensor else BitnetBlockLinear
-        elif mode is LinearMode.BITNET:
-            strategy = Int8BitnetLinear if codes.is_per_tensor else Int8BitnetBlockLinear
-        else:
-            raise ValueError(f"unknown linear mode {mode!r}")
+            # packed in ggml's lane-major column order: the kernel decodes each row straight into it
+            codes = TernaryCodes(values=codes.values[:, kernels.tq_lane_order(k)], scale=codes.scale)
         packed = kernels.pack_ternary(codes.values)  # [M, Kp / 4]
         scale_copy = codes.scale.clone(memory_format=torch.contiguous_format)  # kernels need C order
+        return self._ternary(m, k, mode, packed, scale_copy, extras)
+
+    def prepare_ternary_file(self, weight: PackedWeight, *, mode: LinearMode) -> PreparedLinear | None:
+        """I2_S variant A in bitnet / bitnetcpp / float mode: its rows, a view of the file's bytes, are
+        the runtime layout, so the weight is read in place (checked once, never copied: the mapping's
+        pages stay file-backed). None for any other ternary weight (see kernels/cpu/mapped.py for why
+        each needs a repack): the loader then unpacks it for prepare_ternary."""
+        mode = mode.kernel_mode
+        if not mapped.is_in_kernel_layout(weight) or mode is LinearMode.LLAMACPP_TQ:
+            return None
+        rows, scale = mapped.i2s_rows(weight)
+        return self._ternary(*weight.shape, mode, rows, scale, {})
+
+    def _ternary(
+        self, m: int, k: int, mode: LinearMode, packed: torch.Tensor, scale: torch.Tensor, extras: dict
+    ) -> PreparedLinear:
+        """The strategy for (kernel) `mode` and scale shape, over packed rows uint8 [M, Kp / 4]."""
+        per_tensor = scale.dim() == 0
+        if mode is LinearMode.LLAMACPP_TQ:
+            strategy: type[PreparedLinear] = TqLinear
+        elif mode is LinearMode.FLOAT:
+            extras["decode_scale"] = scale.reshape(1, 1) if per_tensor else scale  # [1, 1] or [M, nb]
+            strategy = FloatTernaryLinear
+        elif mode is LinearMode.BITNET and self._isa is Isa.GENERIC:
+            strategy = BitnetLinear if per_tensor else BitnetBlockLinear
+        elif mode is LinearMode.BITNET:
+            strategy = Int8BitnetLinear if per_tensor else Int8BitnetBlockLinear
+        else:
+            raise ValueError(f"unknown linear mode {mode!r}")
         frozen_extras = MappingProxyType(extras)
         return strategy(
-            m, k, Layout.TERNARY_2BIT, mode, packed, scale_copy, self.name, frozen_extras, tuning=self.tuning
+            m, k, Layout.TERNARY_2BIT, mode, packed, scale, self.name, frozen_extras, tuning=self.tuning
         )
 
     def prepare_dense(self, weight: torch.Tensor) -> PreparedLinear:
@@ -283,8 +304,10 @@ class CpuBackend(KernelBackend):
         self, strategy: type[CpuLinear], weights: Sequence[PreparedLinear], *, row_scale: bool
     ) -> tuple[PreparedLinear, list[int]]:
         """Row-major weights (int8 bitnet: packed rows uint8 [M_i, Kp / 4]; Int8BlockLinear: file blocks
-        [M_i, row_bytes]) concatenated, no padding rows. Scales: per-tensor ones become f32 [sum M_i],
-        each row's own (row_scale); per-block ones f32 [M_i, nb] are concatenated as they are (equal nb).
+        [M_i, row_bytes]) concatenated, no padding rows; int8 bitnet weights read in place from one file
+        are not copied: a view spanning them and each row's offset (mapped.shared_span) stand instead.
+        Scales: per-tensor ones become f32 [sum M_i], each row's own (row_scale); per-block ones
+        f32 [M_i, nb] are concatenated as they are (equal nb).
         Extras every weight has (Q4 mins "m", f32 copies "dense", both [M_i, ...]) are concatenated too."""
         offsets = [0]
         for weight in weights[:-1]:
@@ -294,15 +317,21 @@ class CpuBackend(KernelBackend):
             scales = [row_scales(scale, w.out_features) for scale, w in zip(scales, weights, strict=True)]
         first = weights[0]
         shared_extras = [key for key in first.extras if all(key in w.extras for w in weights)]
+        extras = {key: torch.cat([w.extras[key] for w in weights]) for key in shared_extras}
+        span = mapped.shared_span([w.data for w in weights]) if strategy is Int8BitnetLinear else None
+        if span is None:
+            data = torch.cat([weight.data for weight in weights])  # [sum M_i, Kp / 4]
+        else:
+            data, extras["row_offsets"] = span[0], torch.from_numpy(span[1])
         stacked = strategy(
             sum(weight.out_features for weight in weights),
             first.in_features,
             first.layout,
             first.mode,
-            torch.cat([weight.data for weight in weights]),  # [sum M_i, Kp / 4]
+            data,
             torch.cat(scales),
             self.name,
-            MappingProxyType({key: torch.cat([w.extras[key] for w in weights]) for key in shared_extras}),
+            MappingProxyType(extras),
             tuning=self.tuning,
         )
         return stacked, offsets

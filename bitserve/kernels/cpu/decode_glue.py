@@ -5,7 +5,7 @@ its int8 activations. A decode step of a 30-layer model then makes 8 calls per l
 of ~40 torch / numba ones. Two kinds of weights take two kinds of activations, chosen by the type of the
 `kp` argument at compile time (quantize_for below): None for the Q4 / Q8_0 block weights
 (blockdot.quantize_block_q8: q int8 [Tp, K], dx / sx f32 [Tp, nb]), the padded width Kp (an int) for the
-ternary int8 kernels (int8dot.quantize_permute_i8: q int8 [Tp, Kp] permuted, s_act f32 [T], q_sum int32
+ternary int8 kernels (int8dot.quantize_int8: q int8 [Tp, Kp], s_act f32 [T], q_sum int32
 [T]). The norm, RoPE and attention arithmetic is the fused kernels' (kernels/cpu/fused.py); the gated
 activations are silu_mul / relu2_mul below, which the module forward on the cpu backend calls too.
 """
@@ -20,7 +20,7 @@ from numba.extending import overload
 
 from bitserve.kernels.cpu.blockdot import quantize_block_q8
 from bitserve.kernels.cpu.fused import paged_decode_attention_kernel, rms_norm_kernel, rotary_kernel
-from bitserve.kernels.cpu.int8dot import quantize_permute_i8
+from bitserve.kernels.cpu.int8dot import quantize_int8
 
 
 def quantize_for(x: np.ndarray, kp: int | None, padded: int) -> tuple:
@@ -34,7 +34,7 @@ def _quantize_for(x, kp, padded):  # noqa: ANN001, ANN202 - numba compares these
     # choice (unlike a function argument) keeps the callers' on-disk cache valid
     if isinstance(kp, types.NoneType):
         return lambda x, kp, padded: quantize_block_q8(x, padded)
-    return lambda x, kp, padded: quantize_permute_i8(x, kp, padded)
+    return lambda x, kp, padded: quantize_int8(x, kp, padded)
 
 
 @njit(nogil=True, cache=True)

@@ -1,10 +1,12 @@
 """int8-activation ternary GEMV / GEMM on the packed 2-bit layout, with x86 integer-dot instructions.
 
-Weights stay in Layout.TERNARY_2BIT (kernels/cpu/ternary.py): per row, 32-byte groups of 128 columns,
-byte m's 2-bit field s (bits 2s, 2s + 1) holding code t + 1 of column 128g + 4m + s. Activations are int8
-in the matching permuted order (position 128g + 32s + m), so one 32-byte load of codes gives, after a
-shift by 2s and an AND with 3, the 32 codes of "plane" s, lined up with the 32 contiguous activations
-q[128g + 32s : 128g + 32s + 32]. Per group and (row, token) pair that is four u8 x s8 dot steps:
+Weights stay in Layout.TERNARY_2BIT (kernels/cpu/ternary.py), which is I2_S's x86 layout: per row,
+32-byte groups of 128 columns, byte m's 2-bit field at bits 6 - 2s, 7 - 2s holding code t + 1 of column
+128g + 32s + m. So one 32-byte load of codes gives, after a shift by 6 - 2s and an AND with 3, the 32
+codes of "plane" s, lined up with the 32 contiguous int8 activations q[128g + 32s : 128g + 32s + 32] in
+their natural order. Rows are found through a table of byte offsets into one uint8 buffer, so a stacked
+group's rows may lie in several tensors of the mapped file (I2_S read in place: kernels/cpu/mapped.py).
+Per group and (row, token) pair that is four u8 x s8 dot steps:
 - AVX2: `vpmaddubsw` (pairs of code * q summed into int16 lanes), int16 sums of FLUSH_GROUPS groups,
   then `vpmaddwd` by 1 widens them into int32 lanes;
 - VNNI: `vpdpbusd` (quads summed straight into int32 lanes), no int16 stage.
@@ -29,9 +31,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bitserve.kernels.cpu.isa import Isa
-from bitserve.kernels.cpu.ternary import GROUP_BYTES, GROUP_COLS, activation_scale
+from bitserve.kernels.cpu.ternary import GROUP_BYTES, GROUP_COLS, PLANES, activation_scale, quantize_value
 
-PLANES = 4  # 2-bit fields per byte
 PLANE_BYTES = GROUP_COLS // PLANES  # 32 codes / activations per plane: one 256-bit vector
 # int16 lanes hold the sum of FLUSH_GROUPS groups: per group a lane gets 4 planes x 2 products of code (<= 2)
 # times q (in [-128, 127]), so |sum| <= 16 * 8 * 256 = 32768, and the extremes are -32768 (all codes 2,
@@ -86,7 +87,8 @@ class _TileEmitter:
             )
             codes = self.load(ptr, offset)  # [32] u8, 4 fields each
             three = _splat(_V32xI8, 3)
-            planes.append([b.and_(b.lshr(codes, _splat(_V32xI8, 2 * s)), three) for s in range(PLANES)])
+            shifts = [_splat(_V32xI8, 6 - 2 * s) for s in range(PLANES)]  # I2_S: plane 0 in the high bits
+            planes.append([b.and_(b.lshr(codes, shift), three) for shift in shifts])
         acts = []
         for ptr in self.tok_ptrs:
             base = b.mul(g, ir.Constant(g.type, GROUP_COLS))
@@ -150,6 +152,10 @@ def _is_c_matrix(ty: types.Type, dtype: types.Type) -> bool:
     return isinstance(ty, types.Array) and ty.dtype == dtype and ty.ndim == 2 and ty.layout == "C"
 
 
+def _is_c_vector(ty: types.Type, dtype: types.Type) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == dtype and ty.ndim == 1 and ty.layout == "C"
+
+
 def _hsum(builder: ir.IRBuilder, vector: ir.Value) -> ir.Value:
     total = builder.extract_element(vector, ir.Constant(_I32, 0))
     for lane in range(1, vector.type.count):
@@ -164,37 +170,41 @@ def _tile(
     rows: types.Type,
     toks: types.Type,
     w: types.Type,
+    row_off: types.Type,
     w_row: types.Type,
     q: types.Type,
     q_row: types.Type,
     g0: types.Type,
     num_groups: types.Type,
 ) -> tuple | None:
-    """_tile(isa, rows, toks, w, w_row, q, q_row, g0, num_groups) -> UniTuple(int32, rows * toks).
+    """_tile(isa, rows, toks, w, row_off, w_row, q, q_row, g0, num_groups) -> UniTuple(int32, rows * toks).
 
-    isa, rows, toks: integer literals. w uint8 [M, Kp/4] and q int8 [Tp, Kp], C order. Entry r * toks + t
-    is sum(code * q) of row w_row + r and token q_row + t over groups g0 .. g0 + num_groups - 1.
+    isa, rows, toks: integer literals. w uint8 [n] holds the rows, row r's codes at byte row_off[r]
+    (int64 [M]); q int8 [Tp, Kp], C order. Entry r * toks + t is sum(code * q) of row w_row + r and token
+    q_row + t over groups g0 .. g0 + num_groups - 1.
     """
     literals = (isa, rows, toks)
     if not all(isinstance(v, types.IntegerLiteral) for v in literals):
         return None  # numba retries with the literal types
-    if not (_is_c_matrix(w, types.uint8) and _is_c_matrix(q, types.int8)):
+    if not (_is_c_vector(w, types.uint8) and _is_c_vector(row_off, types.int64)):
+        return None
+    if not _is_c_matrix(q, types.int8):
         return None
     isa_code, num_rows, num_toks = (v.literal_value for v in literals)
     sig = types.UniTuple(types.int32, num_rows * num_toks)(
-        isa, rows, toks, w, w_row, q, q_row, g0, num_groups
+        isa, rows, toks, w, row_off, w_row, q, q_row, g0, num_groups
     )
 
     def codegen(context: object, builder: ir.IRBuilder, signature: object, llargs: tuple) -> ir.Value:
-        w_val, w_row_val, q_val, q_row_val, g0_val, num_groups_val = llargs[3:]
+        w_val, row_off_val, w_row_val, q_val, q_row_val, g0_val, num_groups_val = llargs[3:]
         w_arr = context.make_array(w)(context, builder, w_val)
+        off_arr = context.make_array(row_off)(context, builder, row_off_val)
         q_arr = context.make_array(q)(context, builder, q_val)
-        w_stride = builder.extract_value(w_arr.strides, 0)  # bytes per weight row
         q_stride = builder.extract_value(q_arr.strides, 0)  # bytes per token
-        w_base = builder.gep(w_arr.data, [builder.mul(w_row_val, w_stride)])
         q_base = builder.gep(q_arr.data, [builder.mul(q_row_val, q_stride)])
+        first_off = builder.gep(off_arr.data, [w_row_val])
         row_ptrs = [
-            builder.gep(w_base, [builder.mul(w_stride, ir.Constant(w_stride.type, r))])
+            builder.gep(w_arr.data, [builder.load(builder.gep(first_off, [ir.Constant(w_row_val.type, r)]))])
             for r in range(num_rows)
         ]
         tok_ptrs = [
@@ -203,7 +213,7 @@ def _tile(
         ]
         # a GEMV streams its weights once, from DRAM: the hardware prefetchers alone left it at ~40% of
         # the read bandwidth; software prefetch PREFETCH_BYTES ahead of each row roughly doubled it
-        ahead = [builder.gep(ptr, [ir.Constant(w_stride.type, PREFETCH_BYTES)]) for ptr in row_ptrs]
+        ahead = [builder.gep(ptr, [ir.Constant(q_stride.type, PREFETCH_BYTES)]) for ptr in row_ptrs]
         emitter = _TileEmitter(builder, row_ptrs, tok_ptrs, ahead)
         emit = emitter.emit_vnni if isa_code == _VNNI else emitter.emit_avx2
         sums = emit(g0_val, num_groups_val)
@@ -216,13 +226,11 @@ def _tile(
 
 
 @njit(nogil=True, cache=True)
-def quantize_permute_i8(
-    x: np.ndarray, kp: int, padded_tokens: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Activation quantization (docs/formats.md §3.1), written as int8 in the permuted column order.
+def quantize_int8(x: np.ndarray, kp: int, padded_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activation quantization (docs/formats.md §3.1) as int8, in natural column order.
 
-    x f32 [T, K] -> (q int8 [padded_tokens, Kp] permuted, zero rows / columns as padding, s_act f32 [T],
-    q_sum int32 [T]). Same arithmetic as ternary.quantize_permute: amax in f64 with the 1e-5 floor,
+    x f32 [T, K] -> (q int8 [padded_tokens, Kp], zero rows / columns as padding, s_act f32 [T],
+    q_sum int32 [T]). Same arithmetic as ternary.quantize_int16: amax in f64 with the 1e-5 floor,
     s_act = f32(127 / amax) divided in f64, q = clamp(rne(f32 product)).
     """
     num_tokens, k = x.shape
@@ -233,10 +241,9 @@ def quantize_permute_i8(
         s = activation_scale(x[t])
         s_act[t] = s
         total = 0
-        for j in range(k):  # column j = 128g + 4m + f sits at 128g + 32f + m
-            v = np.round(x[t, j] * s)  # f32 product, round half to even
-            qi = np.int8(min(max(v, np.float32(-128.0)), np.float32(127.0)))
-            q[t, (j // GROUP_COLS) * GROUP_COLS + (j % 4) * PLANE_BYTES + (j % GROUP_COLS) // 4] = qi
+        for j in range(k):
+            qi = quantize_value(x[t, j], s)
+            q[t, j] = qi
             total += qi
         q_sum[t] = total
     return q, s_act, q_sum
@@ -245,6 +252,13 @@ def quantize_permute_i8(
 def padded_token_count(num_tokens: int, toks: int) -> int:
     """Rows of the activation buffer: num_tokens rounded up to the kernel's token tile."""
     return -(-num_tokens // toks) * toks
+
+
+def row_table(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [M, Kp / 4] rows, C order -> (the same bytes as uint8 [M * Kp / 4], row byte offsets int64
+    [M]): the kernels' form of a weight whose rows lie one after another (no copy)."""
+    num_rows, row_bytes = rows.shape
+    return rows.reshape(-1), np.arange(num_rows, dtype=np.int64) * row_bytes
 
 
 # ---------------------------------------------------------------- kernels
@@ -256,13 +270,15 @@ def _bitnet_body(
     rows: int,
     toks: int,
     w: np.ndarray,
+    row_off: np.ndarray,
     q: np.ndarray,
     q_sum: np.ndarray,
     s_act: np.ndarray,
     row_scale: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """One scale per row. w uint8 [M, Kp/4], q int8 [Tp, Kp] (Tp a multiple of toks), q_sum int32 [T],
+    """One scale per row. w uint8 [n] with row r at byte row_off[r] (int64 [M], each row Kp / 4 bytes),
+    q int8 [Tp, Kp] (Tp a multiple of toks), q_sum int32 [T],
     s_act f32 [T], row_scale f32 [M] -> out f32 [T, M]. isa / rows / toks: literals (ISA_CODES, the
     tile shape). row_scale is a weight's per-tensor scale repeated, or, for a stacked group (q/k/v,
     gate/up), each row's own weight's scale: a tile may straddle two weights.
@@ -275,7 +291,7 @@ def _bitnet_body(
     literally(rows)
     literally(toks)
     m = out.shape[1]
-    num_groups = w.shape[1] // GROUP_BYTES
+    num_groups = q.shape[1] // GROUP_COLS
     for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r_start = task * ROWS_PER_TASK
         r_end = min(m, r_start + ROWS_PER_TASK)
@@ -284,11 +300,11 @@ def _bitnet_body(
             t_end = min(q.shape[0], t_block + TOKEN_BLOCK)
             for r in range(r_start, full_end, rows):
                 for t0 in range(t_block, t_end, toks):
-                    d = _tile(isa, rows, toks, w, r, q, t0, 0, num_groups)
+                    d = _tile(isa, rows, toks, w, row_off, r, q, t0, 0, num_groups)
                     _store_tile(d, rows, toks, r, t0, q_sum, s_act, row_scale, out)
             for r in range(full_end, r_end):
                 for t0 in range(t_block, t_end, toks):
-                    d1 = _tile(isa, 1, toks, w, r, q, t0, 0, num_groups)
+                    d1 = _tile(isa, 1, toks, w, row_off, r, q, t0, 0, num_groups)
                     _store_tile(d1, 1, toks, r, t0, q_sum, s_act, row_scale, out)
 
 
@@ -317,6 +333,7 @@ def _bitnet_block_body(
     isa: int,
     rows: int,
     w: np.ndarray,
+    row_off: np.ndarray,
     q: np.ndarray,
     block_q_sum: np.ndarray,
     s_act: np.ndarray,
@@ -324,16 +341,17 @@ def _bitnet_block_body(
     out: np.ndarray,
 ) -> None:
     """Per-block scales f32 [M, nb], block_q_sum int32 [T, nb] -> out f32 [T, M]; one token per tile.
+    w, row_off: as in _bitnet_body.
 
     y = sum over blocks b in increasing order of f32(f32(f32(D_b) / s_act) * d_b), from +0.0, rounding
-    after each add (ternary.bitnet_block_linear_kernel's order). A block is Kp / nb permuted columns, a
+    after each add (ternary.bitnet_block_linear_kernel's order). A block is Kp / nb columns, a
     whole number of groups.
     """
     literally(isa)
     literally(rows)
     m = out.shape[1]
     num_blocks = scale.shape[1]
-    block_groups = w.shape[1] // GROUP_BYTES // num_blocks
+    block_groups = q.shape[1] // GROUP_COLS // num_blocks
     for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         r_start = task * ROWS_PER_TASK
         r_end = min(m, r_start + ROWS_PER_TASK)
@@ -343,7 +361,7 @@ def _bitnet_block_body(
             for r in range(r_start, full_end, rows):
                 y[:] = 0.0
                 for b in range(num_blocks):
-                    d = _tile(isa, rows, 1, w, r, q, t, b * block_groups, block_groups)
+                    d = _tile(isa, rows, 1, w, row_off, r, q, t, b * block_groups, block_groups)
                     for i in range(rows):
                         di = d[i] - block_q_sum[t, b]
                         y[i] = y[i] + (np.float32(di) / s_act[t]) * scale[r + i, b]
@@ -351,7 +369,7 @@ def _bitnet_block_body(
             for r in range(full_end, r_end):
                 y1 = np.float32(0.0)
                 for b in range(num_blocks):
-                    d1 = _tile(isa, 1, 1, w, r, q, t, b * block_groups, block_groups)
+                    d1 = _tile(isa, 1, 1, w, row_off, r, q, t, b * block_groups, block_groups)
                     y1 = y1 + (np.float32(d1[0] - block_q_sum[t, b]) / s_act[t]) * scale[r, b]
                 out[t, r] = y1
 
@@ -366,60 +384,87 @@ GEMM_TOKENS = 2  # token tile of the GEMM kernels: their activations are padded 
 
 @njit(nogil=True, cache=True)
 def avx2_gemv(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
+    w: np.ndarray,
+    row_off: np.ndarray,
+    q: np.ndarray,
+    q_sum: np.ndarray,
+    s_act: np.ndarray,
+    row_scale: np.ndarray,
+    out: np.ndarray,
 ) -> None:
-    _bitnet_body(_AVX2, 8, 1, w, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_AVX2, 8, 1, w, row_off, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def avx2_gemm(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
+    w: np.ndarray,
+    row_off: np.ndarray,
+    q: np.ndarray,
+    q_sum: np.ndarray,
+    s_act: np.ndarray,
+    row_scale: np.ndarray,
+    out: np.ndarray,
 ) -> None:
-    _bitnet_body(_AVX2, 4, GEMM_TOKENS, w, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_AVX2, 4, GEMM_TOKENS, w, row_off, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def avx2_block(
     w: np.ndarray,
+    row_off: np.ndarray,
     q: np.ndarray,
     block_q_sum: np.ndarray,
     s_act: np.ndarray,
     scale: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    _bitnet_block_body(_AVX2, 4, w, q, block_q_sum, s_act, scale, out)
+    _bitnet_block_body(_AVX2, 4, w, row_off, q, block_q_sum, s_act, scale, out)
 
 
 @njit(nogil=True, cache=True)
 def vnni_gemv(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
+    w: np.ndarray,
+    row_off: np.ndarray,
+    q: np.ndarray,
+    q_sum: np.ndarray,
+    s_act: np.ndarray,
+    row_scale: np.ndarray,
+    out: np.ndarray,
 ) -> None:
-    _bitnet_body(_VNNI, 4, 1, w, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_VNNI, 4, 1, w, row_off, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def vnni_gemm(
-    w: np.ndarray, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
+    w: np.ndarray,
+    row_off: np.ndarray,
+    q: np.ndarray,
+    q_sum: np.ndarray,
+    s_act: np.ndarray,
+    row_scale: np.ndarray,
+    out: np.ndarray,
 ) -> None:
-    _bitnet_body(_VNNI, 4, GEMM_TOKENS, w, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_VNNI, 4, GEMM_TOKENS, w, row_off, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def vnni_block(
     w: np.ndarray,
+    row_off: np.ndarray,
     q: np.ndarray,
     block_q_sum: np.ndarray,
     s_act: np.ndarray,
     scale: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    _bitnet_block_body(_VNNI, 4, w, q, block_q_sum, s_act, scale, out)
+    _bitnet_block_body(_VNNI, 4, w, row_off, q, block_q_sum, s_act, scale, out)
 
 
 @dataclass(frozen=True)
 class Int8Kernels:
     """One ISA's entry points. gemv: T = 1; gemm: T >= 2 on activations padded to GEMM_TOKENS rows (both
-    with one scale per row, f32 [M]); block: per-block scales, any T. All write f32 [T, M] into `out`."""
+    with one scale per row, f32 [M]); block: per-block scales, any T. All take the rows as (w uint8 [n],
+    row_off int64 [M]: see row_table) and write f32 [T, M] into `out`."""
 
     isa: Isa
     gemv: Callable[..., None]

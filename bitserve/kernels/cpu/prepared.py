@@ -87,14 +87,14 @@ class DenseLinear(CpuLinear):
 
 
 class _BitnetActivations(CpuLinear):
-    """bitnet-mode activations: per-token int8 in the kernels' permuted column order."""
+    """bitnet-mode activations: per-token int8 values (held as int16), zero-padded to Kp columns."""
 
     __slots__ = ()
     activation_key = "bitnet"
 
     def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(qp int16 [T, Kp] permuted, s_act f32 [T], q_sum int32 [T])."""
-        return kernels.quantize_permute(x.numpy(), kernels.padded_in_features(self.in_features))
+        """(q int16 [T, Kp], s_act f32 [T], q_sum int32 [T])."""
+        return kernels.quantize_int16(x.numpy(), kernels.padded_in_features(self.in_features))
 
 
 class BitnetLinear(_BitnetActivations):
@@ -145,8 +145,8 @@ class BitnetBlockLinear(_BitnetActivations):
 
 
 class _Int8Activations(CpuLinear):
-    """bitnet-mode activations for the int8 kernels (kernels/cpu/int8dot.py): per-token int8 in the
-    permuted column order, rows padded to the GEMM token tile when T > 1."""
+    """bitnet-mode activations for the int8 kernels (kernels/cpu/int8dot.py): per-token int8, columns
+    zero-padded to Kp, rows padded to the GEMM token tile when T > 1."""
 
     __slots__ = ("_kernels",)
     activation_key = "bitnet-int8"
@@ -155,25 +155,28 @@ class _Int8Activations(CpuLinear):
         self._kernels = int8dot.KERNELS[self.tuning.isa]
 
     def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(q int8 [Tp, Kp] permuted, s_act f32 [T], q_sum int32 [T]); Tp = T, or T padded to the tile."""
+        """(q int8 [Tp, Kp], s_act f32 [T], q_sum int32 [T]); Tp = T, or T padded to the tile."""
         num_tokens = x.shape[0]
         padded = 1 if num_tokens == 1 else int8dot.padded_token_count(num_tokens, int8dot.GEMM_TOKENS)
-        return int8dot.quantize_permute_i8(x.numpy(), kernels.padded_in_features(self.in_features), padded)
+        return int8dot.quantize_int8(x.numpy(), kernels.padded_in_features(self.in_features), padded)
 
 
 class Int8BitnetLinear(_Int8Activations):
     """bitnet mode, one scale per tensor, on the int8 kernels of the backend's ISA for every batch size:
     the GEMV tile for T = 1, the GEMM tile (weights read once per step for all tokens) above.
 
-    A stacked group (CpuBackend.fuse_group: q/k/v, gate/up rows one after another) is one of these with
-    `scale` f32 [M], each row's own weight's scale: one kernel call and one quantization per step."""
+    `data` is uint8 [M, Kp / 4] (repacked, or I2_S rows viewed in the mapped file). A stacked group
+    (CpuBackend.fuse_group: q/k/v, gate/up) is one of these with `scale` f32 [M], each row's own weight's
+    scale: one kernel call and one quantization per step. Its rows are either copied one after another
+    (uint8 [M, Kp / 4]) or, for weights read in place, `data` is a uint8 [n] view of the file spanning
+    them and extras["row_offsets"] int64 [M] locates each row (kernels/cpu/mapped.shared_span)."""
 
-    __slots__ = ("_row_scale", "_w")
+    __slots__ = ("_row_off", "_row_scale", "_w")
 
     def _bind(self) -> None:
         assert self.scale is not None and self.scale.dim() in (0, 1)  # invariant: per-tensor or per-row
         super()._bind()
-        self._w = self.data.numpy()  # uint8 [M, Kp / 4]
+        self._w, self._row_off = kernel_rows(self.data, self.extras)
         self._row_scale = row_scales(self.scale, self.out_features).numpy()  # f32 [M]: the kernels read
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
@@ -184,8 +187,15 @@ class Int8BitnetLinear(_Int8Activations):
         q, s_act, q_sum = acts
         out = np.empty((num_tokens, self.out_features), dtype=np.float32)
         kernel = self._kernels.gemv if num_tokens == 1 else self._kernels.gemm
-        kernel(self._w, q, q_sum, s_act, self._row_scale, out)
+        kernel(self._w, self._row_off, q, q_sum, s_act, self._row_scale, out)
         return out
+
+
+def kernel_rows(data: torch.Tensor, extras: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 kernels' (w uint8 [n], row_off int64 [M]) of a weight's `data`, without a copy."""
+    if "row_offsets" in extras:
+        return data.numpy(), extras["row_offsets"].numpy()
+    return int8dot.row_table(data.numpy())
 
 
 def row_scales(scale: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -196,12 +206,12 @@ def row_scales(scale: torch.Tensor, num_rows: int) -> torch.Tensor:
 class Int8BitnetBlockLinear(_Int8Activations):
     """bitnet mode with per-block scales f32 [M, nb] (blocks a multiple of 128 columns), int8 kernels."""
 
-    __slots__ = ("_num_blocks", "_scale_np", "_w")
+    __slots__ = ("_num_blocks", "_row_off", "_scale_np", "_w")
 
     def _bind(self) -> None:
         assert self.scale is not None and self.scale.dim() == 2  # invariant: chosen for per-block scales
         super()._bind()
-        self._w = self.data.numpy()
+        self._w, self._row_off = kernel_rows(self.data, self.extras)
         self._scale_np = self.scale.numpy()
         self._num_blocks = self.scale.shape[1]
 
@@ -211,23 +221,23 @@ class Int8BitnetBlockLinear(_Int8Activations):
         blocks = q[:num_tokens].reshape(num_tokens, self._num_blocks, -1)  # [T, nb, Kp / nb]
         block_q_sum = blocks.sum(axis=2, dtype=np.int32)  # [T, nb]
         out = np.empty((num_tokens, self.out_features), dtype=np.float32)
-        self._kernels.block(self._w, q, block_q_sum, s_act, self._scale_np, out)
+        self._kernels.block(self._w, self._row_off, q, block_q_sum, s_act, self._scale_np, out)
         return torch.from_numpy(out)
 
 
 class FloatTernaryLinear(CpuLinear):
-    """float mode: x (permuted columns) @ (decoded t * scale)^T by chunked sgemm, for every batch size."""
+    """float mode: x (zero-padded to Kp columns) @ (decoded t * scale)^T by chunked sgemm, any batch size."""
 
     __slots__ = ("_decode_scale", "_w")
-    activation_key = "permuted"
+    activation_key = "padded"
 
     def _bind(self) -> None:
         self._w = self.data.numpy()
         self._decode_scale = self.extras["decode_scale"].numpy()  # [1, 1] or [M, nb]
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """x in the kernels' permuted column order, zero-padded: f32 [T, Kp]."""
-        return kernels.permute_columns(x, kernels.padded_in_features(self.in_features))
+        """x zero-padded to the kernels' width: f32 [T, Kp]."""
+        return kernels.pad_columns(x, kernels.padded_in_features(self.in_features))
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
         return chunked_matmul(acts, self._w, self._decode_scale, self.out_features)  # type: ignore[arg-type]
@@ -259,7 +269,7 @@ class TqLinear(CpuLinear):
 
 
 def chunked_matmul(a: torch.Tensor, w: np.ndarray, scale: np.ndarray, m: int) -> torch.Tensor:
-    """a f32 [T, Kp] (permuted) @ (decoded t * scale)^T -> f32 [T, M], decoding CHUNK_BYTES at a time."""
+    """a f32 [T, Kp] @ (decoded t * scale)^T -> f32 [T, M], decoding CHUNK_BYTES at a time."""
     kp = a.shape[1]
     rows = max(16, CHUNK_BYTES // (4 * kp))
     buf = torch.empty(min(rows, m), kp, dtype=torch.float32)

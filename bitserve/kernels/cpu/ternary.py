@@ -1,9 +1,11 @@
 """numba kernels for 2-bit packed ternary linears on CPU (docs/formats.md §3 semantics, bit-exact).
 
-Weights stay packed (Layout.TERNARY_2BIT: code t+1, 4 per byte LSB-first along K, K padded to a multiple
-of 128). Activations are permuted instead, so each 2-bit field of a byte stream lines up with a
-contiguous activation stream: inside a 128-column group, byte m's field s is column 4m + s, and it sits
-at permuted position 32s + m. All kernels release the GIL; parallel ones split output rows.
+Weights stay packed in Layout.TERNARY_2BIT, which is I2_S's x86 layout (variant A) row by row: code t+1,
+K padded to a multiple of 128 with code 1 (t = 0); inside a 128-column group g, byte 32g + m holds the
+codes of columns 128g + 32s + m at bits 6 - 2s, 7 - 2s (s = 0..3: the high field first). So I2_S rows are
+read in place from the file mapping, and each field s of a 32-byte group lines up with the 32 contiguous
+activations of its "plane": activations keep their natural column order. All kernels release the GIL;
+parallel ones split output rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from numba.extending import intrinsic
 
 GROUP_COLS = 128  # columns per 32-byte group of packed weights
 GROUP_BYTES = GROUP_COLS // 4
+PLANES = 4  # 2-bit fields per byte
 ROWS_PER_TASK = 16  # rows per prange task: one decode buffer allocation per task
 NUM_TQ_LANES = 8
 QK_K = 256
@@ -26,7 +29,7 @@ def padded_in_features(k: int) -> int:
 
 
 def pack_ternary(values: torch.Tensor) -> torch.Tensor:
-    """int8 [M, K] in {-1, 0, 1} -> uint8 [M, Kp / 4]: code t+1, 4 per byte, LSB first along K.
+    """int8 [M, K] in {-1, 0, 1} -> uint8 [M, Kp / 4] in the layout above (I2_S variant A per row).
 
     Padding columns get code 1 (t = 0), so they add nothing to any dot product.
     """
@@ -34,9 +37,9 @@ def pack_ternary(values: torch.Tensor) -> torch.Tensor:
     kp = padded_in_features(k)
     codes = torch.ones(m, kp, dtype=torch.uint8)
     codes[:, :k] = (values.to(torch.int16) + 1).to(torch.uint8)
-    fields = codes.view(m, kp // 4, 4)  # [M, Kp/4, 4]: the 4 fields of each byte
-    packed = fields[..., 0] | (fields[..., 1] << 2) | (fields[..., 2] << 4) | (fields[..., 3] << 6)
-    return packed.contiguous()
+    planes = codes.view(m, kp // GROUP_COLS, PLANES, GROUP_BYTES)  # [M, groups, s, m]: column 128g + 32s + m
+    packed = (planes[:, :, 0] << 6) | (planes[:, :, 1] << 4) | (planes[:, :, 2] << 2) | planes[:, :, 3]
+    return packed.reshape(m, kp // 4).contiguous()
 
 
 @njit(nogil=True, cache=True)
@@ -63,43 +66,45 @@ def activation_scale(row: np.ndarray) -> np.float32:
     return np.float32(127.0 / amax)
 
 
-@njit(nogil=True, cache=True)
-def quantize_permute(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Activation quantization (docs/formats.md §3.1) for each row, written straight into the permuted
-    int16 layout.
+@njit(nogil=True, cache=True, inline="always")
+def quantize_value(x: np.float32, s: np.float32) -> np.int8:
+    """One activation's int8 value: clamp(rne(f32 product x * s)) (docs/formats.md §3.1)."""
+    v = np.round(x * s)  # f32 product, round half to even
+    return np.int8(min(max(v, np.float32(-128.0)), np.float32(127.0)))
 
-    x f32 [T, K] -> (qp int16 [T, Kp] permuted and zero-padded, s_act f32 [T], q_sum int32 [T]).
+
+@njit(nogil=True, cache=True)
+def quantize_int16(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activation quantization (docs/formats.md §3.1) for each row, as int16 for the portable kernels.
+
+    x f32 [T, K] -> (q int16 [T, Kp] zero-padded, s_act f32 [T], q_sum int32 [T]).
     amax in f64 with the 1e-5 floor; s_act = f32(127 / amax) divided in f64; q = clamp(rne(f32 product)).
     Rows holding NaN give unspecified values (as in the reference).
     """
     num_tokens, k = x.shape
-    qp = np.zeros((num_tokens, kp), dtype=np.int16)
+    q = np.zeros((num_tokens, kp), dtype=np.int16)
     s_act = np.empty(num_tokens, dtype=np.float32)
     q_sum = np.zeros(num_tokens, dtype=np.int32)
     for t in range(num_tokens):
         s = activation_scale(x[t])
         s_act[t] = s
         total = 0
-        for g in range(kp // GROUP_COLS):  # natural column j = 128g + 4m + f -> position 128g + 32f + m
-            for m in range(GROUP_BYTES):
-                for f in range(4):
-                    j = g * GROUP_COLS + 4 * m + f
-                    if j < k:
-                        v = np.round(x[t, j] * s)  # f32 product, round half to even
-                        qi = np.int16(min(max(v, np.float32(-128.0)), np.float32(127.0)))
-                        qp[t, g * GROUP_COLS + f * GROUP_BYTES + m] = qi
-                        total += qi
+        for j in range(k):
+            qi = quantize_value(x[t, j], s)
+            q[t, j] = qi
+            total += qi
         q_sum[t] = total
-    return qp, s_act, q_sum
+    return q, s_act, q_sum
 
 
-def permute_columns(a: torch.Tensor, kp: int) -> torch.Tensor:
-    """[T, K] -> [T, Kp] in the kernels' permuted column order, zero-padded (any dtype)."""
+def pad_columns(a: torch.Tensor, kp: int) -> torch.Tensor:
+    """[T, K] -> [T, Kp], zero-padded (any dtype): the width the kernels read."""
     num_tokens, k = a.shape
+    if k == kp:
+        return a
     padded = torch.zeros(num_tokens, kp, dtype=a.dtype)
     padded[:, :k] = a
-    # [T, groups, byte, field] -> [T, groups, field, byte]
-    return padded.view(num_tokens, kp // GROUP_COLS, GROUP_BYTES, 4).transpose(2, 3).reshape(num_tokens, kp)
+    return padded
 
 
 # ---------------------------------------------------------------- decode + integer dots
@@ -107,15 +112,15 @@ def permute_columns(a: torch.Tensor, kp: int) -> torch.Tensor:
 
 @njit(nogil=True, cache=True, inline="always")
 def _decode_codes(w: np.ndarray, r: int, buf: np.ndarray) -> None:
-    """Row r of packed weights -> codes (t + 1, 0..2) in permuted column order. buf [Kp]."""
+    """Row r of packed weights -> codes (t + 1, 0..2) in column order. buf [Kp]."""
     for g in range(w.shape[1] // GROUP_BYTES):
         for m in range(GROUP_BYTES):
             b = w[r, g * GROUP_BYTES + m]
             base = g * GROUP_COLS + m
-            buf[base] = b & 3
-            buf[base + GROUP_BYTES] = (b >> 2) & 3
-            buf[base + 2 * GROUP_BYTES] = (b >> 4) & 3
-            buf[base + 3 * GROUP_BYTES] = b >> 6
+            buf[base] = b >> 6
+            buf[base + GROUP_BYTES] = (b >> 4) & 3
+            buf[base + 2 * GROUP_BYTES] = (b >> 2) & 3
+            buf[base + 3 * GROUP_BYTES] = b & 3
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -163,8 +168,7 @@ def bitnet_block_linear_kernel(
     """Per-block scales. block_q_sum int32 [T, nb], scale f32 [M, nb] -> out f32 [T, M].
 
     y = sum over blocks b in increasing order of f32(f32(f32(D_b) / s_act) * d_b), starting from +0.0,
-    rounding after every add (the reference's order). A block spans Kp / nb permuted columns, which are
-    the same columns as in natural order because the permutation stays inside 128-column groups.
+    rounding after every add (the reference's order). A block spans Kp / nb columns.
     """
     m, kb = w.shape
     num_tokens, kp = qp.shape
@@ -185,7 +189,7 @@ def bitnet_block_linear_kernel(
 
 @njit(parallel=True, nogil=True, cache=True)
 def decode_values_f32(w: np.ndarray, r0: int, scale: np.ndarray, buf: np.ndarray) -> None:
-    """Rows r0 .. r0 + len(buf) of packed weights -> f32 t * scale, permuted order. buf f32 [rows, Kp].
+    """Rows r0 .. r0 + len(buf) of packed weights -> f32 t * scale, column order. buf f32 [rows, Kp].
 
     scale f32 [M or 1, nb] (row 0 is used for every row when it has one row); a block spans Kp / nb
     columns. With scale 1 this gives exact t values for the exact f32 GEMM path.
@@ -201,10 +205,10 @@ def decode_values_f32(w: np.ndarray, r0: int, scale: np.ndarray, buf: np.ndarray
             for m in range(GROUP_BYTES):
                 b = np.int32(w[r, g * GROUP_BYTES + m])
                 base = g * GROUP_COLS + m
-                buf[i, base] = np.float32((b & 3) - 1) * s
-                buf[i, base + GROUP_BYTES] = np.float32(((b >> 2) & 3) - 1) * s
-                buf[i, base + 2 * GROUP_BYTES] = np.float32(((b >> 4) & 3) - 1) * s
-                buf[i, base + 3 * GROUP_BYTES] = np.float32((b >> 6) - 1) * s
+                buf[i, base] = np.float32((b >> 6) - 1) * s
+                buf[i, base + GROUP_BYTES] = np.float32(((b >> 4) & 3) - 1) * s
+                buf[i, base + 2 * GROUP_BYTES] = np.float32(((b >> 2) & 3) - 1) * s
+                buf[i, base + 3 * GROUP_BYTES] = np.float32((b & 3) - 1) * s
 
 
 # ---------------------------------------------------------------- llamacpp-tq emulation
@@ -230,21 +234,13 @@ def tq_lane_order(k: int) -> torch.Tensor:
     return torch.arange(k).view(k // QK_K, 8, 8, 4).permute(0, 2, 1, 3).reshape(k)
 
 
-def tq_weight_columns(k: int) -> torch.Tensor:
-    """Column gather for llamacpp-tq weights: pack values[:, idx] and `_decode_codes` yields lane-major
-    order. int64 [K] (K % 256 == 0, so K needs no padding)."""
-    decoded_from = permute_columns(torch.arange(k).view(1, k), k).view(k)  # slot read at each position
-    position_of_slot = torch.argsort(decoded_from)  # the inverse permutation
-    return tq_lane_order(k)[position_of_slot]
-
-
 @njit(parallel=True, nogil=True, cache=True)
 def tq_linear_kernel(
     w: np.ndarray, q8l: np.ndarray, bsum_lanes: np.ndarray, d_x: np.ndarray, d_w: np.ndarray, out: np.ndarray
 ) -> None:
     """ggml_vec_dot_tq2_0_q8_K (AVX2) emulation; see kernels/reference/ternary.py for the order.
 
-    w packed from lane-major columns (`tq_weight_columns`), q8l int16 [T, K] Q8_K values in lane-major
+    w packed from lane-major columns (values[:, tq_lane_order(K)]), q8l int16 [T, K] Q8_K values in lane-major
     order, bsum_lanes int32 [T, nb, 8] (sum of q over natural columns 32L .. 32L + 31 of each block),
     d_x f32 [T, nb], d_w f32 [M, nb] -> out f32 [T, M].
     """

@@ -247,6 +247,12 @@ def i2s_values(packed: torch.Tensor, variant: str, num_rows: int, num_cols: int)
     return values.reshape(num_rows, num_cols)
 
 
+def i2s_scale(weight: PackedWeight) -> torch.Tensor:
+    """The f32 tensor scale of an I2_S weight (the first 4 bytes after its M * K / 4 packed codes)."""
+    num_rows, num_cols = weight.shape
+    return _tail_scale(weight.data, num_rows * num_cols // 4, "I2_S")
+
+
 def _i2s_values(weight: PackedWeight, row_ids: torch.Tensor | None = None) -> torch.Tensor:
     num_rows, num_cols = weight.shape
     variant = weight.params.get("i2s_variant", "A")
@@ -433,7 +439,7 @@ def unpack_ternary(weight: PackedWeight) -> TernaryCodes:
     num_rows, num_cols = weight.shape
     layout = weight.layout
     if layout is Layout.I2_S:
-        return TernaryCodes(_i2s_values(weight), _tail_scale(weight.data, num_rows * num_cols // 4, "I2_S"))
+        return TernaryCodes(_i2s_values(weight), i2s_scale(weight))
     if layout is Layout.TL1:
         values = _tl1_values(weight)
         return TernaryCodes(values, _tail_scale(weight.data, num_rows * num_cols // 4, "TL1"))
