@@ -32,7 +32,8 @@ class Layout(enum.Enum):
     # runtime layouts
     DENSE = "dense"  # data: float tensor [out, in]
     TERNARY_I8 = "ternary-i8"  # data: int8 [out, in] in {-1,0,1}; scales: see TernaryWeight
-    TERNARY_2BIT = "ternary-2bit"  # data: uint8 [out, in/4], code t+1, 4 per byte LSB-first along K
+    # data: uint8 [out, pad128(in)/4], code t+1: I2_S variant A's bytes row by row (kernels/cpu/ternary.py)
+    TERNARY_2BIT = "ternary-2bit"
 
 
 TERNARY_FILE_LAYOUTS = frozenset({Layout.TQ1_0, Layout.TQ2_0, Layout.I2_S, Layout.TL1, Layout.TL2})

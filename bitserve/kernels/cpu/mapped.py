@@ -3,10 +3,11 @@
 The cpu kernels' runtime layout (Layout.TERNARY_2BIT, kernels/cpu/ternary.py) is I2_S variant A's bytes
 (bitnet.cpp's x86 packing) row by row, so such a tensor's rows are a view of the file mapping and its
 per-tensor scale is read from the 4 bytes after them. Every other ternary format is unpacked and repacked
-at load because its bytes are not in that layout: TQ2_0 interleaves 32-column lanes inside 256-column
-blocks and carries an f16 d per block, TQ1_0 stores base-3 digits (5 per byte), TL1 / TL2 store lookup
-indices of weight pairs / triples in tiles, and I2_S variants B (64-value blocks) and C (4-row
-interleave) order their fields differently; llamacpp-tq mode reads even I2_S in ggml's lane order.
+at load because its bytes are not in that layout: TQ2_0 holds the same 2-bit fields with the planes'
+shifts reversed (2s, not 6 - 2s) and an f16 d after every 256 columns (66-byte blocks, so a row is not
+one run of codes), TQ1_0 stores base-3 digits (5 per byte), TL1 / TL2 store lookup indices of weight
+pairs / triples in tiles, and I2_S variants B (64-value blocks) and C (4-row interleave) place their
+fields differently; llamacpp-tq mode reads even I2_S in ggml's lane order, so it repacks too.
 """
 
 from __future__ import annotations
