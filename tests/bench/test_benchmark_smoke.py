@@ -275,3 +275,18 @@ def test_bench_serve_rss_prints_the_server_memory_lines(tiny_models: dict[str, P
     assert float(peak.split(": ")[1].split(" MB")[0].replace(",", "")) > 0, out
     assert "requests ok 2 / 2" in out, out
     assert "server RSS after the last of 2 requests: " in out, out
+
+
+def test_bench_load_prints_the_ready_time_and_a_file_backed_mapping(tiny_models: dict[str, Path]) -> None:
+    out = run(
+        sys.executable,
+        str(BENCHMARKS / "bench_load.py"),
+        str(tiny_models["I2_S"]),
+        "--runs",
+        "1",
+        "--backend",
+        "cpu",
+    )
+    line = next(line for line in out.splitlines() if line.strip().startswith("this tree"))
+    assert re.search(r"ready +[\d.]+ s wall / +[\d.]+ s CPU", line), out
+    assert re.search(r"GGUF mapping \d+ MB resident / 0 MB anon", line), out  # read in place: no copy
