@@ -81,13 +81,14 @@ def row(name: str, result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("model", help="a GGUF file")
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--runs", type=int, default=3, help="fresh processes per source tree")
-    parser.add_argument("--checkout", type=Path, help="a second source tree, run alternately")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, options in (
+        ("model", {"help": "a GGUF file"}),
+        ("--backend", {"default": "auto"}),
+        ("--runs", {"type": int, "default": 3, "help": "fresh processes per source tree"}),
+        ("--checkout", {"type": Path, "help": "a second source tree, run alternately"}),
+    ):
+        parser.add_argument(flag, **options)
     args = parser.parse_args()
     path = str(Path(args.model).resolve())
     with open(path, "rb") as fh:  # into the page cache: every run then reads it from memory

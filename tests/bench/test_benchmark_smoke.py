@@ -278,15 +278,8 @@ def test_bench_serve_rss_prints_the_server_memory_lines(tiny_models: dict[str, P
 
 
 def test_bench_load_prints_the_ready_time_and_a_file_backed_mapping(tiny_models: dict[str, Path]) -> None:
-    out = run(
-        sys.executable,
-        str(BENCHMARKS / "bench_load.py"),
-        str(tiny_models["I2_S"]),
-        "--runs",
-        "1",
-        "--backend",
-        "cpu",
-    )
+    argv = [str(BENCHMARKS / "bench_load.py"), str(tiny_models["I2_S"]), "--runs", "1", "--backend", "cpu"]
+    out = run(sys.executable, *argv)
     line = next(line for line in out.splitlines() if line.strip().startswith("this tree"))
     assert re.search(r"ready +[\d.]+ s wall / +[\d.]+ s CPU", line), out
     assert re.search(r"GGUF mapping \d+ MB resident / 0 MB anon", line), out  # read in place: no copy

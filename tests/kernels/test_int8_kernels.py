@@ -120,7 +120,7 @@ def test_integer_core_at_int8_extremes(isa: Isa, fill: int) -> None:
     gen = torch.Generator().manual_seed(fill & 0xFF)
     values = torch.ones(m, k, dtype=torch.int8)
     values[5:] = torch.randint(-1, 2, (m - 5, k), generator=gen, dtype=torch.int8)
-    w, row_off = int8dot.row_table(cpu_ternary.pack_ternary(values).numpy())
+    weight = int8dot.row_table(cpu_ternary.pack_ternary(values).numpy())
     kp = cpu_ternary.padded_in_features(k)
     for t in (1, 3):
         q = np.full((int8dot.padded_token_count(t, int8dot.GEMM_TOKENS), kp), fill, dtype=np.int8)
@@ -128,7 +128,7 @@ def test_integer_core_at_int8_extremes(isa: Isa, fill: int) -> None:
         q_sum = q[:t].sum(axis=1, dtype=np.int32)
         out = np.empty((t, m), dtype=np.float32)
         kernel = kernels.gemv if t == 1 else kernels.gemm
-        kernel(w, row_off, q if t > 1 else q[:1], q_sum, np.ones(t, np.float32), np.ones(m, np.float32), out)
+        kernel(weight, q if t > 1 else q[:1], q_sum, np.ones(t, np.float32), np.ones(m, np.float32), out)
         natural_q = torch.full((t, k), fill, dtype=torch.int64)
         expected = (natural_q @ values.to(torch.int64).t()).to(torch.float32)  # exact: |D| < 2^24
         assert torch.equal(torch.from_numpy(out), expected), t
@@ -186,12 +186,12 @@ COMPILE_VNNI = """
 from numba import types
 from bitserve.kernels.cpu import int8dot
 u8, i8 = types.Array(types.uint8, 1, "C"), types.Array(types.int8, 2, "C")
-i64 = types.Array(types.int64, 1, "C")
+weight = types.Tuple((u8, types.Array(types.int64, 1, "C")))
 i32, f32 = types.Array(types.int32, 1, "C"), types.Array(types.float32, 1, "C")
 out, i32x2 = types.Array(types.float32, 2, "C"), types.Array(types.int32, 2, "C")
 for kernel in (int8dot.vnni_gemv, int8dot.vnni_gemm):
-    kernel.compile((u8, i64, i8, i32, f32, f32, out))
-int8dot.vnni_block.compile((u8, i64, i8, i32x2, f32, out, out))
+    kernel.compile((weight, i8, i32, f32, f32, out))
+int8dot.vnni_block.compile((weight, i8, i32x2, f32, out, out))
 """
 
 

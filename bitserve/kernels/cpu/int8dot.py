@@ -269,16 +269,15 @@ def _bitnet_body(
     isa: int,
     rows: int,
     toks: int,
-    w: np.ndarray,
-    row_off: np.ndarray,
+    weight: tuple,
     q: np.ndarray,
     q_sum: np.ndarray,
     s_act: np.ndarray,
     row_scale: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """One scale per row. w uint8 [n] with row r at byte row_off[r] (int64 [M], each row Kp / 4 bytes),
-    q int8 [Tp, Kp] (Tp a multiple of toks), q_sum int32 [T],
+    """One scale per row. weight = (w uint8 [n], row_off int64 [M]): row r's Kp / 4 bytes start at
+    w[row_off[r]] (row_table). q int8 [Tp, Kp] (Tp a multiple of toks), q_sum int32 [T],
     s_act f32 [T], row_scale f32 [M] -> out f32 [T, M]. isa / rows / toks: literals (ISA_CODES, the
     tile shape). row_scale is a weight's per-tensor scale repeated, or, for a stacked group (q/k/v,
     gate/up), each row's own weight's scale: a tile may straddle two weights.
@@ -290,6 +289,7 @@ def _bitnet_body(
     literally(isa)
     literally(rows)
     literally(toks)
+    w, row_off = weight
     m = out.shape[1]
     num_groups = q.shape[1] // GROUP_COLS
     for task in prange((m + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
@@ -332,8 +332,7 @@ def _store_tile(
 def _bitnet_block_body(
     isa: int,
     rows: int,
-    w: np.ndarray,
-    row_off: np.ndarray,
+    weight: tuple,
     q: np.ndarray,
     block_q_sum: np.ndarray,
     s_act: np.ndarray,
@@ -341,7 +340,7 @@ def _bitnet_block_body(
     out: np.ndarray,
 ) -> None:
     """Per-block scales f32 [M, nb], block_q_sum int32 [T, nb] -> out f32 [T, M]; one token per tile.
-    w, row_off: as in _bitnet_body.
+    weight = (w, row_off): as in _bitnet_body.
 
     y = sum over blocks b in increasing order of f32(f32(f32(D_b) / s_act) * d_b), from +0.0, rounding
     after each add (ternary.bitnet_block_linear_kernel's order). A block is Kp / nb columns, a
@@ -349,6 +348,7 @@ def _bitnet_block_body(
     """
     literally(isa)
     literally(rows)
+    w, row_off = weight
     m = out.shape[1]
     num_blocks = scale.shape[1]
     block_groups = q.shape[1] // GROUP_COLS // num_blocks
@@ -384,87 +384,51 @@ GEMM_TOKENS = 2  # token tile of the GEMM kernels: their activations are padded 
 
 @njit(nogil=True, cache=True)
 def avx2_gemv(
-    w: np.ndarray,
-    row_off: np.ndarray,
-    q: np.ndarray,
-    q_sum: np.ndarray,
-    s_act: np.ndarray,
-    row_scale: np.ndarray,
-    out: np.ndarray,
+    weight: tuple, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_AVX2, 8, 1, w, row_off, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_AVX2, 8, 1, weight, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def avx2_gemm(
-    w: np.ndarray,
-    row_off: np.ndarray,
-    q: np.ndarray,
-    q_sum: np.ndarray,
-    s_act: np.ndarray,
-    row_scale: np.ndarray,
-    out: np.ndarray,
+    weight: tuple, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_AVX2, 4, GEMM_TOKENS, w, row_off, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_AVX2, 4, GEMM_TOKENS, weight, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def avx2_block(
-    w: np.ndarray,
-    row_off: np.ndarray,
-    q: np.ndarray,
-    block_q_sum: np.ndarray,
-    s_act: np.ndarray,
-    scale: np.ndarray,
-    out: np.ndarray,
+    weight: tuple, q: np.ndarray, q_sums: np.ndarray, s_act: np.ndarray, scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_block_body(_AVX2, 4, w, row_off, q, block_q_sum, s_act, scale, out)
+    _bitnet_block_body(_AVX2, 4, weight, q, q_sums, s_act, scale, out)
 
 
 @njit(nogil=True, cache=True)
 def vnni_gemv(
-    w: np.ndarray,
-    row_off: np.ndarray,
-    q: np.ndarray,
-    q_sum: np.ndarray,
-    s_act: np.ndarray,
-    row_scale: np.ndarray,
-    out: np.ndarray,
+    weight: tuple, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_VNNI, 4, 1, w, row_off, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_VNNI, 4, 1, weight, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def vnni_gemm(
-    w: np.ndarray,
-    row_off: np.ndarray,
-    q: np.ndarray,
-    q_sum: np.ndarray,
-    s_act: np.ndarray,
-    row_scale: np.ndarray,
-    out: np.ndarray,
+    weight: tuple, q: np.ndarray, q_sum: np.ndarray, s_act: np.ndarray, row_scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_body(_VNNI, 4, GEMM_TOKENS, w, row_off, q, q_sum, s_act, row_scale, out)
+    _bitnet_body(_VNNI, 4, GEMM_TOKENS, weight, q, q_sum, s_act, row_scale, out)
 
 
 @njit(nogil=True, cache=True)
 def vnni_block(
-    w: np.ndarray,
-    row_off: np.ndarray,
-    q: np.ndarray,
-    block_q_sum: np.ndarray,
-    s_act: np.ndarray,
-    scale: np.ndarray,
-    out: np.ndarray,
+    weight: tuple, q: np.ndarray, q_sums: np.ndarray, s_act: np.ndarray, scale: np.ndarray, out: np.ndarray
 ) -> None:
-    _bitnet_block_body(_VNNI, 4, w, row_off, q, block_q_sum, s_act, scale, out)
+    _bitnet_block_body(_VNNI, 4, weight, q, q_sums, s_act, scale, out)
 
 
 @dataclass(frozen=True)
 class Int8Kernels:
     """One ISA's entry points. gemv: T = 1; gemm: T >= 2 on activations padded to GEMM_TOKENS rows (both
-    with one scale per row, f32 [M]); block: per-block scales, any T. All take the rows as (w uint8 [n],
-    row_off int64 [M]: see row_table) and write f32 [T, M] into `out`."""
+    with one scale per row, f32 [M]); block: per-block scales, any T. All take the weight as one tuple
+    (w uint8 [n], row_off int64 [M]: see row_table) and write f32 [T, M] into `out`."""
 
     isa: Isa
     gemv: Callable[..., None]

@@ -171,12 +171,12 @@ class Int8BitnetLinear(_Int8Activations):
     (uint8 [M, Kp / 4]) or, for weights read in place, `data` is a uint8 [n] view of the file spanning
     them and extras["row_offsets"] int64 [M] locates each row (kernels/cpu/mapped.shared_span)."""
 
-    __slots__ = ("_row_off", "_row_scale", "_w")
+    __slots__ = ("_row_scale", "_weight")
 
     def _bind(self) -> None:
         assert self.scale is not None and self.scale.dim() in (0, 1)  # invariant: per-tensor or per-row
         super()._bind()
-        self._w, self._row_off = kernel_rows(self.data, self.extras)
+        self._weight = kernel_rows(self.data, self.extras)  # (w, row_off)
         self._row_scale = row_scales(self.scale, self.out_features).numpy()  # f32 [M]: the kernels read
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
@@ -187,7 +187,7 @@ class Int8BitnetLinear(_Int8Activations):
         q, s_act, q_sum = acts
         out = np.empty((num_tokens, self.out_features), dtype=np.float32)
         kernel = self._kernels.gemv if num_tokens == 1 else self._kernels.gemm
-        kernel(self._w, self._row_off, q, q_sum, s_act, self._row_scale, out)
+        kernel(self._weight, q, q_sum, s_act, self._row_scale, out)
         return out
 
 
@@ -206,12 +206,12 @@ def row_scales(scale: torch.Tensor, num_rows: int) -> torch.Tensor:
 class Int8BitnetBlockLinear(_Int8Activations):
     """bitnet mode with per-block scales f32 [M, nb] (blocks a multiple of 128 columns), int8 kernels."""
 
-    __slots__ = ("_num_blocks", "_row_off", "_scale_np", "_w")
+    __slots__ = ("_num_blocks", "_scale_np", "_weight")
 
     def _bind(self) -> None:
         assert self.scale is not None and self.scale.dim() == 2  # invariant: chosen for per-block scales
         super()._bind()
-        self._w, self._row_off = kernel_rows(self.data, self.extras)
+        self._weight = kernel_rows(self.data, self.extras)  # (w, row_off)
         self._scale_np = self.scale.numpy()
         self._num_blocks = self.scale.shape[1]
 
@@ -221,7 +221,7 @@ class Int8BitnetBlockLinear(_Int8Activations):
         blocks = q[:num_tokens].reshape(num_tokens, self._num_blocks, -1)  # [T, nb, Kp / nb]
         block_q_sum = blocks.sum(axis=2, dtype=np.int32)  # [T, nb]
         out = np.empty((num_tokens, self.out_features), dtype=np.float32)
-        self._kernels.block(self._w, self._row_off, q, block_q_sum, s_act, self._scale_np, out)
+        self._kernels.block(self._weight, q, block_q_sum, s_act, self._scale_np, out)
         return torch.from_numpy(out)
 
 
