@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from bitserve.core.step_outputs import StepStats
 from bitserve.metrics.energy import EnergyCollector
 from bitserve.metrics.stats import (
+    BatchStats,
     CacheTierStats,
     LifecycleEvent,
     RequestStats,
@@ -171,6 +172,40 @@ class ResponseCacheCollector(Collector):
         yield evictions
         yield size
         yield entries
+
+
+class BatchCollector(Collector):
+    """bitserve_batch*: the Batch API's batches by status and open requests by state (database-wide),
+    and the requests this process's worker ended or retried (counters)."""
+
+    def __init__(self, read: Callable[[], BatchStats]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._read()
+        batches = GaugeMetricFamily(
+            "bitserve_batches", "Batches in the Batch API's database, by status.", labels=["status"]
+        )
+        for status, count in sorted(stats.by_status.items()):
+            batches.add_metric([status], count)
+        yield batches
+        open_requests = GaugeMetricFamily(
+            "bitserve_batch_requests_open",
+            "Requests of open batches not yet ended: pending (waiting, or backing off) or running.",
+            labels=["state"],
+        )
+        open_requests.add_metric(["pending"], stats.num_pending)
+        open_requests.add_metric(["running"], stats.num_running)
+        yield open_requests
+        ended = CounterMetricFamily(
+            "bitserve_batch_requests",
+            "Batch requests this process ended (completed, failed: in the error file) or retried.",
+            labels=["outcome"],
+        )
+        ended.add_metric(["completed"], stats.num_completed)
+        ended.add_metric(["failed"], stats.num_failed)
+        ended.add_metric(["retried"], stats.num_retried)
+        yield ended
 
 
 class PrometheusStatsSink:
@@ -497,6 +532,10 @@ class PrometheusStatsSink:
     def watch_response_cache(self, read: Callable[[], ResponseCacheStats]) -> None:
         """Export the response cache's counters (app.py calls this when --response-cache is on)."""
         self.registry.register(ResponseCacheCollector(read))
+
+    def watch_batches(self, read: Callable[[], BatchStats]) -> None:
+        """Export the Batch API's counts (app.py calls this when the Batch API is configured)."""
+        self.registry.register(BatchCollector(read))
 
     def render(self) -> tuple[bytes, str]:
         """The body and content type for GET /metrics (Prometheus text exposition format)."""

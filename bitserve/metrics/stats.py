@@ -77,6 +77,20 @@ class ResponseCacheStats:
         return self.memory.hits + (self.disk.hits if self.disk is not None else 0)
 
 
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """The Batch API now: batches by status and open requests by state (read from the database, every
+    process sharing it together, as of the worker's last pass), and the requests this process's worker
+    ended or retried since it started."""
+
+    by_status: dict[str, int]
+    num_pending: int
+    num_running: int
+    num_completed: int
+    num_failed: int
+    num_retried: int
+
+
 class StatsSink(Protocol):
     def record_step(self, model: str, device: str, quant_format: str, stats: StepStats) -> None:
         """One engine step of `model`'s replica on `device` (serving weights of `quant_format`)."""

@@ -149,6 +149,8 @@ def build_app(
     if tracer_provider is not None:
         state.tracer = tracer_provider.get_tracer(TRACER_NAME)
     state.batches = BatchService(batch, batch_endpoints(), server_config.max_body_bytes)
+    if batch is not None:
+        state.stats.watch_batches(state.batches.stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

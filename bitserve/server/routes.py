@@ -84,6 +84,7 @@ ROUTES: tuple[Route, ...] = (
         serving_batches.FileUploadForm,
         media_type="multipart/form-data",
     ),
+    Route("GET", "/v1/files", serving_batches.list_files, "inference"),
     Route("GET", "/v1/files/{file_id}", serving_batches.get_file, "inference"),
     Route("DELETE", "/v1/files/{file_id}", serving_batches.delete_file, "inference"),
     Route("GET", "/v1/files/{file_id}/content", serving_batches.get_file_content, "inference"),

@@ -1,8 +1,9 @@
 """The Batch API's routes (OpenAI's): `POST /v1/files` (multipart, purpose `batch`, every line
 validated at upload), `GET /v1/files/{id}`, `GET /v1/files/{id}/content`, `DELETE /v1/files/{id}`,
-`POST /v1/batches`, `GET /v1/batches` (newest first; `after`, `limit`), `GET /v1/batches/{id}`,
-`POST /v1/batches/{id}/cancel`. Files and batches belong to the principal that created them: another
-caller gets 404, as for an id that does not exist."""
+`GET /v1/files` (newest first by default; `purpose`, `order`, `after`, `limit`), `POST /v1/batches`,
+`GET /v1/batches` (newest first; `after`, `limit`), `GET /v1/batches/{id}`,
+`POST /v1/batches/{id}/cancel`. A file an open batch reads cannot be deleted (409). Files and batches
+belong to the principal that created them: another caller gets 404, as for an id that does not exist."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ MAX_ID_CHARS = 128
 MAX_FILENAME_CHARS = 256
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100
+MAX_FILE_LIST_LIMIT = 10_000  # OpenAI's files list: 1 to 10,000, default 10,000
+FILE_PURPOSES = ("batch", "batch_output")
 MAX_FORM_FIELDS = 8
 JSONL_MEDIA_TYPE = "application/jsonl"
 
@@ -165,22 +168,23 @@ async def get_batch(request: Request, batch_id: str) -> Response:
     return JSONResponse(batch.to_object())
 
 
-def _list_limit(value: str | None) -> int:
+def _list_limit(value: str | None, default: int = DEFAULT_LIST_LIMIT, most: int = MAX_LIST_LIMIT) -> int:
     if value is None:
-        return DEFAULT_LIST_LIMIT
-    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST_LIMIT:
-        raise InvalidRequest(f"limit must be an integer in [1, {MAX_LIST_LIMIT}]", param="limit")
+        return default
+    if not value.isdigit() or not 1 <= int(value) <= most:
+        raise InvalidRequest(f"limit must be an integer in [1, {most}]", param="limit")
     return int(value)
 
 
-async def list_batches(request: Request) -> Response:
-    store = _store(request)
-    limit = _list_limit(request.query_params.get("limit"))
+def _after(request: Request, what: str) -> str | None:
     after = request.query_params.get("after")
     if after is not None and len(after) > MAX_ID_CHARS:
-        raise InvalidRequest(f"after must be a batch id of at most {MAX_ID_CHARS} characters", param="after")
-    page, has_more = await asyncio.to_thread(store.list_batches, _owner(request).name, after, limit)
-    data = [batch.to_object() for batch in page]
+        raise InvalidRequest(f"after must be a {what} id of at most {MAX_ID_CHARS} characters", param="after")
+    return after
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> JSONResponse:
+    """OpenAI's cursor page (the openai client follows `has_more` with `after` = the last id)."""
     return JSONResponse(
         {
             "object": "list",
@@ -190,6 +194,31 @@ async def list_batches(request: Request) -> Response:
             "has_more": has_more,
         }
     )
+
+
+async def list_files(request: Request) -> Response:
+    store = _store(request)
+    query = request.query_params
+    limit = _list_limit(query.get("limit"), default=MAX_FILE_LIST_LIMIT, most=MAX_FILE_LIST_LIMIT)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc", param="order")
+    purpose = query.get("purpose")
+    if purpose is not None and purpose not in FILE_PURPOSES:
+        raise InvalidRequest(f"purpose must be one of {', '.join(FILE_PURPOSES)}", param="purpose")
+    page, has_more = await asyncio.to_thread(
+        store.list_files, _owner(request).name, purpose, _after(request, "file"), limit, order == "desc"
+    )
+    return _page([record.to_object() for record in page], has_more)
+
+
+async def list_batches(request: Request) -> Response:
+    store = _store(request)
+    limit = _list_limit(request.query_params.get("limit"))
+    page, has_more = await asyncio.to_thread(
+        store.list_batches, _owner(request).name, _after(request, "batch"), limit
+    )
+    return _page([batch.to_object() for batch in page], has_more)
 
 
 async def cancel_batch(request: Request, batch_id: str) -> Response:

@@ -148,6 +148,7 @@ async def stats(request: Request) -> Response:
     }
     cache = state.response_cache
     payload["response_cache"] = cache.describe() if cache is not None else {"enabled": False}
+    payload["batches"] = state.batches.describe()
     slot = state.default_slot()
     if slot is None or not slot.replicas:
         return JSONResponse(payload)

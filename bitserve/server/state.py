@@ -10,6 +10,7 @@ import logging
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,7 +23,7 @@ from bitserve.engine.instance import ModelInstance
 from bitserve.errors import ModelUnavailable, ServerShuttingDown
 from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.slot import Lease, ModelSlot
-from bitserve.metrics.stats import StatsSink
+from bitserve.metrics.stats import BatchStats, StatsSink
 from bitserve.server.batches.service import BatchService
 from bitserve.server.response_cache.cache import ResponseCache
 from bitserve.server.security.principal import check_model_access
@@ -43,6 +44,8 @@ class MetricsSink(StatsSink, Protocol):
     def render(self) -> tuple[bytes, str]: ...
 
     def energy_status(self) -> dict[str, str]: ...
+
+    def watch_batches(self, read: Callable[[], BatchStats]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

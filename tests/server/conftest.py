@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from http_testing import ServerProcess
 from lifecycle_testing import ModelRoot, build_model_root
+from postgres_testing import fresh_database
 
 from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
@@ -78,3 +79,14 @@ def model_root(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> 
     """The lifecycle tests' model root (tiny v1 and v2, broken and escaping files), built once for the
     package: tests read it, none writes it."""
     return build_model_root(tmp_path_factory.mktemp("lifecycle"), smollm2_path)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def batch_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A --batch-db value of each backend: a SQLite file, or a fresh PostgreSQL database (skipped
+    without POSTGRES_TEST_URL)."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "batches.sqlite3")
+        return
+    with fresh_database() as url:
+        yield url

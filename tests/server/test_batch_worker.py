@@ -1,24 +1,30 @@
-"""The batch worker and store as a unit, over a real SQLite database: retries with backoff and the
-dead letter, expiry, cancel, resuming after a process dies mid-batch (exactly once), migrations, the
-one-process lock, and upload validation. Only the executor is faked (scripted HTTP outcomes), to
-isolate the worker from the model."""
+"""The batch worker and store as a unit, over real databases (SQLite, and PostgreSQL where
+POSTGRES_TEST_URL names a server): retries with backoff and the dead letter, expiry, cancel, resuming
+after a process dies mid-batch (exactly once), two workers sharing one PostgreSQL database, the
+model and token usage, migrations, the one-process lock, and upload validation. Only the executor is
+faked (scripted HTTP outcomes), to isolate the worker from the model."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sqlite3
+import subprocess
+import sys
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from postgres_testing import fresh_database, query
 
 from bitserve.errors import Conflict, InvalidRequest, PayloadTooLarge, QueueFull
 from bitserve.server.batches.config import BatchConfig
+from bitserve.server.batches.database import DatabaseUnavailable
 from bitserve.server.batches.executor import Endpoint, InProcessExecutor, Outcome
 from bitserve.server.batches.input_file import InputLimits, parse_input_file
 from bitserve.server.batches.migrations import LATEST_VERSION
@@ -41,6 +47,10 @@ def jsonl(prompts: list[str], url: str = URL) -> bytes:
     return "\n".join(json.dumps(line) for line in lines).encode() + b"\n"
 
 
+def ok_body(prompt: str) -> dict[str, Any]:
+    return {"text": prompt.upper(), "model": "m", "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
 class ScriptedExecutor:
     """Answers each prompt with its scripted statuses in turn (then 200); BLOCK waits to be cancelled."""
 
@@ -60,8 +70,18 @@ class ScriptedExecutor:
             except asyncio.CancelledError:
                 self.cancelled[prompt] += 1
                 raise
-        body_out = {"text": prompt.upper()} if status == 200 else {"error": {"code": str(status)}}
+        body_out = ok_body(prompt)
+        if status != 200:
+            body_out = {"error": {"code": str(status)}}
         return Outcome(status, body_out, f"req-{prompt}-{self.calls[prompt]}")
+
+
+class SlowExecutor(ScriptedExecutor):
+    """Every request takes a moment, so two workers' claims overlap."""
+
+    async def __call__(self, url: str, body: dict[str, Any]) -> Outcome:
+        await asyncio.sleep(0.02)
+        return await super().__call__(url, body)
 
 
 def make_worker(
@@ -105,8 +125,8 @@ def lines_of(store: BatchStore, file_id: str | None) -> dict[str, dict[str, Any]
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> BatchStore:
-    opened = BatchStore(tmp_path / "batches.sqlite3")
+def store(batch_db: str) -> Iterator[BatchStore]:
+    opened = BatchStore(batch_db)
     yield opened
     opened.close()
 
@@ -124,10 +144,20 @@ def test_retries_with_backoff_then_dead_letter(store: BatchStore) -> None:
     assert executor.calls == {"a": 3, "b": 3, "c": 1, "d": 2, "e": 2}
     output, errors = lines_of(store, batch.output_file_id), lines_of(store, batch.error_file_id)
     assert set(output) == {"a", "d", "e"} and set(errors) == {"b", "c"}
-    assert output["a"]["response"] == {"status_code": 200, "request_id": "req-a-3", "body": {"text": "A"}}
+    assert output["a"]["response"] == {"status_code": 200, "request_id": "req-a-3", "body": ok_body("a")}
     assert output["a"]["error"] is None and output["a"]["id"].startswith("batch_req_")
     assert errors["b"]["response"]["status_code"] == 503 and errors["c"]["response"]["status_code"] == 400
     assert batch.finalizing_at is not None and batch.completed_at is not None
+    # model and usage: from the three that completed (the failed ones' bodies report none)
+    assert batch.to_object()["model"] == "m"
+    assert batch.to_object()["usage"] == {
+        "input_tokens": 9,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 6,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 15,
+    }
+    assert worker.outcomes == {"completed": 3, "failed": 2, "retried": 6}
 
 
 def test_expiry_stops_what_is_unfinished(store: BatchStore) -> None:
@@ -137,7 +167,9 @@ def test_expiry_stops_what_is_unfinished(store: BatchStore) -> None:
     batch_id = submit(store, jsonl(["fast", "slow1", "slow2"]), expires_at=1100.0)
 
     async def scenario() -> Any:
-        await run_until(worker, store, batch_id, lambda b: b.num_completed == 1 and worker.num_running == 2)
+        await run_until(
+            worker, store, batch_id, lambda b: b.num_completed == 1 and executor.calls["slow2"] == 1
+        )
         now[0] = 1100.0  # the completion window ends
         return await run_until(worker, store, batch_id, lambda b: b.status in FINAL)
 
@@ -177,9 +209,8 @@ def test_cancel_stops_the_batch_and_keeps_what_finished(store: BatchStore) -> No
         store.cancel_batch(done_id, "alice", 7)
 
 
-def test_a_process_killed_mid_batch_resumes_exactly_once(tmp_path: Path) -> None:
-    path = tmp_path / "batches.sqlite3"
-    first = BatchStore(path)
+def test_a_process_killed_mid_batch_resumes_exactly_once(batch_db: str) -> None:
+    first = BatchStore(batch_db)
     batch_id = submit(first, jsonl(["a", "b", "c", "d"]))
     executor = ScriptedExecutor()
     worker = make_worker(first, executor, is_ready=False)  # claims nothing: the test claims by hand
@@ -188,10 +219,10 @@ def test_a_process_killed_mid_batch_resumes_exactly_once(tmp_path: Path) -> None
     assert [request.custom_id for request in claimed] == ["a", "b", "c"]
     line = {"custom_id": "a", "response": {"status_code": 200}}
     assert first.finish_request(claimed[0], "completed", line, 1)  # ...one commits, then the process dies
-    first._db.close()  # no shutdown path: what a SIGKILL leaves (the lock file closes with the process)
-    first._lock_file.close()
+    # no worker shutdown: what a SIGKILL leaves (the connection and the lock file close with the process)
+    first.close()
 
-    second = BatchStore(path)  # the restart: b and c were running, so they run again
+    second = BatchStore(batch_db)  # the restart: b and c were running, so they run again
     try:
         batch = asyncio.run(
             run_until(make_worker(second, executor), second, batch_id, lambda b: b.status in FINAL)
@@ -229,11 +260,127 @@ def test_migrations_versions_and_the_process_lock(tmp_path: Path) -> None:
         BatchStore(newer)
 
 
-def test_server_database_urls_say_they_are_not_supported_yet() -> None:
-    with pytest.raises(ValueError, match="postgresql is not supported yet"):
-        BatchConfig(batch_db="postgresql://user@db/bitserve")
-    assert BatchConfig(batch_db="sqlite:////srv/b.db").database == Path("/srv/b.db")
-    assert BatchConfig(data_dir="/data").database == Path("/data/batches.sqlite3")
+def test_batch_db_names_a_sqlite_file_or_a_postgresql_url() -> None:
+    for value in ("postgresql://u:secret@db/bitserve", "postgres://u:secret@db/bitserve"):
+        location = BatchConfig(batch_db=value).database
+        assert location.url == "postgresql://u:secret@db/bitserve" and location.path is None
+        assert location.describe() == "postgresql://u@db/bitserve"  # no password in the log
+    assert BatchConfig(batch_db="postgresql+psycopg://db/b").database.url == "postgresql://db/b"
+    with pytest.raises(ValueError, match="mysql is not supported"):
+        BatchConfig(batch_db="mysql://user@db/bitserve")
+    with pytest.raises(ValueError, match="unknown database URL scheme 'redis'"):
+        BatchConfig(batch_db="redis://db/0")
+    assert BatchConfig(batch_db="sqlite:////srv/b.db").database.path == Path("/srv/b.db")
+    assert BatchConfig(data_dir="/data").database.path == Path("/data/batches.sqlite3")
+
+
+def test_postgres_migrations_run_once_and_refuse_a_newer_schema() -> None:
+    with fresh_database() as url:
+        first, second = BatchStore(url), BatchStore(url)  # servers share a PostgreSQL database
+        try:
+            assert first.schema_version == second.schema_version == LATEST_VERSION
+            assert query(url, "SELECT version FROM schema_version") == [(LATEST_VERSION,)]
+            assert first.claim_key != second.claim_key
+        finally:
+            first.close()
+            second.close()
+        query(url, f"UPDATE schema_version SET version = {LATEST_VERSION + 1}")
+        with pytest.raises(ValueError, match="newer than this bitserve"):
+            BatchStore(url)
+    with pytest.raises(DatabaseUnavailable, match="PostgreSQL"):
+        BatchStore("postgresql://nobody@127.0.0.1:1/none")
+
+
+def test_two_workers_on_one_postgres_database_never_run_a_request_twice() -> None:
+    """Two workers (two connections, as two server processes have) claim from one batch at once: every
+    request runs exactly once, both take a share, and the output has each request once."""
+    prompts = [f"p{index:02d}" for index in range(40)]
+    executor = SlowExecutor()
+    with fresh_database() as url:
+        stores = [BatchStore(url), BatchStore(url)]
+        try:
+            batch_id = submit(stores[0], jsonl(prompts))
+            workers = [make_worker(each, executor, batch_concurrency=4) for each in stores]
+
+            async def scenario() -> Any:
+                runs = [asyncio.create_task(worker.run()) for worker in workers]
+                try:
+                    for _ in range(3000):
+                        batch = stores[1].get_batch(batch_id)
+                        if batch.status in FINAL:
+                            return batch
+                        await asyncio.sleep(0.01)
+                    raise AssertionError(f"batch stuck: {batch}")
+                finally:
+                    for run in runs:
+                        run.cancel()
+                    await asyncio.gather(*runs, return_exceptions=True)
+
+            batch = asyncio.run(scenario())
+            assert batch.status == "completed" and batch.num_completed == len(prompts)
+            assert executor.calls == dict.fromkeys(prompts, 1)  # none ran twice, none was left out
+            assert all(worker.outcomes["completed"] > 0 for worker in workers)  # both took a share
+            assert set(lines_of(stores[0], batch.output_file_id)) == set(prompts)
+        finally:
+            for each in stores:
+                each.close()
+
+
+CLAIM_THEN_HANG = """
+import sys, time
+from bitserve.server.batches.store import BatchStore
+store = BatchStore(sys.argv[1])
+print(",".join(request.custom_id for request in store.claim(2, now=2e12)), flush=True)
+time.sleep(600)
+"""
+
+
+def test_claims_of_a_sigkilled_process_go_back_on_postgres(tmp_path: Path) -> None:
+    """A real process claims two requests and is SIGKILLed: PostgreSQL ends its session, so its claim
+    lock goes and a worker of another process takes the two at its next claim."""
+    with fresh_database() as url:
+        store = BatchStore(url)
+        try:
+            submit(store, jsonl(["a", "b", "c"]))
+            asyncio.run(make_worker(store, ScriptedExecutor(), is_ready=False).step())
+            claimer = subprocess.Popen(
+                [sys.executable, "-c", CLAIM_THEN_HANG, url], stdout=subprocess.PIPE, text=True
+            )
+            try:
+                assert claimer.stdout is not None and claimer.stdout.readline().strip() == "a,b"
+                assert [request.custom_id for request in store.claim(5, now=2e12)] == ["c"]
+            finally:
+                claimer.kill()  # SIGKILL
+                claimer.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            retaken: list[str] = []
+            while not retaken and time.monotonic() < deadline:  # the server notices the closed socket
+                retaken = [request.custom_id for request in store.claim(5, now=2e12)]
+                time.sleep(0.05)
+            assert retaken == ["a", "b"]
+        finally:
+            store.close()
+
+
+def test_a_dead_workers_requests_go_to_a_live_worker_sharing_postgres() -> None:
+    """A worker whose connection ends (its process was SIGKILLed) leaves requests `running`; the
+    other server, still up, takes them at its next claim (its lock is gone), and the dead one's
+    late result is refused."""
+    with fresh_database() as url:
+        dying, living = BatchStore(url), BatchStore(url)
+        try:
+            submit(living, jsonl(["a", "b", "c"]))
+            asyncio.run(make_worker(living, ScriptedExecutor(), is_ready=False).step())
+            taken = dying.claim(2, now=2e12)
+            assert [request.custom_id for request in taken] == ["a", "b"]
+            assert [r.custom_id for r in living.claim(5, now=2e12)] == ["c"]  # a and b are the other's
+            dying.close()
+            retaken = living.claim(5, now=2e12)
+            assert sorted(request.custom_id for request in retaken) == ["a", "b"]
+            assert not living.finish_request(taken[0], "completed", {"custom_id": "a"}, 1)
+            assert living.finish_request(retaken[0], "completed", {"custom_id": "a"}, 1)
+        finally:
+            living.close()
 
 
 @pytest.mark.parametrize(

@@ -11,25 +11,53 @@ from pathlib import Path
 DEFAULT_DATA_DIR = "~/.local/share/bitserve"
 DB_FILE_NAME = "batches.sqlite3"
 SQLITE_URL_PREFIX = "sqlite:///"
+POSTGRES_SCHEMES = ("postgresql", "postgres")
 # URL schemes of servers a later version may store batches in; named so the error can say so
-SERVER_DATABASE_SCHEMES = ("postgresql", "postgres", "mysql")
+UNSUPPORTED_SCHEMES = ("mysql", "mariadb")
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
-def database_path(batch_db: str) -> Path:
-    """The SQLite file a --batch-db value names (a path or sqlite:///path); ValueError for a server URL."""
-    scheme = batch_db.split("://", 1)[0].split("+", 1)[0].lower() if "://" in batch_db else ""
-    if scheme in SERVER_DATABASE_SCHEMES:
+@dataclass(frozen=True, slots=True)
+class DatabaseLocation:
+    """Where the batch store lives: a SQLite file (`path`) or a PostgreSQL server (`url`)."""
+
+    path: Path | None = None
+    url: str | None = None
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.url is not None
+
+    def describe(self) -> str:
+        """For logs: the file, or the URL without its password."""
+        if self.path is not None:
+            return str(self.path)
+        assert self.url is not None
+        scheme, _, rest = self.url.partition("://")
+        credentials, at, host = rest.rpartition("@")
+        return f"{scheme}://{credentials.split(':', 1)[0]}{at}{host}"
+
+
+def database_location(batch_db: str) -> DatabaseLocation:
+    """What a --batch-db value names: a path or sqlite:///PATH, or a postgresql:// URL (a
+    `+driver` suffix such as postgresql+psycopg:// is dropped: psycopg 3 is the driver)."""
+    scheme = batch_db.split("://", 1)[0].lower() if "://" in batch_db else ""
+    base_scheme = scheme.split("+", 1)[0]
+    if base_scheme in POSTGRES_SCHEMES:
+        return DatabaseLocation(url="postgresql://" + batch_db.split("://", 1)[1])
+    if base_scheme in UNSUPPORTED_SCHEMES:
         raise ValueError(
-            f"batch_db: {scheme} is not supported yet: the Batch API stores batches in SQLite "
-            "(give --batch-db a file path, one per server process)"
+            f"batch_db: {base_scheme} is not supported: give a SQLite file path or a postgresql:// URL"
         )
     if scheme and not batch_db.startswith(SQLITE_URL_PREFIX):
-        raise ValueError(f"batch_db: unknown database URL scheme {scheme!r}; give a SQLite file path")
-    return Path(os.path.expanduser(batch_db.removeprefix(SQLITE_URL_PREFIX)))
+        raise ValueError(
+            f"batch_db: unknown database URL scheme {scheme!r}; "
+            "give a SQLite file path or a postgresql:// URL"
+        )
+    return DatabaseLocation(path=Path(os.path.expanduser(batch_db.removeprefix(SQLITE_URL_PREFIX))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +71,9 @@ class BatchConfig:
     batch_db: str | None = field(
         default=None,
         metadata=_help(
-            f"SQLite file (or sqlite:///PATH) of the Batch API's files, jobs and results "
-            f"(default DATA_DIR/{DB_FILE_NAME}; its files go beside it; one server process per file)"
+            f"SQLite file (or sqlite:///PATH; default DATA_DIR/{DB_FILE_NAME}, its files beside it, one "
+            "server process per file) or postgresql://USER@HOST/DB URL (shared by any number of server "
+            "processes; needs the `postgres` extra) of the Batch API's files, jobs and results"
         ),
     )
     batch_max_file_bytes: int = field(
@@ -69,7 +98,7 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         if self.batch_db is not None:
-            database_path(self.batch_db)  # a server URL fails at startup, not at the first batch
+            database_location(self.batch_db)  # a bad URL fails at startup, not at the first batch
         for name in ("batch_max_file_bytes", "batch_max_lines", "batch_concurrency", "batch_max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -77,7 +106,7 @@ class BatchConfig:
             raise ValueError("batch_retry_base_s must be > 0 and <= batch_retry_max_s")
 
     @property
-    def database(self) -> Path:
+    def database(self) -> DatabaseLocation:
         if self.batch_db is not None:
-            return database_path(self.batch_db)
-        return Path(os.path.expanduser(self.data_dir)) / DB_FILE_NAME
+            return database_location(self.batch_db)
+        return DatabaseLocation(path=Path(os.path.expanduser(self.data_dir)) / DB_FILE_NAME)

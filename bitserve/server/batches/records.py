@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import sqlite3
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -71,6 +71,21 @@ class BatchRecord:
     expired_at: int | None
     cancelling_at: int | None
     cancelled_at: int | None
+    model: str | None  # the model that answered its first finished request
+    input_tokens: int  # token counts of its finished requests, added up as they finish
+    cached_tokens: int
+    output_tokens: int
+    reasoning_tokens: int
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's BatchUsage (the openai SDK's `Batch.usage`)."""
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
 
     def to_object(self) -> dict[str, Any]:
         errors = json.loads(self.errors) if self.errors else None
@@ -99,6 +114,8 @@ class BatchRecord:
                 "failed": self.num_failed,
             },
             "metadata": json.loads(self.metadata) if self.metadata else None,
+            "model": self.model,
+            "usage": self.usage(),
         }
 
 
@@ -115,7 +132,31 @@ class RequestRecord:
     status: str
     attempts: int
     result: str | None
+    claimed_by: int | None  # the claim key of the worker running it
 
 
-def from_row(record_type: type[Any], row: sqlite3.Row) -> Any:
+@dataclass(frozen=True, slots=True)
+class BatchProgress:
+    """The requests of the open batches, all owners together (/v1/stats)."""
+
+    num_open: int  # open batches
+    num_total: int
+    num_completed: int
+    num_failed: int
+    num_pending: int  # waiting for a worker (new, or a retry's backoff)
+    num_running: int  # claimed by a worker, this one or another sharing the database
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "open_batches": self.num_open,
+            "total": self.num_total,
+            "completed": self.num_completed,
+            "failed": self.num_failed,
+            "pending": self.num_pending,
+            "running": self.num_running,
+        }
+
+
+def from_row(record_type: type[Any], row: Mapping[str, Any]) -> Any:
+    """A record from a database row (sqlite3.Row or psycopg's dict row: read by column name)."""
     return record_type(**{field.name: row[field.name] for field in fields(record_type)})

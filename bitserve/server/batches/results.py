@@ -8,11 +8,47 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bitserve.server.batches.records import RequestRecord
 
 UNFINISHED_CODES = {"expired": "batch_expired", "cancelled": "batch_cancelled"}
+
+
+@dataclass(frozen=True, slots=True)
+class LineUsage:
+    """What one finished request adds to its batch's `model` and `usage`."""
+
+    model: str | None = None
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+def _count(container: Any, *keys: str) -> int:
+    """container[keys[0]][keys[1]]...: a non-negative int, or 0 where the path is missing."""
+    for key in keys:
+        container = container.get(key) if isinstance(container, dict) else None
+    return container if isinstance(container, int) and container >= 0 else 0
+
+
+def usage_of(line: dict[str, Any]) -> LineUsage:
+    """The model and tokens an output or error file line's response reports (chat and completions:
+    prompt/completion tokens and their details; embeddings: prompt tokens); nothing for a line
+    without a response body."""
+    body = (line.get("response") or {}).get("body")
+    if not isinstance(body, dict):
+        return LineUsage()
+    model = body.get("model")
+    return LineUsage(
+        model=model if isinstance(model, str) else None,
+        input_tokens=_count(body, "usage", "prompt_tokens"),
+        cached_tokens=_count(body, "usage", "prompt_tokens_details", "cached_tokens"),
+        output_tokens=_count(body, "usage", "completion_tokens"),
+        reasoning_tokens=_count(body, "usage", "completion_tokens_details", "reasoning_tokens"),
+    )
 
 
 def response_line(

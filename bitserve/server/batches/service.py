@@ -9,14 +9,17 @@ import contextlib
 import logging
 import sqlite3
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI
 
 from bitserve.errors import ServiceUnavailable
+from bitserve.metrics.stats import BatchStats
 from bitserve.server.batches.config import BatchConfig
+from bitserve.server.batches.database import DatabaseUnavailable
 from bitserve.server.batches.executor import Endpoint, InProcessExecutor
 from bitserve.server.batches.input_file import InputLimits
-from bitserve.server.batches.store import BatchStore, DatabaseInUse
+from bitserve.server.batches.store import BatchStore
 from bitserve.server.batches.worker import BatchWorker
 
 logger = logging.getLogger(__name__)
@@ -45,14 +48,14 @@ class BatchService:
         """Open the database (migrations, recovery) and start the worker; on failure, log and stay off."""
         if self.config is None:
             return
-        path = self.config.database
+        location = self.config.database
         try:
-            self.store = await asyncio.to_thread(BatchStore, path)
-        except (DatabaseInUse, OSError, sqlite3.Error, ValueError) as exc:
+            self.store = await asyncio.to_thread(BatchStore, location)
+        except (DatabaseUnavailable, OSError, sqlite3.Error, ValueError) as exc:
             self.unavailable = f"the Batch API is off: {exc}"
             logger.error("%s", self.unavailable)
             return
-        logger.info("batch database %s (schema version %d)", path, self.store.schema_version)
+        logger.info("batch database %s (schema version %d)", location.describe(), self.store.schema_version)
         execute = InProcessExecutor(app, self.endpoints)
         self.worker = BatchWorker(
             self.store, execute, self.config, self.body_models, self.limits, is_ready=is_ready
@@ -80,3 +83,37 @@ class BatchService:
     def wake(self) -> None:
         if self.worker is not None:
             self.worker.wake()
+
+    def stats(self) -> BatchStats:
+        """For the bitserve_batch* metrics: zeros until the worker's first pass."""
+        worker = self.worker
+        if worker is None:
+            return BatchStats({}, 0, 0, 0, 0, 0)
+        return BatchStats(
+            by_status=dict(worker.by_status),
+            num_pending=worker.progress.num_pending,
+            num_running=worker.progress.num_running,
+            num_completed=worker.outcomes["completed"],
+            num_failed=worker.outcomes["failed"],
+            num_retried=worker.outcomes["retried"],
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """/v1/stats' `batches`: the database's batches by status and the open ones' progress (every
+        process sharing it), and what this process's worker runs and has ended."""
+        if self.store is None or self.worker is None:
+            return {"enabled": False, "reason": self.unavailable}
+        worker = self.worker
+        return {
+            "enabled": True,
+            "database": self.store.database.name,
+            "by_status": dict(worker.by_status),
+            "progress": worker.progress.to_dict(),
+            "worker": {
+                "running": worker.num_running,
+                "concurrency": self.config.batch_concurrency if self.config else 0,
+                "completed": worker.outcomes["completed"],
+                "failed": worker.outcomes["failed"],
+                "retried": worker.outcomes["retried"],
+            },
+        }

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -20,7 +21,7 @@ from bitserve.errors import BitserveError
 from bitserve.server.batches.config import BatchConfig
 from bitserve.server.batches.executor import Outcome
 from bitserve.server.batches.input_file import InputLimits, parse_input_file
-from bitserve.server.batches.records import BatchRecord, RequestRecord
+from bitserve.server.batches.records import BatchProgress, BatchRecord, RequestRecord
 from bitserve.server.batches.results import response_line
 from bitserve.server.batches.store import BatchStore
 
@@ -60,6 +61,12 @@ class BatchWorker:
         self.clock = clock
         self._running: dict[Key, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
+        # requests this worker ended (completed / failed: committed) or put back for a retry, since
+        # it started: the bitserve_batch_requests_total counters and /v1/stats
+        self.outcomes: Counter[str] = Counter()
+        # the database as of the last pass (every process sharing it): /v1/stats and the gauges
+        self.by_status: dict[str, int] = {}
+        self.progress = BatchProgress(0, 0, 0, 0, 0, 0)
 
     def wake(self) -> None:
         """Look again now (a batch was created or cancelled, a request ended)."""
@@ -101,6 +108,7 @@ class BatchWorker:
                 await self._end(batch, "completed")
         if self.is_ready():
             await self._claim(now)
+        self.by_status, self.progress = await asyncio.to_thread(self.store.overview)
 
     def _is_done(self, batch: BatchRecord) -> bool:
         """Every request has its final result (the counts are committed with the results)."""
@@ -140,8 +148,8 @@ class BatchWorker:
         await asyncio.gather(*tasks, return_exceptions=True)
         if status == "completed" and batch.status != "finalizing":
             await asyncio.to_thread(self.store.mark_finalizing, batch.id, int(self.clock()))
-        await asyncio.to_thread(self.store.finalize, batch, status, int(self.clock()))
-        logger.info("batch %s %s", batch.id, status)
+        if await asyncio.to_thread(self.store.finalize, batch, status, int(self.clock())):
+            logger.info("batch %s %s", batch.id, status)
 
     async def _claim(self, now: float) -> None:
         free = self.config.batch_concurrency - len(self._running)
@@ -163,7 +171,7 @@ class BatchWorker:
         outcome = await self.execute(request.url, json.loads(request.body))
         line = response_line(request, outcome.status_code, outcome.request_id, outcome.body)
         if 200 <= outcome.status_code < 300:
-            await asyncio.to_thread(self.store.finish_request, request, "completed", line, attempts)
+            await self._finish(request, "completed", line, attempts)
         elif outcome.status_code in RETRYABLE_STATUSES and attempts < self.config.batch_max_attempts:
             delay = backoff_s(attempts, self.config, outcome.retry_after_s)
             logger.info(
@@ -174,7 +182,8 @@ class BatchWorker:
                 attempts,
                 delay,
             )
-            await asyncio.to_thread(self.store.retry_request, request, attempts, self.clock() + delay)
+            if await asyncio.to_thread(self.store.retry_request, request, attempts, self.clock() + delay):
+                self.outcomes["retried"] += 1
         else:
             logger.warning(
                 "batch %s line %d failed with %d after %d attempt(s)",
@@ -183,4 +192,8 @@ class BatchWorker:
                 outcome.status_code,
                 attempts,
             )
-            await asyncio.to_thread(self.store.finish_request, request, "failed", line, attempts)
+            await self._finish(request, "failed", line, attempts)
+
+    async def _finish(self, request: RequestRecord, status: str, line: dict[str, Any], attempts: int) -> None:
+        if await asyncio.to_thread(self.store.finish_request, request, status, line, attempts):
+            self.outcomes[status] += 1
