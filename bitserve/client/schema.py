@@ -108,13 +108,15 @@ class Probe(ApiModel):
 
 class Stats(ApiModel):
     """GET /v1/stats: the default model's batching, throughput, queue and KV use (more in extras),
-    every model's under `models`, and the response cache's counters."""
+    every model's under `models`, the response cache's counters, and the Batch API's batches by status
+    and progress."""
 
     phase: str
     uptime_s: float
     memory: dict[str, Any] = {}
     admission: dict[str, Any] = {}
     response_cache: dict[str, Any] = {}
+    batches: dict[str, Any] = {}
     models: dict[str, Any] = {}
 
 
@@ -143,6 +145,16 @@ class BatchRequestCounts(ApiModel):
     failed: int = 0
 
 
+class BatchUsage(ApiModel):
+    """Tokens of a batch's finished requests (OpenAI's BatchUsage)."""
+
+    input_tokens: int = 0
+    input_tokens_details: dict[str, int] = {}  # cached_tokens
+    output_tokens: int = 0
+    output_tokens_details: dict[str, int] = {}  # reasoning_tokens
+    total_tokens: int = 0
+
+
 class Batch(ApiModel):
     """An OpenAI batch object."""
 
@@ -158,6 +170,8 @@ class Batch(ApiModel):
     request_counts: BatchRequestCounts | None = None
     errors: Any = None
     metadata: dict[str, Any] | None = None
+    model: str | None = None
+    usage: BatchUsage | None = None
 
     @property
     def is_done(self) -> bool:

@@ -121,6 +121,14 @@ def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> App
     )
 
 
+def _batch_service(state: AppState, batch: BatchConfig | None) -> BatchService:
+    """The app's Batch API (off without `batch`), its counts exported to /metrics when on."""
+    service = BatchService(batch, batch_endpoints(), state.server_config.max_body_bytes)
+    if batch is not None:
+        state.stats.watch_batches(service.stats)
+    return service
+
+
 def build_app(
     server_config: ServerConfig | None = None,
     engine_config: EngineConfig | None = None,
@@ -148,9 +156,7 @@ def build_app(
         logger.info("OpenTelemetry tracing to %s", endpoint)
     if tracer_provider is not None:
         state.tracer = tracer_provider.get_tracer(TRACER_NAME)
-    state.batches = BatchService(batch, batch_endpoints(), server_config.max_body_bytes)
-    if batch is not None:
-        state.stats.watch_batches(state.batches.stats)
+    state.batches = _batch_service(state, batch)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

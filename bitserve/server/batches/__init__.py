@@ -1,2 +1,2 @@
 """The Batch API (OpenAI's /v1/files and /v1/batches): input files, jobs and their requests kept in
-SQLite, and a worker that runs them at low priority through the serving handlers, in process."""
+SQLite or PostgreSQL, and a worker that runs them at low priority through the serving handlers, in process."""
