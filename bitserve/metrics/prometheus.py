@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,6 +26,8 @@ from bitserve.metrics.stats import (
 )
 
 logger = logging.getLogger(__name__)
+
+FamilyT = TypeVar("FamilyT", CounterMetricFamily, GaugeMetricFamily)
 
 # Buckets are sized for CPU serving of small models: a cold prefill of a long prompt on 2 cores can
 # take tens of seconds, while a decode step of a 135M model is a few milliseconds.
@@ -183,29 +186,37 @@ class BatchCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self._read()
-        batches = GaugeMetricFamily(
-            "bitserve_batches", "Batches in the Batch API's database, by status.", labels=["status"]
+        yield _family(
+            GaugeMetricFamily,
+            "bitserve_batches",
+            "Batches in the Batch API's database, by status.",
+            "status",
+            dict(sorted(stats.by_status.items())),
         )
-        for status, count in sorted(stats.by_status.items()):
-            batches.add_metric([status], count)
-        yield batches
-        open_requests = GaugeMetricFamily(
+        yield _family(
+            GaugeMetricFamily,
             "bitserve_batch_requests_open",
             "Requests of open batches not yet ended: pending (waiting, or backing off) or running.",
-            labels=["state"],
+            "state",
+            {"pending": stats.num_pending, "running": stats.num_running},
         )
-        open_requests.add_metric(["pending"], stats.num_pending)
-        open_requests.add_metric(["running"], stats.num_running)
-        yield open_requests
-        ended = CounterMetricFamily(
+        yield _family(
+            CounterMetricFamily,
             "bitserve_batch_requests",
             "Batch requests this process ended (completed, failed: in the error file) or retried.",
-            labels=["outcome"],
+            "outcome",
+            {"completed": stats.num_completed, "failed": stats.num_failed, "retried": stats.num_retried},
         )
-        ended.add_metric(["completed"], stats.num_completed)
-        ended.add_metric(["failed"], stats.num_failed)
-        ended.add_metric(["retried"], stats.num_retried)
-        yield ended
+
+
+def _family(
+    kind: type[FamilyT], name: str, documentation: str, label: str, values: dict[str, int]
+) -> FamilyT:
+    """A metric family with one sample per `values` entry, labelled `label`=its key."""
+    family = kind(name, documentation, labels=[label])
+    for label_value, value in values.items():
+        family.add_metric([label_value], value)
+    return family
 
 
 class PrometheusStatsSink:

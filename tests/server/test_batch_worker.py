@@ -27,7 +27,8 @@ from bitserve.server.batches.config import BatchConfig
 from bitserve.server.batches.database import DatabaseUnavailable
 from bitserve.server.batches.executor import Endpoint, InProcessExecutor, Outcome
 from bitserve.server.batches.input_file import InputLimits, parse_input_file
-from bitserve.server.batches.migrations import LATEST_VERSION
+from bitserve.server.batches.migrations import LATEST_VERSION, SQLITE_TYPES, pending_migrations
+from bitserve.server.batches.records import RequestRecord
 from bitserve.server.batches.store import BatchStore, DatabaseInUse
 from bitserve.server.batches.worker import BatchWorker
 from bitserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -260,6 +261,26 @@ def test_migrations_versions_and_the_process_lock(tmp_path: Path) -> None:
         BatchStore(newer)
 
 
+def test_a_version_1_sqlite_database_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "v1.sqlite3"
+    with sqlite3.connect(path) as db:  # what the first release left: migration 1 and one batch
+        for statement in pending_migrations(0, SQLITE_TYPES)[0][1]:
+            db.execute(statement)
+        db.execute("PRAGMA user_version = 1")
+        db.execute(
+            "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, "
+            "created_at, expires_at) VALUES ('batch_old', 'alice', ?, 'file-x', '24h', 'completed', 1, 2)",
+            (URL,),
+        )
+    store = BatchStore(path)
+    try:
+        assert store.schema_version == LATEST_VERSION
+        old = store.get_batch("batch_old").to_object()
+        assert old["model"] is None and old["usage"]["total_tokens"] == 0
+    finally:
+        store.close()
+
+
 def test_batch_db_names_a_sqlite_file_or_a_postgresql_url() -> None:
     for value in ("postgresql://u:secret@db/bitserve", "postgres://u:secret@db/bitserve"):
         location = BatchConfig(batch_db=value).database
@@ -326,6 +347,18 @@ def test_two_workers_on_one_postgres_database_never_run_a_request_twice() -> Non
                 each.close()
 
 
+def claim_once_freed(store: BatchStore, timeout_s: float = 10.0) -> list[RequestRecord]:
+    """Claim until something comes back: a dead worker's session (and its lock) ends a moment after
+    its socket closes, when the server notices."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        claimed = store.claim(5, now=2e12)
+        if claimed:
+            return claimed
+        time.sleep(0.05)
+    return []
+
+
 CLAIM_THEN_HANG = """
 import sys, time
 from bitserve.server.batches.store import BatchStore
@@ -352,12 +385,7 @@ def test_claims_of_a_sigkilled_process_go_back_on_postgres(tmp_path: Path) -> No
             finally:
                 claimer.kill()  # SIGKILL
                 claimer.wait(timeout=30)
-            deadline = time.monotonic() + 10
-            retaken: list[str] = []
-            while not retaken and time.monotonic() < deadline:  # the server notices the closed socket
-                retaken = [request.custom_id for request in store.claim(5, now=2e12)]
-                time.sleep(0.05)
-            assert retaken == ["a", "b"]
+            assert [request.custom_id for request in claim_once_freed(store)] == ["a", "b"]
         finally:
             store.close()
 
@@ -375,7 +403,7 @@ def test_a_dead_workers_requests_go_to_a_live_worker_sharing_postgres() -> None:
             assert [request.custom_id for request in taken] == ["a", "b"]
             assert [r.custom_id for r in living.claim(5, now=2e12)] == ["c"]  # a and b are the other's
             dying.close()
-            retaken = living.claim(5, now=2e12)
+            retaken = claim_once_freed(living)
             assert sorted(request.custom_id for request in retaken) == ["a", "b"]
             assert not living.finish_request(taken[0], "completed", {"custom_id": "a"}, 1)
             assert living.finish_request(retaken[0], "completed", {"custom_id": "a"}, 1)
