@@ -103,17 +103,17 @@ class BatchService:
         process sharing it), and what this process's worker runs and has ended."""
         if self.store is None or self.worker is None:
             return {"enabled": False, "reason": self.unavailable}
-        worker = self.worker
+        stats = self.stats()
         return {
             "enabled": True,
             "database": self.store.database.name,
-            "by_status": dict(worker.by_status),
-            "progress": worker.progress.to_dict(),
+            "by_status": stats.by_status,
+            "progress": self.worker.progress.to_dict(),
             "worker": {
-                "running": worker.num_running,
+                "running": self.worker.num_running,
                 "concurrency": self.config.batch_concurrency if self.config else 0,
-                "completed": worker.outcomes["completed"],
-                "failed": worker.outcomes["failed"],
-                "retried": worker.outcomes["retried"],
+                "completed": stats.num_completed,
+                "failed": stats.num_failed,
+                "retried": stats.num_retried,
             },
         }
