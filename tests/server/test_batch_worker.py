@@ -237,6 +237,22 @@ def test_a_process_killed_mid_batch_resumes_exactly_once(batch_db: str) -> None:
         second.close()
 
 
+def test_a_worker_woken_as_it_is_cancelled_stops(store: BatchStore) -> None:
+    """A request ending (wake) in the same tick as the server's stop (cancel) must not keep the worker
+    running: asyncio.wait_for on Python < 3.12 swallowed such a cancel, and shutdown hung."""
+
+    async def scenario() -> bool:
+        worker = make_worker(store, ScriptedExecutor(), is_ready=False)
+        run = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.05)  # the pass is done: waiting for a wake-up
+        worker.wake()
+        run.cancel()
+        done, _ = await asyncio.wait({run}, timeout=5)
+        return bool(done)
+
+    assert asyncio.run(scenario())
+
+
 def test_validation_fails_a_batch_whose_lines_name_another_endpoint(store: BatchStore) -> None:
     worker = make_worker(store, ScriptedExecutor())
     batch_id = submit(store, jsonl(["a"], url=URL), endpoint="/v1/chat/completions")
@@ -335,7 +351,9 @@ def test_two_workers_on_one_postgres_database_never_run_a_request_twice() -> Non
                 finally:
                     for run in runs:
                         run.cancel()
-                    await asyncio.gather(*runs, return_exceptions=True)
+                    await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+                    for worker in workers:
+                        await worker.stop()
 
             batch = asyncio.run(scenario())
             assert batch.status == "completed" and batch.num_completed == len(prompts)

@@ -8,7 +8,6 @@ is not ready (loading, draining), so batch work never holds back a drain."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -84,8 +83,16 @@ class BatchWorker:
                 await self.step()
             except Exception:  # noqa: BLE001 - a failed pass (disk full, a locked database) is retried
                 logger.exception("batch worker pass failed; retrying in %g s", POLL_S)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=POLL_S)
+            await self._wait_for_wake()
+
+    async def _wait_for_wake(self) -> None:
+        """A wake-up or POLL_S. Not asyncio.wait_for: on Python < 3.12 it can swallow a cancel that
+        lands as the wake-up does, and the worker would outlive stop() (a hung shutdown)."""
+        waiter = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=POLL_S)
+        finally:
+            waiter.cancel()
 
     async def stop(self) -> None:
         """Cancel the running requests; their rows go back to pending for the next start."""
