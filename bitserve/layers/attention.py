@@ -15,6 +15,7 @@ from torch import nn
 
 from bitserve.kernels.backend import FusedOps
 from bitserve.layers import ggml_ops
+from bitserve.layers.causal_attention import causal_attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,14 +138,28 @@ class PagedAttention(nn.Module):
         for seq_idx in seq_ids:
             seq_len = metadata.seq_lens[seq_idx]
             start, end = metadata.query_start_loc[seq_idx], metadata.query_start_loc[seq_idx + 1]
-            num_blocks = -(-seq_len // metadata.block_size)
-            block_ids = metadata.block_table[seq_idx, :num_blocks]
-            keys = key_pages[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
-            values = value_pages[block_ids].flatten(0, 1)[:seq_len]
+            if seq_len == end - start:
+                # NOTE: a fresh prompt's whole context is this step's k / v: attend over them as the
+                # cache holds them (cast to its dtype) instead of gathering the pages just written
+                keys, values = k[start:end].to(kv_cache.dtype), v[start:end].to(kv_cache.dtype)
+            else:
+                keys, values = self._gather_context(key_pages, value_pages, metadata, seq_idx)
             out[start:end] = self._attend(
                 q[start:end], keys, values, num_context=seq_len, one_token_step=one_token_step
             )
         return out.reshape(num_tokens, -1)
+
+    @staticmethod
+    def _gather_context(
+        key_pages: torch.Tensor, value_pages: torch.Tensor, metadata: AttentionMetadata, seq_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys and values of sequence seq_idx: [seq_len, kv_heads, head_dim] each (a copy)."""
+        seq_len = metadata.seq_lens[seq_idx]
+        num_blocks = -(-seq_len // metadata.block_size)
+        block_ids = metadata.block_table[seq_idx, :num_blocks]
+        keys = key_pages[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
+        values = value_pages[block_ids].flatten(0, 1)[:seq_len]
+        return keys, values
 
     def _attend_decodes(
         self, q: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, batch: DecodeBatch
@@ -180,26 +195,17 @@ class PagedAttention(nn.Module):
         """Queries are the last q.shape[0] positions of a context of num_context tokens (causal).
 
         one_token_step: the whole step holds one token (ggml numerics then round the softmax weights)."""
-        num_queries = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
         keys = keys.to(torch.float32)
         values = values.to(torch.float32)
+        if not self.ggml_numerics:
+            return causal_attention(q, keys, values, self.scale)  # [num_queries, num_heads, head_dim]
+        group = self.num_heads // self.num_kv_heads
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)  # [num_context, num_heads, head_dim]
             values = values.repeat_interleave(group, dim=1)
         q_t, k_t, v_t = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # [heads, len, dim]
-        if self.ggml_numerics:
-            scale = ggml_ops.kq_scale(self.head_dim)
-            out = ggml_ops.attention(q_t, k_t, v_t, num_context, scale, one_token_step)
-            return out.transpose(0, 1)  # [num_queries, num_heads, head_dim]
-        # NOTE: explicit matmul + softmax, not F.scaled_dot_product_attention: on CPU, SDPA costs
-        # ~6 ms per call at decode shapes (9 heads x 1 query x 10 keys) against ~0.5 ms for this.
-        scores = torch.matmul(q_t, k_t.transpose(1, 2)) * self.scale  # [heads, num_queries, num_context]
-        if num_queries > 1:
-            query_pos = torch.arange(num_context - num_queries, num_context).unsqueeze(1)
-            future = torch.arange(num_context).unsqueeze(0) > query_pos  # [num_queries, num_context]
-            scores = scores.masked_fill(future, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v_t)
+        scale = ggml_ops.kq_scale(self.head_dim)
+        out = ggml_ops.attention(q_t, k_t, v_t, num_context, scale, one_token_step)
         return out.transpose(0, 1)  # [num_queries, num_heads, head_dim]
 
 
