@@ -85,6 +85,19 @@ class ModelConfig:
             raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, got {self.lm_head!r}")
 
 
+# ---------------------------------------------------------------- default KV pool size (issue 10)
+# llama.cpp sizes its KV cache as n_ctx tokens shared by n_seq sequences; vLLM as whatever memory is left
+# after the weights. A CPU server has no "rest of the GPU" to fill, so the default is llama.cpp's shape:
+# room for max_num_seqs sequences of a typical chat turn (prompt + answer), never less than one
+# max_model_len sequence (the scheduler refuses a request that could not fit the whole pool, and a request
+# without max_tokens may run to the end of the context), and capped so a small model's pool does not
+# dwarf its weights (the cap was the old flat default, so no measured throughput row loses KV room).
+# The pool is a ceiling, not a cost: its pages are zeroed lazily and reused most-recently-freed first
+# (core/block_pool.py), so resident memory follows the load a server has seen.
+KV_CACHE_TOKENS_PER_SEQ = 256
+KV_CACHE_DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """One replica's configuration."""
@@ -92,9 +105,18 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_cache_memory_bytes: int = field(
-        default=512 * 1024 * 1024, metadata=_help("memory for the paged KV cache")
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata=_help(
+            f"memory for the paged KV cache (default: sized at load to max_num_seqs x "
+            f"{KV_CACHE_TOKENS_PER_SEQ} tokens of the model's KV, at most {KV_CACHE_DEFAULT_MAX_BYTES >> 20} "
+            "MiB, at least one max_model_len sequence)"
+        ),
     )
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1 when set, got {self.kv_cache_memory_bytes}")
 
 
 LOG_FORMATS = ("json", "text")
@@ -364,3 +386,21 @@ def resolve_batch_limits(
         if not scheduler.enable_chunked_prefill:
             budget = max(budget, scheduler.max_model_len)
     return replace(scheduler, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+
+
+def kv_cache_default_tokens(max_num_seqs: int, max_model_len: int, kv_bytes_per_token: int) -> int:
+    """Token slots of the default KV pool: max_num_seqs x KV_CACHE_TOKENS_PER_SEQ, at most
+    KV_CACHE_DEFAULT_MAX_BYTES of KV, at least one max_model_len sequence."""
+    if kv_bytes_per_token < 1:
+        raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+    wanted = max_num_seqs * KV_CACHE_TOKENS_PER_SEQ
+    capped = min(wanted, KV_CACHE_DEFAULT_MAX_BYTES // kv_bytes_per_token)
+    return max(capped, max_model_len)
+
+
+def kv_cache_budget_estimate(config: EngineConfig) -> int:
+    """The KV bytes to expect before a model is loaded (device fit, the models memory budget): the set
+    budget, else the default's cap (exceeded only by a model whose one full context needs more)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    return KV_CACHE_DEFAULT_MAX_BYTES

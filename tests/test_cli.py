@@ -69,12 +69,16 @@ def test_inspect_json_smollm2(capsys, smollm2_path: Path) -> None:  # noqa: ANN0
     kernels = summary["cpu_kernels"]  # this machine's choice, as the cpu backend makes it
     assert kernels["isa"] == kernels["supported_isas"][0] and kernels["supported_isas"][-1] == "generic"
     assert kernels["block_activations"] == ("f32" if kernels["isa"] == "generic" else "q8")
+    kv = summary["kv_cache"]  # the pool `bitserve serve` would size at default settings (issue 10)
+    assert kv["bytes_per_token"] == 30 * 2 * 3 * 64 * 4 and kv["dtype"] == "float32"
+    assert kv["num_tokens"] >= kv["max_model_len"] == 4096 and kv["max_num_seqs"] == 128
 
 
 def test_inspect_text_names_the_dialect(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
     code, out = run_cli(capsys, "inspect", str(synthetic_models["TL2"]))
     assert code == 0
     assert "bitnet.cpp dialect" in out and "TL2" in out
+    assert "kv cache      default " in out and "tokens" in out
 
 
 def test_verify_passes_on_a_good_file(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001

@@ -8,11 +8,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from bitserve.cli.console import emit, emit_json
 from bitserve.cli.sampling_flags import sampling_params_from_args
 from bitserve.config import EngineConfig, ModelConfig
 from bitserve.loader.catalog import resolve_model
+
+if TYPE_CHECKING:
+    from bitserve.loader.gguf_reader import GGUFFile
 
 
 def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
@@ -73,12 +77,31 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     with read_gguf(resolve_model(args.model, fetch=False)) as gguf:
         summary = summarize(gguf)
-    summary["cpu_kernels"] = cpu_kernel_choices()  # this machine's, not the file's
+        summary["cpu_kernels"] = cpu_kernel_choices()  # this machine's, not the file's
+        summary["kv_cache"] = _default_kv_cache(gguf)
     if args.json:
         emit_json(summary)
     else:
         emit(format_summary(summary))
     return 0
+
+
+def _default_kv_cache(gguf: GGUFFile) -> dict[str, Any]:
+    """The KV pool `bitserve serve` would give this file on this machine's CPU at default settings."""
+    import torch
+
+    from bitserve.engine.instance import plan_kv_cache, serving_limits
+    from bitserve.errors import BitserveError
+    from bitserve.loader.model_spec import spec_from_metadata
+
+    try:
+        spec = spec_from_metadata(gguf.metadata, tensor_names=set(gguf.tensors), path=str(gguf.path))
+    except (BitserveError, ValueError, TypeError) as exc:  # the spec problem is already in the summary
+        return {"error": str(exc)}
+    config, device = EngineConfig(), torch.device("cpu")
+    limits = serving_limits(config, spec, gguf, device)
+    layout = plan_kv_cache(config, spec, limits, device)
+    return {"max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len, **layout.describe()}
 
 
 def run_verify(args: argparse.Namespace) -> int:

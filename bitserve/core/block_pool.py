@@ -1,4 +1,4 @@
-"""BlockPool: the KV blocks of one cache, their ref counts, the LRU free queue and the prefix-cache map.
+"""BlockPool: the KV blocks of one cache, their ref counts, the free blocks and the prefix-cache map.
 
 Bookkeeping only: block ids index the runner's K/V pages, which this module never touches.
 """
@@ -21,8 +21,8 @@ NULL_BLOCK_ID = 0
 class KVBlock:
     """One block of `block_size` token slots.
 
-    Invariant: ref_count >= 0, and a block is free (ref_count == 0, in the free queue) or in use
-    (ref_count > 0, not in the free queue), never both. A free block may still hold `block_hash`:
+    Invariant: ref_count >= 0, and a block is free (ref_count == 0: in a free list, or never handed
+    out) or in use (ref_count > 0, in no free list), never both. A free block may still hold `block_hash`:
     it stays findable for prefix hits until the allocator reuses it.
     """
 
@@ -34,9 +34,16 @@ class KVBlock:
 class BlockPool:
     """All blocks of one KV cache.
 
-    The free queue is in LRU order: freed blocks join the tail, allocation takes from the head, so
-    the cached blocks freed longest ago are evicted first. `touch` pulls a free cached block out of
-    the middle of the queue in O(1) (an insertion-ordered dict serves as the linked list).
+    Free blocks sit in one of three places, and allocation takes them in this order:
+    1. freed blocks holding no prefix, most recently freed first (a stack): their pages are resident
+       and recently written, and reusing them loses nothing;
+    2. freed blocks holding a cached prefix, least recently freed first (an insertion-ordered dict, so
+       `touch` can pull a hit out of the middle in O(1)): reusing one evicts the LRU prefix;
+    3. blocks never handed out, lowest id first.
+    NOTE: resident before fresh. The K/V pages are zeroed lazily (runner/kv_cache.py), so a page costs
+    RSS only once written: a server touches new pages only when the blocks it already touched are all
+    in use, and its RSS follows the peak load it has seen, not the pool size (issue 10). The price: the
+    prefix cache keeps at most the blocks of that peak, not the whole pool, under light load.
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
@@ -45,7 +52,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free_uncached: list[int] = []  # a stack: the last freed is reused first
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order, head evicted first
+        self._next_fresh_id = 1  # blocks from here on were never handed out
         self._cached_blocks: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -56,7 +65,12 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Free blocks, cached or not (a free cached block is evicted when allocated)."""
-        return len(self._free_queue)
+        return len(self._free_uncached) + len(self._free_cached) + self.num_fresh_blocks
+
+    @property
+    def num_fresh_blocks(self) -> int:
+        """Blocks never handed out: their pages were never written."""
+        return self.num_blocks - self._next_fresh_id
 
     @property
     def num_cached_blocks(self) -> int:
@@ -65,48 +79,51 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of usable blocks in use, 0..1."""
-        return 1.0 - len(self._free_queue) / self.num_usable_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         """The block holding the KV of the prefix `block_hash` names, in use or free; None on a miss."""
         return self._cached_blocks.get(block_hash)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take one more reference to each block (prefix hits); a free block leaves the free queue."""
+        """Take one more reference to each block (prefix hits); a free block leaves its free list."""
         for block in blocks:
             assert block.block_id != NULL_BLOCK_ID, "the null block is never referenced"
-            if block.ref_count == 0:
-                del self._free_queue[block.block_id]
+            if block.ref_count == 0:  # only cached blocks are found, so a free one is in _free_cached
+                del self._free_cached[block.block_id]
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take `num_blocks` blocks from the head of the free queue, evicting their cached hashes.
+        """Take `num_blocks` free blocks in the class docstring's order, evicting their cached hashes.
 
         The caller checks `num_free_blocks` first; asking for more is a bug.
         """
-        if num_blocks > len(self._free_queue):
-            raise RuntimeError(f"allocate({num_blocks}) with only {len(self._free_queue)} free blocks")
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"allocate({num_blocks}) with only {self.num_free_blocks} free blocks")
         allocated = []
         for _ in range(num_blocks):
-            block_id, _ = self._free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            assert block.ref_count == 0, f"block {block_id} in the free queue has refs"
+            block = self.blocks[self._pop_free_id()]
+            assert block.ref_count == 0, f"free block {block.block_id} has refs"
             self._evict(block)
             block.ref_count = 1
             allocated.append(block)
         return allocated
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference to each block, in the given order; blocks reaching 0 join the tail.
+        """Drop one reference to each block, in the given order; blocks reaching 0 become free.
 
-        Callers pass a sequence's blocks tail first, so its last (least shared) blocks are evicted
-        before its prefix.
+        Callers pass a sequence's blocks tail first, so its last (least shared) cached blocks are
+        evicted before its prefix, and its first uncached block is reused first.
         """
         for block in blocks:
             assert block.ref_count > 0, f"block {block.block_id} freed with ref_count {block.ref_count}"
             block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free_queue[block.block_id] = None
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is None:
+                self._free_uncached.append(block.block_id)
+            else:
+                self._free_cached[block.block_id] = None
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full, computed block under `block_hash` so later requests can hit it.
@@ -123,11 +140,20 @@ class BlockPool:
         self._cached_blocks[block_hash] = block
 
     def is_free(self, block_id: int) -> bool:
-        return block_id in self._free_queue
+        return block_id != NULL_BLOCK_ID and self.blocks[block_id].ref_count == 0
 
     def free_block_ids(self) -> list[int]:
-        """Free block ids in eviction order (head first). For tests and debugging."""
-        return list(self._free_queue)
+        """Free block ids in allocation order (next allocated first). For tests and debugging."""
+        fresh = range(self._next_fresh_id, self.num_blocks)
+        return [*reversed(self._free_uncached), *self._free_cached, *fresh]
+
+    def _pop_free_id(self) -> int:
+        if self._free_uncached:
+            return self._free_uncached.pop()
+        if self._free_cached:
+            return self._free_cached.popitem(last=False)[0]
+        self._next_fresh_id += 1
+        return self._next_fresh_id - 1
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:

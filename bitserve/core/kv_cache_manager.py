@@ -95,7 +95,7 @@ class KVCacheManager:
         num_total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_required = self.num_blocks_for(num_total_tokens)
         num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
-        # A hit on a free cached block takes it out of the free queue, so it counts against the free
+        # A hit on a free cached block takes it out of the free list, so it counts against the free
         # blocks just like a fresh allocation.
         num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_count == 0)
         if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from bitserve.config import EngineConfig
+from bitserve.config import EngineConfig, kv_cache_budget_estimate
 from bitserve.errors import InvalidRequest
 from bitserve.loader.catalog import resolve_model
 
@@ -231,7 +231,7 @@ def replica_config(config: EngineConfig, device: str) -> EngineConfig:
 def estimated_device_bytes(file_bytes: int, config: EngineConfig) -> int:
     """What a replica is expected to take on its device before it is loaded: weights about the file's
     size (packed formats stay packed) plus the KV cache budget."""
-    return file_bytes + config.kv_cache_memory_bytes
+    return file_bytes + kv_cache_budget_estimate(config)
 
 
 def resolve_engine_config(config: EngineConfig, probe: DeviceProbe | None = None) -> EngineConfig:

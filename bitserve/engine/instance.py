@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bitserve.config import EngineConfig, SchedulerConfig, resolve_batch_limits
+from bitserve.config import EngineConfig, SchedulerConfig, kv_cache_default_tokens, resolve_batch_limits
 from bitserve.engine.devices import AUTO, parse_device
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidModelFile, InvalidRequest
@@ -23,8 +23,15 @@ from bitserve.kernels.select import select_backend
 from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model
+from bitserve.models.spec import ModelSpec
 from bitserve.runner.embeddings import pooling_from_metadata
-from bitserve.runner.kv_cache import CacheLayout, plan_cache, resolve_kv_dtype
+from bitserve.runner.kv_cache import (
+    CacheLayout,
+    kv_bytes_per_token,
+    num_blocks_for_tokens,
+    plan_cache,
+    resolve_kv_dtype,
+)
 from bitserve.runner.model_runner import ModelRunner
 from bitserve.structured.grammars import GrammarCompiler
 from bitserve.structured.masks import GuidedRows
@@ -87,6 +94,46 @@ def projection_format(gguf: GGUFFile) -> str:
         if name.startswith("blk.") and len(info.shape) == 2:
             nbytes[info.ggml_type.name] = nbytes.get(info.ggml_type.name, 0) + info.nbytes
     return max(nbytes, key=nbytes.__getitem__) if nbytes else "none"
+
+
+def serving_limits(
+    config: EngineConfig, spec: ModelSpec, gguf: GGUFFile, device: torch.device
+) -> SchedulerConfig:
+    """The scheduler config a replica runs with: max_model_len capped at the model's, and the batch
+    limits the operator left unset filled from the projections' format (config.resolve_batch_limits)."""
+    max_model_len = min(spec.max_model_len, config.scheduler.max_model_len)
+    return resolve_batch_limits(
+        dataclasses.replace(config.scheduler, max_model_len=max_model_len),
+        projection_format(gguf),
+        device.type,
+    )
+
+
+def plan_kv_cache(
+    config: EngineConfig, spec: ModelSpec, scheduler_config: SchedulerConfig, device: torch.device
+) -> CacheLayout:
+    """The replica's KV pool: `cache.num_blocks` or `kv_cache_memory_bytes` when set, else the default
+    sized from the model's KV bytes per token and the resolved serving limits (config.py's
+    kv_cache_default_tokens)."""
+    dtype_name = resolve_kv_dtype(config.model.kv_cache_dtype, device)
+    block_size = config.cache.block_size
+    num_blocks = config.cache.num_blocks
+    memory_bytes = config.kv_cache_memory_bytes
+    if num_blocks is None and memory_bytes is None:
+        assert scheduler_config.max_num_seqs is not None, "resolve_batch_limits ran first"
+        num_tokens = kv_cache_default_tokens(
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_model_len,
+            kv_bytes_per_token(spec, dtype_name),
+        )
+        num_blocks = num_blocks_for_tokens(num_tokens, block_size)
+    return plan_cache(
+        spec,
+        block_size=block_size,
+        memory_bytes=memory_bytes or 0,
+        dtype_name=dtype_name,
+        num_blocks=num_blocks,
+    )
 
 
 @dataclass
@@ -153,19 +200,9 @@ class ModelInstance:
             )
         except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
             chat_template = exc
-        max_model_len = min(loaded.spec.max_model_len, config.scheduler.max_model_len)
-        scheduler_config = resolve_batch_limits(
-            dataclasses.replace(config.scheduler, max_model_len=max_model_len),
-            projection_format(loaded.gguf),
-            device.type,
-        )
-        layout = plan_cache(
-            loaded.spec,
-            block_size=config.cache.block_size,
-            memory_bytes=config.kv_cache_memory_bytes,
-            dtype_name=resolve_kv_dtype(config.model.kv_cache_dtype, device),
-            num_blocks=config.cache.num_blocks,
-        )
+        scheduler_config = serving_limits(config, loaded.spec, loaded.gguf, device)
+        max_model_len = scheduler_config.max_model_len
+        layout = plan_kv_cache(config, loaded.spec, scheduler_config, device)
         runner = make_runner(
             loaded, layout, device, scheduler_config, max_model_len, cuda_graphs=config.model.cuda_graphs
         )
@@ -173,13 +210,17 @@ class ModelInstance:
         runner.guided = GuidedRows(grammars)
         engine = Engine.build(runner, scheduler_config, config.cache)
         logger.info(
-            "model %s ready: max_model_len %d, %d KV blocks of %d tokens (%.1f MB), max_num_seqs %d, "
-            "max_num_batched_tokens %d",
+            "model %s ready: max_model_len %d, KV cache %s: %d tokens (%d blocks of %d, %.1f MiB %s, "
+            "%d bytes a token), max_num_seqs %d, max_num_batched_tokens %d",
             path.name,
             max_model_len,
+            "default" if config.kv_cache_memory_bytes is None and config.cache.num_blocks is None else "set",
+            layout.num_usable_tokens,
             layout.num_blocks,
             layout.block_size,
-            layout.total_bytes / 1e6,
+            layout.total_bytes / 2**20,
+            str(layout.dtype).removeprefix("torch."),
+            layout.bytes_per_token,
             scheduler_config.max_num_seqs,
             scheduler_config.max_num_batched_tokens,
         )

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bitserve.config import EngineConfig, ServerConfig
+from bitserve.config import EngineConfig, ServerConfig, kv_cache_budget_estimate
 from bitserve.engine.devices import CPU, DeviceProbe
 from bitserve.engine.instance import ModelInstance
 from bitserve.errors import (
@@ -441,7 +441,7 @@ class ModelManager:
 
     def _load_bytes(self, source: ModelFile) -> int:
         """What loading `source` will take before its real size is known: file bytes + the KV cache budget."""
-        return source.path.stat().st_size + self.engine_config.kv_cache_memory_bytes
+        return source.path.stat().st_size + kv_cache_budget_estimate(self.engine_config)
 
     def _new_slot(
         self, alias: str, source: ModelFile, version: str, *, owns_instance: bool = True

@@ -76,4 +76,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"cpu kernels   isa={kernels['isa']} (supported: {', '.join(kernels['supported_isas'])}), "
             f"block activations={kernels['block_activations']}"
         )
+    kv = summary.get("kv_cache")
+    if kv and "error" not in kv:
+        lines.append(
+            f"kv cache      default {kv['num_tokens']:,} tokens ({kv['memory_bytes'] / 2**20:.1f} MiB "
+            f"{kv['dtype']}, {kv['bytes_per_token']:,} bytes a token) for max_num_seqs {kv['max_num_seqs']}, "
+            f"max_model_len {kv['max_model_len']} (--kv-cache-memory-bytes sets it)"
+        )
     return "\n".join(lines)

@@ -39,12 +39,39 @@ def test_ref_count_never_goes_negative() -> None:
     assert block.ref_count == 0
 
 
-def test_freed_blocks_join_the_tail_and_allocation_takes_the_head() -> None:
-    pool = BlockPool(5)
+def test_uncached_freed_blocks_are_reused_last_freed_first_before_fresh_ones() -> None:
+    pool = BlockPool(8)
     blocks = pool.allocate(4)
+    assert [b.block_id for b in blocks] == [1, 2, 3, 4]  # fresh blocks: lowest id first
     pool.free([blocks[2], blocks[0], blocks[3], blocks[1]])
-    assert pool.free_block_ids() == [blocks[i].block_id for i in (2, 0, 3, 1)]
-    assert [b.block_id for b in pool.allocate(2)] == [blocks[2].block_id, blocks[0].block_id]
+    assert pool.free_block_ids() == [2, 4, 1, 3, 5, 6, 7]
+    # The last freed come back first, and no fresh block is touched while a freed one is left.
+    assert [b.block_id for b in pool.allocate(5)] == [2, 4, 1, 3, 5]
+    assert pool.num_fresh_blocks == 2
+
+
+def test_cached_blocks_are_reused_before_fresh_ones_lru_first() -> None:
+    pool = BlockPool(8)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, hash_block(root_hash(), [1]))
+    pool.cache_block(b, hash_block(root_hash(), [2]))
+    pool.free([b, a, c])  # b least recently freed, c holds no prefix
+    assert pool.free_block_ids() == [c.block_id, b.block_id, a.block_id, 4, 5, 6, 7]
+    first, second = pool.allocate(2)
+    assert (first, second) == (c, b) and b.block_hash is None  # b's prefix evicted, a's kept
+    assert pool.get_cached_block(hash_block(root_hash(), [1])) is a
+    assert pool.num_fresh_blocks == 4  # resident pages reused: RSS does not grow (issue 10)
+
+
+def test_light_load_touches_only_its_peak_of_blocks() -> None:
+    pool = BlockPool(1000)
+    for step in range(500):  # one request at a time: 3 blocks, the first two cached
+        blocks = pool.allocate(3)
+        pool.cache_block(blocks[0], hash_block(root_hash(), [step, 0]))
+        pool.cache_block(blocks[1], hash_block(root_hash(), [step, 1]))
+        pool.free(blocks[::-1])
+    assert pool.num_usable_blocks - pool.num_fresh_blocks == 3
+    assert pool.num_free_blocks == pool.num_usable_blocks and pool.usage == 0.0
 
 
 def test_free_cached_block_stays_findable_until_reused_then_evicted_lru() -> None:
@@ -57,9 +84,10 @@ def test_free_cached_block_stays_findable_until_reused_then_evicted_lru() -> Non
     pool.free([new])
     assert pool.get_cached_block(h_old) is old and pool.get_cached_block(h_new) is new
     pool.free([other])
-    # The head of the free queue is `old`: allocating one block evicts its hash, not `new`'s.
-    (reused,) = pool.allocate(1)
-    assert reused is old and reused.block_hash is None
+    # `other` holds no prefix and goes first; then `old`, the least recently freed cached block, whose
+    # hash is evicted, not `new`'s.
+    uncached, reused = pool.allocate(2)
+    assert uncached is other and reused is old and reused.block_hash is None
     assert pool.get_cached_block(h_old) is None
     assert pool.get_cached_block(h_new) is new
 

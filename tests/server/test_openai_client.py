@@ -214,6 +214,10 @@ def test_health_and_metrics(blackbox: ServerProcess) -> None:
     build = health["build"]
     assert build["version"] and build["git_sha"] and build["torch_version"]
     assert build["kernel_backend"] in ("cpu", "reference") and "Q4_1" in build["tensor_types"]
+    (replica,) = health["components"]["replicas"]  # the KV pool sized at load (issue 10)
+    kv = replica["kv_cache"]
+    assert kv["num_tokens"] >= 4096 and kv["bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert kv["memory_bytes"] == kv["num_blocks"] * kv["block_size"] * kv["bytes_per_token"]
     assert httpx.get(f"{blackbox.url}/health/live").status_code == 200
     httpx.post(f"{blackbox.url}/v1/completions", json={"prompt": "x", "n": 99})  # one counted 400
     metrics = httpx.get(f"{blackbox.url}/metrics")
