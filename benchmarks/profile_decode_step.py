@@ -139,8 +139,11 @@ def main() -> int:
     spy.send_signal(signal.SIGINT)
     spy.wait(timeout=60)
     profiled_ms = wall / steps * 1e3
-    stacks = read_stacks(raw)
+    stacks = read_stacks(raw) if raw.exists() else collections.Counter()
     total = sum(stacks.values())
+    if not total:
+        llm.close()
+        raise SystemExit(f"py-spy wrote no samples to {raw} (can it ptrace this process? try as root)")
     buckets: collections.Counter[str] = collections.Counter()
     for stack, count in stacks.items():
         buckets[bucket(list(stack))] += count

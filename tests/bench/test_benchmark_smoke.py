@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -283,3 +284,26 @@ def test_bench_load_prints_the_ready_time_and_a_file_backed_mapping(tiny_models:
     line = next(line for line in out.splitlines() if line.strip().startswith("this tree"))
     assert re.search(r"ready +[\d.]+ s wall / +[\d.]+ s CPU", line), out
     assert re.search(r"GGUF mapping \d+ MB resident / 0 MB anon", line), out  # read in place: no copy
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed (the test extra has it)")
+def test_profile_decode_step_prints_the_kernel_and_python_split(tiny_models: dict[str, Path]) -> None:
+    out = run(
+        sys.executable,
+        str(BENCHMARKS / "profile_decode_step.py"),
+        "--model",
+        str(tiny_models["I2_S"]),
+        "--threads",
+        "1",
+        "--seconds",
+        "0.5",
+        "--rate",
+        "50",
+    )
+    assert re.search(r"unprofiled: \d+ decode steps, [\d.]+ ms/step", out), out
+    shares = {
+        match[1]: float(match[2])
+        for match in re.finditer(r"^  (\S.*?)\s+([\d.]+)%  .*unprofiled step$", out, re.M)
+    }
+    assert set(shares) == {"kernels", "numba dispatch", "Python", "other native"}, out
+    assert abs(sum(shares.values()) - 100.0) < 0.5, out
