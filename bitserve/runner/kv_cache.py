@@ -108,9 +108,10 @@ def allocate_kv_caches(layout: CacheLayout) -> list[torch.Tensor]:
     blocks cost no resident memory and a pool sized for long contexts occupies RAM only as sequences
     fill it (core/block_pool.py reuses touched blocks first). Zeros, not garbage, because padded key
     slots are read (then masked) by batched decode attention, and NaN * 0 would poison the output.
-    NOTE: transparent huge pages off for these mappings. With THP "always" the first write into each
-    2 MiB of a layer's K or V half faulted in the whole 2 MiB: measured 84 MiB resident for ~50 blocks
-    in use on SmolLM2 (30 layers x 2 halves), ~3x the 4 KiB pages those blocks span.
+    NOTE: transparent huge pages off for these mappings. NumPy asks for them on every large array
+    (madvise(MADV_HUGEPAGE), its default on Linux), and then the first write into each 2 MiB of a layer's
+    K or V half faulted in the whole 2 MiB: measured 84 MiB resident for ~16 blocks in use on SmolLM2
+    (30 layers x 2 halves), where 4 KiB pages hold them in ~12 MiB. Hence a plain mapping, not np.zeros.
     """
     shape = (2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     return [_zeroed_pages(shape, layout.dtype) for _ in range(layout.num_layers)]
