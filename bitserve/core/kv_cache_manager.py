@@ -48,6 +48,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def num_resident_blocks(self) -> int:
+        """Blocks handed out at least once (their K/V pages are resident); the rest were never written."""
+        return self.pool.num_usable_blocks - self.pool.num_fresh_blocks
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
 

@@ -75,3 +75,4 @@ class KVCacheStats:
     num_free_blocks: int
     num_usable_blocks: int
     block_size: int
+    num_resident_blocks: int  # blocks ever handed out: their pages are written, so resident (issue 10)

@@ -52,7 +52,13 @@ class Engine:
         """Occupancy of the KV cache. NOTE: may be called from the event loop while the engine thread
         steps: plain counter reads, no lock, one step stale at worst."""
         kv = self.scheduler.kv
-        return KVCacheStats(round(kv.usage, 6), kv.num_free_blocks, kv.num_usable_blocks, kv.block_size)
+        return KVCacheStats(
+            round(kv.usage, 6),
+            kv.num_free_blocks,
+            kv.num_usable_blocks,
+            kv.block_size,
+            kv.num_resident_blocks,
+        )
 
     def embed(self, command: Embed) -> list[list[float]]:
         """Normalised embeddings of the command's inputs (runner.embed; no scheduler state changes)."""

@@ -177,6 +177,7 @@ def model_stats(snapshots: Sequence[EngineSnapshot]) -> dict[str, Any]:
             "usage": round(1.0 - num_free / num_usable, 6) if num_usable else 0.0,
             "num_free_blocks": num_free,
             "num_usable_blocks": num_usable,
+            "num_resident_blocks": sum(s.kv_cache.num_resident_blocks for s in snapshots),
         }
         stats["engine"]["is_alive"] = any(s.is_alive for s in snapshots)
     stats["replicas"] = [engine_stats(s) for s in snapshots]

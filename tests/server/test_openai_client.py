@@ -278,6 +278,24 @@ def test_killed_stream_frees_its_blocks(blackbox: ServerProcess) -> None:
     wait_until_idle(blackbox)
 
 
+def test_sequential_requests_reuse_the_resident_kv_blocks(
+    client: openai.OpenAI, blackbox: ServerProcess
+) -> None:
+    """One request at a time takes back blocks it already wrote, never fresh pages: the server's RSS
+    stays flat under light load however many requests it serves (issue 10)."""
+    wait_until_idle(blackbox)
+
+    def ask(index: int) -> int:
+        # prompts that share no first block: no prefix hits, every request allocates
+        prompt = f"{index} " + "lorem ipsum dolor " * 12
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        return int(wait_until_idle(blackbox)["kv_cache"]["num_resident_blocks"])
+
+    resident = [ask(index) for index in range(4)]
+    kv = httpx.get(f"{blackbox.url}/v1/stats").json()["kv_cache"]
+    assert resident[-1] == resident[0] < kv["num_usable_blocks"], (resident, kv)
+
+
 def test_disconnected_non_streaming_request_is_aborted(blackbox: ServerProcess) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
     outcome: list[BaseException] = []
