@@ -37,20 +37,24 @@ if TYPE_CHECKING:
 Int8Weight = Int8BlockLinear | Int8BitnetLinear
 
 
+def _ternary_padded_tokens(num_tokens: int) -> int:
+    return 1 if num_tokens == 1 else int8dot.padded_token_count(num_tokens, int8dot.GEMM_TOKENS)
+
+
 @dataclass(frozen=True, slots=True)
 class _WeightKind:
     """What differs between the two kinds of int8 weights, for the glue and the step's bounds."""
 
-    token_tile: int  # the GEMM kernels' token tile: activations of T > 1 tokens are padded to it
+    padded: Callable[[int], int]  # T -> the activation rows its kernel reads (zero rows pad the tile)
     glue_kp: Callable[[int], int | None]  # in_features -> decode_glue's `kp` (picks the quantizer)
     max_tokens: Callable[[CpuTuning], int]  # steps of this many tokens or more take the module forward
 
 
 _KINDS = {
     # block weights: llama.cpp-style Q8 blocks; above block_gemm_min_tokens the module forward's sgemm
-    Int8BlockLinear: _WeightKind(blockdot.GEMM_TOKENS, lambda k: None, lambda t: t.block_gemm_min_tokens),
+    Int8BlockLinear: _WeightKind(blockdot.padded_tokens, lambda k: None, lambda t: t.block_gemm_min_tokens),
     # ternary: per-token int8 activations, the int8 kernels for every batch size
-    Int8BitnetLinear: _WeightKind(int8dot.GEMM_TOKENS, padded_in_features, lambda t: NEVER),
+    Int8BitnetLinear: _WeightKind(_ternary_padded_tokens, padded_in_features, lambda t: NEVER),
 }
 
 
@@ -118,7 +122,7 @@ class FastCpuDecode:
         self.layers = layers
         self.relu2 = relu2
         self.max_tokens = kind.max_tokens(first.qkv.tuning)
-        self.token_tile = kind.token_tile
+        self.padded_tokens = kind.padded
         # decode_glue's quantizer argument for the inputs of qkv / gate_up, o_proj and down
         self.kp_hidden = kind.glue_kp(first.qkv.in_features)
         self.kp_attn = kind.glue_kp(first.o_proj.in_features)
@@ -169,7 +173,7 @@ class FastCpuDecode:
         if self.num_threads is not None:
             numba.set_num_threads(self.num_threads)
         num_tokens = input_ids.shape[0]
-        padded = 1 if num_tokens == 1 else int8dot.padded_token_count(num_tokens, self.token_tile)
+        padded = self.padded_tokens(num_tokens)
         eps = self.eps
         x = self.model.embed_tokens(input_ids).contiguous().numpy()  # f32 [T, hidden], the residual stream
         positions_np = positions.numpy()

@@ -58,21 +58,21 @@ def test_kernels_equal_the_exact_product_of_what_they_multiply(
     rows = np.ascontiguousarray(raw.reshape(num_rows, -1).view(np.uint8))
     w_values = gguf.dequantize(raw, GGML_TYPES[kind]).reshape(num_rows, num_cols).astype(np.float64)
     kernels = blockdot.KERNELS[(isa, kind)]
-    for num_tokens in (1, 2, 3, 5):
+    for num_tokens in (1, 2, 3, 5, 16):  # every tile: gemv, the 2 x 2 pair, 1 x 4 with padding and without
         x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32) * 3
-        tile = 1 if num_tokens == 1 else blockdot.GEMM_TOKENS
-        q, dx, sx = blockdot.quantize_block_q8(x, blockdot.padded_token_count(num_tokens, tile))
+        q, dx, sx = blockdot.quantize_block_q8(x, blockdot.padded_tokens(num_tokens))
         out = np.full((num_tokens, num_rows), np.nan, dtype=np.float32)
-        (kernels.gemv if num_tokens == 1 else kernels.gemm)(rows, q, dx, sx, out)
+        kernels.for_tokens(num_tokens)(rows, q, dx, sx, out)
         x_values = q[:num_tokens].reshape(num_tokens, -1, 32) * dx[:num_tokens, :, None].astype(np.float64)
         expected = x_values.reshape(num_tokens, num_cols) @ w_values.T
         err = np.abs(out - expected).max()
         assert err <= RTOL * np.abs(expected).max(), f"T={num_tokens}: {err:.3g}"
-        # batch invariance: a token's row is the same whatever the batch size and tile
-        single = np.empty((1, num_rows), dtype=np.float32)
-        q1, dx1, sx1 = blockdot.quantize_block_q8(x[-1:], 1)
-        kernels.gemv(rows, q1, dx1, sx1, single)
-        np.testing.assert_array_equal(single[0], out[-1])
+        # batch invariance: each token's row is the same whatever the batch size and tile
+        for t in range(num_tokens):
+            single = np.empty((1, num_rows), dtype=np.float32)
+            q1, dx1, sx1 = blockdot.quantize_block_q8(x[t : t + 1], 1)
+            kernels.gemv(rows, q1, dx1, sx1, single)
+            np.testing.assert_array_equal(single[0], out[t])
 
 
 def test_q8_roundtrip_is_what_the_kernels_multiply() -> None:

@@ -35,8 +35,12 @@ def smollm2_q8(smollm2_path: Path) -> LLM:
     llm.close()
 
 
-def assert_fast_step_matches_module_forward(llm: LLM) -> None:
-    """Generate batched (3 sequences) and single; every step runs both ways from the same KV cache."""
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "Hello"]
+
+
+def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ...] = (3, 1)) -> None:
+    """Generate batches of each size (one prompt each, repeated with a number to make more); every step
+    runs both ways from the same KV cache."""
     model = llm.instance.loaded.model
     runner = llm.engine.runner
     fast = model.fast_decode
@@ -60,15 +64,21 @@ def assert_fast_step_matches_module_forward(llm: LLM) -> None:
     runner.forward_logits = both_ways
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        llm.generate(["The capital of France is", "def add(a, b):", "Once upon a time"], params)
-        llm.generate(["Hello"], params)
+        for size in batch_sizes:
+            llm.generate([f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(size)], params)
     finally:
         runner.forward_logits = forward_logits
-    assert 3 in compared and 1 in compared  # batched and single decode steps both took the fast path
+    assert set(batch_sizes) <= set(compared)  # every batch size's decode steps took the fast path
 
 
 def test_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
     assert_fast_step_matches_module_forward(smollm2_q8)
+
+
+def test_batched_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
+    """The GEMM tiles the step picks by batch size beyond the padded 1 x 4 of three sequences above (2 x 2
+    for two, 1 x 4 unpadded for sixteen: kernels/cpu/blockdot.py) and attention over 16 paged sequences."""
+    assert_fast_step_matches_module_forward(smollm2_q8, batch_sizes=(2, 16))
 
 
 def test_fast_step_is_built_only_for_the_q8_mode(smollm2_path: Path) -> None:

@@ -110,38 +110,52 @@ class _BlockTileEmitter:
         """-> f32 per (row, token) pair, row-major: hsum(lane accumulators) + min term."""
         b = self.b
         fma = _declare(b, "llvm.fma.v8f32", _V8xF32, _V8xF32, _V8xF32, _V8xF32)
-        fma1 = _declare(b, "llvm.fma.f32", _F32, _F32, _F32, _F32)
-        pairs = [(r, t) for r in range(len(self.row_ptrs)) for t in range(len(self.tok_ptrs))]
+        num_toks = len(self.tok_ptrs)
+        per_token = ir.VectorType(_F32, num_toks)  # lane t: token t
+        fma_tokens = _declare(b, f"llvm.fma.v{num_toks}f32", per_token, per_token, per_token, per_token)
+        pairs = [(r, t) for r in range(len(self.row_ptrs)) for t in range(num_toks)]
         accs = [
             cgutils.alloca_once_value(b, ir.Constant(_V8xF32, [ir.Constant(_F32, 0.0)] * 8)) for _ in pairs
         ]
-        mins = [cgutils.alloca_once_value(b, ir.Constant(_F32, 0.0)) for _ in pairs]
+        # the min terms of a row's tokens in one vector: per lane the same FMA chain in block order as a
+        # scalar per pair, but one register a row (scalars took one a pair and spilled wider tiles)
+        zeros = ir.Constant(per_token, [ir.Constant(_F32, 0.0)] * num_toks)
+        mins = [cgutils.alloca_once_value(b, zeros) for _ in self.row_ptrs]
         with cgutils.for_range(b, num_blocks) as loop:
             block = loop.index
             rows = [self.row_block(ptr, block) for ptr in self.row_ptrs]
             toks = []
-            for q_ptr, dx_ptr, sx_ptr in self.tok_ptrs:
+            sx_lanes = zeros
+            for t, (q_ptr, dx_ptr, sx_ptr) in enumerate(self.tok_ptrs):
                 acts = self.load_vector(q_ptr, b.mul(block, ir.Constant(block.type, QK)), _V32xI8)
-                dx = b.load(b.gep(dx_ptr, [block]))
-                sx = b.load(b.gep(sx_ptr, [block])) if self.kind != KIND_Q8_0 else None
-                toks.append((acts, dx, sx))
-            for slot, min_slot, (r, t) in zip(accs, mins, pairs, strict=True):
-                codes, d, m, signs = rows[r]
-                acts, dx, sx = toks[t]
+                toks.append((acts, b.load(b.gep(dx_ptr, [block]))))
+                if self.kind != KIND_Q8_0:
+                    sx = b.load(b.gep(sx_ptr, [block]))
+                    sx_lanes = b.insert_element(sx_lanes, sx, ir.Constant(_I32, t))
+            for slot, (r, t) in zip(accs, pairs, strict=True):
+                codes, d, _, signs = rows[r]
+                acts, dx = toks[t]
                 if signs is not None:  # Q8_0: |w| * (q with w's sign); w = 0 gives 0 either way
                     negative = b.icmp_signed("<", signs, _splat(_V32xI8, 0))
                     acts = b.select(negative, b.sub(_splat(_V32xI8, 0), acts), acts)
                 lanes = b.sitofp(self.integer_dot(codes, acts), _V8xF32)
-                scale = b.fmul(d, dx)
-                splat = b.insert_element(ir.Constant(_V8xF32, ir.Undefined), scale, ir.Constant(_I32, 0))
-                splat = b.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
-                b.store(b.call(fma, [splat, lanes, b.load(slot)]), slot)
+                b.store(b.call(fma, [_broadcast(b, b.fmul(d, dx), _V8xF32), lanes, b.load(slot)]), slot)
+            for min_slot, (_, _, m, _) in zip(mins, rows, strict=True):
                 if m is not None:  # one FMA, not a multiply and an add: ~6% of the GEMV's time (measured)
-                    b.store(b.call(fma1, [m, sx, b.load(min_slot)]), min_slot)
+                    m_lanes = _broadcast(b, m, per_token)
+                    b.store(b.call(fma_tokens, [m_lanes, sx_lanes, b.load(min_slot)]), min_slot)
+        row_mins = [b.load(slot) for slot in mins]
         return [
-            b.fadd(_hsum8(b, b.load(slot)), b.load(min_slot))
-            for slot, min_slot in zip(accs, mins, strict=True)
+            b.fadd(_hsum8(b, b.load(slot)), b.extract_element(row_mins[r], ir.Constant(_I32, t)))
+            for slot, (r, t) in zip(accs, pairs, strict=True)
         ]
+
+
+def _broadcast(b: ir.IRBuilder, value: ir.Value, vector_type: ir.VectorType) -> ir.Value:
+    """A scalar in every lane of vector_type."""
+    first = b.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(_I32, 0))
+    zeros = ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count)
+    return b.shuffle_vector(first, first, zeros)
 
 
 def _hsum8(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
@@ -318,8 +332,20 @@ def _store(y: tuple, rows: int, toks: int, r0: int, t0: int, out: np.ndarray) ->
 # Thin entry points with the literals as constants: a Python caller then hits numba's compiled-signature fast
 # path (the literal-typed body would be re-dispatched on every call). Module-level functions, not closures:
 # numba's disk cache keys a function by its qualified name and line. Tiles: 4 rows x 1 token for T = 1,
-# 2 rows x GEMM_TOKENS tokens above (activations padded to a multiple of GEMM_TOKENS rows).
-GEMM_TOKENS = 2
+# 2 rows x 2 tokens for T = 2, 1 row x GEMM_TOKENS tokens above (activations padded to a multiple of
+# GEMM_TOKENS rows). Why 1 x 4 for batches: with the min terms in one vector a row it reads each row's
+# unpacked block once for 4 tokens at ~8 live registers; 2 x 4 and 4 x 4 spill, and per token it took
+# 0.70-0.78x the CPU time of 2 x 2 at 8 and 16 tokens (benchmarks/RESULTS.md, batched decode). The tile
+# changes no result: every (row, token) sum runs the same instructions in the same order.
+PAIR_TOKENS = 2
+GEMM_TOKENS = 4
+
+
+def padded_tokens(num_tokens: int) -> int:
+    """Rows of activations the kernel for num_tokens tokens reads (the quantizer pads with zero rows)."""
+    if num_tokens <= PAIR_TOKENS:
+        return num_tokens
+    return padded_token_count(num_tokens, GEMM_TOKENS)
 
 
 @njit(nogil=True, cache=True)
@@ -328,8 +354,13 @@ def avx2_q4_1_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def avx2_q4_1_gemm2(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _block_body(_AVX2, KIND_Q4_1, 2, PAIR_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
 def avx2_q4_1_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
-    _block_body(_AVX2, KIND_Q4_1, 2, GEMM_TOKENS, w, q, dx, sx, out)
+    _block_body(_AVX2, KIND_Q4_1, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
 @njit(nogil=True, cache=True)
@@ -338,8 +369,13 @@ def avx2_q4_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def avx2_q4_0_gemm2(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _block_body(_AVX2, KIND_Q4_0, 2, PAIR_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
 def avx2_q4_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
-    _block_body(_AVX2, KIND_Q4_0, 2, GEMM_TOKENS, w, q, dx, sx, out)
+    _block_body(_AVX2, KIND_Q4_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
 @njit(nogil=True, cache=True)
@@ -348,8 +384,13 @@ def avx2_q8_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def avx2_q8_0_gemm2(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _block_body(_AVX2, KIND_Q8_0, 2, PAIR_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
 def avx2_q8_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
-    _block_body(_AVX2, KIND_Q8_0, 2, GEMM_TOKENS, w, q, dx, sx, out)
+    _block_body(_AVX2, KIND_Q8_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
 @njit(nogil=True, cache=True)
@@ -358,8 +399,13 @@ def vnni_q4_1_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def vnni_q4_1_gemm2(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _block_body(_VNNI, KIND_Q4_1, 2, PAIR_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
 def vnni_q4_1_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
-    _block_body(_VNNI, KIND_Q4_1, 2, GEMM_TOKENS, w, q, dx, sx, out)
+    _block_body(_VNNI, KIND_Q4_1, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
 @njit(nogil=True, cache=True)
@@ -368,8 +414,13 @@ def vnni_q4_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def vnni_q4_0_gemm2(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _block_body(_VNNI, KIND_Q4_0, 2, PAIR_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
 def vnni_q4_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
-    _block_body(_VNNI, KIND_Q4_0, 2, GEMM_TOKENS, w, q, dx, sx, out)
+    _block_body(_VNNI, KIND_Q4_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
 @njit(nogil=True, cache=True)
@@ -378,25 +429,37 @@ def vnni_q8_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def vnni_q8_0_gemm2(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _block_body(_VNNI, KIND_Q8_0, 2, PAIR_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
 def vnni_q8_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
-    _block_body(_VNNI, KIND_Q8_0, 2, GEMM_TOKENS, w, q, dx, sx, out)
+    _block_body(_VNNI, KIND_Q8_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
 @dataclass(frozen=True)
 class BlockKernels:
-    """One (ISA, block kind)'s entry points: gemv for T = 1, gemm for T >= 2 (q padded to GEMM_TOKENS)."""
+    """One (ISA, block kind)'s entry points: gemv for T = 1, gemm2 for T = 2, gemm above (q padded as
+    padded_tokens says)."""
 
     gemv: Callable[..., None]
+    gemm2: Callable[..., None]
     gemm: Callable[..., None]
+
+    def for_tokens(self, num_tokens: int) -> Callable[..., None]:
+        if num_tokens == 1:
+            return self.gemv
+        return self.gemm2 if num_tokens == PAIR_TOKENS else self.gemm
 
 
 KERNELS = {
-    (Isa.AVX2, "q4_1"): BlockKernels(avx2_q4_1_gemv, avx2_q4_1_gemm),
-    (Isa.AVX2, "q4_0"): BlockKernels(avx2_q4_0_gemv, avx2_q4_0_gemm),
-    (Isa.AVX2, "q8_0"): BlockKernels(avx2_q8_0_gemv, avx2_q8_0_gemm),
-    (Isa.VNNI, "q4_1"): BlockKernels(vnni_q4_1_gemv, vnni_q4_1_gemm),
-    (Isa.VNNI, "q4_0"): BlockKernels(vnni_q4_0_gemv, vnni_q4_0_gemm),
-    (Isa.VNNI, "q8_0"): BlockKernels(vnni_q8_0_gemv, vnni_q8_0_gemm),
+    (Isa.AVX2, "q4_1"): BlockKernels(avx2_q4_1_gemv, avx2_q4_1_gemm2, avx2_q4_1_gemm),
+    (Isa.AVX2, "q4_0"): BlockKernels(avx2_q4_0_gemv, avx2_q4_0_gemm2, avx2_q4_0_gemm),
+    (Isa.AVX2, "q8_0"): BlockKernels(avx2_q8_0_gemv, avx2_q8_0_gemm2, avx2_q8_0_gemm),
+    (Isa.VNNI, "q4_1"): BlockKernels(vnni_q4_1_gemv, vnni_q4_1_gemm2, vnni_q4_1_gemm),
+    (Isa.VNNI, "q4_0"): BlockKernels(vnni_q4_0_gemv, vnni_q4_0_gemm2, vnni_q4_0_gemm),
+    (Isa.VNNI, "q8_0"): BlockKernels(vnni_q8_0_gemv, vnni_q8_0_gemm2, vnni_q8_0_gemm),
 }
 
 

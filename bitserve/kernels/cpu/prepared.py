@@ -383,8 +383,7 @@ class Int8BlockLinear(BlockLinear):
         num_tokens = x.shape[0]
         if num_tokens >= self._block_gemm_min_tokens:
             return None
-        padded = 1 if num_tokens == 1 else blockdot.padded_token_count(num_tokens, blockdot.GEMM_TOKENS)
-        return blockdot.quantize_block_q8(x.numpy(), padded)
+        return blockdot.quantize_block_q8(x.numpy(), blockdot.padded_tokens(num_tokens))
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
         if x.shape[0] < self._block_gemm_min_tokens:
@@ -401,6 +400,5 @@ class Int8BlockLinear(BlockLinear):
         """acts from quantize() (or the decode glue) -> f32 [num_tokens, M]."""
         q, dx, sx = acts
         out = np.empty((num_tokens, self.out_features), dtype=np.float32)
-        kernel = self._kernels.gemv if num_tokens == 1 else self._kernels.gemm
-        kernel(self._codes, q, dx, sx, out)
+        self._kernels.for_tokens(num_tokens)(self._codes, q, dx, sx, out)
         return out
