@@ -334,9 +334,10 @@ def _store(y: tuple, rows: int, toks: int, r0: int, t0: int, out: np.ndarray) ->
 # numba's disk cache keys a function by its qualified name and line. Tiles: 4 rows x 1 token for T = 1,
 # 2 rows x 2 tokens for T = 2, 1 row x GEMM_TOKENS tokens above (activations padded to a multiple of
 # GEMM_TOKENS rows). Why 1 x 4 for batches: with the min terms in one vector a row it reads each row's
-# unpacked block once for 4 tokens at ~8 live registers; 2 x 4 and 4 x 4 spill, and per token it took
-# 0.70-0.78x the CPU time of 2 x 2 at 8 and 16 tokens (benchmarks/RESULTS.md, batched decode). The tile
-# changes no result: every (row, token) sum runs the same instructions in the same order.
+# unpacked block once for 4 tokens at ~8 live registers (2 x 4 and 4 x 4 spill); CPU time against 2 x 2:
+# 0.77x at 16 tokens and 0.87x at 8 on SmolLM2's layer shapes, 0.87x of the layers' GEMM time in its
+# 16-sequence decode step (benchmarks/RESULTS.md, batched decode). The tile changes no result: every
+# (row, token) sum runs the same instructions in the same order.
 PAIR_TOKENS = 2
 GEMM_TOKENS = 4
 
