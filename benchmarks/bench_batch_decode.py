@@ -108,7 +108,8 @@ def main() -> int:
     llm = LLM(args.model, num_threads=args.threads)
     prompts = [" ".join(WORDS[i % 5 :]) + f" {i}" for i in range(args.sequences)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    # warm-up at the measured batch size: numba compiles (or loads) each batch shape's kernels once
+    llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     split = StepSplit(time.process_time if args.threads == 1 else time.perf_counter)
     if args.split:
         install_split(llm, split)

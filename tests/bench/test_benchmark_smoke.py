@@ -307,3 +307,15 @@ def test_profile_decode_step_prints_the_kernel_and_python_split(tiny_models: dic
     }
     assert set(shares) == {"kernels", "numba dispatch", "Python", "other native"}, out
     assert abs(sum(shares.values()) - 100.0) < 0.5, out
+
+
+def test_bench_batch_decode_prints_the_rate_and_the_step_split(tiny_models: dict[str, Path]) -> None:
+    out = run(
+        sys.executable,
+        str(BENCHMARKS / "bench_batch_decode.py"),
+        *("--model", str(tiny_models["I2_S"]), "--sequences", "3", "--max-tokens", "4"),
+        *("--repeats", "1", "--threads", "1", "--split"),
+    )
+    assert re.search(r"run 0: 3 sequences, 12 tokens in [\d.]+ s: [\d.]+ tok/s \(load", out), out
+    assert "per decode step (CPU, 1 thread; 3 steps)" in out, out
+    assert re.search(r"Engine\.step +[\d.]+ ms / decode step", out), out
