@@ -336,8 +336,8 @@ def _store(y: tuple, rows: int, toks: int, r0: int, t0: int, out: np.ndarray) ->
 # GEMM_TOKENS rows). Why 1 x 4 for batches: with the min terms in one vector a row it reads each row's
 # unpacked block once for 4 tokens at ~8 live registers (2 x 4 and 4 x 4 spill); CPU time against 2 x 2:
 # 0.77x at 16 tokens and 0.87x at 8 on SmolLM2's layer shapes, 0.87x of the layers' GEMM time in its
-# 16-sequence decode step (benchmarks/RESULTS.md, "Issue 10: batched decode"). The tile changes no result: every
-# (row, token) sum runs the same instructions in the same order.
+# 16-sequence decode step (benchmarks/RESULTS.md, "Issue 10: batched decode"). The tile changes no
+# result: every (row, token) sum runs the same instructions in the same order.
 PAIR_TOKENS = 2
 GEMM_TOKENS = 4
 
