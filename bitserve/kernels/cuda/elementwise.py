@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 ACTIVATIONS = {"silu": 0, "relu2": 1, "relu_sqr": 1, "gelu": 2}
 MAX_ROW_BLOCK = 16384
@@ -22,8 +22,7 @@ MAX_ROW_BLOCK = 16384
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,8 +53,7 @@ def _act_mul_kernel(
     gu_ptr, out_ptr, width, gu_stride, out_stride,
     ACT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width

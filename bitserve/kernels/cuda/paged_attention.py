@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 LOG2E = 1.4426950408889634
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -108,8 +108,7 @@ def _rotary_cache_kernel(
 ):  # fmt: skip
     """One program per token: q rotated in place; k rotated in place and into its cache slot (rest
     of the head copied); v copied into its slot."""
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     slot = tl.load(slots_ptr + token)
@@ -287,8 +286,7 @@ def _decode_kernel(
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
     NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp."""
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
+    pdl_enter(USE_PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -329,8 +327,7 @@ def _decode_reduce_kernel(
 ):  # fmt: skip
     """Program (seq, head): merge the NUM_SPLITS partials [S, D] of one head by their weights
     2^(lse_s - max lse) (the log-sum-exp merge of flash-decoding)."""
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
+    pdl_enter(USE_PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head
     splits = tl.arange(0, BLOCK_S)

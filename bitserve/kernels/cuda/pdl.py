@@ -12,7 +12,7 @@ ahead, each one's programs resident and parked in their wait, taking the SM slot
 needed (measured on an H100: a 2B batch-1 step went from 1.69 to 2.03 ms). Wait-then-trigger keeps
 exactly one kernel launched ahead.
 
-Contract of a kernel launched with `launch_options(...)`: it calls `pdl_wait(USE_PDL)` before it reads
+Contract of a kernel launched with `launch_options(...)`: it calls `pdl_enter(USE_PDL)` before it reads
 anything an earlier kernel writes and before any store, so ordering is as strict as without PDL
 (`gdc_wait` waits for the predecessor's completion, and the predecessor itself completed only after its
 own wait: the chain is transitive). Kernels that are not launched this way (cuBLAS, torch ops) start
@@ -50,14 +50,9 @@ def launch_options(device: torch.device) -> dict[str, bool]:
 
 
 @triton.jit
-def pdl_trigger(USE_PDL: tl.constexpr):
-    """Let the next kernel launch now (it waits in pdl_wait for this one to finish). Call after pdl_wait."""
-    if USE_PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_wait(USE_PDL: tl.constexpr):
-    """Block until the previous kernel has completed and its writes are visible."""
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Block until the previous kernel has completed and its writes are visible, then let the next
+    kernel launch (it waits here in turn). One call, so the order cannot be got wrong."""
     if USE_PDL:
         gdc_wait()
+        gdc_launch_dependents()

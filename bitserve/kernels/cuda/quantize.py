@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 AMAX_FLOOR = 1e-5  # as kernels/reference/ternary.AMAX_FLOOR (docs/formats.md §3.1)
 MAX_SINGLE_BLOCK = 8192  # widest post-activation row kept in registers (BitNet 2B-4T: 6912)
@@ -91,8 +91,7 @@ def _norm_quantize_kernel(
     USE_LIBDEVICE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * (2 * K if ACT != 0 else K)
     q_row = q_ptr + row * K

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitserve.kernels.cuda.pdl import launch_options, pdl_trigger, pdl_wait
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 from bitserve.kernels.cuda.ternary_pack import GROUP
 
 GEMV_MAX_T = 8  # largest T served by the dp4a GEMV path
@@ -138,8 +138,7 @@ def _gemv_kernel(
     # every weight load of the program is issued first: the DRAM latency is paid once, not per chunk
     chunks = _load_weight_chunks(w_rows, row_ok, KW, BLOCK_W, EVEN_M)
     # with PDL the weight loads above overlap the previous kernel; q, s_act, residual are its outputs
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
+    pdl_enter(USE_PDL)
     # NOTE: a tuple of 2-D accumulators (one per token), not a 3-D tensor: Triton gives a loop-carried
     # 3-D accumulator a layout of its own and converts every weight tile to it through shared memory
     accs = ()
