@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from bitserve.server.batches.config import database_location
+
 POSTGRES_URL_ENV = "POSTGRES_TEST_URL"
 
 
@@ -44,13 +46,14 @@ def fresh_database() -> Iterator[str]:
 
 def query(target: str, sql: str) -> list[tuple]:
     """Run `sql` on a --batch-db target (a SQLite file or a postgresql:// URL), committed; its rows."""
-    if target.startswith("postgresql://"):
+    location = database_location(target)  # the server's own parse of --batch-db
+    if location.url is not None:
         import psycopg
 
-        with psycopg.connect(target) as connection:
+        with psycopg.connect(location.url) as connection:
             cursor = connection.execute(sql)
             return cursor.fetchall() if cursor.description is not None else []
     import sqlite3
 
-    with sqlite3.connect(target) as connection:
+    with sqlite3.connect(location.path) as connection:
         return connection.execute(sql).fetchall()

@@ -24,12 +24,12 @@ from postgres_testing import fresh_database, query
 
 from bitserve.errors import Conflict, InvalidRequest, PayloadTooLarge, QueueFull
 from bitserve.server.batches.config import BatchConfig
-from bitserve.server.batches.database import DatabaseUnavailable
+from bitserve.server.batches.database import DatabaseInUse, DatabaseUnavailable
 from bitserve.server.batches.executor import Endpoint, InProcessExecutor, Outcome
 from bitserve.server.batches.input_file import InputLimits, parse_input_file
 from bitserve.server.batches.migrations import LATEST_VERSION, SQLITE_TYPES, pending_migrations
 from bitserve.server.batches.records import RequestRecord
-from bitserve.server.batches.store import BatchStore, DatabaseInUse
+from bitserve.server.batches.store import BatchStore
 from bitserve.server.batches.worker import BatchWorker
 from bitserve.server.protocol import ChatCompletionRequest, CompletionRequest
 

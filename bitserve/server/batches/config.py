@@ -27,10 +27,6 @@ class DatabaseLocation:
     path: Path | None = None
     url: str | None = None
 
-    @property
-    def is_postgres(self) -> bool:
-        return self.url is not None
-
     def describe(self) -> str:
         """For logs: the file, or the URL without its password."""
         if self.path is not None:

@@ -107,13 +107,7 @@ class PostgresDatabase:
             if taken.fetchone()["taken"]:
                 break
         with self._connection.transaction():
-            num_reset = session.execute(
-                "UPDATE batch_requests SET status = 'pending', claimed_by = NULL "
-                "WHERE status = 'running' AND claimed_by = ?",
-                (key,),
-            ).rowcount
-        if num_reset:
-            logger.info("batch store: %d request(s) of a dead worker will run again", num_reset)
+            _put_back(session, "claimed_by = ?", (key,))
         return key
 
     def _session(self) -> _Session:
@@ -138,14 +132,8 @@ class PostgresDatabase:
             yield self._session()
 
     def put_back_orphans(self, db: _Session) -> int:
-        num_reset = db.execute(
-            "UPDATE batch_requests SET status = 'pending', claimed_by = NULL WHERE status = 'running' "
-            f"AND (claimed_by IS NULL OR claimed_by NOT IN ({LIVE_CLAIM_KEYS}))",
-            (LOCK_NAMESPACE,),
-        ).rowcount
-        if num_reset:
-            logger.info("batch store: %d request(s) of a dead worker will run again", num_reset)
-        return num_reset
+        orphaned = f"(claimed_by IS NULL OR claimed_by NOT IN ({LIVE_CLAIM_KEYS}))"
+        return _put_back(db, orphaned, (LOCK_NAMESPACE,))
 
     def write_content(self, db: _Session, file_id: str, content: bytes) -> None:
         db.execute("INSERT INTO file_contents (file_id, content) VALUES (?, ?)", (file_id, content))
@@ -163,3 +151,16 @@ class PostgresDatabase:
     def close(self) -> None:
         with self._lock:
             self._connection.close()
+
+
+def _put_back(db: _Session, claimed: str, params: tuple[object, ...]) -> int:
+    """Running requests whose claim matches the SQL condition `claimed` go back to pending (a dead
+    worker's); how many."""
+    num_reset = db.execute(
+        "UPDATE batch_requests SET status = 'pending', claimed_by = NULL "
+        f"WHERE status = 'running' AND {claimed}",
+        params,
+    ).rowcount
+    if num_reset:
+        logger.info("batch store: %d request(s) of a dead worker will run again", num_reset)
+    return num_reset

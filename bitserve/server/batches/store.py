@@ -21,7 +21,7 @@ from typing import Any
 
 from bitserve.errors import Conflict
 from bitserve.server.batches.config import DatabaseLocation, database_location
-from bitserve.server.batches.database import Database, DatabaseInUse, Session, open_database
+from bitserve.server.batches.database import Database, Session, open_database
 from bitserve.server.batches.input_file import BatchLine
 from bitserve.server.batches.records import (
     CANCELLABLE_STATUSES,
@@ -35,7 +35,7 @@ from bitserve.server.batches.records import (
 )
 from bitserve.server.batches.results import render_files, usage_of
 
-__all__ = ["BatchStore", "DatabaseInUse", "new_id"]
+__all__ = ["BatchStore", "new_id"]
 
 
 def new_id(prefix: str) -> str:
@@ -53,7 +53,6 @@ class BatchStore:
             target = DatabaseLocation(path=target)
         elif isinstance(target, str):
             target = database_location(target)
-        self.location = target
         self.database: Database = open_database(target)
         self.schema_version = self.database.schema_version
 
@@ -90,7 +89,7 @@ class BatchStore:
         self, owner: str, purpose: str | None, after: str | None, limit: int, newest_first: bool
     ) -> tuple[list[FileRecord], bool]:
         """The owner's files by (created_at, id), after the file `after`; (page, has_more)."""
-        query, args = "SELECT * FROM files f WHERE owner = ?", [owner]
+        query, args = "SELECT * FROM files WHERE owner = ?", [owner]
         if purpose is not None:
             query, args = query + " AND purpose = ?", [*args, purpose]
         order = "DESC" if newest_first else "ASC"
