@@ -40,10 +40,6 @@ Int8Weight = Int8BlockLinear | Int8BitnetLinear
 PARALLEL_GATE_TOKENS = 4
 
 
-def _ternary_padded_tokens(num_tokens: int) -> int:
-    return 1 if num_tokens == 1 else int8dot.padded_token_count(num_tokens, int8dot.GEMM_TOKENS)
-
-
 @dataclass(frozen=True, slots=True)
 class _WeightKind:
     """What differs between the two kinds of int8 weights, for the glue and the step's bounds."""
@@ -57,7 +53,7 @@ _KINDS = {
     # block weights: llama.cpp-style Q8 blocks; above block_gemm_min_tokens the module forward's sgemm
     Int8BlockLinear: _WeightKind(blockdot.padded_tokens, lambda k: None, lambda t: t.block_gemm_min_tokens),
     # ternary: per-token int8 activations, the int8 kernels for every batch size
-    Int8BitnetLinear: _WeightKind(_ternary_padded_tokens, padded_in_features, lambda t: NEVER),
+    Int8BitnetLinear: _WeightKind(int8dot.padded_tokens, padded_in_features, lambda t: NEVER),
 }
 
 

@@ -30,7 +30,14 @@ from numba import literally, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bitserve.kernels.cpu.int8dot import ISA_CODES, PREFETCH_BYTES, _declare, _is_c_matrix, _splat
+from bitserve.kernels.cpu.int8dot import (
+    ISA_CODES,
+    PREFETCH_BYTES,
+    _declare,
+    _is_c_matrix,
+    _splat,
+    padded_token_count,
+)
 from bitserve.kernels.cpu.isa import Isa
 
 QK = 32  # values per block
@@ -277,10 +284,6 @@ def q8_roundtrip(x: np.ndarray) -> np.ndarray:
         for j in range(k):
             out[t, j] = np.float32(q[j]) * dx[j // QK]
     return out
-
-
-def padded_token_count(num_tokens: int, toks: int) -> int:
-    return -(-num_tokens // toks) * toks
 
 
 # ---------------------------------------------------------------- kernels

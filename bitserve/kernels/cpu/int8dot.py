@@ -254,6 +254,12 @@ def padded_token_count(num_tokens: int, toks: int) -> int:
     return -(-num_tokens // toks) * toks
 
 
+def padded_tokens(num_tokens: int) -> int:
+    """Rows of activations the ternary kernel for num_tokens tokens reads: one row for a GEMV, else
+    whole GEMM token tiles (the quantizer pads with zero rows)."""
+    return 1 if num_tokens == 1 else padded_token_count(num_tokens, GEMM_TOKENS)
+
+
 def row_table(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """uint8 [M, Kp / 4] rows, C order -> (the same bytes as uint8 [M * Kp / 4], row byte offsets int64
     [M]): the kernels' form of a weight whose rows lie one after another (no copy)."""

@@ -157,7 +157,7 @@ class _Int8Activations(CpuLinear):
     def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(q int8 [Tp, Kp], s_act f32 [T], q_sum int32 [T]); Tp = T, or T padded to the tile."""
         num_tokens = x.shape[0]
-        padded = 1 if num_tokens == 1 else int8dot.padded_token_count(num_tokens, int8dot.GEMM_TOKENS)
+        padded = int8dot.padded_tokens(num_tokens)
         return int8dot.quantize_int8(x.numpy(), kernels.padded_in_features(self.in_features), padded)
 
 
