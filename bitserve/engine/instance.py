@@ -109,6 +109,11 @@ def serving_limits(
     )
 
 
+def kv_cache_is_set(config: EngineConfig) -> bool:
+    """Whether the KV pool's size was given (blocks or bytes) rather than left to the default."""
+    return config.cache.num_blocks is not None or config.kv_cache_memory_bytes is not None
+
+
 def plan_kv_cache(
     config: EngineConfig, spec: ModelSpec, scheduler_config: SchedulerConfig, device: torch.device
 ) -> CacheLayout:
@@ -119,7 +124,7 @@ def plan_kv_cache(
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks
     memory_bytes = config.kv_cache_memory_bytes
-    if num_blocks is None and memory_bytes is None:
+    if not kv_cache_is_set(config):
         assert scheduler_config.max_num_seqs is not None, "resolve_batch_limits ran first"
         num_tokens = kv_cache_default_tokens(
             scheduler_config.max_num_seqs,
@@ -214,7 +219,7 @@ class ModelInstance:
             "%d bytes a token), max_num_seqs %d, max_num_batched_tokens %d",
             path.name,
             max_model_len,
-            "default" if config.kv_cache_memory_bytes is None and config.cache.num_blocks is None else "set",
+            "set" if kv_cache_is_set(config) else "default",
             layout.num_usable_tokens,
             layout.num_blocks,
             layout.block_size,
