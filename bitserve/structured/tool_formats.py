@@ -53,11 +53,7 @@ class ToolRequest:
 
     @property
     def forced(self) -> bool:
-        return self.choice.mode in ("required", "function")
-
-    def allowed(self) -> list[Tool]:
-        """The tools a forced reply may call (the named one, or all)."""
-        return [tool for tool in self.tools if self.choice.function in (None, tool.name)]
+        return self.choice.is_forced
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +112,7 @@ class ToolFormat:
             return None
         if not self.template_renders_tools:
             return tool_call_guide(request.tools, request.choice, request.parallel)
-        one_call = self.one_call_only or not request.parallel or request.choice.mode == "function"
+        one_call = self.one_call_only or request.choice.is_one_call(request.parallel)
         tags = [
             {
                 "type": "tag",
@@ -124,7 +120,7 @@ class ToolFormat:
                 "content": {"type": "json_schema", "json_schema": tool.parameters},
                 "end": self.call_end,
             }
-            for tool in request.allowed()
+            for tool in request.choice.allowed(request.tools)
         ]
         calls = {
             "type": "tags_with_separator",

@@ -39,8 +39,25 @@ class Tool:
 
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
+    """The one home of the tool-choice rules, which the convention's grammar and the template
+    formats' grammars (tool_formats.py) both follow."""
+
     mode: str  # "none" | "auto" | "required" | "function"
     function: str | None = None  # the forced function's name, for mode "function"
+
+    @property
+    def is_forced(self) -> bool:
+        """`required` or a named function: the reply must be calls, so a grammar forces them."""
+        return self.mode in ("required", "function")
+
+    def allowed(self, tools: list[Tool]) -> list[Tool]:
+        """The tools a forced reply may call: the named one, or all."""
+        return [tool for tool in tools if self.function in (None, tool.name)]
+
+    def is_one_call(self, parallel: bool) -> bool:
+        """Whether a forced reply holds exactly one call (`parallel_tool_calls: false`, or a named
+        function, which is called once)."""
+        return not parallel or self.mode == "function"
 
 
 @dataclass(slots=True)
@@ -162,16 +179,15 @@ def tools_prompt(tools: list[Tool], choice: ToolChoice, parallel: bool) -> str:
 
 def tool_call_guide(tools: list[Tool], choice: ToolChoice, parallel: bool) -> Guide | None:
     """The grammar that forces a tool-call array (`required` or a named function); None otherwise."""
-    if choice.mode not in ("required", "function"):
+    if not choice.is_forced:
         return None
-    allowed = [tool for tool in tools if choice.function in (None, tool.name)]
-    calls = [_call_schema(tool) for tool in allowed]
+    calls = [_call_schema(tool) for tool in choice.allowed(tools)]
     schema: dict[str, Any] = {
         "type": "array",
         "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
         "minItems": 1,
     }
-    if not parallel or choice.mode == "function":
+    if choice.is_one_call(parallel):
         schema["maxItems"] = 1
     return Guide.json_schema(schema, "tools")
 

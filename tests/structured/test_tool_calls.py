@@ -109,6 +109,17 @@ def test_required_schema_accepts_only_calls_of_the_tools() -> None:
     assert tool_call_guide(TOOLS, parse_tool_choice("auto", TOOLS), True) is None
 
 
+def test_tool_choice_rules() -> None:
+    """The rules both the convention's grammar and the template formats' grammars follow."""
+    named = parse_tool_choice({"type": "function", "function": {"name": "get_time"}}, TOOLS)
+    required, auto = parse_tool_choice("required", TOOLS), parse_tool_choice("auto", TOOLS)
+    assert named.is_forced and required.is_forced and not auto.is_forced
+    assert [tool.name for tool in named.allowed(TOOLS)] == ["get_time"]
+    assert required.allowed(TOOLS) == TOOLS
+    assert named.is_one_call(parallel=True) and required.is_one_call(parallel=False)
+    assert not required.is_one_call(parallel=True)
+
+
 @pytest.mark.parametrize(
     ("tools", "tool_choice", "param"),
     [

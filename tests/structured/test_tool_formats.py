@@ -160,6 +160,8 @@ def test_forced_grammar_is_the_family_format(grammars: GrammarCompiler, family: 
     assert accepts(grammars, fmt, request("required"), reply)
     first_call = reply.split("\n<tool_call>")[0] if family == "hermes" else reply
     assert accepts(grammars, fmt, request("required", parallel=False), first_call)
+    if family == "hermes":  # parallel_tool_calls false: one call, as the convention's grammar
+        assert not accepts(grammars, fmt, request("required", parallel=False), reply)
     named = {"type": "function", "function": {"name": "get_time"}}
     assert not accepts(grammars, fmt, request(named), first_call)  # the named function only
     bad_arguments = first_call.replace('"Paris"', '"Rome"')
