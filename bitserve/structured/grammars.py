@@ -10,6 +10,7 @@ thread-safe and caches compiled grammars, so the runner's compile of a validated
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -30,6 +31,9 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false:
 # can spend its whole budget on newlines inside a JSON document.
 JSON_SEPARATORS = (", ", ": ")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# Structural tags whose compact form is kept: each request's tag is compiled twice (the server's
+# validation, then the runner), and a client tends to send the same tools again.
+MAX_CACHED_STRUCTURAL_TAGS = 64
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -47,6 +51,13 @@ def _ebnf_char(char: str) -> str:
     if char.isprintable():
         return char
     return f"\\u{ord(char):04x}" if ord(char) <= 0xFFFF else f"\\U{ord(char):08x}"
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_STRUCTURAL_TAGS)
+def compact_structural_tag(spec: str) -> str:
+    """A structural tag's spec with its JSON schemas as compact-JSON grammars (_compact_json): built
+    once per spec, since each schema's conversion costs a grammar build."""
+    return json.dumps(_compact_json(json.loads(spec)))
 
 
 def _compact_json(node: Any) -> Any:
@@ -104,7 +115,7 @@ class GrammarCompiler:
         if guide.kind == GuideKind.CHOICE:
             return compiler.compile_grammar(_choice_grammar(guide.choices()))
         if guide.kind == GuideKind.STRUCTURAL_TAG:
-            return compiler.compile_structural_tag(json.dumps(_compact_json(json.loads(guide.spec))))
+            return compiler.compile_structural_tag(compact_structural_tag(guide.spec))
         return compiler.compile_grammar(guide.spec, root_rule_name="root")
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:

@@ -15,7 +15,7 @@ import pytest
 
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.server.chat_tool_calls import StreamedToolCalls, message_with_tool_calls
-from bitserve.structured.grammars import GrammarCompiler
+from bitserve.structured.grammars import GrammarCompiler, compact_structural_tag
 from bitserve.structured.tool_formats import (
     HERMES,
     JSON_CONVENTION,
@@ -168,6 +168,29 @@ def test_forced_grammar_is_the_family_format(grammars: GrammarCompiler, family: 
     assert not accepts(grammars, fmt, request("required"), bad_arguments)
     assert not accepts(grammars, fmt, request("required"), "Sure! " + first_call)
     assert fmt.guide(request("auto")) is None
+
+
+def test_structural_tag_schemas_convert_once_per_spec(
+    grammars: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forced request's tag compiles twice (validation, then the runner): each tool's schema is
+    turned into its compact-JSON grammar only the first time."""
+    import xgrammar
+
+    conversions: list[str] = []
+    convert = xgrammar.Grammar.from_json_schema
+
+    def counted(schema: str, **options: Any) -> Any:
+        conversions.append(schema)
+        return convert(schema, **options)
+
+    monkeypatch.setattr(xgrammar.Grammar, "from_json_schema", counted)
+    compact_structural_tag.cache_clear()
+    guide = HERMES.guide(request("required"))
+    assert guide is not None
+    grammars.validate(guide)
+    assert accepts(grammars, HERMES, request("required"), REPLIES["hermes"])
+    assert len(conversions) == len(TOOLS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
