@@ -210,6 +210,25 @@ def test_cancel_stops_the_batch_and_keeps_what_finished(store: BatchStore) -> No
         store.cancel_batch(done_id, "alice", 7)
 
 
+def test_claim_marks_exactly_its_rows_running_under_its_key(batch_db: str, store: BatchStore) -> None:
+    submit(store, jsonl(["a", "b", "c"]))
+    asyncio.run(make_worker(store, ScriptedExecutor(), is_ready=False).step())  # -> in_progress
+    claimed = store.claim(2, now=2e12)
+    key = store.claim_key
+    assert [(r.custom_id, r.status, r.claimed_by) for r in claimed] == [
+        ("a", "running", key),
+        ("b", "running", key),
+    ]
+    rows = query(batch_db, "SELECT custom_id, status, claimed_by FROM batch_requests ORDER BY line")
+    assert [tuple(row) for row in rows] == [
+        ("a", "running", key),
+        ("b", "running", key),
+        ("c", "pending", None),
+    ]
+    assert [r.custom_id for r in store.claim(5, now=2e12)] == ["c"]
+    assert store.claim(5, now=2e12) == []  # nothing pending: nothing marked
+
+
 def test_a_process_killed_mid_batch_resumes_exactly_once(batch_db: str) -> None:
     first = BatchStore(batch_db)
     batch_id = submit(first, jsonl(["a", "b", "c", "d"]))

@@ -297,16 +297,16 @@ class BatchStore:
                 (now, limit),
             ).fetchall()
             key = self.database.claim_key
-            claimed = [
-                replace(from_row(RequestRecord, row), status="running", claimed_by=key)
-                for row in rows
-                if db.execute(
+            # The rows are this transaction's (SQLite's BEGIN IMMEDIATE, PostgreSQL's row locks):
+            # still pending, so each is marked without a re-check.
+            marks = [(key, row["batch_id"], row["line"]) for row in rows]
+            if marks:
+                db.executemany(
                     "UPDATE batch_requests SET status = 'running', claimed_by = ? "
-                    "WHERE batch_id = ? AND line = ? AND status = 'pending'",
-                    (key, row["batch_id"], row["line"]),
-                ).rowcount
-            ]
-        return claimed
+                    "WHERE batch_id = ? AND line = ?",
+                    marks,
+                )
+        return [replace(from_row(RequestRecord, row), status="running", claimed_by=key) for row in rows]
 
     def _lock_batch(self, db: Session, batch_id: str) -> str | None:
         """Hold the batch's row until commit (PostgreSQL); its status, None if there is no such batch."""
