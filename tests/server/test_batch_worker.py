@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from postgres_testing import fresh_database, query
 
 from bitserve.errors import Conflict, InvalidRequest, PayloadTooLarge, QueueFull
+from bitserve.server.batches import worker as worker_module
 from bitserve.server.batches.config import BatchConfig
 from bitserve.server.batches.database import DatabaseInUse, DatabaseUnavailable
 from bitserve.server.batches.executor import Endpoint, InProcessExecutor, Outcome
@@ -227,6 +228,31 @@ def test_claim_marks_exactly_its_rows_running_under_its_key(batch_db: str, store
     ]
     assert [r.custom_id for r in store.claim(5, now=2e12)] == ["c"]
     assert store.claim(5, now=2e12) == []  # nothing pending: nothing marked
+
+
+def test_the_overview_counts_are_read_at_most_once_an_interval(
+    store: BatchStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ended request wakes a pass; the stats' three count queries do not run at each."""
+    reads: list[float] = []
+    overview = store.overview
+
+    def counted() -> Any:
+        reads.append(time.monotonic())
+        return overview()
+
+    monkeypatch.setattr(store, "overview", counted)
+    worker = make_worker(store, ScriptedExecutor(), is_ready=False)
+    batch_id = submit(store, jsonl(["a", "b"]))
+    asyncio.run(worker.step())  # the first pass reads them
+    assert worker.by_status == {"in_progress": 1} and worker.progress.num_pending == 2
+    store.cancel_batch(batch_id, "alice", 2)
+    for _ in range(2):
+        asyncio.run(worker.step())  # the batch ends; the counts are not read again yet
+    assert len(reads) == 1 and worker.by_status == {"in_progress": 1}
+    monkeypatch.setattr(worker_module, "OVERVIEW_INTERVAL_S", 0.0)
+    asyncio.run(worker.step())
+    assert len(reads) == 2 and worker.by_status == {"cancelled": 1} and worker.progress.num_open == 0
 
 
 def test_a_process_killed_mid_batch_resumes_exactly_once(batch_db: str) -> None:

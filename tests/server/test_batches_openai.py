@@ -248,7 +248,7 @@ def test_batch_metrics_and_stats(client: openai.OpenAI, server: ServerProcess) -
     )
     assert wait_final(client, created.id).status == "completed"
     deadline = time.monotonic() + 10
-    while True:  # the worker reads the counts on each pass
+    while True:  # the worker reads the counts at most once a second
         batches = httpx.get(f"{server.url}/v1/stats").json()["batches"]
         if batches["progress"]["open_batches"] == 0 or time.monotonic() > deadline:
             break

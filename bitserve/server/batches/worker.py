@@ -27,6 +27,9 @@ from bitserve.server.batches.store import BatchStore
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # the longest a due retry or an expiry waits to be noticed
+# The stats' counts (store.overview: three count queries) are read at most this often: each ended
+# request wakes a pass, so under load passes come many times a second.
+OVERVIEW_INTERVAL_S = 1.0
 RETRYABLE_STATUSES = frozenset({429, 500, 503})  # shed by admission, engine failures, model unavailable
 Execute = Callable[[str, dict[str, Any]], Awaitable[Outcome]]
 Key = tuple[str, int]  # (batch id, line)
@@ -63,9 +66,11 @@ class BatchWorker:
         # requests this worker ended (completed / failed: committed) or put back for a retry, since
         # it started: the bitserve_batch_requests_total counters and /v1/stats
         self.outcomes: Counter[str] = Counter()
-        # the database as of the last pass (every process sharing it): /v1/stats and the gauges
+        # the database (every process sharing it) as of a pass at most OVERVIEW_INTERVAL_S ago (plus
+        # a poll): /v1/stats and the gauges
         self.by_status: dict[str, int] = {}
         self.progress = BatchProgress(0, 0, 0, 0, 0, 0)
+        self._overview_read_at = float("-inf")  # time.monotonic(); the first pass reads them
 
     def wake(self) -> None:
         """Look again now (a batch was created or cancelled, a request ended)."""
@@ -115,7 +120,16 @@ class BatchWorker:
                 await self._end(batch, "completed")
         if self.is_ready():
             await self._claim(now)
+        await self._read_overview()
+
+    async def _read_overview(self) -> None:
+        """The database's counts for the stats, unless they were read less than
+        OVERVIEW_INTERVAL_S ago."""
+        started = time.monotonic()
+        if started - self._overview_read_at < OVERVIEW_INTERVAL_S:
+            return
         self.by_status, self.progress = await asyncio.to_thread(self.store.overview)
+        self._overview_read_at = started
 
     def _is_done(self, batch: BatchRecord) -> bool:
         """Every request has its final result (the counts are committed with the results)."""
