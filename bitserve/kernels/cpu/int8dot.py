@@ -31,7 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bitserve.kernels.cpu.isa import Isa
-from bitserve.kernels.cpu.ternary import GROUP_BYTES, GROUP_COLS, PLANES, activation_scale, quantize_value
+from bitserve.kernels.cpu.ternary import GROUP_BYTES, GROUP_COLS, PLANES, quantize_rows_into
 
 PLANE_BYTES = GROUP_COLS // PLANES  # 32 codes / activations per plane: one 256-bit vector
 # int16 lanes hold the sum of FLUSH_GROUPS groups: per group a lane gets 4 planes x 2 products of code (<= 2)
@@ -227,25 +227,10 @@ def _tile(
 
 @njit(nogil=True, cache=True)
 def quantize_int8(x: np.ndarray, kp: int, padded_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Activation quantization (docs/formats.md §3.1) as int8, in natural column order.
-
-    x f32 [T, K] -> (q int8 [padded_tokens, Kp], zero rows / columns as padding, s_act f32 [T],
-    q_sum int32 [T]). Same arithmetic as ternary.quantize_int16: amax in f64 with the 1e-5 floor,
-    s_act = f32(127 / amax) divided in f64, q = clamp(rne(f32 product)).
-    """
-    num_tokens, k = x.shape
+    """x f32 [T, K] -> (q int8 [padded_tokens, Kp], zero rows / columns as padding, s_act f32 [T],
+    q_sum int32 [T]): ternary.quantize_rows_into's arithmetic, as int8 in natural column order."""
     q = np.zeros((padded_tokens, kp), dtype=np.int8)
-    s_act = np.empty(num_tokens, dtype=np.float32)
-    q_sum = np.zeros(num_tokens, dtype=np.int32)
-    for t in range(num_tokens):
-        s = activation_scale(x[t])
-        s_act[t] = s
-        total = 0
-        for j in range(k):
-            qi = quantize_value(x[t, j], s)
-            q[t, j] = qi
-            total += qi
-        q_sum[t] = total
+    s_act, q_sum = quantize_rows_into(x, q)
     return q, s_act, q_sum
 
 

@@ -57,7 +57,7 @@ def smoke_test(a: np.ndarray) -> int:
 @njit(nogil=True, cache=True)
 def activation_scale(row: np.ndarray) -> np.float32:
     """s_act of one row f32 [K] (docs/formats.md §3.1): amax in f64 with the 1e-5 floor, then
-    f32(127 / amax) divided in f64. The one copy both activation quantizers (int16 and int8) call."""
+    f32(127 / amax) divided in f64. The one copy, called by quantize_rows_into."""
     amax = 1e-5
     for value in row:
         a = abs(np.float64(value))
@@ -74,15 +74,15 @@ def quantize_value(x: np.float32, s: np.float32) -> np.int8:
 
 
 @njit(nogil=True, cache=True)
-def quantize_int16(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Activation quantization (docs/formats.md §3.1) for each row, as int16 for the portable kernels.
+def quantize_rows_into(x: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Activation quantization (docs/formats.md §3.1) of each row, the one loop of both quantizers.
 
-    x f32 [T, K] -> (q int16 [T, Kp] zero-padded, s_act f32 [T], q_sum int32 [T]).
-    amax in f64 with the 1e-5 floor; s_act = f32(127 / amax) divided in f64; q = clamp(rne(f32 product)).
-    Rows holding NaN give unspecified values (as in the reference).
+    x f32 [T, K] -> q[:T, :K] (int16 or int8: numba compiles one copy per dtype; the caller's zeros
+    elsewhere are the padding), returning (s_act f32 [T], q_sum int32 [T]). amax in f64 with the
+    1e-5 floor; s_act = f32(127 / amax) divided in f64; q = clamp(rne(f32 product)). Rows holding NaN
+    give unspecified values (as in the reference).
     """
     num_tokens, k = x.shape
-    q = np.zeros((num_tokens, kp), dtype=np.int16)
     s_act = np.empty(num_tokens, dtype=np.float32)
     q_sum = np.zeros(num_tokens, dtype=np.int32)
     for t in range(num_tokens):
@@ -94,6 +94,15 @@ def quantize_int16(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.n
             q[t, j] = qi
             total += qi
         q_sum[t] = total
+    return s_act, q_sum
+
+
+@njit(nogil=True, cache=True)
+def quantize_int16(x: np.ndarray, kp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x f32 [T, K] -> (q int16 [T, Kp] zero-padded, s_act f32 [T], q_sum int32 [T]) for the portable
+    kernels (quantize_rows_into)."""
+    q = np.zeros((x.shape[0], kp), dtype=np.int16)
+    s_act, q_sum = quantize_rows_into(x, q)
     return q, s_act, q_sum
 
 
