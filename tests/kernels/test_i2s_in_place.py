@@ -4,6 +4,7 @@ load keeps no anonymous copy of its I2_S weights."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,12 +85,21 @@ def test_other_formats_and_llamacpp_tq_are_not_read_in_place() -> None:
     assert ReferenceBackend().prepare_ternary_file(weight, mode=LinearMode.BITNET) is None
 
 
-def test_code_three_is_refused() -> None:
+def refusal(check: Callable[[PackedWeight], object], weight: PackedWeight) -> InvalidModelFile:
+    with pytest.raises(InvalidModelFile) as refused:
+        check(weight)
+    return refused.value
+
+
+def test_code_three_and_a_wrong_size_are_refused_as_the_reference_refuses() -> None:
     file, (offset,) = one_file(ternary_matrix(4, 256, seed=4))
     corrupt = file.clone()
     corrupt[offset + 37] = 0b0011_0100  # field 1 (bits 4-5) holds code 3
-    with pytest.raises(InvalidModelFile, match="I2_S code 3"):
-        CpuBackend().prepare_ternary_file(i2s_weight(corrupt, offset, 4, 256), mode=LinearMode.BITNET)
+    short = PackedWeight(file[offset : offset + 4 * 256 // 4], (4, 256), Layout.I2_S, "I2_S")  # no scale
+    for weight, reason in ((i2s_weight(corrupt, offset, 4, 256), "I2_S code 3"), (short, "holds 256 bytes")):
+        in_place = refusal(lambda w: CpuBackend().prepare_ternary_file(w, mode=LinearMode.BITNET), weight)
+        reference = refusal(unpack_ternary, weight)
+        assert reason in str(in_place) and (str(in_place), in_place.hint) == (str(reference), reference.hint)
 
 
 @pytest.mark.parametrize("isa", [isa for isa in Isa if isa is not Isa.GENERIC], ids=lambda isa: isa.value)

@@ -20,7 +20,13 @@ from numba import njit, prange
 
 from bitserve.errors import InvalidModelFile
 from bitserve.kernels.packed import Layout, PackedWeight
-from bitserve.kernels.reference.dequant import SCALE_SLOT_BYTES, i2s_geometry_error, i2s_scale
+from bitserve.kernels.reference.dequant import (
+    SCALE_SLOT_BYTES,
+    expect_nbytes,
+    i2s_code_three_error,
+    i2s_geometry_error,
+    i2s_scale,
+)
 
 # a byte holds code 3 in some field iff a field has both bits set: bit 2f + 1 and bit 2f
 _LOW_BITS = np.uint64(0x5555555555555555)
@@ -43,17 +49,10 @@ def i2s_rows(weight: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         reason = problem or "data is not uint8 [nbytes]"
         raise InvalidModelFile(f"not an I2_S variant A tensor of shape {weight.shape}: {reason}")
     code_bytes = num_rows * num_cols // 4
-    if weight.data.numel() != code_bytes + SCALE_SLOT_BYTES:
-        raise InvalidModelFile(
-            f"I2_S tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
-            expected=f"{code_bytes + SCALE_SLOT_BYTES} bytes",
-        )
+    expect_nbytes(weight, code_bytes + SCALE_SLOT_BYTES)
     rows = weight.data[:code_bytes].view(num_rows, num_cols // 4)
     if count_code_three(rows.numpy().reshape(-1).view(np.uint64)):  # K % 128 == 0: whole 8-byte words
-        raise InvalidModelFile(
-            "I2_S code 3: wrong packing or offsets",
-            hint="code 3 never occurs in bitnet.cpp's I2_S; check the tensor offset and size",
-        )
+        raise i2s_code_three_error()
     return rows, i2s_scale(weight)
 
 

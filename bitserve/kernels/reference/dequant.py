@@ -88,7 +88,9 @@ def _tail_scale(data: torch.Tensor, offset: int, what: str) -> torch.Tensor:
     return scale
 
 
-def _expect_nbytes(weight: PackedWeight, expected: int) -> None:
+def expect_nbytes(weight: PackedWeight, expected: int) -> None:
+    """ValueError for data that is not uint8 [nbytes]; InvalidModelFile unless it holds `expected`
+    bytes (the decoders here and kernels/cpu/mapped.py's in-place I2_S)."""
     if weight.data.dim() != 1 or weight.data.dtype != torch.uint8:
         raise ValueError(
             f"{weight.layout.name} data must be uint8 [nbytes], got {weight.data.dtype} "
@@ -212,7 +214,7 @@ def _row_matrix(weight: PackedWeight) -> torch.Tensor:
     if num_cols % block:
         raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {block}, got K={num_cols}")
     row_bytes = num_cols // block * type_size
-    _expect_nbytes(weight, num_rows * row_bytes)
+    expect_nbytes(weight, num_rows * row_bytes)
     data = weight.data
     if data.storage_offset() % 4:  # dtype views of F32/F16 rows need an aligned start
         data = data.clone()
@@ -231,6 +233,14 @@ def i2s_geometry_error(variant: str, num_rows: int, num_cols: int) -> str | None
     if variant == "C" and num_rows % 4:
         return f"I2_S variant C needs M % 4 == 0, got M={num_rows}"
     return None
+
+
+def i2s_code_three_error() -> InvalidModelFile:
+    """What an I2_S tensor holding code 3 raises (here and in kernels/cpu/mapped.py)."""
+    return InvalidModelFile(
+        "I2_S code 3: wrong packing or offsets",
+        hint="code 3 never occurs in bitnet.cpp's I2_S; check the tensor offset and size",
+    )
 
 
 def i2s_values(packed: torch.Tensor, variant: str, num_rows: int, num_cols: int) -> torch.Tensor:
@@ -259,17 +269,14 @@ def _i2s_values(weight: PackedWeight, row_ids: torch.Tensor | None = None) -> to
     problem = i2s_geometry_error(variant, num_rows, num_cols)
     if problem:
         raise InvalidModelFile(problem, hint="choose the I2_S packing variant the file was written with")
-    _expect_nbytes(weight, num_rows * num_cols // 4 + SCALE_SLOT_BYTES)
+    expect_nbytes(weight, num_rows * num_cols // 4 + SCALE_SLOT_BYTES)
     packed = weight.data[: num_rows * num_cols // 4]
     if row_ids is not None and variant in ("A", "B"):  # whole blocks per row: decode only the wanted rows
         packed = packed.view(num_rows, num_cols // 4).index_select(0, row_ids).reshape(-1)
         num_rows = row_ids.numel()
     values = i2s_values(packed, variant, num_rows, num_cols)
     if values.numel() and int(values.max()) > 1:
-        raise InvalidModelFile(
-            "I2_S code 3: wrong packing or offsets",
-            hint="code 3 never occurs in bitnet.cpp's I2_S; check the tensor offset and size",
-        )
+        raise i2s_code_three_error()
     if row_ids is not None and variant == "C":
         values = values.index_select(0, row_ids)
     return values
@@ -317,7 +324,7 @@ def _tl1_values(weight: PackedWeight) -> torch.Tensor:
     num_rows, num_cols = weight.shape
     BM, BK, bm = _tile(weight)
     by = 256 // bm
-    _expect_nbytes(weight, num_rows * num_cols // 4 + SCALE_SLOT_BYTES)
+    expect_nbytes(weight, num_rows * num_cols // 4 + SCALE_SLOT_BYTES)
     # byte order [tm][tk][sm][sk][g16][kp][i16]; a byte holds pairs 2kp (high nibble) and 2kp+1 (low)
     tiles = weight.data[: num_rows * num_cols // 4].view(
         num_rows // BM, num_cols // BK, BM // bm, BK // by, bm // 16, by // 4, 16
@@ -402,7 +409,7 @@ def _tl2_values(weight: PackedWeight) -> torch.Tensor:
     k2 = num_cols % BK
     k3 = num_cols - k2
     stored, used = tl2_stored_bytes(num_rows, num_cols), tl2_used_bytes(num_rows, num_cols, BK)
-    _expect_nbytes(weight, stored + SCALE_SLOT_BYTES)
+    expect_nbytes(weight, stored + SCALE_SLOT_BYTES)
     if used > stored:
         raise InvalidModelFile(f"TL2 shape {weight.shape} with BK={BK} needs {used} bytes, more than S_TL2")
     packed = weight.data
