@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bitserve.cli.main import main
+from bitserve.errors import InvalidModelFile
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -79,6 +81,32 @@ def test_inspect_text_names_the_dialect(capsys, synthetic_models: dict[str, Path
     assert code == 0
     assert "bitnet.cpp dialect" in out and "TL2" in out
     assert "kv cache      default " in out and "tokens" in out
+
+
+def test_inspect_builds_the_spec_once_and_reports_its_problem(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, synthetic_models: dict[str, Path]
+) -> None:
+    from bitserve.loader import inspect as loader_inspect
+
+    builds: list[str] = []
+    build = loader_inspect.spec_from_metadata
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        builds.append(kwargs["path"])
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(loader_inspect, "spec_from_metadata", counted)
+    code, out = run_cli(capsys, "inspect", str(synthetic_models["TL2"]), "--json")
+    assert code == 0 and len(builds) == 1 and json.loads(out)["kv_cache"]["num_tokens"] > 0
+
+    def unsupported(*args: Any, **kwargs: Any) -> Any:
+        raise InvalidModelFile("unsupported architecture 'mamba'")
+
+    monkeypatch.setattr(loader_inspect, "spec_from_metadata", unsupported)
+    code, out = run_cli(capsys, "inspect", str(synthetic_models["TL2"]), "--json")
+    summary = json.loads(out)
+    assert code == 0 and "mamba" in summary["hyperparameters"]["error"]
+    assert summary["kv_cache"] == summary["hyperparameters"]
 
 
 def test_verify_passes_on_a_good_file(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001

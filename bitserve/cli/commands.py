@@ -17,6 +17,7 @@ from bitserve.loader.catalog import resolve_model
 
 if TYPE_CHECKING:
     from bitserve.loader.gguf_reader import GGUFFile
+    from bitserve.models.spec import ModelSpec
 
 
 def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
@@ -73,12 +74,13 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from bitserve.kernels.select import cpu_kernel_choices
     from bitserve.loader.gguf_reader import read_gguf
-    from bitserve.loader.inspect import format_summary, summarize
+    from bitserve.loader.inspect import format_summary, spec_or_problem, summarize
 
     with read_gguf(resolve_model(args.model, fetch=False)) as gguf:
-        summary = summarize(gguf)
+        spec = spec_or_problem(gguf)
+        summary = summarize(gguf, spec)
         summary["cpu_kernels"] = cpu_kernel_choices()  # this machine's, not the file's
-        summary["kv_cache"] = _default_kv_cache(gguf)
+        summary["kv_cache"] = _default_kv_cache(gguf, spec)
     if args.json:
         emit_json(summary)
     else:
@@ -86,18 +88,15 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_kv_cache(gguf: GGUFFile) -> dict[str, Any]:
-    """The KV pool `bitserve serve` would give this file on this machine's CPU at default settings."""
+def _default_kv_cache(gguf: GGUFFile, spec: ModelSpec | str) -> dict[str, Any]:
+    """The KV pool `bitserve serve` would give this file on this machine's CPU at default settings
+    (`spec` a problem text: that, which the summary already shows)."""
     import torch
 
     from bitserve.engine.instance import plan_kv_cache, serving_limits
-    from bitserve.errors import BitserveError
-    from bitserve.loader.model_spec import spec_from_metadata
 
-    try:
-        spec = spec_from_metadata(gguf.metadata, tensor_names=set(gguf.tensors), path=str(gguf.path))
-    except (BitserveError, ValueError, TypeError) as exc:  # the spec problem is already in the summary
-        return {"error": str(exc)}
+    if isinstance(spec, str):
+        return {"error": spec}
     config, device = EngineConfig(), torch.device("cpu")
     limits = serving_limits(config, spec, gguf, device)
     layout = plan_kv_cache(config, spec, limits, device)

@@ -10,12 +10,22 @@ from typing import Any
 from bitserve.errors import BitserveError
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_spec import spec_from_metadata
+from bitserve.models.spec import ModelSpec
 
 TOKENIZER_KEYS = ("model", "pre", "bos_token_id", "eos_token_id", "eot_token_id", "add_bos_token")
 
 
-def summarize(gguf: GGUFFile) -> dict[str, Any]:
-    """A JSON-ready dict; the spec part is omitted (with the reason) when the arch is unsupported."""
+def spec_or_problem(gguf: GGUFFile) -> ModelSpec | str:
+    """The file's ModelSpec, or why it has none (an unsupported arch, ...): inspect reports the
+    problem instead of failing. Built once for the summary and the default KV cache."""
+    try:
+        return spec_from_metadata(gguf.metadata, tensor_names=set(gguf.tensors), path=str(gguf.path))
+    except (BitserveError, ValueError, TypeError) as exc:
+        return str(exc)
+
+
+def summarize(gguf: GGUFFile, spec: ModelSpec | str) -> dict[str, Any]:
+    """A JSON-ready dict; the spec part is only the reason (spec_or_problem) when there is no spec."""
     metadata = gguf.metadata
     type_counts: Counter[str] = Counter()
     type_bytes: Counter[str] = Counter()
@@ -43,16 +53,16 @@ def summarize(gguf: GGUFFile) -> dict[str, Any]:
             "has_chat_template": "tokenizer.chat_template" in metadata,
         },
     }
-    try:
-        spec = spec_from_metadata(metadata, tensor_names=set(gguf.tensors), path=str(gguf.path))
-        summary["hyperparameters"] = {
+    summary["hyperparameters"] = (
+        {"error": spec}
+        if isinstance(spec, str)
+        else {
             field: getattr(spec, field).value
             if hasattr(getattr(spec, field), "value")
             else getattr(spec, field)
             for field in spec.__dataclass_fields__
         }
-    except (BitserveError, ValueError, TypeError) as exc:  # inspect reports the spec problem, not fails
-        summary["hyperparameters"] = {"error": str(exc)}
+    )
     return summary
 
 
