@@ -35,9 +35,6 @@ if TYPE_CHECKING:
     from bitserve.kernels.cpu.backend import CpuBackend
 
 Int8Weight = Int8BlockLinear | Int8BitnetLinear
-# From this many sequences a step's gated activation (SiLU's scalar exp: ~0.2 ms a layer at 16 sequences)
-# runs on numba's threads; one fork/join (~30 us here) costs more than the work below it.
-PARALLEL_GATE_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +170,7 @@ class FastCpuDecode:
             numba.set_num_threads(self.num_threads)
         num_tokens = input_ids.shape[0]
         padded = self.padded_tokens(num_tokens)
-        parallel_gate = num_tokens >= PARALLEL_GATE_TOKENS
+        parallel_gate = decode_glue.is_parallel_gate(num_tokens)
         eps = self.eps
         x = self.model.embed_tokens(input_ids).contiguous().numpy()  # f32 [T, hidden], the residual stream
         positions_np = positions.numpy()

@@ -74,9 +74,6 @@ DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the c
 # crossover of the Q4_* / Q8_0 kernels and dequantize + sgemm (2 cores, benchmarks/RESULTS.md): the f32
 # kernels lose from 8 tokens, the int8 ones (q8 activations) win up to 64 and lose from 128
 BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
-# from this batch size the gated activations run in parallel over tokens (same elementwise arithmetic):
-# serial, a 512-token SmolLM2 prefill spent ~10% of its time in SiLU
-PARALLEL_ACTIVATION_TOKENS = 16
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block
 
 
@@ -384,14 +381,14 @@ class CpuBackend(KernelBackend):
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """f32 [T, I] each -> silu(gate) * up, with the fast decode step's arithmetic (decode_glue.silu_mul):
         the q8 mode's module forward uses it so that both forwards agree to the bit."""
-        serial = gate.shape[0] < PARALLEL_ACTIVATION_TOKENS
-        return _gated(decode_glue.silu_mul if serial else decode_glue.silu_mul_parallel, gate, up)
+        parallel = decode_glue.is_parallel_gate(gate.shape[0])
+        return _gated(decode_glue.silu_mul_parallel if parallel else decode_glue.silu_mul, gate, up)
 
     def relu2_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """f32 [T, I] each -> relu(gate)^2 * up by decode_glue.relu2_mul: the fast decode step's relu2,
         rounded as layers.activation.relu2_and_mul (torch) is, so the reference backend agrees too."""
-        serial = gate.shape[0] < PARALLEL_ACTIVATION_TOKENS
-        return _gated(decode_glue.relu2_mul if serial else decode_glue.relu2_mul_parallel, gate, up)
+        parallel = decode_glue.is_parallel_gate(gate.shape[0])
+        return _gated(decode_glue.relu2_mul_parallel if parallel else decode_glue.relu2_mul, gate, up)
 
     def rotary_(
         self,
