@@ -29,7 +29,10 @@ from bitserve.kernels.cpu import blockdot, decode_glue, int8dot
 from bitserve.kernels.cpu.prepared import NEVER, CpuTuning, Int8BitnetLinear, Int8BlockLinear
 from bitserve.kernels.cpu.ternary import padded_in_features
 from bitserve.layers.attention import AttentionMetadata
+from bitserve.layers.linear import LinearGroup
 from bitserve.layers.rotary import RopeStyle
+from bitserve.models.cpu_ternary_step import TernaryStep
+from bitserve.runner.kv_cache import pooled_layers
 
 if TYPE_CHECKING:
     from bitserve.kernels.cpu.backend import CpuBackend
@@ -64,6 +67,9 @@ class _FastLayer:
     gate_up: Int8Weight  # stacked gate, up rows
     ffn_sub_norm: np.ndarray | None  # f32 [intermediate] (BitNet), before down
     down: Int8Weight
+    # the `bitnet` arch's `.scale` multipliers as f32 [M] per output row of qkv, o_proj, gate_up, down
+    # (1.0 for a weight without one, a product that changes nothing)
+    output_scales: tuple[np.ndarray, ...]
 
 
 def _single_int8(weights: list) -> Int8Weight | None:
@@ -74,16 +80,27 @@ def _norm_weight(norm: torch.nn.Module | None) -> np.ndarray | None:
     return None if norm is None else norm.weight.detach().numpy()
 
 
+def _row_output_scales(linear: torch.nn.Module) -> np.ndarray:
+    """A Linear's or stacked LinearGroup's `.scale` multipliers (None: 1.0) per output row, f32 [M]."""
+    scales = linear.output_scales if isinstance(linear, LinearGroup) else [linear.output_scale]
+    sizes = linear.out_features if isinstance(linear, LinearGroup) else [linear.out_features]
+    rows = [
+        np.full(size, 1.0 if s is None else s, dtype=np.float32)
+        for s, size in zip(scales, sizes, strict=True)
+    ]
+    return np.concatenate(rows)
+
+
 def _fast_layer(layer: torch.nn.Module) -> _FastLayer | None:
     """One DecoderLayer's weights, or None where it does not qualify (see the module docstring)."""
     qkv, gate_up = _single_int8(layer.qkv.weights), _single_int8(layer.gate_up.weights)
     o_proj, down = _single_int8(layer.o_proj.weights), _single_int8(layer.down_proj.weights)
-    scales = [*layer.qkv.output_scales, *layer.gate_up.output_scales]
-    scales += [layer.o_proj.output_scale, layer.down_proj.output_scale]
-    if None in (qkv, gate_up, o_proj, down) or any(s is not None for s in scales):
+    if None in (qkv, gate_up, o_proj, down) or len({type(w) for w in (qkv, gate_up, o_proj, down)}) != 1:
         return None
-    if len({type(w) for w in (qkv, gate_up, o_proj, down)}) != 1:
-        return None
+    projections = (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
+    output_scales = tuple(_row_output_scales(p) for p in projections)
+    if type(qkv) is Int8BlockLinear and any((s != 1.0).any() for s in output_scales):
+        return None  # only the ternary step (kernels/cpu/decode_step.py) applies output scales
     if layer.attn.ggml_numerics or layer.gate_up.row_offsets != [0, gate_up.out_features // 2]:
         return None
     return _FastLayer(
@@ -95,6 +112,7 @@ def _fast_layer(layer: torch.nn.Module) -> _FastLayer | None:
         gate_up,
         _norm_weight(layer.ffn_sub_norm),
         down,
+        output_scales,
     )
 
 
@@ -131,6 +149,11 @@ class FastCpuDecode:
         self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
         self.scale = model.layers[0].attn.scale
         self.num_threads = first.qkv.num_threads
+        # ternary weights: the whole layer loop in one numba call (cpu_ternary_step.py); block weights: the
+        # loop below, in Python
+        self.ternary = TernaryStep(layers) if kind is _KINDS[Int8BitnetLinear] else None
+        self._pool_of: tuple[int, int, int] | None = None  # (id, first data_ptr, length) of the caches
+        self._pool: np.ndarray | None = None  # their pooled_layers view, f32 [L, 2, blocks, ...]
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: CpuBackend) -> FastCpuDecode | None:
@@ -155,7 +178,18 @@ class FastCpuDecode:
         ):
             return False
         every_decode = metadata.other_seq_ids == () and metadata.num_seqs == num_tokens
-        return every_decode and kv_caches[0].dtype == torch.float32
+        if not every_decode or kv_caches[0].dtype != torch.float32:
+            return False
+        return self.ternary is None or self._kv_pool(kv_caches) is not None
+
+    def _kv_pool(self, kv_caches: list[torch.Tensor]) -> np.ndarray | None:
+        """The caches as one array for the ternary step (runner/kv_cache.pooled_layers), looked up once
+        per list of caches; None where they are not one pool (then the module forward runs)."""
+        key = (id(kv_caches), kv_caches[0].data_ptr(), len(kv_caches))
+        if key != self._pool_of:
+            pool = pooled_layers(kv_caches)
+            self._pool_of, self._pool = key, None if pool is None else pool.numpy()
+        return self._pool
 
     def forward(
         self,
@@ -177,6 +211,14 @@ class FastCpuDecode:
         slots = metadata.slot_mapping.numpy()
         block_table = metadata.decode.block_table.numpy()
         seq_lens = metadata.decode.seq_lens.numpy()
+        if self.ternary is not None:
+            shape = (self.num_heads, self.num_kv_heads, self.intermediate, self.scale)
+            shape += (self.kp_hidden, self.kp_attn, self.kp_inter, padded)
+            rope = (self.cos, self.sin, self.rope_dim, self.is_neox)
+            pool = self._kv_pool(kv_caches)
+            attention = (slots, block_table, seq_lens)
+            self.ternary.run(x, positions_np, pool, attention, rope, shape, eps, self.relu2, parallel_gate)
+            return self.model.norm(torch.from_numpy(x))
         delta = None  # the last projection's output, added to x by the next glue call
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             acts = (

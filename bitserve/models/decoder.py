@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.backend import FusedOps
+from bitserve.kernels.backend import FusedOps, LinearMode
 from bitserve.kernels.packed import Layout
 from bitserve.layers.activation import GATED_ACTIVATIONS, relu2_and_mul
 from bitserve.layers.attention import AttentionMetadata, PagedAttention
@@ -155,10 +155,13 @@ class DecoderModel(nn.Module):
         self, weights: WeightSource, name: str
     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The FFN's act(gate) * up. On the cpu backend the fast decode step's numba functions where it may
-        run (cpu_fast_decode.py), so both forwards agree to the bit: SiLU in the q8 block mode (rounded
-        unlike torch's), relu2 always (rounded as torch's, so the reference backend agrees too)."""
+        run (cpu_fast_decode.py), so both forwards agree to the bit: SiLU in the q8 block mode and for
+        ternary models in bitnet mode (the `bitnet` arch; rounded unlike torch's, so such a model's SiLU
+        differs from the reference backend's in last bits), relu2 always (rounded as torch's, so the
+        reference backend agrees too)."""
         backend = weights.backend
-        if backend.name == "cpu" and name == "silu" and self.q8_blocks:
+        ternary_int8 = self.projections_may_be_ternary and weights.linear_mode is LinearMode.BITNET
+        if backend.name == "cpu" and name == "silu" and (self.q8_blocks or ternary_int8):
             return backend.silu_and_mul  # type: ignore[attr-defined]
         if backend.name == "cpu" and GATED_ACTIVATIONS[name] is relu2_and_mul:
             return backend.relu2_and_mul  # type: ignore[attr-defined]

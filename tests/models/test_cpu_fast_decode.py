@@ -45,7 +45,7 @@ def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ..
     runner = llm.engine.runner
     fast = model.fast_decode
     assert fast is not None
-    forward_logits = runner.forward_logits
+    forward_logits, fast_forward = runner.forward_logits, fast.forward
     compared: list[int] = []
 
     def both_ways(requests):  # noqa: ANN001, ANN202 - the runner's own signature
@@ -56,18 +56,20 @@ def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ..
             cache.copy_(saved)
         model.fast_decode = fast
         fast_logits = forward_logits(requests)
-        if all(len(r.token_ids) == 1 for r in requests):
-            compared.append(len(requests))
         assert torch.equal(fast_logits, module_logits)  # prefill steps run the module forward either way
         return fast_logits
 
-    runner.forward_logits = both_ways
+    def counted(input_ids, *args):  # noqa: ANN001, ANN002, ANN202
+        compared.append(input_ids.shape[0])
+        return fast_forward(input_ids, *args)
+
+    runner.forward_logits, fast.forward = both_ways, counted
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         for size in batch_sizes:
             llm.generate([f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(size)], params)
     finally:
-        runner.forward_logits = forward_logits
+        runner.forward_logits, fast.forward = forward_logits, fast_forward
     assert set(batch_sizes) <= set(compared)  # every batch size's decode steps took the fast path
 
 
@@ -143,30 +145,54 @@ def test_ternary_fast_step_tokens_equal_the_reference_backend(b158_cpu: LLM, b15
         reference.close()
 
 
-def test_ternary_fast_step_not_built_for_bitnetcpp_generic_or_output_scales(
-    b158_file: Path, tmp_path: Path, synthetic_weights, monkeypatch: pytest.MonkeyPatch
-) -> None:  # noqa: ANN001
+def test_ternary_fast_step_not_built_for_bitnetcpp_or_generic(
+    b158_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for options, isa in (
+        ({"linear_mode": "bitnetcpp"}, "auto"),
+        ({}, "generic"),  # the int16 kernels (BitnetLinear): no int8 activations to hand on
+    ):
+        monkeypatch.setenv(ISA_ENV_VAR, isa)
+        llm = LLM(str(b158_file), backend="cpu", **options)
+        try:
+            assert llm.instance.loaded.model.fast_decode is None
+        finally:
+            llm.close()
+
+
+@pytest.fixture(scope="module")
+def scaled_b158_file(tmp_path_factory: pytest.TempPathFactory, synthetic_weights) -> Path:  # noqa: ANN001
+    """bitnet-b1.58 (relu2) I2_S, read in place, with a `.scale` per projection."""
     from bitserve.testing.synthetic import SyntheticConfig, write_synthetic_model
 
     tokenizer, weights = synthetic_weights
-    scaled = write_synthetic_model(  # bitnet-b1.58 with a `.scale` per projection
-        tmp_path / "b158-scaled.gguf",
+    return write_synthetic_model(
+        tmp_path_factory.mktemp("scaled") / "b158-scaled.gguf",
         "I2_S",
         config=SyntheticConfig(architecture="bitnet-b1.58"),
         weights=weights,
         tokenizer=tokenizer,
     )
-    for path, options, isa in (
-        (b158_file, {"linear_mode": "bitnetcpp"}, "auto"),
-        (b158_file, {}, "generic"),  # the int16 kernels (BitnetLinear): no int8 activations to hand on
-        (scaled, {}, "auto"),
-    ):
-        monkeypatch.setenv(ISA_ENV_VAR, isa)
-        llm = LLM(str(path), backend="cpu", **options)
-        try:
-            assert llm.instance.loaded.model.fast_decode is None
-        finally:
-            llm.close()
+
+
+def test_ternary_fast_step_with_output_scales_matches_the_module_forward(scaled_b158_file: Path) -> None:
+    llm = LLM(str(scaled_b158_file), backend="cpu")
+    try:
+        assert llm.instance.loaded.model.fast_decode.ternary.out_scales is not None
+        assert_fast_step_matches_module_forward(llm, batch_sizes=(1, 2))
+    finally:
+        llm.close()
+
+
+def test_bitnet_arch_tq2_fast_step_matches_the_module_forward(synthetic_models: dict[str, Path]) -> None:
+    """Upstream `bitnet` (the 2B TQ2_0 twin's arch): SiLU gate, `.scale` per projection, TQ2_0 weights
+    repacked at load into separate arrays; batches of 1, 3 and 16 (the GEMM tiles, 16 paged sequences)."""
+    llm = LLM(str(synthetic_models["TQ2_0"]), backend="cpu")
+    try:
+        assert llm.instance.loaded.model.fast_decode.ternary is not None
+        assert_fast_step_matches_module_forward(llm, batch_sizes=(3, 1, 16))
+    finally:
+        llm.close()
 
 
 def test_cpu_relu2_rounds_as_torch() -> None:

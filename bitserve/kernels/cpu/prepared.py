@@ -179,6 +179,16 @@ class Int8BitnetLinear(_Int8Activations):
         self._weight = kernel_rows(self.data, self.extras)  # (w, row_off)
         self._row_scale = row_scales(self.scale, self.out_features).numpy()  # f32 [M]: the kernels read
 
+    @property
+    def kernel_weight(self) -> tuple[np.ndarray, np.ndarray]:
+        """(w uint8 [n], row_off int64 [M]): the weight as its kernels read it (kernel_rows)."""
+        return self._weight
+
+    @property
+    def kernel_row_scale(self) -> np.ndarray:
+        """f32 [M]: each row's scale, as its kernels read it."""
+        return self._row_scale
+
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
         return torch.from_numpy(self.run_quantized(acts, x.shape[0]))  # type: ignore[arg-type]
 

@@ -1,0 +1,110 @@
+"""The tables of the ternary lean decode step (kernels/cpu/decode_step.py), stacked once at load.
+
+FastCpuDecode (cpu_fast_decode.py) hands a ternary model's decode steps to `TernaryStep.run`: one numba
+call for every layer. Its weights stay where the loader put them (no copy): each layer's stacked
+Int8BitnetLinear is (w uint8 [n], row_off int64 [M]), and every w of a model lies in one address range
+(the file mapping for I2_S; for repacked formats, the arrays the loader allocated), so one uint8 view of
+that range and row offsets relative to it, stacked [L, M] per projection, reach every row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bitserve.kernels.cpu.decode_step import DECODE_LAYERS
+
+if TYPE_CHECKING:
+    from bitserve.kernels.cpu.prepared import Int8BitnetLinear
+    from bitserve.models.cpu_fast_decode import _FastLayer
+
+
+def address_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """One uint8 view from the lowest start to the highest end of `arrays` (C-contiguous), and each one's
+    byte offset in it. The kernels read only the offsets handed to them, each inside one of `arrays`;
+    where the arrays are separate allocations the view also spans memory between them that nothing
+    reads (a view, not a copy: nothing is touched or allocated). The caller keeps `arrays` alive."""
+    starts = [a.ctypes.data for a in arrays]
+    low = min(starts)
+    high = max(start + a.nbytes for start, a in zip(starts, arrays, strict=True))
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * (high - low)).from_address(low))
+    return view, [start - low for start in starts]
+
+
+def _stack(vectors: list[np.ndarray], dtype: type = np.float32) -> np.ndarray:
+    """Per-layer vectors of one length -> C-contiguous [L, n] of `dtype`."""
+    return np.ascontiguousarray(np.stack(vectors), dtype=dtype)
+
+
+class TernaryStep:
+    """Every layer of a ternary model's decode step in one numba call of the backend's ISA."""
+
+    def __init__(self, layers: list[_FastLayer]) -> None:
+        projections: list[list[Int8BitnetLinear]] = [
+            [layer.qkv for layer in layers],
+            [layer.o_proj for layer in layers],
+            [layer.gate_up for layer in layers],
+            [layer.down for layer in layers],
+        ]
+        weights = [[weight.kernel_weight for weight in column] for column in projections]
+        self.base, starts = address_span([w for column in weights for w, _ in column])
+        starts_per_projection = np.reshape(starts, (len(projections), len(layers)))
+        self.offsets = tuple(
+            _stack(
+                [row_off + start for (_, row_off), start in zip(column, column_starts, strict=True)], np.int64
+            )
+            for column, column_starts in zip(weights, starts_per_projection, strict=True)
+        )
+        self.row_scales = tuple(_stack([w.kernel_row_scale for w in column]) for column in projections)
+        out_scales = tuple(_stack([lay.output_scales[i] for lay in layers]) for i in range(len(projections)))
+        # a model without `.scale` tensors skips the products (all 1.0: they would change nothing)
+        self.out_scales = out_scales if any((s != 1.0).any() for s in out_scales) else None
+        self.norms = (_stack([lay.attn_norm for lay in layers]), _stack([lay.ffn_norm for lay in layers]))
+        self.sub_norms = (
+            None
+            if layers[0].attn_sub_norm is None
+            else (
+                _stack([lay.attn_sub_norm for lay in layers]),
+                _stack([lay.ffn_sub_norm for lay in layers]),
+            )
+        )
+        self.keep_alive = weights  # the arrays `base` views
+        self.decode_layers = DECODE_LAYERS[layers[0].qkv.tuning.isa]
+
+    def run(
+        self,
+        x: np.ndarray,
+        positions: np.ndarray,
+        kv_pool: np.ndarray,
+        attention: tuple[np.ndarray, np.ndarray, np.ndarray],
+        rope: tuple,
+        shape: tuple,
+        eps: float,
+        relu2: bool,
+        parallel_gate: bool,
+    ) -> None:
+        """x f32 [T, hidden] (the embeddings) -> the last layer's output, in place. kv_pool f32
+        [L, 2, blocks, block_size, KV, D]; attention: (slot_mapping, block_table, seq_lens); rope and
+        shape: as decode_step._decode_layers unpacks them."""
+        slot_mapping, block_table, seq_lens = attention
+        self.decode_layers(
+            x,
+            self.base,
+            self.offsets,
+            self.row_scales,
+            self.out_scales,
+            self.norms,
+            self.sub_norms,
+            positions,
+            rope,
+            kv_pool,
+            slot_mapping,
+            block_table,
+            seq_lens,
+            shape,
+            eps,
+            relu2,
+            parallel_gate,
+        )
