@@ -1,18 +1,21 @@
 """A lean decode step on the cpu backend for models whose projections run on int8 activations: Llama-family
-models with Q4_0 / Q4_1 / Q8_0 weights (block_activations="q8") and BitNet b1.58 ternary models (bitnet
-linear mode, the avx2 / vnni kernels).
+models with Q4_0 / Q4_1 / Q8_0 weights (block_activations="q8") and ternary models (bitnet-b1.58 and
+upstream bitnet; bitnet linear mode, the avx2 / vnni kernels).
 
 Why a second forward (README, Layout: deviations): at decode shapes the module forward of
 models/decoder.py spends more time in Python and torch dispatch (~40 calls a layer: norms, splits,
 reshapes, RoPE, cache writes, attention, residual adds) than in its matmuls: ~20 ms a step on SmolLM2's
 30 layers. This path makes 8 calls a layer: four int8 GEMVs on the stacked weights
 (kernels/cpu/blockdot.py or int8dot.py) and four numba glue calls between them
-(kernels/cpu/decode_glue.py), each handing the next GEMV its int8 activations (sub-norms included). It
+(kernels/cpu/decode_glue.py), each handing the next GEMV its int8 activations (sub-norms included); for
+ternary weights the whole layer loop runs inside one numba call making those same calls
+(cpu_ternary_step.py, kernels/cpu/decode_step.py): from Python they still cost ~14 ms of a 2B step. It
 computes what the module forward computes (the same kernels, quantization, norm, RoPE and attention
-arithmetic, the same numba SiLU / relu2 via CpuBackend) and is used only where that holds: every token of
-the step is a decode (one per sequence), an f32 KV cache, and a model whose q/k/v and gate/up stacked into
-one int8 weight each (Int8BlockLinear or Int8BitnetLinear), without output scales or ggml numerics
-(bitnetcpp mode). Anything else (prefill, mixed steps, other weights) runs the module forward.
+arithmetic, the same numba SiLU / relu2 via CpuBackend, the `bitnet` arch's `.scale` products) and is
+used only where that holds: every token of the step is a decode (one per sequence), an f32 KV cache, and
+a model whose q/k/v and gate/up stacked into one int8 weight each (Int8BlockLinear or Int8BitnetLinear),
+without ggml numerics (bitnetcpp mode), and output scales only on ternary weights. Anything else
+(prefill, mixed steps, other weights) runs the module forward.
 """
 
 from __future__ import annotations
@@ -216,8 +219,8 @@ class FastCpuDecode:
             shape += (self.kp_hidden, self.kp_attn, self.kp_inter, padded)
             rope = (self.cos, self.sin, self.rope_dim, self.is_neox)
             pool = self._kv_pool(kv_caches)
-            attention = (slots, block_table, seq_lens)
-            self.ternary.run(x, positions_np, pool, attention, rope, shape, eps, self.relu2, parallel_gate)
+            step = (positions_np, rope, pool, slots, block_table, seq_lens, shape, eps, self.relu2)
+            self.ternary.run(x, (*step, parallel_gate))
             return self.model.norm(torch.from_numpy(x))
         delta = None  # the last projection's output, added to x by the next glue call
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

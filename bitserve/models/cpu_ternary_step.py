@@ -71,40 +71,10 @@ class TernaryStep:
             )
         )
         self.keep_alive = weights  # the arrays `base` views
+        self.model = (self.base, self.offsets, self.row_scales, self.out_scales, self.norms, self.sub_norms)
         self.decode_layers = DECODE_LAYERS[layers[0].qkv.tuning.isa]
 
-    def run(
-        self,
-        x: np.ndarray,
-        positions: np.ndarray,
-        kv_pool: np.ndarray,
-        attention: tuple[np.ndarray, np.ndarray, np.ndarray],
-        rope: tuple,
-        shape: tuple,
-        eps: float,
-        relu2: bool,
-        parallel_gate: bool,
-    ) -> None:
-        """x f32 [T, hidden] (the embeddings) -> the last layer's output, in place. kv_pool f32
-        [L, 2, blocks, block_size, KV, D]; attention: (slot_mapping, block_table, seq_lens); rope and
-        shape: as decode_step._decode_layers unpacks them."""
-        slot_mapping, block_table, seq_lens = attention
-        self.decode_layers(
-            x,
-            self.base,
-            self.offsets,
-            self.row_scales,
-            self.out_scales,
-            self.norms,
-            self.sub_norms,
-            positions,
-            rope,
-            kv_pool,
-            slot_mapping,
-            block_table,
-            seq_lens,
-            shape,
-            eps,
-            relu2,
-            parallel_gate,
-        )
+    def run(self, x: np.ndarray, step: tuple) -> None:
+        """x f32 [T, hidden] (the embeddings) -> the last layer's output, in place; `step`: the step's
+        arguments (decode_step._decode_layers)."""
+        self.decode_layers(x, self.model, step)

@@ -35,58 +35,57 @@ QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 
 @njit(nogil=True, cache=True)
 def _project(
-    gemv: Callable,
-    gemm: Callable,
-    base: np.ndarray,
-    row_off: np.ndarray,
-    row_scale: np.ndarray,
-    out_scales: tuple | None,
-    which: int,
-    layer: int,
-    acts: tuple,
-    num_tokens: int,
+    gemv: Callable, gemm: Callable, model: tuple, which: int, layer: int, acts: tuple, num_tokens: int
 ) -> np.ndarray:
-    """One stacked int8 projection of one layer -> f32 [num_tokens, M]: the GEMV for one token, the GEMM
-    tile above (Int8BitnetLinear.run_quantized's choice), then the `bitnet` arch's per-output `.scale`
-    where the model has them (LinearGroup's `out * scale`: one f32 product after the matmul)."""
+    """Projection `which` (QKV, ...) of one layer on int8 activations -> f32 [num_tokens, M]: the GEMV for
+    one token, the GEMM tile above (Int8BitnetLinear.run_quantized's choice), then the `bitnet` arch's
+    `.scale` products where the model has them."""
+    base, offsets, row_scales, out_scales = model[0], model[1], model[2], model[3]
+    row_off = offsets[which][layer]
     q, s_act, q_sum = acts
     out = np.empty((num_tokens, row_off.shape[0]), dtype=np.float32)
     if num_tokens == 1:
-        gemv((base, row_off), q, q_sum, s_act, row_scale, out)
+        gemv((base, row_off), q, q_sum, s_act, row_scales[which][layer], out)
     else:
-        gemm((base, row_off), q, q_sum, s_act, row_scale, out)
-    if out_scales is not None:
-        scale = out_scales[which][layer]
-        for t in range(num_tokens):
-            for r in range(out.shape[1]):
-                out[t, r] = out[t, r] * scale[r]
+        gemm((base, row_off), q, q_sum, s_act, row_scales[which][layer], out)
+    _scale_outputs(out_scales, which, layer, out)
     return out
 
 
 @njit(nogil=True, cache=True)
-def _decode_layers(
-    gemv: Callable,
-    gemm: Callable,
-    x: np.ndarray,
-    base: np.ndarray,
-    offsets: tuple,
-    row_scales: tuple,
-    out_scales: tuple | None,
-    norms: tuple,
-    sub_norms: tuple | None,
-    positions: np.ndarray,
-    rope: tuple,
-    kv_pool: np.ndarray,
-    slot_mapping: np.ndarray,
-    block_table: np.ndarray,
-    seq_lens: np.ndarray,
-    shape: tuple,
-    eps: float,
-    relu2: bool,
-    parallel_gate: bool,
-) -> None:
+def _scale_outputs(out_scales: tuple | None, which: int, layer: int, out: np.ndarray) -> None:
+    """out [T, M] *= the per-row `.scale` (LinearGroup's `out * scale`: one f32 product after the matmul),
+    for a model that has them."""
+    if out_scales is None:
+        return
+    scale = out_scales[which][layer]
+    for t in range(out.shape[0]):
+        for r in range(out.shape[1]):
+            out[t, r] = out[t, r] * scale[r]
+
+
+@njit(nogil=True, cache=True)
+def _layer_vector(stacked: tuple | None, which: int, layer: int) -> np.ndarray | None:
+    """Row `layer` of stacked[which] ([L, n] arrays), or None for a model without them (sub-norms)."""
+    if stacked is None:
+        return None
+    return stacked[which][layer]
+
+
+@njit(nogil=True, cache=True)
+def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, step: tuple) -> None:
     """Every layer of one decode step (one token per sequence), x f32 [T, hidden] updated in place to the
-    last layer's output (before the final norm). See decode_step(isa) for the arguments."""
+    last layer's output (before the final norm).
+
+    model (once per model, cpu_ternary_step.TernaryStep): base uint8 [n]; offsets: row_off int64 [L, M]
+    of qkv, o_proj, gate_up, down (byte offsets in base); row_scales: their f32 [L, M]; out_scales: their
+    `.scale` products f32 [L, M], or None; norms: attn, ffn f32 [L, hidden]; sub_norms: attn f32 [L, H D],
+    ffn f32 [L, I], or None. step: positions int64 [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool
+    f32 [L, 2, blocks, block_size, KV, D]; slot_mapping, block_table, seq_lens (AttentionMetadata's);
+    shape: (heads, kv_heads, intermediate, attention scale, decode_glue's kp for the hidden, attention
+    and intermediate widths, padded activation rows); eps; relu2 (else SiLU); parallel_gate."""
+    norms, sub_norms = model[4], model[5]
+    positions, rope, kv_pool, slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate = step
     cos, sin, rope_dim, is_neox = rope
     num_heads, num_kv_heads, intermediate, attn_scale, kp_hidden, kp_attn, kp_inter, padded = shape
     attn_norms, ffn_norms = norms
@@ -97,11 +96,8 @@ def _decode_layers(
             acts = norm_quantize(x, attn_norms[0], eps, kp_hidden, padded)
         else:
             acts = residual_norm_quantize(x, delta, attn_norms[layer], eps, kp_hidden, padded)
-        qkv = _project(
-            gemv, gemm, base, offsets[QKV][layer], row_scales[QKV][layer], out_scales, QKV, layer, acts,
-            num_tokens,
-        )  # fmt: skip
-        attn_sub_norm = None if sub_norms is None else sub_norms[0][layer]
+        qkv = _project(gemv, gemm, model, QKV, layer, acts, num_tokens)
+        attn_sub_norm = _layer_vector(sub_norms, 0, layer)
         acts = rope_attend_quantize(
             qkv,
             num_heads,
@@ -122,23 +118,14 @@ def _decode_layers(
             kp_attn,
             padded,
         )
-        attn_out = _project(
-            gemv, gemm, base, offsets[O_PROJ][layer], row_scales[O_PROJ][layer], out_scales, O_PROJ, layer,
-            acts, num_tokens,
-        )  # fmt: skip
+        attn_out = _project(gemv, gemm, model, O_PROJ, layer, acts, num_tokens)
         acts = residual_norm_quantize(x, attn_out, ffn_norms[layer], eps, kp_hidden, padded)
-        gate_up = _project(
-            gemv, gemm, base, offsets[GATE_UP][layer], row_scales[GATE_UP][layer], out_scales, GATE_UP,
-            layer, acts, num_tokens,
-        )  # fmt: skip
-        ffn_sub_norm = None if sub_norms is None else sub_norms[1][layer]
+        gate_up = _project(gemv, gemm, model, GATE_UP, layer, acts, num_tokens)
+        ffn_sub_norm = _layer_vector(sub_norms, 1, layer)
         acts = gated_quantize(
             gate_up, intermediate, relu2, ffn_sub_norm, eps, kp_inter, padded, parallel_gate
         )
-        delta = _project(
-            gemv, gemm, base, offsets[DOWN][layer], row_scales[DOWN][layer], out_scales, DOWN, layer, acts,
-            num_tokens,
-        )  # fmt: skip
+        delta = _project(gemv, gemm, model, DOWN, layer, acts, num_tokens)
     for t in range(num_tokens):
         for i in range(x.shape[1]):
             x[t, i] += delta[t, i]
@@ -149,25 +136,13 @@ def _decode_layers(
 
 
 @njit(nogil=True, cache=True)
-def avx2_decode_layers(
-    x, base, offsets, row_scales, out_scales, norms, sub_norms, positions, rope, kv_pool,  # noqa: ANN001
-    slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate,  # noqa: ANN001
-) -> None:  # fmt: skip
-    _decode_layers(
-        int8dot.avx2_gemv, int8dot.avx2_gemm, x, base, offsets, row_scales, out_scales, norms, sub_norms,
-        positions, rope, kv_pool, slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate,
-    )  # fmt: skip
+def avx2_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(int8dot.avx2_gemv, int8dot.avx2_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
-def vnni_decode_layers(
-    x, base, offsets, row_scales, out_scales, norms, sub_norms, positions, rope, kv_pool,  # noqa: ANN001
-    slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate,  # noqa: ANN001
-) -> None:  # fmt: skip
-    _decode_layers(
-        int8dot.vnni_gemv, int8dot.vnni_gemm, x, base, offsets, row_scales, out_scales, norms, sub_norms,
-        positions, rope, kv_pool, slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate,
-    )  # fmt: skip
+def vnni_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(int8dot.vnni_gemv, int8dot.vnni_gemm, x, model, step)
 
 
 DECODE_LAYERS: dict[Isa, Callable[..., None]] = {Isa.AVX2: avx2_decode_layers, Isa.VNNI: vnni_decode_layers}
