@@ -21,7 +21,7 @@ from bitserve.config import (
 from bitserve.engine.instance import plan_kv_cache, serving_limits
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
-from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
+from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches, pooled_layers
 
 CPU = torch.device("cpu")
 # SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 dims x 4 bytes (f32, the CPU default)
@@ -107,3 +107,15 @@ def test_kv_pages_are_resident_only_once_written_and_never_huge() -> None:
 
 def _rss_kib(mapping: dict[str, str]) -> int:
     return int(mapping["Rss"].split()[0])
+
+
+def test_layers_share_one_pool_the_lean_step_reads_in_one_view() -> None:
+    """pooled_layers: the per-layer caches allocate_kv_caches makes are one [L, ...] array without a copy
+    (the cpu ternary decode step takes it in one argument); separate tensors are not a pool."""
+    layout = CacheLayout(8, 16, 3, 2, 64, torch.float32)
+    caches = allocate_kv_caches(layout)
+    pool = pooled_layers(caches)
+    assert pool is not None and pool.shape == (3, 2, 8, 16, 2, 64)
+    caches[2][1, 5, 3] = 7.0  # a write through a layer's view is the pool's
+    assert pool[2, 1, 5, 3].eq(7.0).all() and pool.count_nonzero() == 2 * 64
+    assert pooled_layers([cache.clone() for cache in caches]) is None
