@@ -1,13 +1,13 @@
 """The ternary lean decode step's layer loop as one numba call (models/cpu_fast_decode.py).
 
 Run from Python, the loop made 8 calls a layer (4 GEMVs, 4 glue calls: kernels/cpu/decode_glue.py), each
-paying numba's argument matching and a few NumPy / torch wrappers: ~20 ms a step of 30 layers on the
-2B-4T model, a fifth of its step. Here the loop runs inside one compiled call, which calls the same glue
-functions and the same int8 kernel entry points (kernels/cpu/int8dot.py) in the same order, so its
-output is the Python loop's to the bit.
+paying numba's argument matching and a few NumPy / torch wrappers: 13-18 ms a step of 30 layers on the
+2B-4T model (benchmarks/RESULTS.md). Here the loop runs inside one compiled call (~4 ms of glue left a
+step), which calls the same glue functions and the same int8 kernel entry points (kernels/cpu/int8dot.py)
+in the same order, so its output is the Python loop's to the bit.
 
-Every layer's weights are reached from one uint8 `base` array (models/cpu_fast_decode.weight_span: the
-file mapping for I2_S, else the span of the repacked arrays' addresses) through per-layer row-offset
+Every layer's weights are reached from one uint8 `base` array (models/cpu_ternary_step.address_span:
+the file mapping for I2_S, else the span of the repacked arrays' addresses) through per-layer row-offset
 tables stacked as [L, M]; row scales, norms and the KV caches are stacked [L, ...] likewise (the engine
 allocates the caches as views of one pool: runner/kv_cache.py), so a step passes a few arrays, not a
 few per layer.
