@@ -34,8 +34,7 @@ from bitserve.kernels.cpu.ternary import padded_in_features
 from bitserve.layers.attention import AttentionMetadata
 from bitserve.layers.linear import LinearGroup
 from bitserve.layers.rotary import RopeStyle
-from bitserve.models.cpu_ternary_step import TernaryStep
-from bitserve.runner.kv_cache import pooled_layers
+from bitserve.models.cpu_ternary_step import TernaryStep, pooled_layers
 
 if TYPE_CHECKING:
     from bitserve.kernels.cpu.backend import CpuBackend
@@ -186,7 +185,7 @@ class FastCpuDecode:
         return self.ternary is None or self._kv_pool(kv_caches) is not None
 
     def _kv_pool(self, kv_caches: list[torch.Tensor]) -> np.ndarray | None:
-        """The caches as one array for the ternary step (runner/kv_cache.pooled_layers), looked up once
+        """The caches as one array for the ternary step (cpu_ternary_step.pooled_layers), looked up once
         per list of caches; None where they are not one pool (then the module forward runs)."""
         key = (id(kv_caches), kv_caches[0].data_ptr(), len(kv_caches))
         if key != self._pool_of:

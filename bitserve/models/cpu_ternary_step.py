@@ -13,6 +13,7 @@ import ctypes
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from bitserve.kernels.cpu.decode_step import DECODE_LAYERS
 
@@ -31,6 +32,20 @@ def address_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     high = max(start + a.nbytes for start, a in zip(starts, arrays, strict=True))
     view = np.ctypeslib.as_array((ctypes.c_uint8 * (high - low)).from_address(low))
     return view, [start - low for start in starts]
+
+
+def pooled_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The per-layer caches as one [L, ...] tensor when they are consecutive views of one storage (as
+    runner/kv_cache.allocate_kv_caches makes them), without a copy; None otherwise."""
+    first = kv_caches[0]
+    layer_elements = first.numel()
+    storage = first.untyped_storage().data_ptr()
+    for index, cache in enumerate(kv_caches):
+        same_storage = cache.untyped_storage().data_ptr() == storage and cache.is_contiguous()
+        if not same_storage or cache.storage_offset() != first.storage_offset() + index * layer_elements:
+            return None
+    shape = (len(kv_caches), *first.shape)
+    return torch.as_strided(first, shape, (layer_elements, *first.stride()), first.storage_offset())
 
 
 def _stack(vectors: list[np.ndarray], dtype: type = np.float32) -> np.ndarray:

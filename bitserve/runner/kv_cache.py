@@ -114,23 +114,9 @@ def allocate_kv_caches(layout: CacheLayout) -> list[torch.Tensor]:
     (30 layers x 2 halves), where 4 KiB pages hold them in ~12 MiB. Hence a plain mapping, not np.zeros.
     """
     shape = (2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    # one mapping, viewed per layer: the cpu backend's lean decode step passes the whole pool in one
-    # argument (pooled_layers)
+    # one mapping, viewed per layer: the cpu backend's ternary decode step passes the whole pool in one
+    # argument (models/cpu_ternary_step.pooled_layers)
     return list(_zeroed_pages((layout.num_layers, *shape), layout.dtype).unbind(0))
-
-
-def pooled_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
-    """The per-layer caches as one [L, ...] tensor when they are consecutive views of one storage (as
-    allocate_kv_caches makes them), without a copy; None otherwise."""
-    first = kv_caches[0]
-    layer_elements = first.numel()
-    storage = first.untyped_storage().data_ptr()
-    for index, cache in enumerate(kv_caches):
-        same_storage = cache.untyped_storage().data_ptr() == storage and cache.is_contiguous()
-        if not same_storage or cache.storage_offset() != first.storage_offset() + index * layer_elements:
-            return None
-    shape = (len(kv_caches), *first.shape)
-    return torch.as_strided(first, shape, (layer_elements, *first.stride()), first.storage_offset())
 
 
 def _zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,8 @@ from bitserve.config import (
 from bitserve.engine.instance import plan_kv_cache, serving_limits
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
-from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches, pooled_layers
+from bitserve.models.cpu_ternary_step import pooled_layers
+from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
 
 CPU = torch.device("cpu")
 # SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 dims x 4 bytes (f32, the CPU default)
