@@ -153,7 +153,10 @@ class FastCpuDecode:
         self.num_threads = first.qkv.num_threads
         # ternary weights: the whole layer loop in one numba call (cpu_ternary_step.py); block weights: the
         # loop below, in Python
-        self.ternary = TernaryStep(layers) if kind is _KINDS[Int8BitnetLinear] else None
+        # (None for ternary weights scattered in memory: then the module forward runs, which also applies
+        # the `.scale` outputs the Python loop below does not)
+        self.is_ternary = kind is _KINDS[Int8BitnetLinear]
+        self.ternary = TernaryStep.build(layers) if self.is_ternary else None
         self._pool_of: tuple[int, int, int] | None = None  # (id, first data_ptr, length) of the caches
         self._pool: np.ndarray | None = None  # their pooled_layers view, f32 [L, 2, blocks, ...]
 
@@ -182,7 +185,9 @@ class FastCpuDecode:
         every_decode = metadata.other_seq_ids == () and metadata.num_seqs == num_tokens
         if not every_decode or kv_caches[0].dtype != torch.float32:
             return False
-        return self.ternary is None or self._kv_pool(kv_caches) is not None
+        if not self.is_ternary:
+            return True
+        return self.ternary is not None and self._kv_pool(kv_caches) is not None
 
     def _kv_pool(self, kv_caches: list[torch.Tensor]) -> np.ndarray | None:
         """The caches as one array for the ternary step (cpu_ternary_step.pooled_layers), looked up once

@@ -10,6 +10,7 @@ that range and row offsets relative to it, stacked [L, M] per projection, reach 
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,21 +18,36 @@ import torch
 
 from bitserve.kernels.cpu.decode_step import DECODE_LAYERS
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from bitserve.kernels.cpu.prepared import Int8BitnetLinear
     from bitserve.models.cpu_fast_decode import _FastLayer
 
 
-def address_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+# how far one view may reach past the bytes it is for: separate large allocations sit close together in
+# the process's mapping area; a span much wider than them means the arrays lie far apart
+MAX_SPAN_SLACK = 1 << 30
+
+
+def address_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]] | None:
     """One uint8 view from the lowest start to the highest end of `arrays` (C-contiguous), and each one's
     byte offset in it. The kernels read only the offsets handed to them, each inside one of `arrays`;
     where the arrays are separate allocations the view also spans memory between them that nothing
-    reads (a view, not a copy: nothing is touched or allocated). The caller keeps `arrays` alive."""
+    reads (a view, not a copy: nothing is touched or allocated). None when that gap would pass
+    MAX_SPAN_SLACK plus the arrays' own size (the caller then keeps the per-layer path). The caller
+    keeps `arrays` alive."""
     starts = [a.ctypes.data for a in arrays]
     low = min(starts)
     high = max(start + a.nbytes for start, a in zip(starts, arrays, strict=True))
+    if high - low > 2 * sum(a.nbytes for a in arrays) + MAX_SPAN_SLACK:
+        return None
     view = np.ctypeslib.as_array((ctypes.c_uint8 * (high - low)).from_address(low))
     return view, [start - low for start in starts]
+
+
+class ScatteredWeights(Exception):
+    """The weights lie too far apart in memory for one view (address_span)."""
 
 
 def pooled_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
@@ -56,6 +72,15 @@ def _stack(vectors: list[np.ndarray], dtype: type = np.float32) -> np.ndarray:
 class TernaryStep:
     """Every layer of a ternary model's decode step in one numba call of the backend's ISA."""
 
+    @classmethod
+    def build(cls, layers: list[_FastLayer]) -> TernaryStep | None:
+        """The step, or None when the weights do not lie in one address range (see address_span)."""
+        try:
+            return cls(layers)
+        except ScatteredWeights:
+            logger.info("ternary weights lie far apart in memory: the lean decode step runs layer by layer")
+            return None
+
     def __init__(self, layers: list[_FastLayer]) -> None:
         projections: list[list[Int8BitnetLinear]] = [
             [layer.qkv for layer in layers],
@@ -64,7 +89,10 @@ class TernaryStep:
             [layer.down for layer in layers],
         ]
         weights = [[weight.kernel_weight for weight in column] for column in projections]
-        self.base, starts = address_span([w for column in weights for w, _ in column])
+        span = address_span([w for column in weights for w, _ in column])
+        if span is None:
+            raise ScatteredWeights
+        self.base, starts = span
         starts_per_projection = np.reshape(starts, (len(projections), len(layers)))
         self.offsets = tuple(
             _stack(
