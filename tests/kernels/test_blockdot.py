@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from bitserve.kernels.cpu import blockdot
+from bitserve.kernels.cpu import blockdot, interleaved
 from bitserve.kernels.cpu.isa import Isa, supported_isas
 
 RTOL = 1e-5
@@ -57,12 +57,13 @@ def test_kernels_equal_the_exact_product_of_what_they_multiply(
     raw = gguf.quantize(w, GGML_TYPES[kind])
     rows = np.ascontiguousarray(raw.reshape(num_rows, -1).view(np.uint8))
     w_values = gguf.dequantize(raw, GGML_TYPES[kind]).reshape(num_rows, num_cols).astype(np.float64)
+    records = interleaved.repack(rows, interleaved.KINDS[kind])  # 70 and 33 rows: a padded last record
     kernels = blockdot.KERNELS[(isa, kind)]
-    for num_tokens in (1, 2, 3, 5, 16):  # every tile: gemv, the 2 x 2 pair, 1 x 4 with padding and without
+    for num_tokens in (1, 2, 3, 5, 16):  # every tile: gemv, the 2-token GEMM with padding and without
         x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32) * 3
         q, dx, sx = blockdot.quantize_block_q8(x, blockdot.padded_tokens(num_tokens))
         out = np.full((num_tokens, num_rows), np.nan, dtype=np.float32)
-        kernels.for_tokens(num_tokens)(rows, q, dx, sx, out)
+        kernels.for_tokens(num_tokens)(records, q, dx, sx, out)
         x_values = q[:num_tokens].reshape(num_tokens, -1, 32) * dx[:num_tokens, :, None].astype(np.float64)
         expected = x_values.reshape(num_tokens, num_cols) @ w_values.T
         err = np.abs(out - expected).max()
@@ -71,7 +72,7 @@ def test_kernels_equal_the_exact_product_of_what_they_multiply(
         for t in range(num_tokens):
             single = np.empty((1, num_rows), dtype=np.float32)
             q1, dx1, sx1 = blockdot.quantize_block_q8(x[t : t + 1], 1)
-            kernels.gemv(rows, q1, dx1, sx1, single)
+            kernels.gemv(records, q1, dx1, sx1, single)
             np.testing.assert_array_equal(single[0], out[t])
 
 
@@ -80,3 +81,24 @@ def test_q8_roundtrip_is_what_the_kernels_multiply() -> None:
     q, dx, _ = blockdot.quantize_block_q8(x, 3)
     expected = (q.reshape(3, 2, 32).astype(np.float32) * dx[:, :, None]).reshape(3, 64)
     np.testing.assert_array_equal(blockdot.q8_roundtrip(x), expected)
+
+
+@pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
+@pytest.mark.parametrize("isa", INT8_ISAS, ids=lambda isa: isa.value)
+@pytest.mark.parametrize("kind", list(GGML_TYPES))
+def test_a_rows_result_does_not_depend_on_its_slot_in_the_interleaved_record(isa: Isa, kind: str) -> None:
+    """The 4-row records change where each row's lanes sit, not its arithmetic: the same rows repacked one
+    slot over (row r in slot (r + 1) % 4 of another record) give bit-identical outputs, for every tile."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((21, 192)) * 0.05).astype(np.float32)
+    rows = np.ascontiguousarray(gguf.quantize(w, GGML_TYPES[kind]).reshape(21, -1).view(np.uint8))
+    shifted = np.concatenate([rows[:1], rows])  # a leading row: every row moves one slot
+    kernels, kind_code = blockdot.KERNELS[(isa, kind)], interleaved.KINDS[kind]
+    for num_tokens in (1, 2, 5):
+        x = rng.standard_normal((num_tokens, 192)).astype(np.float32)
+        acts = blockdot.quantize_block_q8(x, blockdot.padded_tokens(num_tokens))
+        out = np.empty((num_tokens, 21), dtype=np.float32)
+        out_shifted = np.empty((num_tokens, 22), dtype=np.float32)
+        kernels.for_tokens(num_tokens)(interleaved.repack(rows, kind_code), *acts, out)
+        kernels.for_tokens(num_tokens)(interleaved.repack(shifted, kind_code), *acts, out_shifted)
+        np.testing.assert_array_equal(out_shifted[:, 1:].view(np.uint32), out.view(np.uint32))

@@ -45,7 +45,7 @@ from numba.core.errors import NumbaError
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cpu import blockquant, decode_glue, fused, mapped
+from bitserve.kernels.cpu import blockquant, decode_glue, fused, interleaved, mapped
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.isa import Isa, resolve_block_activations, resolve_isa, supported_isas
 from bitserve.kernels.cpu.prepared import (
@@ -235,7 +235,10 @@ class CpuBackend(KernelBackend):
         rows = weight.data.reshape(m, row_bytes)
         extras: dict[str, torch.Tensor] = {}
         if self.block_activations == "q8":
-            data = rows.clone()  # [M, row_bytes]: the file's blocks (the file pages may be released)
+            # 4-row interleaved records [ceil(M / 4), nb, record] built from the mapped file's blocks: the
+            # same bytes per row-block as the file (kernels/cpu/interleaved.py), in place of a plain copy
+            kind = interleaved.KINDS[weight.layout.name.lower()]
+            data = torch.from_numpy(interleaved.repack(rows.numpy(), kind))
             d = blockquant.block_field_f32(rows, k, type_size, 0)  # [M, nb]
             if weight.layout is Layout.Q4_1:
                 extras["m"] = blockquant.block_field_f32(rows, k, type_size, 2)
@@ -286,7 +289,7 @@ class CpuBackend(KernelBackend):
             return None
         if len({weight.in_features for weight in weights}) != 1:
             return None
-        if strategy is Int8BlockLinear and len({weight.layout for weight in weights}) == 1:
+        if strategy is Int8BlockLinear and _stackable_records(weights):
             return self._fuse_int8(strategy, weights, row_scale=False)
         if issubclass(strategy, BlockLinear) and strategy is not Int8BlockLinear:
             return self._fuse_block(strategy, weights)
@@ -303,6 +306,7 @@ class CpuBackend(KernelBackend):
         """Row-major weights (int8 bitnet: packed rows uint8 [M_i, Kp / 4]; Int8BlockLinear: file blocks
         [M_i, row_bytes]) concatenated, no padding rows; int8 bitnet weights read in place from one file
         are not copied: a view spanning them and each row's offset (mapped.shared_span) stand instead.
+        Int8BlockLinear's interleaved records [G_i, nb, record] concatenate the same way (_stackable_records).
         Scales: per-tensor ones become f32 [sum M_i], each row's own (row_scale); per-block ones
         f32 [M_i, nb] are concatenated as they are (equal nb).
         Extras every weight has (Q4 mins "m", f32 copies "dense", both [M_i, ...]) are concatenated too."""
@@ -429,6 +433,14 @@ class CpuBackend(KernelBackend):
             out.numpy(),
         )
         return out
+
+
+def _stackable_records(weights: Sequence[PreparedLinear]) -> bool:
+    """Whether Int8BlockLinear weights' records can be concatenated: one layout, and every weight but
+    the last a whole number of 4-row records (a padded record in the middle would shift the rows after it)."""
+    if len({weight.layout for weight in weights}) != 1:
+        return False
+    return all(weight.out_features % interleaved.GROUP_ROWS == 0 for weight in weights[:-1])
 
 
 def _pad_rows(dense: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -372,7 +372,8 @@ class Q8Linear(BlockLinear):
 
 
 class Int8BlockLinear(BlockLinear):
-    """Q4_0 / Q4_1 / Q8_0 rows as the file stores them (uint8 [M, nb * type_size]) on int8 activations
+    """Q4_0 / Q4_1 / Q8_0 blocks in 4-row interleaved records (uint8 [ceil(M / 4), nb, record],
+    kernels/cpu/interleaved.py) on int8 activations
     (kernels/cpu/blockdot.py: llama.cpp's Q8_1-style numerics) for T < block_gemm_min_tokens: the GEMV
     tile for T = 1, the GEMM tile (weights read once per step) above. Larger batches: chunked dequantize
     + sgemm (or the resident f32 copy, as BlockLinear) on the same int8-rounded activations, so results

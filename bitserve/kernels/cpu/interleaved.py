@@ -1,0 +1,339 @@
+"""Q4_0 / Q4_1 / Q8_0 weights repacked at load into 4-row interleaved blocks, and the int8 tile on them.
+
+The arithmetic is kernels/cpu/blockdot.py's, bit for bit: per (row, token, 32-value block) eight int32 lane
+sums of four code * q products each (lane l: values 4l .. 4l + 3), converted to f32 and accumulated with one
+FMA by d * dx into that (row, token)'s lane l, the lanes summed once in ggml's hsum_float_8 order, plus the
+min term's FMA chain in block order. Only where the lanes sit in the registers changes, and with it the
+work per (row, token, block): a block of 4 rows stores the rows' 8-value runs side by side, so one 32-byte
+vector holds two lanes of each of the 4 rows, and one broadcast 8-byte run of activations meets all 4
+(ggml's repacked `block_q4_0x4` idea). Each (rows, token, block) then needs no per-row scalar scale and
+broadcast (d * dx is one vector multiply for 4 rows), and a 4-row x 2-token tile unpacks each nibble
+once for both tokens at 8 accumulators (16 ymm registers): what the per-row file layout could not fit.
+
+Record of one block of 4 rows (GROUP_ROWS), uint8 [RECORD_BYTES[kind]], records as [groups, nb, record]:
+- codes: 4 vectors of 32 bytes; in vector j, bytes 8r .. 8r + 7 are row r's values 8j .. 8j + 7, so after
+  the integer dot its int32 slots 2r, 2r + 1 are row r's lanes 2j, 2j + 1. Q4 stores the nibbles as the
+  file does (2 vectors: low nibbles are vectors 0 and 1, high nibbles vectors 2 and 3); Q8_0 its int8 values.
+- d of the 4 rows (f16, as in the file), then for Q4_1 their m (f16); Q4_0's m = -8 d is made in the kernel.
+Rows are padded to a multiple of 4 with zero rows (their outputs are never stored). Memory: 20 bytes per
+row-block for Q4_1 (the file's own size), 18 for Q4_0, 34 for Q8_0: the same as the copy of the file's
+rows it replaces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import literally, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from bitserve.kernels.cpu.int8dot import ISA_CODES, PREFETCH_BYTES, _declare, _is_c_matrix, _splat
+from bitserve.kernels.cpu.isa import Isa
+
+QK = 32  # values per block
+KIND_Q4_1, KIND_Q4_0, KIND_Q8_0 = 1, 2, 3  # the `kind` literal the kernels take
+GROUP_ROWS = 4  # rows interleaved in one record
+CODE_VECTORS = 4  # 32-byte code vectors per record after unpacking (2 lanes of each row each)
+TYPE_SIZES = (0, 20, 18, 34)  # bytes per file block, by kind
+RECORD_BYTES = (0, 80, 72, 136)  # bytes per record (4 rows' blocks), by kind
+SCALES_AT = (0, 64, 64, 128)  # d f16 [4] after the codes, by kind; Q4_1's m f16 [4] after d
+ROWS_PER_TASK = 16  # rows per prange task (4 records per block): a multiple of every tile's rows
+TOKEN_BLOCK = 32  # tokens per pass over a task's rows
+_AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F16, _F32 = ir.HalfType(), ir.FloatType()
+_V32xI8 = ir.VectorType(_I8, 32)
+_V16xI16 = ir.VectorType(_I16, 16)
+_V8xI32 = ir.VectorType(_I32, 8)
+_V4xI64 = ir.VectorType(_I64, 4)
+_V4xF16 = ir.VectorType(_F16, 4)
+_V4xF32 = ir.VectorType(_F32, 4)
+_V8xF32 = ir.VectorType(_F32, 8)
+
+
+# ---------------------------------------------------------------- repack at load
+
+
+@njit(nogil=True, cache=True)
+def repack(rows: np.ndarray, kind: int) -> np.ndarray:
+    """File rows uint8 [M, nb * type_size] -> records uint8 [ceil(M / 4), nb, RECORD_BYTES[kind]]."""
+    num_rows = rows.shape[0]
+    type_size, record, scales_at = TYPE_SIZES[kind], RECORD_BYTES[kind], SCALES_AT[kind]
+    num_blocks = rows.shape[1] // type_size
+    num_groups = (num_rows + GROUP_ROWS - 1) // GROUP_ROWS
+    out = np.zeros((num_groups, num_blocks, record), dtype=np.uint8)
+    codes_at = 4 if kind == KIND_Q4_1 else 2  # the block's qs after d (and m)
+    run_count = scales_at // (8 * GROUP_ROWS)  # 8-byte runs of a row's block: 2 (Q4) or 4 (Q8_0)
+    for row in range(num_rows):
+        g, r = row // GROUP_ROWS, row % GROUP_ROWS
+        for blk in range(num_blocks):
+            src = blk * type_size
+            for j in range(run_count):
+                for i in range(8):
+                    out[g, blk, 32 * j + 8 * r + i] = rows[row, src + codes_at + 8 * j + i]
+            for i in range(2):
+                out[g, blk, scales_at + 2 * r + i] = rows[row, src + i]  # d
+                if kind == KIND_Q4_1:
+                    out[g, blk, scales_at + 2 * GROUP_ROWS + 2 * r + i] = rows[row, src + 2 + i]  # m
+    return out
+
+
+KINDS = {"q4_1": KIND_Q4_1, "q4_0": KIND_Q4_0, "q8_0": KIND_Q8_0}  # by layout name
+
+
+# ---------------------------------------------------------------- the tile
+
+
+class _InterleavedTileEmitter:
+    """IR of one tile: groups x 4 rows x toks f32 dot products over all blocks (see the module docstring)."""
+
+    def __init__(self, builder: ir.IRBuilder, kind: int, isa: int, group_ptrs: list, tok_ptrs: list) -> None:
+        self.b = builder
+        self.kind = kind
+        self.isa = isa
+        self.group_ptrs = group_ptrs  # i8* of each group's first record
+        self.tok_ptrs = tok_ptrs  # (q i8*, dx f32*, sx f32*) of each token
+
+    def load(self, base: ir.Value, offset: ir.Value, ty: ir.Type) -> ir.Value:
+        return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), ty.as_pointer()), align=1)
+
+    def offset(self, start: ir.Value, add: int) -> ir.Value:
+        return self.b.add(start, ir.Constant(start.type, add))
+
+    def record(self, ptr: ir.Value, block: ir.Value) -> tuple[list, ir.Value, ir.Value | None, list | None]:
+        """-> (4 unsigned code vectors, d per slot <8 x f32>, m <4 x f32> or None, Q8_0 signs or None)."""
+        b = self.b
+        start = b.mul(block, ir.Constant(block.type, RECORD_BYTES[self.kind]))
+        prefetch = _declare(b, "llvm.prefetch.p0", ir.VoidType(), _I8.as_pointer(), _I32, _I32, _I32)
+        for line in range(0, RECORD_BYTES[self.kind], 64):  # every cache line of the record, not one in two
+            ahead = b.gep(ptr, [self.offset(start, PREFETCH_BYTES + line)])
+            b.call(prefetch, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        d4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind]), _V4xF16), _V4xF32)
+        pairs = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
+        d8 = b.shuffle_vector(d4, d4, pairs)
+        if self.kind == KIND_Q8_0:
+            values = [self.load(ptr, self.offset(start, 32 * j), _V32xI8) for j in range(CODE_VECTORS)]
+            absolute = _declare(b, "llvm.abs.v32i8", _V32xI8, _V32xI8, ir.IntType(1))
+            codes = [b.call(absolute, [v, ir.Constant(ir.IntType(1), 0)]) for v in values]
+            return codes, d8, None, values  # u8 |w| (128 for -128), signs from w
+        packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(2)]
+        low = [b.and_(v, _splat(_V32xI8, 15)) for v in packed]
+        high = [b.lshr(v, _splat(_V32xI8, 4)) for v in packed]
+        if self.kind == KIND_Q4_1:
+            mins_at = self.offset(start, SCALES_AT[self.kind] + 2 * GROUP_ROWS)
+            m4 = b.fpext(self.load(ptr, mins_at, _V4xF16), _V4xF32)
+        else:  # Q4_0: (code - 8) d = code d + (-8 d), exact in f32
+            m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -8.0)] * 4))
+        return low + high, d8, m4, None
+
+    def integer_dot(self, codes: ir.Value, acts: ir.Value) -> ir.Value:
+        """u8 codes x s8 acts -> <8 x i32> sums of 4 products each (exact)."""
+        b = self.b
+        if self.isa == _VNNI:
+            dpbusd = _declare(b, "llvm.x86.avx512.vpdpbusd.256", _V8xI32, _V8xI32, _V8xI32, _V8xI32)
+            return b.call(dpbusd, [_splat(_V8xI32, 0), b.bitcast(codes, _V8xI32), b.bitcast(acts, _V8xI32)])
+        maddubs = _declare(b, "llvm.x86.avx2.pmadd.ub.sw", _V16xI16, _V32xI8, _V32xI8)
+        maddwd = _declare(b, "llvm.x86.avx2.pmadd.wd", _V8xI32, _V16xI16, _V16xI16)
+        return b.call(maddwd, [b.call(maddubs, [codes, acts]), _splat(_V16xI16, 1)])
+
+    def token_acts(self, q_ptr: ir.Value, block: ir.Value) -> list[ir.Value]:
+        """The 4 activation runs of a token's block, each 8 bytes broadcast to every row's slot."""
+        b = self.b
+        start = b.mul(block, ir.Constant(block.type, QK))
+        runs = []
+        for j in range(CODE_VECTORS):
+            run = self.load(q_ptr, self.offset(start, 8 * j), _I64)
+            first = b.insert_element(ir.Constant(_V4xI64, ir.Undefined), run, ir.Constant(_I32, 0))
+            spread = b.shuffle_vector(first, first, ir.Constant(ir.VectorType(_I32, 4), [0] * 4))
+            runs.append(b.bitcast(spread, _V32xI8))
+        return runs
+
+    def emit(self, num_blocks: ir.Value) -> list[ir.Value]:
+        """-> f32 per (row, token), rows of all groups in order, token-minor."""
+        b = self.b
+        num_toks = len(self.tok_ptrs)
+        fma = _declare(b, "llvm.fma.v8f32", _V8xF32, _V8xF32, _V8xF32, _V8xF32)
+        min_type = ir.VectorType(_F32, GROUP_ROWS * num_toks)  # lane t * 4 + r: row r, token t
+        fma_mins = _declare(b, f"llvm.fma.v{min_type.count}f32", min_type, min_type, min_type, min_type)
+        zero8 = ir.Constant(_V8xF32, [ir.Constant(_F32, 0.0)] * 8)
+        zero_mins = ir.Constant(min_type, [ir.Constant(_F32, 0.0)] * min_type.count)
+        accs = {
+            (g, t, j): cgutils.alloca_once_value(b, zero8)
+            for g in range(len(self.group_ptrs))
+            for t in range(num_toks)
+            for j in range(CODE_VECTORS)
+        }
+        mins = [cgutils.alloca_once_value(b, zero_mins) for _ in self.group_ptrs]
+        psign = _declare(b, "llvm.x86.avx2.psign.b", _V32xI8, _V32xI8, _V32xI8)  # vpsignb
+        with cgutils.for_range(b, num_blocks) as loop:
+            block = loop.index
+            records = [self.record(ptr, block) for ptr in self.group_ptrs]
+            toks = []
+            sx_lanes = zero_mins
+            for t, (q_ptr, dx_ptr, sx_ptr) in enumerate(self.tok_ptrs):
+                dx = b.load(b.gep(dx_ptr, [block]))
+                toks.append((self.token_acts(q_ptr, block), _splat_value(b, dx, _V8xF32)))
+                if self.kind != KIND_Q8_0:
+                    sx = b.load(b.gep(sx_ptr, [block]))
+                    for r in range(GROUP_ROWS):
+                        sx_lanes = b.insert_element(sx_lanes, sx, ir.Constant(_I32, t * GROUP_ROWS + r))
+            for g, (codes, d8, m4, signs) in enumerate(records):
+                for t, (acts, dx8) in enumerate(toks):
+                    scale = b.fmul(d8, dx8)  # d * dx of each slot's row: blockdot's scalar product, per lane
+                    for j in range(CODE_VECTORS):
+                        a = acts[j]
+                        if signs is not None:  # Q8_0: |w| * (q with w's sign); w = 0 gives 0 either way
+                            a = b.call(psign, [a, signs[j]])
+                        lanes = b.sitofp(self.integer_dot(codes[j], a), _V8xF32)
+                        slot = accs[(g, t, j)]
+                        b.store(b.call(fma, [scale, lanes, b.load(slot)]), slot)
+                if m4 is not None:
+                    rows_again = list(range(GROUP_ROWS)) * num_toks
+                    repeat = ir.Constant(ir.VectorType(_I32, min_type.count), rows_again)
+                    m_lanes = b.shuffle_vector(m4, m4, repeat)
+                    b.store(b.call(fma_mins, [m_lanes, sx_lanes, b.load(mins[g])]), mins[g])
+        return self.epilogue(accs, mins, num_toks)
+
+    def epilogue(self, accs: dict, mins: list, num_toks: int) -> list[ir.Value]:
+        """Lane sums in hsum_float_8's order ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), plus the min term.
+        Vector j holds lanes 2j, 2j + 1 of each row, so (j0 + j2) + (j1 + j3) makes that order per slot
+        pair, and slot 2r + slot 2r + 1 the final sum."""
+        b = self.b
+        sums = []
+        for g in range(len(self.group_ptrs)):
+            row_mins = b.load(mins[g])
+            for r in range(GROUP_ROWS):
+                for t in range(num_toks):
+                    sums.append((g, r, t))
+            per_token = []
+            for t in range(num_toks):
+                acc = [b.load(accs[(g, t, j)]) for j in range(CODE_VECTORS)]
+                per_token.append(b.fadd(b.fadd(acc[0], acc[2]), b.fadd(acc[1], acc[3])))
+            for r in range(GROUP_ROWS):
+                for t in range(num_toks):
+                    pair = [b.extract_element(per_token[t], ir.Constant(_I32, 2 * r + i)) for i in range(2)]
+                    minimum = b.extract_element(row_mins, ir.Constant(_I32, t * GROUP_ROWS + r))
+                    sums[g * GROUP_ROWS * num_toks + r * num_toks + t] = b.fadd(b.fadd(*pair), minimum)
+        return sums
+
+
+def _splat_value(b: ir.IRBuilder, value: ir.Value, vector_type: ir.VectorType) -> ir.Value:
+    """A scalar in every lane of vector_type."""
+    first = b.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(_I32, 0))
+    zeros = ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count)
+    return b.shuffle_vector(first, first, zeros)
+
+
+def _is_records(ty: types.Type) -> bool:
+    return isinstance(ty, types.Array) and ty.dtype == types.uint8 and ty.ndim == 3 and ty.layout == "C"
+
+
+@intrinsic
+def _interleaved_tile(
+    typingctx: object,
+    isa: types.Type,
+    kind: types.Type,
+    groups: types.Type,
+    toks: types.Type,
+    w: types.Type,
+    w_group: types.Type,
+    q: types.Type,
+    dx: types.Type,
+    sx: types.Type,
+    q_row: types.Type,
+) -> tuple | None:
+    """_interleaved_tile(isa, kind, groups, toks, w, w_group, q, dx, sx, q_row) -> UniTuple(float32, n).
+
+    isa, kind, groups, toks: integer literals. w uint8 [G, nb, record] (repack), q int8 [Tp, K], dx / sx
+    f32 [Tp, nb], all C order. n = groups * 4 * toks; entry (g * 4 + r) * toks + t is row
+    4 (w_group + g) + r, token q_row + t.
+    """
+    literals = (isa, kind, groups, toks)
+    if not all(isinstance(v, types.IntegerLiteral) for v in literals):
+        return None
+    if not (_is_records(w) and _is_c_matrix(q, types.int8)):
+        return None
+    if not (_is_c_matrix(dx, types.float32) and _is_c_matrix(sx, types.float32)):
+        return None
+    isa_code, kind_code, num_groups, num_toks = (v.literal_value for v in literals)
+    sig = types.UniTuple(types.float32, num_groups * GROUP_ROWS * num_toks)(
+        isa, kind, groups, toks, w, w_group, q, dx, sx, q_row
+    )
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, llargs: tuple) -> ir.Value:
+        w_val, w_group_val, q_val, dx_val, sx_val, q_row_val = llargs[4:]
+        w_arr = context.make_array(w)(context, builder, w_val)
+        q_arr = context.make_array(q)(context, builder, q_val)
+        dx_arr = context.make_array(dx)(context, builder, dx_val)
+        sx_arr = context.make_array(sx)(context, builder, sx_val)
+        group_stride = builder.extract_value(w_arr.strides, 0)  # bytes per group of 4 rows
+        q_stride = builder.extract_value(q_arr.strides, 0)
+        num_blocks = builder.extract_value(dx_arr.shape, 1)
+        group_ptrs = [
+            builder.gep(
+                w_arr.data,
+                [builder.mul(builder.add(w_group_val, ir.Constant(w_group_val.type, g)), group_stride)],
+            )
+            for g in range(num_groups)
+        ]
+        tok_ptrs = []
+        for t in range(num_toks):
+            tok = builder.add(q_row_val, ir.Constant(q_row_val.type, t))
+            q_ptr = builder.gep(q_arr.data, [builder.mul(tok, q_stride)])
+            dx_ptr = builder.gep(dx_arr.data, [builder.mul(tok, num_blocks)])
+            sx_ptr = builder.gep(sx_arr.data, [builder.mul(tok, num_blocks)])
+            tok_ptrs.append((q_ptr, dx_ptr, sx_ptr))
+        emitter = _InterleavedTileEmitter(builder, kind_code, isa_code, group_ptrs, tok_ptrs)
+        sums = emitter.emit(num_blocks)
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _interleaved_body(
+    isa: int,
+    kind: int,
+    groups: int,
+    toks: int,
+    w: np.ndarray,
+    q: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """w uint8 [G, nb, record] (repack), q int8 [Tp, K], dx / sx f32 [Tp, nb] -> out f32 [T, M], M <= 4 G.
+    Per task, TOKEN_BLOCK tokens at a time over the task's rows: each weight byte comes from memory once
+    per step (the task's records stay in L1/L2 across token blocks)."""
+    literally(isa)
+    literally(kind)
+    literally(groups)
+    literally(toks)
+    num_groups = w.shape[0]
+    task_groups = ROWS_PER_TASK // GROUP_ROWS
+    for task in prange((num_groups + task_groups - 1) // task_groups):
+        g_start = task * task_groups
+        g_end = min(num_groups, g_start + task_groups)
+        full_end = g_start + (g_end - g_start) // groups * groups
+        for t_block in range(0, q.shape[0], TOKEN_BLOCK):
+            t_end = min(q.shape[0], t_block + TOKEN_BLOCK)
+            for g in range(g_start, full_end, groups):
+                for t0 in range(t_block, t_end, toks):
+                    y = _interleaved_tile(isa, kind, groups, toks, w, g, q, dx, sx, t0)
+                    _store(y, groups * GROUP_ROWS, toks, g * GROUP_ROWS, t0, out)
+            for g in range(full_end, g_end):
+                for t0 in range(t_block, t_end, toks):
+                    y1 = _interleaved_tile(isa, kind, 1, toks, w, g, q, dx, sx, t0)
+                    _store(y1, GROUP_ROWS, toks, g * GROUP_ROWS, t0, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _store(y: tuple, rows: int, toks: int, r0: int, t0: int, out: np.ndarray) -> None:
+    for t in range(t0, min(t0 + toks, out.shape[0])):
+        for i in range(min(rows, out.shape[1] - r0)):
+            out[t, r0 + i] = y[i * toks + t - t0]
