@@ -3,7 +3,9 @@
 The activation quantizer is checked against gguf-py's numpy Q8_0 quantizer (an independent implementation
 of the same per-32-block scheme); the kernels against a float64 product of the dequantized weights
 (gguf-py's dequantizer) and the dequantized int8 activations: the integer dots are exact, so only the f32
-epilogue's rounding remains (RTOL of max |y|).
+epilogue's rounding remains (RTOL of max |y|). The weights run as 4-row interleaved records
+(kernels/cpu/interleaved.py): a row's result must not depend on its slot in a record, records stack in
+CpuBackend.fuse_group only when whole, and decode_rows reads them back to gguf's values.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from bitserve.kernels.cpu import blockdot, interleaved
+from bitserve.kernels.cpu.backend import CpuBackend
 from bitserve.kernels.cpu.isa import Isa, supported_isas
+from bitserve.kernels.packed import Layout, PackedWeight
 
 RTOL = 1e-5
 INT8_ISAS = [isa for isa in supported_isas() if isa is not Isa.GENERIC]
@@ -102,3 +107,34 @@ def test_a_rows_result_does_not_depend_on_its_slot_in_the_interleaved_record(isa
         kernels.for_tokens(num_tokens)(interleaved.repack(rows, kind_code), *acts, out)
         kernels.for_tokens(num_tokens)(interleaved.repack(shifted, kind_code), *acts, out_shifted)
         np.testing.assert_array_equal(out_shifted[:, 1:].view(np.uint32), out.view(np.uint32))
+
+
+@pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
+@pytest.mark.parametrize("rows", [(72, 33), (70, 33)], ids=["stacked", "not-stacked"])
+def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(rows: tuple[int, int]) -> None:
+    """CpuBackend.fuse_group concatenates records only when every weight but the last fills its last
+    record (70 rows would leave 2 padding rows in the middle); stacked or not, each output row equals its
+    weight run alone, and decode_rows (the sgemm path) reads the records back to gguf's dequantized rows."""
+    rng = np.random.default_rng(3)
+    backend = CpuBackend(isa=INT8_ISAS[0], block_activations="q8")
+    weights, values = [], []
+    for m in rows:
+        w = (rng.standard_normal((m, 96)) * 0.05).astype(np.float32)
+        raw = gguf.quantize(w, GGML_TYPES["q4_1"])
+        values.append(gguf.dequantize(raw, GGML_TYPES["q4_1"]).reshape(m, 96))
+        data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
+        weights.append(backend.prepare_block(PackedWeight(data, (m, 96), Layout.Q4_1, "Q4_1")))
+    for weight, expected in zip(weights, values, strict=True):
+        decoded = np.empty((weight.out_features, 96), dtype=np.float32)
+        weight.decode_rows(0, decoded)
+        np.testing.assert_array_equal(decoded, expected)
+    fused = backend.fuse_group(weights)
+    assert (fused is not None) == (rows[0] % interleaved.GROUP_ROWS == 0)
+    if fused is None:
+        return
+    stacked, offsets = fused
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype(np.float32))
+    together = stacked.run(x, stacked.quantize(x))
+    for weight, start in zip(weights, offsets, strict=True):
+        alone = weight.run(x, weight.quantize(x))
+        assert torch.equal(together[:, start : start + weight.out_features], alone)
