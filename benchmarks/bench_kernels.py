@@ -9,6 +9,7 @@ each (backend, mode, path) includes numba compilation, or loading it from numba'
     python benchmarks/bench_kernels.py --backends reference cpu --mode float --tokens 1 64
     python benchmarks/bench_kernels.py --isa-compare --bandwidth          # cpu ternary kernel variants
     python benchmarks/bench_kernels.py --isa-compare --model /tmp/2b4t-i2s.gguf   # + decode tok/s
+    python benchmarks/bench_kernels.py --gemv-rows 8 1 --cold     # int8 GEMV alone, per row tile
 
 --isa-compare times the cpu backend's bitnet-mode ternary kernel variants (kernels/cpu/isa.py: generic =
 the int16 numba kernels, avx2 / vnni = the int8 ones) on the same weights and inputs, rounds alternating
@@ -17,7 +18,9 @@ call runs over copies of the weight totalling 128 MB, so they come from DRAM as 
 M * K * T / time of the whole prepared-weight call (quantize + kernel); at T = 1 it is G weights/s.
 --bandwidth measures read bandwidth with numpy sums over a 1 GB array (2 threads: two halves summed
 concurrently; numpy drops the GIL) and prints the bytes-per-token bound of the 2B-4T shape. --model loads
-that file once per variant in this process and alternates greedy decode runs between them.
+that file once per variant in this process and alternates greedy decode runs between them. --gemv-rows
+times the best variant's GEMV kernel alone (quantize outside the timing) with each row tile, as GB/s of
+packed weights and % of the numpy read bandwidth measured in the same run.
 
 OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads libgomp): with libgomp's default
 spin-waiting, a machine whose cores are busy with other work makes each parallel kernel call wait for
@@ -31,6 +34,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / numba load libgomp
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -149,6 +153,74 @@ def bandwidth_bound(thread_counts: Sequence[int]) -> None:
         )
 
 
+def gemv_with_rows(isa_name: str, rows: int) -> Callable[..., None]:
+    """The int8 GEMV entry point of `isa_name` with a `rows`-row tile (int8dot.GEMV_ROWS is the shipped
+    one): njit wrapper passing the literals, as int8dot's own entry points do."""
+    from numba import njit
+
+    from bitserve.kernels.cpu import int8dot
+    from bitserve.kernels.cpu.isa import Isa
+
+    isa = int8dot.ISA_CODES[Isa(isa_name)]
+
+    @njit(nogil=True)
+    def gemv(weight, q, q_sum, s_act, row_scale, out):  # noqa: ANN001, ANN202 - numba types them
+        int8dot._bitnet_body(isa, rows, 1, weight, q, q_sum, s_act, row_scale, out)
+
+    return gemv
+
+
+def gemv_tiles(isa_name: str, thread_counts: Sequence[int], args: argparse.Namespace) -> None:
+    """GB/s of packed weights read by the int8 GEMV kernel alone (activations quantized once, outside
+    the timing) for each row tile in --gemv-rows, and that as a share of numpy's read bandwidth at the
+    same thread count, measured in this run. Rounds alternate between the tiles, best kept."""
+    kernels = {rows: gemv_with_rows(isa_name, rows) for rows in args.gemv_rows}
+    bandwidth = read_bandwidth(thread_counts)
+    print(
+        f"{isa_name} GEMV, kernel alone, {'cold' if args.cold else 'hot'}; numpy read GB/s "
+        + ", ".join(f"{n} thr {g:.1f}" for n, g in bandwidth.items())
+    )
+    print(f"{'thr':>3} {'shape':>11} " + " ".join(f"{f'{r}-row GB/s (%)':>18}" for r in kernels))
+    for shape in args.shapes or ISA_SHAPES:
+        m, k = (int(v) for v in shape.lower().split("x"))
+        calls, bytes_per_call = gemv_calls(kernels, m, k, args.cold)
+        for num_threads in thread_counts:
+            set_threads(num_threads)
+            best = dict.fromkeys(calls, float("inf"))
+            for _ in range(args.rounds):
+                for rows, fn in calls.items():
+                    best[rows] = min(best[rows], best_seconds(fn, args.repeats))
+            rates = [bytes_per_call / s / 1e9 for s in best.values()]
+            cells = " ".join(f"{g:11.1f} ({100 * g / bandwidth[num_threads]:3.0f}%)" for g in rates)
+            print(f"{num_threads:>3} {shape:>11} {cells}", flush=True)
+
+
+def gemv_calls(
+    kernels: dict[int, Callable[..., None]], m: int, k: int, cold: bool
+) -> tuple[dict[int, Callable[[], object]], int]:
+    """One timed call per kernel over random M x K packed weights (cold: copies totalling COLD_BYTES),
+    all checked to agree bit for bit first -> (calls, packed bytes each call reads)."""
+    from bitserve.kernels.cpu import int8dot
+
+    rng = np.random.default_rng(0)
+    copies = -(-COLD_BYTES // (m * k // 4)) if cold else 1
+    weights = [int8dot.row_table(rng.integers(0, 256, (m, k // 4), dtype=np.uint8)) for _ in range(copies)]
+    q, s_act, q_sum = int8dot.quantize_int8(rng.standard_normal((1, k)).astype(np.float32), k, 1)
+    row_scale = np.full(m, 0.0371, dtype=np.float32)
+    outs = {rows: np.empty((1, m), dtype=np.float32) for rows in kernels}
+    for rows, kernel in kernels.items():
+        kernel(weights[0], q, q_sum, s_act, row_scale, outs[rows])  # compiles
+    first = next(iter(outs.values()))
+    assert all(np.array_equal(first, o) for o in outs.values()), "row tiles disagree"
+
+    def call(kernel: Callable[..., None], out: np.ndarray) -> None:
+        for weight in weights:
+            kernel(weight, q, q_sum, s_act, row_scale, out)
+
+    calls = {rows: functools.partial(call, kernel, outs[rows]) for rows, kernel in kernels.items()}
+    return calls, copies * m * k // 4
+
+
 def model_decode(path: Path, isas: Sequence[str], args: argparse.Namespace) -> None:
     """Greedy decode tok/s of the model file under each variant: one LLM per variant in this process,
     decode runs alternating between them; best and median of --rounds runs."""
@@ -210,11 +282,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (--isa-compare, --model)")
     parser.add_argument("--cold", action="store_true", help="--isa-compare from DRAM: cycle >128 MB weights")
     parser.add_argument("--bandwidth", action="store_true", help="read bandwidth and the 2B-4T decode bound")
+    parser.add_argument(
+        "--gemv-rows", nargs="+", type=int, default=None, help="int8 GEMV alone, per row tile (e.g. 8 1)"
+    )
     parser.add_argument("--model", type=Path, default=None, help="2B-4T I2_S file: decode tok/s per variant")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=64)
     args = parser.parse_args()
-    if args.isa_compare or args.bandwidth or args.model:
+    if args.isa_compare or args.bandwidth or args.model or args.gemv_rows:
         run_isa_benchmarks(args)
         return
 
@@ -260,6 +335,8 @@ def run_isa_benchmarks(args: argparse.Namespace) -> None:
     if args.isa_compare:
         tokens = args.tokens if args.tokens != [1, 8, 64] else [1, 16]
         isa_compare(isas, args.thread_counts, tokens, args)
+    if args.gemv_rows:
+        gemv_tiles(isas[-1], args.thread_counts, args)
     if args.model:
         model_decode(args.model, isas, args)
 

@@ -41,7 +41,9 @@ PLANE_BYTES = GROUP_COLS // PLANES  # 32 codes / activations per plane: one 256-
 FLUSH_GROUPS = 16
 ROWS_PER_TASK = 16  # rows per prange task (a multiple of every row tile)
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows: 32 x Kp int8 activations stay in L2
-PREFETCH_BYTES = 12288  # software prefetch distance along the weights (Zen 3, 6912x2560 / 2560x6912)
+PREFETCH_TILES = 2  # software prefetch distance in row tiles (RESULTS.md "Ternary GEMV at 2 threads")
+CACHE_LINE = 64
+PREFETCH_BYTES = 12288  # blockdot's software prefetch distance along each row (Zen 3)
 ISA_CODES = {Isa.AVX2: 1, Isa.VNNI: 2}  # the `isa` literal the kernels take
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
 
@@ -62,11 +64,11 @@ def _declare(builder: ir.IRBuilder, name: str, ret: ir.Type, *args: ir.Type) -> 
 class _TileEmitter:
     """Writes the IR of one tile: rows x toks int32 sums of code * q over a range of groups."""
 
-    def __init__(self, builder: ir.IRBuilder, row_ptrs: list, tok_ptrs: list, ahead: list) -> None:
+    def __init__(self, builder: ir.IRBuilder, row_ptrs: list, tok_ptrs: list, ahead: ir.Value) -> None:
         self.b = builder
         self.row_ptrs = row_ptrs  # i8* of each row's first group
         self.tok_ptrs = tok_ptrs  # i8* of each token's first group
-        self.ahead = ahead  # i8* PREFETCH_BYTES past each row pointer: prefetched as we go
+        self.ahead = ahead  # i8* of the first row of the tile PREFETCH_TILES ahead: prefetched as we go
 
     def load(self, base: ir.Value, offset: ir.Value) -> ir.Value:
         """An unaligned 32-byte load at base + offset."""
@@ -77,14 +79,9 @@ class _TileEmitter:
         """Group g -> (planes[row][s] code vectors, acts[tok][s] activation vectors)."""
         b = self.b
         planes = []
-        prefetch = _declare(b, "llvm.prefetch.p0", ir.VoidType(), _I8.as_pointer(), _I32, _I32, _I32)
+        self.prefetch_ahead(g)
         offset = b.mul(g, ir.Constant(g.type, GROUP_BYTES))
-        for ptr, next_ptr in zip(self.row_ptrs, self.ahead, strict=True):
-            # read, all cache levels, data; x86 prefetches never fault, so past the end is harmless
-            b.call(
-                prefetch,
-                [b.gep(next_ptr, [offset]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)],
-            )
+        for ptr in self.row_ptrs:
             codes = self.load(ptr, offset)  # [32] u8, 4 fields each
             three = _splat(_V32xI8, 3)
             shifts = [_splat(_V32xI8, 6 - 2 * s) for s in range(PLANES)]  # I2_S: plane 0 in the high bits
@@ -95,6 +92,24 @@ class _TileEmitter:
             offsets = [b.add(base, ir.Constant(g.type, PLANE_BYTES * s)) for s in range(PLANES)]
             acts.append([self.load(ptr, offset) for offset in offsets])
         return planes, acts
+
+    def prefetch_ahead(self, g: ir.Value) -> None:
+        """Prefetch the next rows x 32 bytes of the tile PREFETCH_TILES ahead, read as one sequential stream:
+        over the tile's groups that covers its rows (contiguous: a tile never straddles two weights of a
+        stacked group by more than a few rows' worth of useless prefetches).
+
+        Why one stream: prefetching a fixed distance past each of the tile's row pointers (8 rows: 8
+        interleaved streams a row apart, each line requested twice) read cold weights at ~40-60% of the
+        read bandwidth; the same bytes as one sequential stream read at about the bandwidth, 1 or 2 threads.
+        """
+        b = self.b
+        prefetch = _declare(b, "llvm.prefetch.p0", ir.VoidType(), _I8.as_pointer(), _I32, _I32, _I32)
+        step = GROUP_BYTES * len(self.row_ptrs)
+        start = b.gep(self.ahead, [b.mul(g, ir.Constant(g.type, step))])
+        for line in range(max(1, step // CACHE_LINE)):
+            # read, all cache levels, data; x86 prefetches never fault, so past the end is harmless
+            address = b.gep(start, [ir.Constant(g.type, line * CACHE_LINE)])
+            b.call(prefetch, [address, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
     def pairs(self) -> list[tuple[int, int]]:
         return [(r, t) for r in range(len(self.row_ptrs)) for t in range(len(self.tok_ptrs))]
@@ -212,8 +227,12 @@ def _tile(
             for t in range(num_toks)
         ]
         # a GEMV streams its weights once, from DRAM: the hardware prefetchers alone left it at ~40% of
-        # the read bandwidth; software prefetch PREFETCH_BYTES ahead of each row roughly doubled it
-        ahead = [builder.gep(ptr, [ir.Constant(q_stride.type, PREFETCH_BYTES)]) for ptr in row_ptrs]
+        # the read bandwidth. The tile PREFETCH_TILES ahead is found through the row table (so a stacked
+        # group's next weight is found too), clamped to the last row (past it: harmless prefetches)
+        last_row = builder.sub(builder.extract_value(off_arr.shape, 0), ir.Constant(w_row_val.type, 1))
+        ahead_row = builder.add(w_row_val, ir.Constant(w_row_val.type, PREFETCH_TILES * num_rows))
+        ahead_row = builder.select(builder.icmp_signed(">", ahead_row, last_row), last_row, ahead_row)
+        ahead = builder.gep(w_arr.data, [builder.load(builder.gep(off_arr.data, [ahead_row]))])
         emitter = _TileEmitter(builder, row_ptrs, tok_ptrs, ahead)
         emit = emitter.emit_vnni if isa_code == _VNNI else emitter.emit_avx2
         sums = emit(g0_val, num_groups_val)
