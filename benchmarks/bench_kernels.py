@@ -9,7 +9,8 @@ each (backend, mode, path) includes numba compilation, or loading it from numba'
     python benchmarks/bench_kernels.py --backends reference cpu --mode float --tokens 1 64
     python benchmarks/bench_kernels.py --isa-compare --bandwidth          # cpu ternary kernel variants
     python benchmarks/bench_kernels.py --isa-compare --model /tmp/2b4t-i2s.gguf   # + decode tok/s
-    python benchmarks/bench_kernels.py --gemv-rows 8 1 --cold     # int8 GEMV alone, per row tile
+    git show main:bitserve/kernels/cpu/int8dot.py > /tmp/int8dot_main.py
+    python benchmarks/bench_kernels.py --kernel-baseline /tmp/int8dot_main.py --cold   # kernels alone, A/B
 
 --isa-compare times the cpu backend's bitnet-mode ternary kernel variants (kernels/cpu/isa.py: generic =
 the int16 numba kernels, avx2 / vnni = the int8 ones) on the same weights and inputs, rounds alternating
@@ -18,9 +19,10 @@ call runs over copies of the weight totalling 128 MB, so they come from DRAM as 
 M * K * T / time of the whole prepared-weight call (quantize + kernel); at T = 1 it is G weights/s.
 --bandwidth measures read bandwidth with numpy sums over a 1 GB array (2 threads: two halves summed
 concurrently; numpy drops the GIL) and prints the bytes-per-token bound of the 2B-4T shape. --model loads
-that file once per variant in this process and alternates greedy decode runs between them. --gemv-rows
-times the best variant's GEMV kernel alone (quantize outside the timing) with each row tile, as GB/s of
-packed weights and % of the numpy read bandwidth measured in the same run.
+that file once per variant in this process and alternates greedy decode runs between them.
+--kernel-baseline times the best variant's int8 GEMV (T = 1) / GEMM kernel alone (quantize outside the
+timing) of this checkout against another version of int8dot.py, as GB/s of packed weights and % of the
+numpy read bandwidth measured in the same run.
 
 OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads libgomp): with libgomp's default
 spin-waiting, a machine whose cores are busy with other work makes each parallel kernel call wait for
@@ -153,51 +155,65 @@ def bandwidth_bound(thread_counts: Sequence[int]) -> None:
         )
 
 
-def gemv_with_rows(isa_name: str, rows: int) -> Callable[..., None]:
-    """The int8 GEMV entry point of `isa_name` with a `rows`-row tile (int8dot.GEMV_ROWS is the shipped
-    one): njit wrapper passing the literals, as int8dot's own entry points do."""
-    from numba import njit
+def load_int8dot(path: Path) -> object:
+    """Another version of kernels/cpu/int8dot.py (e.g. `git show main:bitserve/kernels/cpu/int8dot.py`) as
+    a module of its own, next to this checkout's."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location(f"int8dot_{path.stem}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel_ab(
+    isa_name: str, thread_counts: Sequence[int], tokens: Sequence[int], args: argparse.Namespace
+) -> None:
+    """GB/s of packed weights read by the int8 ternary kernel alone (activations quantized once, outside
+    the timing; T = 1: the GEMV, above: the GEMM) of this checkout and of --kernel-baseline, and that as a
+    share of numpy's read bandwidth at the same thread count, measured in this run. Rounds alternate
+    between the two, best kept."""
     from bitserve.kernels.cpu import int8dot
     from bitserve.kernels.cpu.isa import Isa
 
-    isa = int8dot.ISA_CODES[Isa(isa_name)]
-
-    @njit(nogil=True)
-    def gemv(weight, q, q_sum, s_act, row_scale, out):  # noqa: ANN001, ANN202 - numba types them
-        int8dot._bitnet_body(isa, rows, 1, weight, q, q_sum, s_act, row_scale, out)
-
-    return gemv
-
-
-def gemv_tiles(isa_name: str, thread_counts: Sequence[int], args: argparse.Namespace) -> None:
-    """GB/s of packed weights read by the int8 GEMV kernel alone (activations quantized once, outside
-    the timing) for each row tile in --gemv-rows, and that as a share of numpy's read bandwidth at the
-    same thread count, measured in this run. Rounds alternate between the tiles, best kept."""
-    kernels = {rows: gemv_with_rows(isa_name, rows) for rows in args.gemv_rows}
+    modules = {"baseline": load_int8dot(args.kernel_baseline), "this": int8dot}
     bandwidth = read_bandwidth(thread_counts)
     print(
-        f"{isa_name} GEMV, kernel alone, {'cold' if args.cold else 'hot'}; numpy read GB/s "
+        f"{isa_name} kernels alone, {'cold' if args.cold else 'hot'}; numpy read GB/s "
         + ", ".join(f"{n} thr {g:.1f}" for n, g in bandwidth.items())
     )
-    print(f"{'thr':>3} {'shape':>11} " + " ".join(f"{f'{r}-row GB/s (%)':>18}" for r in kernels))
+    print(
+        f"{'thr':>3} {'shape':>11} {'T':>3} "
+        + " ".join(f"{f'{n} GB/s (%)':>18}" for n in modules)
+        + "  ratio"
+    )
     for shape in args.shapes or ISA_SHAPES:
         m, k = (int(v) for v in shape.lower().split("x"))
-        calls, bytes_per_call = gemv_calls(kernels, m, k, args.cold)
-        for num_threads in thread_counts:
-            set_threads(num_threads)
-            best = dict.fromkeys(calls, float("inf"))
-            for _ in range(args.rounds):
-                for rows, fn in calls.items():
-                    best[rows] = min(best[rows], best_seconds(fn, args.repeats))
-            rates = [bytes_per_call / s / 1e9 for s in best.values()]
-            cells = " ".join(f"{g:11.1f} ({100 * g / bandwidth[num_threads]:3.0f}%)" for g in rates)
-            print(f"{num_threads:>3} {shape:>11} {cells}", flush=True)
+        for num_tokens in tokens:
+            kernels = {
+                name: getattr(module.KERNELS[Isa(isa_name)], "gemv" if num_tokens == 1 else "gemm")
+                for name, module in modules.items()
+            }
+            calls, bytes_per_call = kernel_calls(kernels, m, k, num_tokens, args.cold)
+            for num_threads in thread_counts:
+                set_threads(num_threads)
+                best = dict.fromkeys(calls, float("inf"))
+                for _ in range(args.rounds):
+                    for name, fn in calls.items():
+                        best[name] = min(best[name], best_seconds(fn, args.repeats))
+                rates = [bytes_per_call / s / 1e9 for s in best.values()]
+                cells = " ".join(f"{g:11.1f} ({100 * g / bandwidth[num_threads]:3.0f}%)" for g in rates)
+                print(
+                    f"{num_threads:>3} {shape:>11} {num_tokens:>3} {cells}  {rates[-1] / rates[0]:5.2f}x",
+                    flush=True,
+                )
 
 
-def gemv_calls(
-    kernels: dict[int, Callable[..., None]], m: int, k: int, cold: bool
-) -> tuple[dict[int, Callable[[], object]], int]:
+def kernel_calls(
+    kernels: dict[str, Callable[..., None]], m: int, k: int, num_tokens: int, cold: bool
+) -> tuple[dict[str, Callable[[], object]], int]:
     """One timed call per kernel over random M x K packed weights (cold: copies totalling COLD_BYTES),
     all checked to agree bit for bit first -> (calls, packed bytes each call reads)."""
     from bitserve.kernels.cpu import int8dot
@@ -205,19 +221,20 @@ def gemv_calls(
     rng = np.random.default_rng(0)
     copies = -(-COLD_BYTES // (m * k // 4)) if cold else 1
     weights = [int8dot.row_table(rng.integers(0, 256, (m, k // 4), dtype=np.uint8)) for _ in range(copies)]
-    q, s_act, q_sum = int8dot.quantize_int8(rng.standard_normal((1, k)).astype(np.float32), k, 1)
+    x = rng.standard_normal((num_tokens, k)).astype(np.float32)
+    q, s_act, q_sum = int8dot.quantize_int8(x, k, int8dot.padded_tokens(num_tokens))
     row_scale = np.full(m, 0.0371, dtype=np.float32)
-    outs = {rows: np.empty((1, m), dtype=np.float32) for rows in kernels}
-    for rows, kernel in kernels.items():
-        kernel(weights[0], q, q_sum, s_act, row_scale, outs[rows])  # compiles
+    outs = {name: np.empty((num_tokens, m), dtype=np.float32) for name in kernels}
+    for name, kernel in kernels.items():
+        kernel(weights[0], q, q_sum, s_act, row_scale, outs[name])  # compiles
     first = next(iter(outs.values()))
-    assert all(np.array_equal(first, o) for o in outs.values()), "row tiles disagree"
+    assert all(np.array_equal(first, o) for o in outs.values()), "kernels disagree"
 
     def call(kernel: Callable[..., None], out: np.ndarray) -> None:
         for weight in weights:
             kernel(weight, q, q_sum, s_act, row_scale, out)
 
-    calls = {rows: functools.partial(call, kernel, outs[rows]) for rows, kernel in kernels.items()}
+    calls = {name: functools.partial(call, kernel, outs[name]) for name, kernel in kernels.items()}
     return calls, copies * m * k // 4
 
 
@@ -283,13 +300,13 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="--isa-compare from DRAM: cycle >128 MB weights")
     parser.add_argument("--bandwidth", action="store_true", help="read bandwidth and the 2B-4T decode bound")
     parser.add_argument(
-        "--gemv-rows", nargs="+", type=int, default=None, help="int8 GEMV alone, per row tile (e.g. 8 1)"
+        "--kernel-baseline", type=Path, default=None, help="another int8dot.py: kernels alone, A/B"
     )
     parser.add_argument("--model", type=Path, default=None, help="2B-4T I2_S file: decode tok/s per variant")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=64)
     args = parser.parse_args()
-    if args.isa_compare or args.bandwidth or args.model or args.gemv_rows:
+    if args.isa_compare or args.bandwidth or args.model or args.kernel_baseline:
         run_isa_benchmarks(args)
         return
 
@@ -335,8 +352,8 @@ def run_isa_benchmarks(args: argparse.Namespace) -> None:
     if args.isa_compare:
         tokens = args.tokens if args.tokens != [1, 8, 64] else [1, 16]
         isa_compare(isas, args.thread_counts, tokens, args)
-    if args.gemv_rows:
-        gemv_tiles(isas[-1], args.thread_counts, args)
+    if args.kernel_baseline:
+        kernel_ab(isas[-1], args.thread_counts, args.tokens if args.tokens != [1, 8, 64] else [1], args)
     if args.model:
         model_decode(args.model, isas, args)
 
