@@ -209,6 +209,48 @@ def kernel_ab(
                     f"{num_threads:>3} {shape:>11} {num_tokens:>3} {cells}  {rates[-1] / rates[0]:5.2f}x",
                     flush=True,
                 )
+    if 1 in tokens:
+        step_2b_gemvs(modules, isa_name, thread_counts, args)
+
+
+def step_2b_gemvs(
+    modules: dict[str, object], isa_name: str, thread_counts: Sequence[int], args: argparse.Namespace
+) -> None:
+    """ms of the ternary GEMV kernels of one 2B-4T decode step (30 layers x stacked q/k/v, o, stacked
+    gate/up, down: 120 calls over 521 MB of packed weights, so from DRAM), each module's kernel in turn."""
+    from bitserve.kernels.cpu import int8dot
+    from bitserve.kernels.cpu.isa import Isa
+
+    kernels = {name: module.KERNELS[Isa(isa_name)].gemv for name, module in modules.items()}
+    rng = np.random.default_rng(1)
+    hidden, inter = HIDDEN_2B, 6912
+    shapes = [(hidden + 2 * 640, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
+    layers = [
+        [(int8dot.row_table(rng.integers(0, 256, (m, k // 4), dtype=np.uint8)), m, k) for m, k in shapes]
+        for _ in range(LAYERS_2B)
+    ]
+    acts = {
+        k: int8dot.quantize_int8(rng.standard_normal((1, k)).astype(np.float32), k, 1)
+        for k in (hidden, inter)
+    }
+    row_scale = np.full(2 * inter, 0.0371, dtype=np.float32)
+    outs = {m: np.empty((1, m), dtype=np.float32) for m, _ in shapes}
+
+    def step(kernel: Callable[..., None]) -> None:
+        for layer in layers:
+            for weight, m, k in layer:
+                q, s_act, q_sum = acts[k]
+                kernel(weight, q, q_sum, s_act, row_scale[:m], outs[m])
+
+    total = sum(m * k // 4 for m, k in shapes) * LAYERS_2B
+    for num_threads in thread_counts:
+        set_threads(num_threads)
+        best = dict.fromkeys(kernels, float("inf"))
+        for _ in range(args.rounds):
+            for name, kernel in kernels.items():
+                best[name] = min(best[name], best_seconds(functools.partial(step, kernel), args.repeats))
+        cells = ", ".join(f"{n} {s * 1e3:.1f} ms ({total / s / 1e9:.1f} GB/s)" for n, s in best.items())
+        print(f"{num_threads} thr: 2B-4T step's 120 GEMVs ({total / 1e6:.0f} MB): {cells}", flush=True)
 
 
 def kernel_calls(
