@@ -11,6 +11,7 @@ each (backend, mode, path) includes numba compilation, or loading it from numba'
     python benchmarks/bench_kernels.py --isa-compare --model /tmp/2b4t-i2s.gguf   # + decode tok/s
     git show main:bitserve/kernels/cpu/int8dot.py > /tmp/int8dot_main.py
     python benchmarks/bench_kernels.py --kernel-baseline /tmp/int8dot_main.py --cold   # kernels alone, A/B
+    python benchmarks/bench_kernels.py --kernel-baseline /tmp/int8dot_main.py --model /tmp/2b4t-i2s.gguf
 
 --isa-compare times the cpu backend's bitnet-mode ternary kernel variants (kernels/cpu/isa.py: generic =
 the int16 numba kernels, avx2 / vnni = the int8 ones) on the same weights and inputs, rounds alternating
@@ -22,7 +23,8 @@ concurrently; numpy drops the GIL) and prints the bytes-per-token bound of the 2
 that file once per variant in this process and alternates greedy decode runs between them.
 --kernel-baseline times the best variant's int8 GEMV (T = 1) / GEMM kernel alone (quantize outside the
 timing) of this checkout against another version of int8dot.py, as GB/s of packed weights and % of the
-numpy read bandwidth measured in the same run.
+numpy read bandwidth measured in the same run; with --model, instead that file's greedy decode tok/s
+with each version's kernels, swapped into the loaded model between alternating runs.
 
 OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads libgomp): with libgomp's default
 spin-waiting, a machine whose cores are busy with other work makes each parallel kernel call wait for
@@ -280,6 +282,57 @@ def kernel_calls(
     return calls, copies * m * k // 4
 
 
+def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None:
+    """Greedy decode tok/s of the model file with this checkout's int8 ternary kernels and with
+    --kernel-baseline's: one load, the kernels of every int8 ternary linear swapped between alternating
+    decode runs (so both see the same mapped weights, the same process and the same machine moments)."""
+    import gc
+    import warnings
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_model import TEXT, BitserveRunner, prompt_ids
+
+    from bitserve.kernels.cpu import int8dot
+    from bitserve.kernels.cpu.isa import ISA_ENV_VAR, Isa
+    from bitserve.kernels.cpu.prepared import Int8BitnetLinear
+    from bitserve.llm import LLM
+
+    kernels = {
+        "baseline": load_int8dot(args.kernel_baseline).KERNELS[Isa(isa_name)],
+        "this": int8dot.KERNELS[Isa(isa_name)],
+    }
+    set_threads(args.threads)
+    os.environ[ISA_ENV_VAR] = isa_name
+    runner = BitserveRunner(LLM(str(path), backend="cpu"))
+    os.environ.pop(ISA_ENV_VAR)
+    with warnings.catch_warnings():  # isinstance() on every live object trips torch's deprecated aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        linears = [o for o in gc.get_objects() if isinstance(o, Int8BitnetLinear)]  # stacked groups too
+
+    def use(name: str) -> None:
+        for linear in linears:
+            linear._kernels = kernels[name]  # the prepared weight's entry points (bound at load)
+
+    base = runner.llm.tokenizer.encode(TEXT, add_special=False)
+    for name in kernels:
+        use(name)
+        runner.decode(prompt_ids(base, 8, 999), 2)  # compile / load kernels, touch the weights
+    rates: dict[str, list[float]] = {n: [] for n in kernels}
+    tokens: dict[str, list[int]] = {}
+    for r in range(args.rounds):
+        for name in kernels:
+            use(name)
+            times, tokens[name] = runner.decode(prompt_ids(base, 8, r), args.decode_tokens)
+            rates[name].append(len(times) / sum(times))
+    same = len({tuple(t) for t in tokens.values()}) == 1
+    print(
+        f"{args.threads} threads, {len(linears)} int8 linears, {args.decode_tokens} decode tokens after an "
+        f"8-token prompt, {args.rounds} alternating rounds; greedy ids equal: {same}"
+    )
+    for name, values in rates.items():
+        print(f"{name:8} decode tok/s best {max(values):.2f} median {statistics.median(values):.2f}")
+
+
 def model_decode(path: Path, isas: Sequence[str], args: argparse.Namespace) -> None:
     """Greedy decode tok/s of the model file under each variant: one LLM per variant in this process,
     decode runs alternating between them; best and median of --rounds runs."""
@@ -394,9 +447,11 @@ def run_isa_benchmarks(args: argparse.Namespace) -> None:
     if args.isa_compare:
         tokens = args.tokens if args.tokens != [1, 8, 64] else [1, 16]
         isa_compare(isas, args.thread_counts, tokens, args)
-    if args.kernel_baseline:
+    if args.kernel_baseline and not args.model:
         kernel_ab(isas[-1], args.thread_counts, args.tokens if args.tokens != [1, 8, 64] else [1], args)
-    if args.model:
+    if args.model and args.kernel_baseline:
+        model_kernel_ab(args.model, isas[-1], args)
+    elif args.model:
         model_decode(args.model, isas, args)
 
 
