@@ -94,13 +94,13 @@ class _TileEmitter:
         return planes, acts
 
     def prefetch_ahead(self, g: ir.Value) -> None:
-        """Prefetch the next rows x 32 bytes of the tile PREFETCH_TILES ahead, read as one sequential stream:
-        over the tile's groups that covers its rows (contiguous: a tile never straddles two weights of a
-        stacked group by more than a few rows' worth of useless prefetches).
+        """Prefetch the next rows x 32 bytes of the tile PREFETCH_TILES ahead, as one sequential stream from
+        its first row: over this tile's groups that covers that tile's rows, which lie one after another
+        within a weight (where a stacked group's weights meet, a tile's worth of prefetches may miss).
 
-        Why one stream: prefetching a fixed distance past each of the tile's row pointers (8 rows: 8
-        interleaved streams a row apart, each line requested twice) read cold weights at ~40-60% of the
-        read bandwidth; the same bytes as one sequential stream read at about the bandwidth, 1 or 2 threads.
+        Why one stream: prefetching 12 KB past each of the tile's row pointers (8 interleaved streams a
+        row apart, each line requested twice) read cold weights at 54-82% of numpy's read bandwidth on one
+        thread; this reads at 89-106% (benchmarks/RESULTS.md "Ternary GEMV at 2 threads").
         """
         b = self.b
         prefetch = _declare(b, "llvm.prefetch.p0", ir.VoidType(), _I8.as_pointer(), _I32, _I32, _I32)
