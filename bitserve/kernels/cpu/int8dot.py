@@ -100,7 +100,7 @@ class _TileEmitter:
 
         Why one stream: prefetching 12 KB past each of the tile's row pointers (8 interleaved streams a
         row apart, each line requested twice) read cold weights at 54-82% of numpy's read bandwidth on one
-        thread; this reads at 89-106% (benchmarks/RESULTS.md "Ternary GEMV at 2 threads").
+        thread; this reads at 75-106% (benchmarks/RESULTS.md "Ternary GEMV at 2 threads").
         """
         b = self.b
         prefetch = _declare(b, "llvm.prefetch.p0", ir.VoidType(), _I8.as_pointer(), _I32, _I32, _I32)
