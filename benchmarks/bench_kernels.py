@@ -284,34 +284,42 @@ def kernel_calls(
 
 def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None:
     """Greedy decode tok/s of the model file with this checkout's int8 ternary kernels and with
-    --kernel-baseline's: one load, the kernels of every int8 ternary linear swapped between alternating
-    decode runs (so both see the same mapped weights, the same process and the same machine moments)."""
-    import gc
-    import warnings
+    --kernel-baseline's: one load, the kernels swapped between alternating decode runs (so both see the
+    same mapped weights, the same process and the same machine moments): in every int8 ternary linear
+    (prefill, the module forward) and in the one-call ternary decode step (kernels/cpu/decode_step.py),
+    whose layer loop is compiled a second time around the baseline's GEMV / GEMM."""
+    from numba import njit
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_model import TEXT, BitserveRunner, prompt_ids
 
-    from bitserve.kernels.cpu import int8dot
+    from bitserve.kernels.cpu import decode_step, int8dot
     from bitserve.kernels.cpu.isa import ISA_ENV_VAR, Isa
     from bitserve.kernels.cpu.prepared import Int8BitnetLinear
     from bitserve.llm import LLM
+    from bitserve.models.cpu_ternary_step import TernaryStep
 
-    kernels = {
-        "baseline": load_int8dot(args.kernel_baseline).KERNELS[Isa(isa_name)],
-        "this": int8dot.KERNELS[Isa(isa_name)],
-    }
+    isa = Isa(isa_name)
+    baseline = load_int8dot(args.kernel_baseline)
+    kernels = {"baseline": baseline.KERNELS[isa], "this": int8dot.KERNELS[isa]}
+    base_gemv, base_gemm = baseline.KERNELS[isa].gemv, baseline.KERNELS[isa].gemm
+
+    @njit(nogil=True)
+    def baseline_decode_layers(x, model, step):  # noqa: ANN001, ANN202 - numba types them
+        decode_step._decode_layers(base_gemv, base_gemm, x, model, step)
+
+    decode_layers = {"baseline": baseline_decode_layers, "this": decode_step.DECODE_LAYERS[isa]}
     set_threads(args.threads)
     os.environ[ISA_ENV_VAR] = isa_name
     runner = BitserveRunner(LLM(str(path), backend="cpu"))
     os.environ.pop(ISA_ENV_VAR)
-    with warnings.catch_warnings():  # isinstance() on every live object trips torch's deprecated aliases
-        warnings.simplefilter("ignore", FutureWarning)
-        linears = [o for o in gc.get_objects() if isinstance(o, Int8BitnetLinear)]  # stacked groups too
+    linears, steps = live_objects(Int8BitnetLinear), live_objects(TernaryStep)
 
     def use(name: str) -> None:
         for linear in linears:
             linear._kernels = kernels[name]  # the prepared weight's entry points (bound at load)
+        for step in steps:
+            step.decode_layers = decode_layers[name]
 
     base = runner.llm.tokenizer.encode(TEXT, add_special=False)
     for name in kernels:
@@ -326,11 +334,22 @@ def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None
             rates[name].append(len(times) / sum(times))
     same = len({tuple(t) for t in tokens.values()}) == 1
     print(
-        f"{args.threads} threads, {len(linears)} int8 linears, {args.decode_tokens} decode tokens after an "
-        f"8-token prompt, {args.rounds} alternating rounds; greedy ids equal: {same}"
+        f"{args.threads} threads, {len(linears)} int8 linears, {len(steps)} one-call decode step(s), "
+        f"{args.decode_tokens} decode tokens after an 8-token prompt, {args.rounds} alternating rounds; "
+        f"greedy ids equal: {same}"
     )
     for name, values in rates.items():
         print(f"{name:8} decode tok/s best {max(values):.2f} median {statistics.median(values):.2f}")
+
+
+def live_objects(cls: type) -> list:
+    """Every live instance of cls (the loaded model's prepared weights or step tables)."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():  # isinstance() on every live object trips torch's deprecated aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, cls)]
 
 
 def model_decode(path: Path, isas: Sequence[str], args: argparse.Namespace) -> None:
