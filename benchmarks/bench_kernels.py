@@ -304,9 +304,11 @@ def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None
     kernels = {"baseline": baseline.KERNELS[isa], "this": int8dot.KERNELS[isa]}
     base_gemv, base_gemm = baseline.KERNELS[isa].gemv, baseline.KERNELS[isa].gemm
 
+    layer_loop = uncached_decode_layers(decode_step)
+
     @njit(nogil=True)
     def baseline_decode_layers(x, model, step):  # noqa: ANN001, ANN202 - numba types them
-        decode_step._decode_layers(base_gemv, base_gemm, x, model, step)
+        layer_loop(base_gemv, base_gemm, x, model, step)
 
     decode_layers = {"baseline": baseline_decode_layers, "this": decode_step.DECODE_LAYERS[isa]}
     set_threads(args.threads)
@@ -340,6 +342,24 @@ def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None
     )
     for name, values in rates.items():
         print(f"{name:8} decode tok/s best {max(values):.2f} median {statistics.median(values):.2f}")
+
+
+def uncached_decode_layers(decode_step: object) -> Callable[..., None]:
+    """decode_step._decode_layers and the _project it calls, compiled again without numba's on-disk cache:
+    they take the GEMV / GEMM as arguments, so the cached versions would store a specialization on the
+    baseline module's kernels, which every later process would fail to load (its module is not importable)."""
+    import types
+
+    from numba import njit
+
+    namespace = dict(vars(decode_step))
+
+    def copy(name: str) -> Callable[..., None]:
+        py_func = getattr(decode_step, name).py_func
+        return njit(nogil=True)(types.FunctionType(py_func.__code__, namespace, name, py_func.__defaults__))
+
+    namespace["_project"] = copy("_project")
+    return copy("_decode_layers")
 
 
 def live_objects(cls: type) -> list:
