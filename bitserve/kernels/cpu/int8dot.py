@@ -43,7 +43,7 @@ ROWS_PER_TASK = 16  # rows per prange task (a multiple of every row tile)
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows: 32 x Kp int8 activations stay in L2
 PREFETCH_TILES = 2  # software prefetch distance in row tiles (RESULTS.md "Ternary GEMV at 2 threads")
 CACHE_LINE = 64
-PREFETCH_BYTES = 12288  # blockdot's software prefetch distance along each row (Zen 3)
+PREFETCH_BYTES = 12288  # the Q4 / Q8_0 tiles' software prefetch distance (kernels/cpu/interleaved.py)
 ISA_CODES = {Isa.AVX2: 1, Isa.VNNI: 2}  # the `isa` literal the kernels take
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
 
