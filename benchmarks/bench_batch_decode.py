@@ -13,12 +13,13 @@ int8 GEMMs, the LM head, the sampler) with a clock, per decode step: process CPU
 
 from __future__ import annotations
 
-import os
+import bitserve  # noqa: F401  (first: sets the OpenMP wait default before torch / numba load libgomp)
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / numba load libgomp
+# isort: split
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import os
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402

@@ -18,12 +18,13 @@ Timings only; nothing is asserted.
 
 from __future__ import annotations
 
-import os
+import bitserve  # noqa: F401  (first: sets the OpenMP wait default before torch / numba load libgomp)
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / numba load libgomp
+# isort: split
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -81,7 +82,9 @@ def run_llama_bench(binary: Path, model: Path, args: argparse.Namespace) -> dict
         "json",
     ]
     start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    # the peer waits with its own OpenMP defaults, not the wait settings bitserve put in this environment
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     wall_s = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"llama-bench exited with {done.returncode}:\n{done.stderr[-4000:]}")

@@ -26,19 +26,19 @@ timing) of this checkout against another version of int8dot.py, as GB/s of packe
 numpy read bandwidth measured in the same run; with --model, instead that file's greedy decode tok/s
 with each version's kernels, swapped into the loaded model between alternating runs.
 
-OMP_WAIT_POLICY defaults to PASSIVE here (set before torch loads libgomp): with libgomp's default
-spin-waiting, a machine whose cores are busy with other work makes each parallel kernel call wait for
-scheduler slices (~8 ms per call measured on a loaded 2-vCPU box). Pass OMP_WAIT_POLICY=ACTIVE to compare.
+OpenMP threads wait as bitserve sets them up (a bounded spin, bitserve/__init__.py: importing it first
+sets the environment before torch loads libgomp); pass OMP_WAIT_POLICY=PASSIVE or ACTIVE to compare.
 """
 
 from __future__ import annotations
 
-import os
+import bitserve  # noqa: F401  (first: sets the OpenMP wait default before torch / numba load libgomp)
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / numba load libgomp
+# isort: split
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
+import os
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -448,7 +448,10 @@ def main() -> None:
     names = args.backends or [n for n in available_backends() if n != "reference"] or ["reference"]
     mode = LinearMode(args.mode)
     policy = os.environ.get("OMP_WAIT_POLICY")
-    print(f"torch {torch.__version__}, {args.threads} threads, mode {mode.value}, OMP_WAIT_POLICY={policy}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, mode {mode.value}, OMP_WAIT_POLICY={policy}, "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}"
+    )
     print(f"{'backend':10} {'shape':>10} {'T':>3} {'ms':>8} {'GB/s':>7} {'fp32 ms':>8} {'vs fp32':>8}")
     gen = torch.Generator().manual_seed(0)
     for shape in args.shapes:
@@ -480,7 +483,10 @@ def run_isa_benchmarks(args: argparse.Namespace) -> None:
     from bitserve.kernels.cpu.isa import supported_isas
 
     isas = args.isas or ["generic", supported_isas()[0].value]
-    print(f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, variants {isas}")
+    print(
+        f"torch {torch.__version__}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}, variants {isas}"
+    )
     if args.bandwidth:
         bandwidth_bound(args.thread_counts)
     if args.isa_compare:

@@ -57,7 +57,7 @@ print(json.dumps({
 
 
 def run_child(checkout: Path, path: str, backend: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
     done = subprocess.run(  # cwd: `python -c` puts the working directory first on sys.path
         [sys.executable, "-c", CHILD, path, backend],
         env=env,

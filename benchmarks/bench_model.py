@@ -5,7 +5,8 @@
     python benchmarks/bench_model.py --skip-2b        # SmolLM2 only (fast)
     python benchmarks/bench_model.py --skip-2b --skip-smollm2 --dense-ab   # SmolLM2 f32 copies or not
 
-Measures, with 2 threads and OMP_WAIT_POLICY=PASSIVE (set before torch loads libgomp):
+Measures, with 2 threads and bitserve's OpenMP wait default (a bounded spin; llama.cpp runs in this process
+and shares it):
 - 2B-4T-shaped `bitnet-b1.58` I2_S file (random ternary weights, made by make_2b4t_model.py into
   benchmarks/out/ when missing): load time (`LLM(path)`, backend "auto", then again with "cpu"),
   resident memory sampled from /proc/self/status while generating, prefill tok/s (a ~128-token
@@ -25,14 +26,15 @@ bitserve is driven through its Engine one step at a time (no detokenization); ll
 
 from __future__ import annotations
 
-import os
+import bitserve  # noqa: F401  (first: sets the OpenMP wait default before torch / numba load libgomp)
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / numba load libgomp
+# isort: split
 
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import os
 import pstats  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -585,6 +587,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "loadavg_start": os.getloadavg(),
         "cpu_flags": _vector_flags(),
         "cpu_kernels": cpu_kernel_choices(),  # the cpu backend's ISA variant and block activations here
@@ -627,6 +630,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         f"\n{info['date']}: {info['nproc']} CPUs ({info['cpu']}), {info['ram_gib']} GiB, "
         f"torch {info['torch']}, OMP_WAIT_POLICY={info['omp_wait_policy']}, "
+        f"GOMP_SPINCOUNT={info['gomp_spincount']}, "
         f"load average {info['loadavg_start']} -> {info.get('loadavg_end')}"
     )
     print(f"CPU flags: {' '.join(info['cpu_flags'])}; cpu kernels: {info['cpu_kernels']}")

@@ -150,7 +150,7 @@ def main() -> int:
         "--no-access-log",
         *args.server_arg,
     ]
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    env = dict(os.environ)
     server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         ready_s = wait_ready(url, server, args.ready_timeout_s)

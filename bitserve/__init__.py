@@ -10,11 +10,18 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-# NOTE: OpenMP threads that spin while waiting steal the few cores a CPU server has from the numba
-# and torch kernels of the next op (measured: ~8 ms instead of ~0.5 ms per parallel kernel call on a
-# busy 2-core box). Passive waiting costs ~0.03 ms per call when idle. Must be set before torch loads;
-# an explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# NOTE: how OpenMP threads wait between parallel regions. libgomp (torch's runtime, whose threads numba's
+# kernels share) lets a thread that reaches a barrier spin GOMP_SPINCOUNT times before it sleeps. A
+# sleeping thread takes a futex wake-up per parallel region, and a decode step has hundreds of regions:
+# with OMP_WAIT_POLICY=PASSIVE (no spin) a 2-vCPU VM decoded SmolLM2 at 23-41 tok/s and the 2B ternary
+# model at 8.7-10.9, against 74-88 and 12.9 with a bounded spin of OMP_SPIN_COUNT (benchmarks/RESULTS.md,
+# "OpenMP wait policy"). The bound keeps the cost of spinning on a machine whose cores are busy with
+# other work to ~0.5 ms a region (unbounded spinning cost ~8 ms a kernel call there). Must be set before
+# torch loads; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins (PASSIVE for a machine
+# shared with other heavy processes).
+OMP_SPIN_COUNT = "20000"
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", OMP_SPIN_COUNT)
 
 __version__ = "0.1.0"
 __all__ = [

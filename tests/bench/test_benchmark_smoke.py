@@ -25,7 +25,7 @@ HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 # llama_cpp.server needs its own extras (llama-cpp-python[server]); the binding alone cannot serve.
 LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
 HAS_LLAMA_CPP_SERVER = all(importlib.util.find_spec(name) is not None for name in LLAMA_CPP_SERVER_MODULES)
-ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO_ROOT)}
+ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 STARTUP_TIMEOUT_S = 60.0
 
 

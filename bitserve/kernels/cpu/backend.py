@@ -27,8 +27,9 @@ cost of 4 bytes per weight. GEMV (decode, T < block_gemm_min_tokens) always read
 Each `prepare_*` picks the strategy once and returns its prepared weight (kernels/cpu/prepared.py),
 which runs it: a step only switches on the batch size.
 
-Threads: numba's OpenMP layer shares libgomp with torch. Run with OMP_WAIT_POLICY=PASSIVE (set before
-torch is imported) wherever the cores are shared: spin-waiting workers then cost ~8 ms per call.
+Threads: numba's OpenMP layer shares libgomp with torch. bitserve/__init__.py bounds how long a waiting
+thread spins (GOMP_SPINCOUNT); OMP_WAIT_POLICY=PASSIVE (set before torch is imported) suits a machine whose
+cores other heavy processes share: spin-waiting workers there cost ~8 ms per call.
 """
 
 from __future__ import annotations
