@@ -66,8 +66,11 @@ def _rotate_rows(
     # the eager layer's order, each product rounded on its own (no FMA: see the launch)
     out_first = first * cos[None, :] - second * sin[None, :]
     out_second = first * sin[None, :] + second * cos[None, :]
-    _store_cast(dst + first_dim[None, :], out_first, mask & dst_mask, SOFT_BF16)
-    _store_cast(dst + second_dim[None, :], out_second, mask & dst_mask, SOFT_BF16)
+    # NOTE: not `mask & dst_mask`: Triton 3.6's CPU interpreter rejects a block mask and-ed with a loaded
+    # scalar ("mask has unsupported dtype"); where() gives the same mask on both
+    store_mask = tl.where(dst_mask, mask, False)
+    _store_cast(dst + first_dim[None, :], out_first, store_mask, SOFT_BF16)
+    _store_cast(dst + second_dim[None, :], out_second, store_mask, SOFT_BF16)
 
 
 @triton.jit
@@ -94,7 +97,7 @@ def _copy_rows(
     mask = (heads < NUM_HEADS)[:, None] & ((dims >= first_dim) & (dims < HEAD_DIM))[None, :]
     values = tl.load(src_ptr + heads[:, None] * src_head_stride + dims[None, :], mask=mask, other=0.0)
     dst = dst_ptr + heads[:, None] * dst_head_stride + dims[None, :]
-    _store_cast(dst, values, mask & dst_mask, SOFT_BF16)
+    _store_cast(dst, values, tl.where(dst_mask, mask, False), SOFT_BF16)  # (see _rotate_rows)
 
 
 @triton.jit
