@@ -6,7 +6,10 @@ Rows (one JSON object per line, also appended to --out):
 - `copy`: device-to-device copy bandwidth of a 1 GiB buffer (bytes read + written per second): the
   measured bound every share below divides by.
 - `kernel`: the largest ternary GEMVs (T = 1) and the F16 LM head, µs per call from CUDA-graph replays of
-  20 back-to-back calls, GB/s of weight bytes, share of the copy bandwidth.
+  back-to-back calls, each GEMV call on its own weight copy (together over twice the L2, so every call
+  reads DRAM as in a decode step; until 2026-11-27 the calls re-read one copy from L2): GB/s of weight
+  bytes, share of the copy bandwidth, and the read floor (gpu_read_floor.py: the fastest kernel that
+  only reads those bytes, timed the same way) with the GEMV's share of it.
 - `decode`: 2B-4T-shaped I2_S and SmolLM2-135M-shaped Q4_1, batch 1, greedy, 128 tokens after a short
   prompt: tok/s and ms per step (prefill excluded: the time of a max_tokens=1 run is subtracted), and for
   the 2B model the bandwidth bound (weight bytes per token / copy bandwidth) and its share.
@@ -53,14 +56,15 @@ def emit(row: dict[str, Any], out: Path | None) -> None:
             handle.write(line + "\n")
 
 
-def graph_time_us(fn: Callable[[], Any], calls: int = 20, replays: int = 20) -> float:
-    """Median µs per call of `fn`, from replays of a CUDA graph of `calls` back-to-back calls."""
-    fn()
+def graph_time_us(fn: Callable[[int], Any], calls: int = 20, replays: int = 20) -> float:
+    """Median µs per call of fn(i), from replays of a CUDA graph of `calls` back-to-back calls i = 0, 1,
+    ... (fn picks its operands by i: distinct weight copies make every call read DRAM, not L2)."""
+    fn(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -89,6 +93,10 @@ def copy_bandwidth() -> float:
 
 
 def bench_kernels(bandwidth: float, out: Path | None) -> None:
+    """Each GEMV timed over distinct weight copies (together over twice the L2: every call streams its
+    weights from DRAM, as in a decode step), beside the floor of a kernel that only reads those bytes
+    (gpu_read_floor.py), measured the same way."""
+    from benchmarks.gpu_read_floor import distinct_copies, read_floor_us
     from bitserve.kernels.cuda.quantize import norm_quantize
     from bitserve.kernels.cuda.ternary_matmul import ternary_linear
     from bitserve.kernels.cuda.ternary_pack import pack_ternary_planes
@@ -96,15 +104,18 @@ def bench_kernels(bandwidth: float, out: Path | None) -> None:
     for m, k in [(6912, 2560), (2560, 6912), (13824, 2560), (3840, 2560), (2560, 2560)]:
         values = torch.randint(-1, 2, (m, k), dtype=torch.int8, device="cuda")
         packed, scale = pack_ternary_planes(values), torch.full((m,), 0.5, device="cuda")
+        copies = [packed.clone() for _ in range(distinct_copies(packed.numel()))]
         x = torch.randn(1, k, device="cuda")
         q, s_act = norm_quantize(x, None, 0.0)
-        us = graph_time_us(lambda: ternary_linear(q, s_act, packed, scale))  # noqa: B023
+        us = graph_time_us(lambda i: ternary_linear(q, s_act, copies[i], scale), len(copies))  # noqa: B023
+        floor_us = read_floor_us(packed.numel(), graph_time_us)
         gbps = packed.numel() / (us * 1e-6) / 1e9
         row = {"bench": "kernel", "kernel": f"ternary {m}x{k} T=1", "us": round(us, 2), "GB_s": round(gbps)}
-        emit(row | {"share_of_copy_bw": round(gbps * 1e9 / bandwidth, 3)}, out)
+        row |= {"share_of_copy_bw": round(gbps * 1e9 / bandwidth, 3), "read_floor_us": round(floor_us, 2)}
+        emit(row | {"share_of_read_floor": round(floor_us / us, 3)}, out)
     head = torch.randn(VOCAB_2B, HIDDEN_2B, device="cuda").half()
     x = torch.randn(1, HIDDEN_2B, device="cuda")
-    us = graph_time_us(lambda: torch.nn.functional.linear(x.half(), head))
+    us = graph_time_us(lambda i: torch.nn.functional.linear(x.half(), head))  # 657 MB: DRAM every call
     gbps = head.numel() * 2 / (us * 1e-6) / 1e9
     row = {"bench": "kernel", "kernel": f"F16 LM head {VOCAB_2B}x{HIDDEN_2B} T=1", "us": round(us, 2)}
     emit(row | {"GB_s": round(gbps), "share_of_copy_bw": round(gbps * 1e9 / bandwidth, 3)}, out)

@@ -89,14 +89,13 @@ def _epilogue(d, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr,
 
 
 @triton.jit
-def _gemv_row_epilogue(d, t, rows, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES: tl.constexpr):
-    """d int32 [BM] of token t -> out[t, rows] = fl32(fl32(fl32(d) / s_act[t]) * scale) (+ residual)."""
-    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BM]
-    y = tl.div_rn(d.to(tl.float32), tl.load(s_ptr + t)) * scale
-    offs = t * M + rows
+def _gemv_row_epilogue(d, t, rows, row_ok, s_act, scale, residual, out_ptr, M, HAS_RES: tl.constexpr):
+    """d int32 [BM] of token t -> out[t, rows] = fl32(fl32(fl32(d) / s_act) * scale) (+ residual): the
+    operands already loaded (scale f32 [BM], residual f32 [BM] when HAS_RES, s_act a scalar)."""
+    y = tl.div_rn(d.to(tl.float32), s_act) * scale
     if HAS_RES:
-        y = y + tl.load(res_ptr + offs, mask=row_ok, other=0.0)
-    tl.store(out_ptr + offs, y, mask=row_ok)
+        y = y + residual
+    tl.store(out_ptr + t * M + rows, y, mask=row_ok)
 
 
 @triton.jit
@@ -137,8 +136,21 @@ def _gemv_kernel(
     w_rows = w_ptr + rows[:, None].to(tl.int64) * KW  # [BM, 1]
     # every weight load of the program is issued first: the DRAM latency is paid once, not per chunk
     chunks = _load_weight_chunks(w_rows, row_ok, KW, BLOCK_W, EVEN_M)
-    # with PDL the weight loads above overlap the previous kernel; q, s_act, residual are its outputs
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BM]: a weight, not an input
+    # with PDL the loads above overlap the previous kernel; q, s_act, residual are its outputs
     pdl_enter(USE_PDL)
+    # the epilogue's inputs are asked for now, so their L2 round trips run under the weights' DRAM
+    # latency instead of after the dot products (each was a serial ~0.5 µs at the kernel's tail)
+    q_sums = ()
+    s_acts = ()
+    residuals = ()
+    for t in tl.static_range(NUM_T):
+        q_sums = q_sums + (_token_sum(q_ptr + t * QW, QW, SUM_BLOCK, USE_ASM),)
+        s_acts = s_acts + (tl.load(s_ptr + t),)
+        if HAS_RES:
+            residuals = residuals + (tl.load(res_ptr + t * M + rows, mask=row_ok, other=0.0),)
+        else:
+            residuals = residuals + (scale,)  # a placeholder, never read
     # NOTE: a tuple of 2-D accumulators (one per token), not a 3-D tensor: Triton gives a loop-carried
     # 3-D accumulator a layout of its own and converts every weight tile to it through shared memory
     accs = ()
@@ -148,8 +160,8 @@ def _gemv_kernel(
         accs = _gemv_chunk(chunks[c // BLOCK_W], c, accs, q_ptr, rows, KW, NUM_T, BLOCK_W, A_1D, USE_ASM)
     for t in tl.static_range(NUM_T):
         # D = sum(code * q) - sum(q), since code = w + 1
-        d = tl.sum(accs[t], axis=1) - _token_sum(q_ptr + t * QW, QW, SUM_BLOCK, USE_ASM)  # [BM]
-        _gemv_row_epilogue(d, t, rows, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
+        d = tl.sum(accs[t], axis=1) - q_sums[t]  # [BM]
+        _gemv_row_epilogue(d, t, rows, row_ok, s_acts[t], scale, residuals[t], out_ptr, M, HAS_RES)
 
 
 @triton.jit
