@@ -11,7 +11,7 @@ nn.Module, nothing from layers/ or models/, and no backend module (the backends 
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
 
@@ -278,6 +278,12 @@ class KernelBackend(Protocol):
     def fused_ops(self) -> FusedOps | None:
         """The backend's one-call small ops (looked up once per model), or None: layers run eager torch."""
         ...
+
+    def half_head_gemv(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Once, at load: this backend's single-token kernel for an F16 / BF16 LM head weight [vocab,
+        hidden], f32 [1, hidden] -> f32 [1, vocab] logits bit-identical to layers.embedding's torch path
+        (activations rounded to the weight's dtype, F.linear, widened), or None: torch runs every call."""
+        return None
 
     def bind_group(self, weights: Sequence[PreparedLinear]) -> LinearKernelGroup:
         """Once, at load: the group of weights run on one input (stacked where `fuse_group` can)."""

@@ -48,6 +48,8 @@ class LMHead(nn.Module):
         # llamafile's tinyBLAS takes two or more rows as f32 (FMA lanes, slow to emulate: ~1.5 s per
         # row on a 49152 x 512 head, so only batches that need it pay it)
         self.ggml_f16 = ggml_f16 and not isinstance(weight, PreparedLinear)
+        # a half head's single-token logits by the backend's kernel where it has one (same bits as torch's)
+        self.gemv: Callable[[torch.Tensor], torch.Tensor] | None = None
         if isinstance(weight, PreparedLinear):
             backend.check_owner(weight)
             self.kernel = weight
@@ -55,6 +57,7 @@ class LMHead(nn.Module):
             self.kernel = functools.partial(F.linear, weight=weight)
         else:
             self.kernel = functools.partial(_half_linear, weight=weight)
+            self.gemv = backend.half_head_gemv(weight)
 
     def forward(self, hidden_states: torch.Tensor, ggml_batch_rows: int | None = None) -> torch.Tensor:
         """hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32.
@@ -66,6 +69,8 @@ class LMHead(nn.Module):
             if rows == 1:
                 return ggml_ops.f16_head_one_row(hidden_states, self.weight)
             return ggml_ops.f16_head_tinyblas(hidden_states, self.weight)
+        if self.gemv is not None and hidden_states.shape[0] == 1:
+            return self.gemv(hidden_states)
         return self.kernel(hidden_states)
 
 

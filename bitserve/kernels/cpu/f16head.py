@@ -1,0 +1,160 @@
+"""The F16 LM head's single-token GEMV in numba, summing exactly as torch's does, at memory speed.
+
+A 2B-4T decode step reads a 657 MB F16 head (tied embedding, 128256 x 2560): half its bytes. For one
+token torch runs `fp16_gemv_trans` (ATen ReducedPrecisionFloatGemvFastPathKernel.cpp, fp32 arithmetic):
+per row, 8 f32 accumulators of 8 lanes; each 64-element block adds x[j + 8 r + lane] * w[...] into
+accumulator r with one FMA; the 8 accumulators are summed as a tree (r + 4, r + 2, r + 1), the 8 lanes as
+vec_reduce_all does on AVX2 (lane i + lane i ^ 4, then i ^ 2, then i ^ 1), and the result is stored as
+F16. This kernel does the same operations in the same order (an @intrinsic writing the LLVM IR, as
+kernels/cpu/int8dot.py does), so its logits equal torch's bit for bit (tests/kernels/test_f16head.py),
+and software-prefetches the rows two rows ahead as the int8 kernels do: benchmarks/RESULTS.md, "Issue
+10: the F16 head in numba".
+
+Only widths that are whole 64-element blocks take it (torch has tails past them); others stay on torch.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from bitserve.kernels.cpu.int8dot import CACHE_LINE
+
+BLOCK = 64  # elements per step of torch's loop: 8 accumulators x 8 f32 lanes
+ACCUMULATORS = 8
+LANES = 8
+PREFETCH_ROWS = 2  # software prefetch distance, in rows of the head
+ROWS_PER_TASK = 64  # rows per prange task
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F32 = ir.FloatType()
+_V8xF32 = ir.VectorType(_F32, LANES)
+_V16xF32 = ir.VectorType(_F32, 2 * LANES)
+_V16xI16 = ir.VectorType(_I16, 2 * LANES)
+_V16xHalf = ir.VectorType(ir.HalfType(), 2 * LANES)
+
+
+def supports(width: int) -> bool:
+    """Whether a head of `width` input features takes this kernel (whole blocks: no torch tail)."""
+    return width > 0 and width % BLOCK == 0
+
+
+def _lanes(builder: ir.IRBuilder, vector: ir.Value, first: int) -> ir.Value:
+    """<8 x float> of vector's lanes first .. first + 7."""
+    mask = ir.Constant(ir.VectorType(_I32, LANES), [ir.Constant(_I32, first + i) for i in range(LANES)])
+    return builder.shuffle_vector(vector, vector, mask)
+
+
+def _swap(builder: ir.IRBuilder, vector: ir.Value, partner: int) -> ir.Value:
+    """vector + its lanes permuted (lane i takes lane i ^ partner): one step of vec_reduce_all."""
+    mask = ir.Constant(ir.VectorType(_I32, LANES), [ir.Constant(_I32, i ^ partner) for i in range(LANES)])
+    return builder.fadd(vector, builder.shuffle_vector(vector, vector, mask))
+
+
+@intrinsic
+def _row_dot(typingctx: object, w: types.Type, row: types.Type, x: types.Type) -> tuple | None:
+    """_row_dot(w uint16 [V, K] C order (F16 bits), row, x f32 [K] C order) -> f32: torch's sum of
+    x * w[row] (see the module docstring), rounded to F16 and widened back. K a multiple of BLOCK."""
+    if not (isinstance(w, types.Array) and w.dtype == types.uint16 and w.ndim == 2 and w.layout == "C"):
+        return None
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C"):
+        return None
+    sig = types.float32(w, row, x)
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, llargs: tuple) -> ir.Value:
+        w_arr = context.make_array(w)(context, builder, llargs[0])
+        x_arr = context.make_array(x)(context, builder, llargs[2])
+        width = builder.extract_value(w_arr.shape, 1)
+        w_row = builder.gep(w_arr.data, [builder.mul(llargs[1], width)])
+        ahead = builder.bitcast(
+            builder.gep(w_row, [builder.mul(width, ir.Constant(width.type, PREFETCH_ROWS))]), _I8.as_pointer()
+        )
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V8xF32, [_V8xF32] * 3), "llvm.fma.v8f32"
+        )
+        prefetch = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
+            "llvm.prefetch.p0",
+        )
+        slots = [cgutils.alloca_once_value(builder, ir.Constant(_V8xF32, None)) for _ in range(ACCUMULATORS)]
+        for slot in slots:
+            builder.store(ir.Constant(_V8xF32, [ir.Constant(_F32, 0.0)] * LANES), slot)
+        num_blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
+        with cgutils.for_range(builder, num_blocks) as loop:
+            start = builder.mul(loop.index, ir.Constant(width.type, BLOCK))
+            for line in range(0, BLOCK * 2, CACHE_LINE):  # this block's bytes, PREFETCH_ROWS rows ahead
+                address = builder.gep(
+                    ahead,
+                    [
+                        builder.add(
+                            builder.mul(start, ir.Constant(width.type, 2)), ir.Constant(width.type, line)
+                        )
+                    ],
+                )
+                builder.call(
+                    prefetch, [address, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]
+                )
+            for pair in range(
+                ACCUMULATORS // 2
+            ):  # 16 halves: the low 8 into accumulator 2p, high into 2p + 1
+                offset = builder.add(start, ir.Constant(width.type, 2 * LANES * pair))
+                w_ptr = builder.bitcast(builder.gep(w_row, [offset]), _V16xI16.as_pointer())
+                halves = builder.bitcast(builder.load(w_ptr, align=2), _V16xHalf)
+                widened = builder.fpext(halves, _V16xF32)
+                for part in range(2):
+                    x_ptr = builder.gep(
+                        x_arr.data, [builder.add(offset, ir.Constant(width.type, LANES * part))]
+                    )
+                    x_vec = builder.load(builder.bitcast(x_ptr, _V8xF32.as_pointer()), align=4)
+                    slot = slots[2 * pair + part]
+                    product = builder.call(
+                        fma, [x_vec, _lanes(builder, widened, LANES * part), builder.load(slot)]
+                    )
+                    builder.store(product, slot)
+        accs = [builder.load(slot) for slot in slots]
+        while len(accs) > 1:  # torch's reduce: x[i] += x[i + half], halving
+            half = len(accs) // 2
+            accs = [builder.fadd(accs[i], accs[i + half]) for i in range(half)]
+        total = accs[0]
+        for partner in (4, 2, 1):  # vec_reduce_all on AVX2: 128-bit, 64-bit, 32-bit swaps
+            total = _swap(builder, total, partner)
+        # stored as F16 (y is Half in fp16_gemv_trans), then widened back, as `.to(torch.float32)` does
+        rounded = builder.fptrunc(builder.extract_element(total, ir.Constant(_I32, 0)), ir.HalfType())
+        return builder.fpext(rounded, _F32)
+
+    return sig, codegen
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def f16_head_gemv(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """w uint16 [V, K] (the F16 head's bits), x f32 [K] (the activations, already rounded to F16) ->
+    out f32 [V]: each logit as torch's single-token F16 linear gives it (rounded to F16, widened)."""
+    num_rows = w.shape[0]
+    for task in prange((num_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        for row in range(task * ROWS_PER_TASK, min(num_rows, (task + 1) * ROWS_PER_TASK)):
+            out[row] = _row_dot(w, row, x)
+
+
+class F16HeadGemv:
+    """The cpu backend's single-token F16 LM head (CpuBackend.half_head_gemv) over f16_head_gemv."""
+
+    def __init__(self, weight: torch.Tensor, num_threads: int | None) -> None:
+        self.weight = weight  # kept alive: `bits` is a view of its memory
+        self.bits = weight.view(torch.int16).numpy().view(np.uint16)  # the F16 bit patterns
+        self.num_threads = num_threads
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """f32 [1, hidden] -> f32 [1, vocab] logits."""
+        if self.num_threads is not None:
+            numba.set_num_threads(self.num_threads)
+        # the activations rounded to F16 as torch's path rounds them, then widened for the f32 FMAs
+        x = hidden_states[0].to(torch.float16).to(torch.float32).contiguous().numpy()
+        logits = torch.empty(1, self.bits.shape[0], dtype=torch.float32)
+        f16_head_gemv(self.bits, x, logits[0].numpy())
+        return logits

@@ -1,0 +1,66 @@
+"""The cpu backend's single-token F16 LM head (kernels/cpu/f16head.py) gives torch's logits to the bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bitserve.kernels.cpu.backend import CpuBackend
+from bitserve.kernels.cpu.f16head import f16_head_gemv, supports
+from bitserve.kernels.reference.backend import ReferenceBackend
+from bitserve.layers.embedding import LMHead
+
+
+def torch_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the head computed before this kernel (layers/embedding._half_linear)."""
+    return torch.nn.functional.linear(hidden.to(weight.dtype), weight).to(torch.float32)
+
+
+def random_head(vocab: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, width, generator=generator) * 0.05).to(torch.float16)
+    hidden = torch.randn(1, width, generator=generator) * 3
+    return weight, hidden
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize(("vocab", "width"), [(1000, 2560), (333, 576), (17, 64), (4099, 128)])
+def test_gemv_equals_torch_bit_for_bit(vocab: int, width: int) -> None:
+    weight, hidden = random_head(vocab, width, seed=vocab)
+    out = np.empty(vocab, dtype=np.float32)
+    x = hidden[0].to(torch.float16).to(torch.float32).numpy()
+    f16_head_gemv(weight.view(torch.int16).numpy().view(np.uint16), x, out)
+    assert same_bits(torch.from_numpy(out)[None], torch_logits(hidden, weight))
+
+
+def test_overflow_and_f16_rounding_match_torch() -> None:
+    """Sums past the F16 range store as inf; tiny ones round to F16 subnormals or zero, as torch's do."""
+    weight, hidden = random_head(256, 128, seed=7)
+    weight[0] = 60000.0  # 128 * 60000 * |x| overflows F16
+    weight[1] = 1e-4
+    hidden = hidden.abs()
+    head = LMHead(weight, CpuBackend(num_threads=2))
+    logits = head(hidden)
+    assert torch.isinf(logits[0, 0])
+    assert same_bits(logits, torch_logits(hidden, weight))
+
+
+def test_lm_head_uses_it_for_one_token_only() -> None:
+    weight, _ = random_head(520, 192, seed=3)
+    cpu_head, reference_head = LMHead(weight, CpuBackend(num_threads=2)), LMHead(weight, ReferenceBackend())
+    assert cpu_head.gemv is not None and reference_head.gemv is None
+    hidden = torch.randn(3, 192, generator=torch.Generator().manual_seed(5))
+    for rows in (hidden[:1], hidden):  # one token: the numba kernel; three: torch's GEMM, both heads
+        assert same_bits(cpu_head(rows), reference_head(rows))
+
+
+def test_widths_outside_whole_blocks_stay_on_torch() -> None:
+    assert not supports(100) and supports(2560)
+    weight, hidden = random_head(64, 100, seed=11)
+    head = LMHead(weight, CpuBackend(num_threads=2))
+    assert head.gemv is None
+    assert same_bits(head(hidden), torch_logits(hidden, weight))
