@@ -64,3 +64,9 @@ def test_widths_outside_whole_blocks_stay_on_torch() -> None:
     head = LMHead(weight, CpuBackend(num_threads=2))
     assert head.gemv is None
     assert same_bits(head(hidden), torch_logits(hidden, weight))
+
+
+def test_generic_isa_keeps_torch() -> None:
+    """The portable variant's CPUs may lack F16C, which the kernel's IR relies on."""
+    weight, _ = random_head(64, 128, seed=13)
+    assert LMHead(weight, CpuBackend(num_threads=2, isa="generic")).gemv is None
