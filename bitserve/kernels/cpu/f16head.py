@@ -7,8 +7,9 @@ accumulator r with one FMA; the 8 accumulators are summed as a tree (r + 4, r + 
 vec_reduce_all does on AVX2 (lane i + lane i ^ 4, then i ^ 2, then i ^ 1), and the result is stored as
 F16. This kernel does the same operations in the same order (an @intrinsic writing the LLVM IR, as
 kernels/cpu/int8dot.py does), so its logits equal torch's bit for bit (tests/kernels/test_f16head.py),
-and software-prefetches the rows two rows ahead as the int8 kernels do: benchmarks/RESULTS.md, "Issue
-10: the F16 head in numba".
+at 1.14-1.27x torch's speed (benchmarks/RESULTS.md, "Issue 10: the 2B-4T I2_S decode step vs
+bitnet.cpp"). Each thread reads its rows as one sequential stream, which the hardware prefetchers follow:
+a software prefetch 1-8 rows ahead, as the int8 kernels have, measured no faster, so there is none.
 
 Only widths that are whole 64-element blocks take it (torch has tails past them); others stay on torch.
 """
@@ -23,15 +24,12 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from bitserve.kernels.cpu.int8dot import CACHE_LINE
-
 BLOCK = 64  # elements per step of torch's loop: 8 accumulators x 8 f32 lanes
 ACCUMULATORS = 8
 LANES = 8
-PREFETCH_ROWS = 2  # software prefetch distance, in rows of the head
 ROWS_PER_TASK = 64  # rows per prange task
 
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_I16, _I32 = ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
 _V8xF32 = ir.VectorType(_F32, LANES)
 _V16xF32 = ir.VectorType(_F32, 2 * LANES)
@@ -56,6 +54,36 @@ def _swap(builder: ir.IRBuilder, vector: ir.Value, partner: int) -> ir.Value:
     return builder.fadd(vector, builder.shuffle_vector(vector, vector, mask))
 
 
+def _accumulate_block(
+    builder: ir.IRBuilder, fma: ir.Function, w_row: ir.Value, x: ir.Value, start: ir.Value, slots: list
+) -> None:
+    """Elements start .. start + 63 into the accumulators: 16 F16 weights at a time, widened, the low 8
+    FMA'd into accumulator 2 p and the high 8 into 2 p + 1 (torch's register pairs)."""
+    for pair in range(ACCUMULATORS // 2):
+        offset = builder.add(start, ir.Constant(start.type, 2 * LANES * pair))
+        w_ptr = builder.bitcast(builder.gep(w_row, [offset]), _V16xI16.as_pointer())
+        widened = builder.fpext(builder.bitcast(builder.load(w_ptr, align=2), _V16xHalf), _V16xF32)
+        for part in range(2):
+            x_ptr = builder.gep(x, [builder.add(offset, ir.Constant(start.type, LANES * part))])
+            x_vec = builder.load(builder.bitcast(x_ptr, _V8xF32.as_pointer()), align=4)
+            slot = slots[2 * pair + part]
+            w_vec = _lanes(builder, widened, LANES * part)
+            builder.store(builder.call(fma, [x_vec, w_vec, builder.load(slot)]), slot)
+
+
+def _reduce(builder: ir.IRBuilder, slots: list) -> ir.Value:
+    """The accumulators summed as torch does: a tree over them (x[i] += x[i + half], halving), then the
+    lanes as vec_reduce_all on AVX2 (128-bit, 64-bit, 32-bit swaps) -> f32."""
+    accs = [builder.load(slot) for slot in slots]
+    while len(accs) > 1:
+        half = len(accs) // 2
+        accs = [builder.fadd(accs[i], accs[i + half]) for i in range(half)]
+    total = accs[0]
+    for partner in (4, 2, 1):
+        total = _swap(builder, total, partner)
+    return builder.extract_element(total, ir.Constant(_I32, 0))
+
+
 @intrinsic
 def _row_dot(typingctx: object, w: types.Type, row: types.Type, x: types.Type) -> tuple | None:
     """_row_dot(w uint16 [V, K] C order (F16 bits), row, x f32 [K] C order) -> f32: torch's sum of
@@ -71,61 +99,16 @@ def _row_dot(typingctx: object, w: types.Type, row: types.Type, x: types.Type) -
         x_arr = context.make_array(x)(context, builder, llargs[2])
         width = builder.extract_value(w_arr.shape, 1)
         w_row = builder.gep(w_arr.data, [builder.mul(llargs[1], width)])
-        ahead = builder.bitcast(
-            builder.gep(w_row, [builder.mul(width, ir.Constant(width.type, PREFETCH_ROWS))]), _I8.as_pointer()
-        )
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V8xF32, [_V8xF32] * 3), "llvm.fma.v8f32"
-        )
-        prefetch = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
-            "llvm.prefetch.p0",
-        )
-        slots = [cgutils.alloca_once_value(builder, ir.Constant(_V8xF32, None)) for _ in range(ACCUMULATORS)]
-        for slot in slots:
-            builder.store(ir.Constant(_V8xF32, [ir.Constant(_F32, 0.0)] * LANES), slot)
+        fma_type = ir.FunctionType(_V8xF32, [_V8xF32] * 3)
+        fma = cgutils.get_or_insert_function(builder.module, fma_type, "llvm.fma.v8f32")
+        zeros = ir.Constant(_V8xF32, [ir.Constant(_F32, 0.0)] * LANES)
+        slots = [cgutils.alloca_once_value(builder, zeros) for _ in range(ACCUMULATORS)]
         num_blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
         with cgutils.for_range(builder, num_blocks) as loop:
             start = builder.mul(loop.index, ir.Constant(width.type, BLOCK))
-            for line in range(0, BLOCK * 2, CACHE_LINE):  # this block's bytes, PREFETCH_ROWS rows ahead
-                address = builder.gep(
-                    ahead,
-                    [
-                        builder.add(
-                            builder.mul(start, ir.Constant(width.type, 2)), ir.Constant(width.type, line)
-                        )
-                    ],
-                )
-                builder.call(
-                    prefetch, [address, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]
-                )
-            for pair in range(
-                ACCUMULATORS // 2
-            ):  # 16 halves: the low 8 into accumulator 2p, high into 2p + 1
-                offset = builder.add(start, ir.Constant(width.type, 2 * LANES * pair))
-                w_ptr = builder.bitcast(builder.gep(w_row, [offset]), _V16xI16.as_pointer())
-                halves = builder.bitcast(builder.load(w_ptr, align=2), _V16xHalf)
-                widened = builder.fpext(halves, _V16xF32)
-                for part in range(2):
-                    x_ptr = builder.gep(
-                        x_arr.data, [builder.add(offset, ir.Constant(width.type, LANES * part))]
-                    )
-                    x_vec = builder.load(builder.bitcast(x_ptr, _V8xF32.as_pointer()), align=4)
-                    slot = slots[2 * pair + part]
-                    product = builder.call(
-                        fma, [x_vec, _lanes(builder, widened, LANES * part), builder.load(slot)]
-                    )
-                    builder.store(product, slot)
-        accs = [builder.load(slot) for slot in slots]
-        while len(accs) > 1:  # torch's reduce: x[i] += x[i + half], halving
-            half = len(accs) // 2
-            accs = [builder.fadd(accs[i], accs[i + half]) for i in range(half)]
-        total = accs[0]
-        for partner in (4, 2, 1):  # vec_reduce_all on AVX2: 128-bit, 64-bit, 32-bit swaps
-            total = _swap(builder, total, partner)
+            _accumulate_block(builder, fma, w_row, x_arr.data, start, slots)
         # stored as F16 (y is Half in fp16_gemv_trans), then widened back, as `.to(torch.float32)` does
-        rounded = builder.fptrunc(builder.extract_element(total, ir.Constant(_I32, 0)), ir.HalfType())
+        rounded = builder.fptrunc(_reduce(builder, slots), ir.HalfType())
         return builder.fpext(rounded, _F32)
 
     return sig, codegen
