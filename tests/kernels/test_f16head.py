@@ -11,6 +11,11 @@ from bitserve.kernels.cpu.f16head import f16_head_gemv, supports
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.layers.embedding import LMHead
 
+# the kernel repeats torch's AVX2 summation order; torch's AVX-512 build sums in another (and the backend
+# then keeps torch's head)
+TORCH_AVX2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+needs_torch_avx2 = pytest.mark.skipif(not TORCH_AVX2, reason="torch does not run its AVX2 kernels here")
+
 
 def torch_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What the head computed before this kernel (layers/embedding._half_linear)."""
@@ -28,6 +33,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@needs_torch_avx2
 @pytest.mark.parametrize(("vocab", "width"), [(1000, 2560), (333, 576), (17, 64), (4099, 128)])
 def test_gemv_equals_torch_bit_for_bit(vocab: int, width: int) -> None:
     weight, hidden = random_head(vocab, width, seed=vocab)
@@ -37,6 +43,7 @@ def test_gemv_equals_torch_bit_for_bit(vocab: int, width: int) -> None:
     assert same_bits(torch.from_numpy(out)[None], torch_logits(hidden, weight))
 
 
+@needs_torch_avx2
 def test_overflow_and_f16_rounding_match_torch() -> None:
     """Sums past the F16 range store as inf; tiny ones round to F16 subnormals or zero, as torch's do."""
     weight, hidden = random_head(256, 128, seed=7)
@@ -49,6 +56,7 @@ def test_overflow_and_f16_rounding_match_torch() -> None:
     assert same_bits(logits, torch_logits(hidden, weight))
 
 
+@needs_torch_avx2
 def test_lm_head_uses_it_for_one_token_only() -> None:
     weight, _ = random_head(520, 192, seed=3)
     cpu_head, reference_head = LMHead(weight, CpuBackend(num_threads=2)), LMHead(weight, ReferenceBackend())
@@ -70,3 +78,10 @@ def test_generic_isa_keeps_torch() -> None:
     """The portable variant's CPUs may lack F16C, which the kernel's IR relies on."""
     weight, _ = random_head(64, 128, seed=13)
     assert LMHead(weight, CpuBackend(num_threads=2, isa="generic")).gemv is None
+
+
+def test_torch_without_avx2_kernels_keeps_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch runs its AVX-512 kernels the sums' order differs: the head stays torch's."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    weight, _ = random_head(64, 128, seed=17)
+    assert LMHead(weight, CpuBackend(num_threads=2)).gemv is None
