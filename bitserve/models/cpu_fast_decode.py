@@ -5,17 +5,19 @@ upstream bitnet; bitnet linear mode, the avx2 / vnni kernels).
 Why a second forward (README, Layout: deviations): at decode shapes the module forward of
 models/decoder.py spends more time in Python and torch dispatch (~40 calls a layer: norms, splits,
 reshapes, RoPE, cache writes, attention, residual adds) than in its matmuls: ~20 ms a step on SmolLM2's
-30 layers. This path makes 8 calls a layer: four int8 GEMVs on the stacked weights
-(kernels/cpu/blockdot.py or int8dot.py) and four numba glue calls between them
-(kernels/cpu/decode_glue.py), each handing the next GEMV its int8 activations (sub-norms included); for
-ternary weights the whole layer loop runs inside one numba call making those same calls
-(cpu_ternary_step.py, kernels/cpu/decode_step.py): from Python they still cost ~14 ms of a 2B step. It
+30 layers. This path runs the whole layer loop in one numba call (kernels/cpu/decode_step.py), 8 calls a
+layer inside it: four int8 GEMVs on the stacked weights (kernels/cpu/blockdot.py or int8dot.py) and four
+glue calls between them (kernels/cpu/decode_glue.py), each handing the next GEMV its int8 activations
+(sub-norms included); the tables it reads are stacked once at load (cpu_ternary_step.py for ternary
+weights, cpu_block_step.py for block weights). From Python, those 240 calls cost ~14 ms of a 2B step and
+~1-2 ms of SmolLM2's. It
 computes what the module forward computes (the same kernels, quantization, norm, RoPE and attention
 arithmetic, the same numba SiLU / relu2 via CpuBackend, the `bitnet` arch's `.scale` products) and is
 used only where that holds: every token of the step is a decode (one per sequence), an f32 KV cache, and
 a model whose q/k/v and gate/up stacked into one int8 weight each (Int8BlockLinear or Int8BitnetLinear),
 without ggml numerics (bitnetcpp mode), and output scales only on ternary weights. Anything else
-(prefill, mixed steps, other weights) runs the module forward.
+(prefill, mixed steps, other weights, block formats mixed in one model, caches that are not one pool)
+runs the module forward.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bitserve.kernels.cpu.ternary import padded_in_features
 from bitserve.layers.attention import AttentionMetadata
 from bitserve.layers.linear import LinearGroup
 from bitserve.layers.rotary import RopeStyle
+from bitserve.models.cpu_block_step import BlockStep
 from bitserve.models.cpu_ternary_step import TernaryStep, pooled_layers
 
 if TYPE_CHECKING:
@@ -151,12 +154,11 @@ class FastCpuDecode:
         self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
         self.scale = model.layers[0].attn.scale
         self.num_threads = first.qkv.num_threads
-        # ternary weights: the whole layer loop in one numba call (cpu_ternary_step.py); block weights: the
-        # loop below, in Python
-        # (None for ternary weights scattered in memory: then the module forward runs, which also applies
-        # the `.scale` outputs the Python loop below does not)
+        # the whole layer loop in one numba call (kernels/cpu/decode_step.py): cpu_ternary_step.py's tables
+        # for ternary weights, cpu_block_step.py's for block weights; None (the module forward runs) for
+        # ternary weights scattered in memory or block formats mixed in one model
         self.is_ternary = kind is _KINDS[Int8BitnetLinear]
-        self.ternary = TernaryStep.build(layers) if self.is_ternary else None
+        self.step = TernaryStep.build(layers) if self.is_ternary else BlockStep.build(layers)
         self._pool_of: tuple[int, int, int] | None = None  # (id, first data_ptr, length) of the caches
         self._pool: np.ndarray | None = None  # their pooled_layers view, f32 [L, 2, blocks, ...]
 
@@ -185,13 +187,11 @@ class FastCpuDecode:
         every_decode = metadata.other_seq_ids == () and metadata.num_seqs == num_tokens
         if not every_decode or kv_caches[0].dtype != torch.float32:
             return False
-        if not self.is_ternary:
-            return True
-        return self.ternary is not None and self._kv_pool(kv_caches) is not None
+        return self.step is not None and self._kv_pool(kv_caches) is not None
 
     def _kv_pool(self, kv_caches: list[torch.Tensor]) -> np.ndarray | None:
-        """The caches as one array for the ternary step (cpu_ternary_step.pooled_layers), looked up once
-        per list of caches; None where they are not one pool (then the module forward runs)."""
+        """The caches as one array for the step (cpu_ternary_step.pooled_layers), looked up once per list
+        of caches; None where they are not one pool (then the module forward runs)."""
         key = (id(kv_caches), kv_caches[0].data_ptr(), len(kv_caches))
         if key != self._pool_of:
             pool = pooled_layers(kv_caches)
@@ -218,59 +218,9 @@ class FastCpuDecode:
         slots = metadata.slot_mapping.numpy()
         block_table = metadata.decode.block_table.numpy()
         seq_lens = metadata.decode.seq_lens.numpy()
-        if self.ternary is not None:
-            shape = (self.num_heads, self.num_kv_heads, self.intermediate, self.scale)
-            shape += (self.kp_hidden, self.kp_attn, self.kp_inter, padded)
-            rope = (self.cos, self.sin, self.rope_dim, self.is_neox)
-            pool = self._kv_pool(kv_caches)
-            step = (positions_np, rope, pool, slots, block_table, seq_lens, shape, eps, self.relu2)
-            self.ternary.run(x, (*step, parallel_gate))
-            return self.model.norm(torch.from_numpy(x))
-        delta = None  # the last projection's output, added to x by the next glue call
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            acts = (
-                decode_glue.norm_quantize(x, layer.attn_norm, eps, self.kp_hidden, padded)
-                if delta is None
-                else decode_glue.residual_norm_quantize(
-                    x, delta, layer.attn_norm, eps, self.kp_hidden, padded
-                )
-            )
-            qkv = layer.qkv.run_quantized(acts, num_tokens)
-            acts = decode_glue.rope_attend_quantize(
-                qkv,
-                self.num_heads,
-                self.num_kv_heads,
-                positions_np,
-                self.cos,
-                self.sin,
-                self.rope_dim,
-                self.is_neox,
-                kv_cache[0].numpy(),
-                kv_cache[1].numpy(),
-                slots,
-                block_table,
-                seq_lens,
-                self.scale,
-                layer.attn_sub_norm,
-                eps,
-                self.kp_attn,
-                padded,
-            )
-            attn_out = layer.o_proj.run_quantized(acts, num_tokens)
-            acts = decode_glue.residual_norm_quantize(
-                x, attn_out, layer.ffn_norm, eps, self.kp_hidden, padded
-            )
-            gate_up = layer.gate_up.run_quantized(acts, num_tokens)
-            acts = decode_glue.gated_quantize(
-                gate_up,
-                self.intermediate,
-                self.relu2,
-                layer.ffn_sub_norm,
-                eps,
-                self.kp_inter,
-                padded,
-                parallel_gate,
-            )
-            delta = layer.down.run_quantized(acts, num_tokens)
-        x += delta
+        shape = (self.num_heads, self.num_kv_heads, self.intermediate, self.scale)
+        shape += (self.kp_hidden, self.kp_attn, self.kp_inter, padded)
+        rope = (self.cos, self.sin, self.rope_dim, self.is_neox)
+        step = (positions_np, rope, self._kv_pool(kv_caches), slots, block_table, seq_lens, shape, eps)
+        self.step.run(x, (*step, self.relu2, parallel_gate))  # type: ignore[union-attr]
         return self.model.norm(torch.from_numpy(x))

@@ -69,6 +69,18 @@ def _stack(vectors: list[np.ndarray], dtype: type = np.float32) -> np.ndarray:
     return np.ascontiguousarray(np.stack(vectors), dtype=dtype)
 
 
+def stacked_norms(layers: list[_FastLayer]) -> tuple[tuple, tuple | None]:
+    """The layers' norm weights as the step reads them: (attn, ffn) f32 [L, hidden], and the sub-norms
+    (attn f32 [L, H D], ffn f32 [L, I]) or None for a model without them."""
+    norms = (_stack([lay.attn_norm for lay in layers]), _stack([lay.ffn_norm for lay in layers]))
+    if layers[0].attn_sub_norm is None:
+        return norms, None
+    return norms, (
+        _stack([lay.attn_sub_norm for lay in layers]),
+        _stack([lay.ffn_sub_norm for lay in layers]),
+    )
+
+
 class TernaryStep:
     """Every layer of a ternary model's decode step in one numba call of the backend's ISA."""
 
@@ -104,15 +116,7 @@ class TernaryStep:
         out_scales = tuple(_stack([lay.output_scales[i] for lay in layers]) for i in range(len(projections)))
         # a model without `.scale` tensors skips the products (all 1.0: they would change nothing)
         self.out_scales = out_scales if any((s != 1.0).any() for s in out_scales) else None
-        self.norms = (_stack([lay.attn_norm for lay in layers]), _stack([lay.ffn_norm for lay in layers]))
-        self.sub_norms = (
-            None
-            if layers[0].attn_sub_norm is None
-            else (
-                _stack([lay.attn_sub_norm for lay in layers]),
-                _stack([lay.ffn_sub_norm for lay in layers]),
-            )
-        )
+        self.norms, self.sub_norms = stacked_norms(layers)
         self.keep_alive = weights  # the arrays `base` views
         self.model = (self.base, self.offsets, self.row_scales, self.out_scales, self.norms, self.sub_norms)
         self.decode_layers = DECODE_LAYERS[layers[0].qkv.tuning.isa]

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from bitserve.kernels.cpu.isa import BLOCK_ACTIVATIONS_ENV_VAR, ISA_ENV_VAR, Isa, supported_isas
 from bitserve.llm import LLM
+from bitserve.models.cpu_block_step import BlockStep
 from bitserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(supported_isas()[0] is Isa.GENERIC, reason="needs the avx2 or vnni kernels")
@@ -74,7 +77,31 @@ def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ..
 
 
 def test_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
+    """SmolLM2's Q4_1 layers in one numba call (cpu_block_step.BlockStep) give the module forward's logits."""
+    step = smollm2_q8.instance.loaded.model.fast_decode.step
+    assert isinstance(step, BlockStep) and step.model[1][0] == 960  # q | k | v rows of SmolLM2-135M
     assert_fast_step_matches_module_forward(smollm2_q8)
+
+
+def test_block_step_refuses_mixed_formats() -> None:
+    """One compiled loop reads one block format: a model mixing Q4_1 and Q8_0 projections (or changing a
+    projection's shape between layers) takes the module forward (build -> None)."""
+
+    def weight(fmt: str, rows: int, records: tuple[int, ...]) -> SimpleNamespace:
+        return SimpleNamespace(
+            kernel_format=fmt, out_features=rows, kernel_records=np.zeros(records, np.uint8)
+        )
+
+    def layer(down_format: str, down_rows: int = 64) -> SimpleNamespace:
+        return SimpleNamespace(
+            qkv=weight("q4_1", 96, (24, 2, 96)),
+            o_proj=weight("q4_1", 64, (16, 2, 96)),
+            gate_up=weight("q4_1", 256, (64, 2, 96)),
+            down=weight(down_format, down_rows, (down_rows // 4, 4, 96)),
+        )
+
+    assert BlockStep.build([layer("q4_1"), layer("q8_0")]) is None
+    assert BlockStep.build([layer("q4_1"), layer("q4_1", down_rows=128)]) is None
 
 
 def test_batched_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
@@ -178,7 +205,7 @@ def scaled_b158_file(tmp_path_factory: pytest.TempPathFactory, synthetic_weights
 def test_ternary_fast_step_with_output_scales_matches_the_module_forward(scaled_b158_file: Path) -> None:
     llm = LLM(str(scaled_b158_file), backend="cpu")
     try:
-        assert llm.instance.loaded.model.fast_decode.ternary.out_scales is not None
+        assert llm.instance.loaded.model.fast_decode.step.out_scales is not None
         assert_fast_step_matches_module_forward(llm, batch_sizes=(1, 2))
     finally:
         llm.close()
@@ -189,7 +216,7 @@ def test_bitnet_arch_tq2_fast_step_matches_the_module_forward(synthetic_models: 
     repacked at load into separate arrays; batches of 1, 3 and 16 (the GEMM tiles, 16 paged sequences)."""
     llm = LLM(str(synthetic_models["TQ2_0"]), backend="cpu")
     try:
-        assert llm.instance.loaded.model.fast_decode.ternary is not None
+        assert llm.instance.loaded.model.fast_decode.step is not None
         assert_fast_step_matches_module_forward(llm, batch_sizes=(3, 1, 16))
     finally:
         llm.close()

@@ -1,16 +1,18 @@
-"""The ternary lean decode step's layer loop as one numba call (models/cpu_fast_decode.py).
+"""The lean decode step's layer loop as one numba call (models/cpu_fast_decode.py), for ternary and for
+Q4_0 / Q4_1 / Q8_0 block weights.
 
 Run from Python, the loop made 8 calls a layer (4 GEMVs, 4 glue calls: kernels/cpu/decode_glue.py), each
 paying numba's argument matching and a few NumPy / torch wrappers: 13-18 ms a step of 30 layers on the
-2B-4T model (benchmarks/RESULTS.md). Here the loop runs inside one compiled call (~4 ms of glue left a
-step), which calls the same glue functions and the same int8 kernel entry points (kernels/cpu/int8dot.py)
-in the same order, so its output is the Python loop's to the bit.
+2B-4T model, ~1-2 ms of SmolLM2's ~11 (benchmarks/RESULTS.md). Here the loop runs inside one compiled
+call (~4 ms of glue left a 2B step), which calls the same glue functions and the same kernel entry points
+(kernels/cpu/int8dot.py, blockdot.py) in the same order as the layers' own run_quantized, so its output
+is the Python loop's to the bit.
 
-Every layer's weights are reached from one uint8 `base` array (models/cpu_ternary_step.address_span:
-the file mapping for I2_S, else the span of the repacked arrays' addresses) through per-layer row-offset
-tables stacked as [L, M]; row scales, norms and the KV caches are stacked [L, ...] likewise (the engine
-allocates the caches as views of one pool: runner/kv_cache.py), so a step passes a few arrays, not a
-few per layer.
+Ternary weights are reached from one uint8 `base` array (models/cpu_ternary_step.address_span: the file
+mapping for I2_S, else the span of the repacked arrays' addresses) through per-layer row-offset tables
+stacked as [L, M]; block weights as a tuple of each layer's record array (models/cpu_block_step.py).
+Row scales, norms and the KV caches are stacked [L, ...] (the engine allocates the caches as views of one
+pool: runner/kv_cache.py), so a step passes a few arrays, not a few per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit
 
-from bitserve.kernels.cpu import int8dot
+from bitserve.kernels.cpu import blockdot, int8dot
 from bitserve.kernels.cpu.decode_glue import (
     gated_quantize,
     norm_quantize,
@@ -34,7 +36,7 @@ QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 
 
 @njit(nogil=True, cache=True)
-def _project(
+def _project_ternary(
     gemv: Callable, gemm: Callable, model: tuple, which: int, layer: int, acts: tuple, num_tokens: int
 ) -> np.ndarray:
     """Projection `which` (QKV, ...) of one layer on int8 activations -> f32 [num_tokens, M]: the GEMV for
@@ -49,6 +51,22 @@ def _project(
     else:
         gemm((base, row_off), q, q_sum, s_act, row_scales[which][layer], out)
     _scale_outputs(out_scales, which, layer, out)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _project_blocks(
+    gemv: Callable, gemm: Callable, model: tuple, which: int, layer: int, acts: tuple, num_tokens: int
+) -> np.ndarray:
+    """The same for Q4_0 / Q4_1 / Q8_0 weights (Int8BlockLinear.run_quantized's calls): model[0][which]
+    holds each layer's records uint8 [ceil(M / 4), nb, record], model[1][which] is M; acts (q, dx, sx)."""
+    records, rows = model[0], model[1]
+    q, dx, sx = acts
+    out = np.empty((num_tokens, rows[which]), dtype=np.float32)
+    if num_tokens == 1:
+        gemv(records[which][layer], q, dx, sx, out)
+    else:
+        gemm(records[which][layer], q, dx, sx, out)
     return out
 
 
@@ -73,14 +91,19 @@ def _layer_vector(stacked: tuple | None, which: int, layer: int) -> np.ndarray |
 
 
 @njit(nogil=True, cache=True)
-def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, step: tuple) -> None:
+def _decode_layers(
+    project: Callable, gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, step: tuple
+) -> None:
     """Every layer of one decode step (one token per sequence), x f32 [T, hidden] updated in place to the
-    last layer's output (before the final norm).
+    last layer's output (before the final norm). `project` runs a projection (_project_ternary or
+    _project_blocks) with the ISA's kernel entry points gemv / gemm.
 
-    model (once per model, cpu_ternary_step.TernaryStep): base uint8 [n]; offsets: row_off int64 [L, M]
-    of qkv, o_proj, gate_up, down (byte offsets in base); row_scales: their f32 [L, M]; out_scales: their
-    `.scale` products f32 [L, M], or None; norms: attn, ffn f32 [L, hidden]; sub_norms: attn f32 [L, H D],
-    ffn f32 [L, I], or None. step: positions int64 [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool
+    model (once per model, cpu_ternary_step.TernaryStep, cpu_block_step.BlockStep): ternary: base uint8
+    [n]; offsets: row_off int64 [L, M] of qkv, o_proj, gate_up, down (byte offsets in base); row_scales:
+    their f32 [L, M]; out_scales: their `.scale` products f32 [L, M], or None. Blocks: the records of
+    each projection, one array a layer; the projections' row counts; None, None. Both then: norms: attn,
+    ffn f32 [L, hidden]; sub_norms: attn f32 [L, H D], ffn f32 [L, I], or None.
+    step: positions int64 [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool
     f32 [L, 2, blocks, block_size, KV, D]; slot_mapping, block_table, seq_lens (AttentionMetadata's);
     shape: (heads, kv_heads, intermediate, attention scale, decode_glue's kp for the hidden, attention
     and intermediate widths, padded activation rows); eps; relu2 (else SiLU); parallel_gate."""
@@ -96,7 +119,7 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
             acts = norm_quantize(x, attn_norms[0], eps, kp_hidden, padded)
         else:
             acts = residual_norm_quantize(x, delta, attn_norms[layer], eps, kp_hidden, padded)
-        qkv = _project(gemv, gemm, model, QKV, layer, acts, num_tokens)
+        qkv = project(gemv, gemm, model, QKV, layer, acts, num_tokens)
         attn_sub_norm = _layer_vector(sub_norms, 0, layer)
         acts = rope_attend_quantize(
             qkv,
@@ -118,31 +141,70 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
             kp_attn,
             padded,
         )
-        attn_out = _project(gemv, gemm, model, O_PROJ, layer, acts, num_tokens)
+        attn_out = project(gemv, gemm, model, O_PROJ, layer, acts, num_tokens)
         acts = residual_norm_quantize(x, attn_out, ffn_norms[layer], eps, kp_hidden, padded)
-        gate_up = _project(gemv, gemm, model, GATE_UP, layer, acts, num_tokens)
+        gate_up = project(gemv, gemm, model, GATE_UP, layer, acts, num_tokens)
         ffn_sub_norm = _layer_vector(sub_norms, 1, layer)
         acts = gated_quantize(
             gate_up, intermediate, relu2, ffn_sub_norm, eps, kp_inter, padded, parallel_gate
         )
-        delta = _project(gemv, gemm, model, DOWN, layer, acts, num_tokens)
+        delta = project(gemv, gemm, model, DOWN, layer, acts, num_tokens)
     for t in range(num_tokens):
         for i in range(x.shape[1]):
             x[t, i] += delta[t, i]
 
 
-# One entry point per ISA, passing that ISA's kernel entry points: a machine compiles (and caches) only
-# the variant it runs (the VNNI kernels' instructions cannot even be compiled for an AVX2-only CPU).
+# One entry point per ISA (and block format), passing that variant's kernel entry points: a machine
+# compiles (and caches) only what it runs (the VNNI kernels' instructions cannot even be compiled for an
+# AVX2-only CPU).
 
 
 @njit(nogil=True, cache=True)
 def avx2_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(int8dot.avx2_gemv, int8dot.avx2_gemm, x, model, step)
+    _decode_layers(_project_ternary, int8dot.avx2_gemv, int8dot.avx2_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def vnni_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(int8dot.vnni_gemv, int8dot.vnni_gemm, x, model, step)
+    _decode_layers(_project_ternary, int8dot.vnni_gemv, int8dot.vnni_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q4_1_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(_project_blocks, blockdot.avx2_q4_1_gemv, blockdot.avx2_q4_1_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q4_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(_project_blocks, blockdot.avx2_q4_0_gemv, blockdot.avx2_q4_0_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q8_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(_project_blocks, blockdot.avx2_q8_0_gemv, blockdot.avx2_q8_0_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q4_1_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(_project_blocks, blockdot.vnni_q4_1_gemv, blockdot.vnni_q4_1_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q4_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(_project_blocks, blockdot.vnni_q4_0_gemv, blockdot.vnni_q4_0_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q8_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(_project_blocks, blockdot.vnni_q8_0_gemv, blockdot.vnni_q8_0_gemm, x, model, step)
 
 
 DECODE_LAYERS: dict[Isa, Callable[..., None]] = {Isa.AVX2: avx2_decode_layers, Isa.VNNI: vnni_decode_layers}
+BLOCK_DECODE_LAYERS: dict[tuple[Isa, str], Callable[..., None]] = {
+    (Isa.AVX2, "q4_1"): avx2_q4_1_decode_layers,
+    (Isa.AVX2, "q4_0"): avx2_q4_0_decode_layers,
+    (Isa.AVX2, "q8_0"): avx2_q8_0_decode_layers,
+    (Isa.VNNI, "q4_1"): vnni_q4_1_decode_layers,
+    (Isa.VNNI, "q4_0"): vnni_q4_0_decode_layers,
+    (Isa.VNNI, "q8_0"): vnni_q8_0_decode_layers,
+}

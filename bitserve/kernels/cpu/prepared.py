@@ -385,8 +385,7 @@ class Int8BlockLinear(BlockLinear):
 
     def _bind(self) -> None:
         super()._bind()
-        kind = self.layout.name.lower()  # "q4_1", "q4_0" or "q8_0"
-        self._kernels = blockdot.KERNELS[(self.tuning.isa, kind)]
+        self._kernels = blockdot.KERNELS[(self.tuning.isa, self.kernel_format)]
         self._m_np = self.extras["m"].numpy() if "m" in self.extras else self._d  # Q8_0: unused
 
     def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -406,6 +405,16 @@ class Int8BlockLinear(BlockLinear):
 
     def gemv(self, x: torch.Tensor, acts: object) -> torch.Tensor:
         return torch.from_numpy(self.run_quantized(acts, x.shape[0]))  # type: ignore[arg-type]
+
+    @property
+    def kernel_records(self) -> np.ndarray:
+        """uint8 [ceil(M / 4), nb, record]: the 4-row interleaved records its kernels read."""
+        return self._codes
+
+    @property
+    def kernel_format(self) -> str:
+        """ "q4_1", "q4_0" or "q8_0": which of blockdot's kernels read the records."""
+        return self.layout.name.lower()
 
     def run_quantized(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:
         """acts from quantize() (or the decode glue) -> f32 [num_tokens, M]."""
