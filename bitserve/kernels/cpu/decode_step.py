@@ -156,7 +156,9 @@ def _decode_layers(
 
 # One entry point per ISA (and block format), passing that variant's kernel entry points: a machine
 # compiles (and caches) only what it runs (the VNNI kernels' instructions cannot even be compiled for an
-# AVX2-only CPU).
+# AVX2-only CPU). NOTE: written out, not made by a factory: numba does not cache closures (each process
+# would compile the whole layer loop again, tens of seconds), nor functions taking dispatchers as
+# arguments from Python.
 
 
 @njit(nogil=True, cache=True)
