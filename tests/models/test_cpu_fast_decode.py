@@ -76,11 +76,21 @@ def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ..
     assert set(batch_sizes) <= set(compared)  # every batch size's decode steps took the fast path
 
 
-def test_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
-    """SmolLM2's Q4_1 layers in one numba call (cpu_block_step.BlockStep) give the module forward's logits."""
-    step = smollm2_q8.instance.loaded.model.fast_decode.step
-    assert isinstance(step, BlockStep) and step.model[1][0] == 960  # q | k | v rows of SmolLM2-135M
-    assert_fast_step_matches_module_forward(smollm2_q8)
+@pytest.mark.parametrize("isa", supported_isas()[:-1])  # every int8 variant this CPU runs (not GENERIC)
+def test_fast_step_logits_match_the_module_forward(
+    smollm2_path: Path, isa: Isa, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2's Q4_1 layers in one numba call (cpu_block_step.BlockStep) give the module forward's logits,
+    on each kernel variant the CPU runs (kernels/cpu/decode_step.BLOCK_DECODE_LAYERS)."""
+    monkeypatch.setenv(ISA_ENV_VAR, isa.value)
+    monkeypatch.setenv(BLOCK_ACTIVATIONS_ENV_VAR, "q8")
+    llm = LLM(str(smollm2_path), backend="cpu")
+    try:
+        step = llm.instance.loaded.model.fast_decode.step
+        assert isinstance(step, BlockStep) and step.model[1][0] == 960  # q | k | v rows of SmolLM2-135M
+        assert_fast_step_matches_module_forward(llm)
+    finally:
+        llm.close()
 
 
 def test_block_step_refuses_mixed_formats() -> None:
