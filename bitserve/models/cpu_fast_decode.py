@@ -159,6 +159,11 @@ class FastCpuDecode:
         # ternary weights scattered in memory or block formats mixed in one model
         self.is_ternary = kind is _KINDS[Int8BitnetLinear]
         self.step = TernaryStep.build(layers) if self.is_ternary else BlockStep.build(layers)
+        # Start numba's threading layer now. The step's entry points are not parallel themselves, only the
+        # kernels they call; numba starts the thread pool when a parallel function is compiled or loaded,
+        # not when a non-parallel caller's cached code (with the kernels inside) is loaded, which then calls
+        # a null launcher (a segfault) if no parallel function ran in this process yet.
+        numba.get_num_threads()
         self._pool_of: tuple[int, int, int] | None = None  # (id, first data_ptr, length) of the caches
         self._pool: np.ndarray | None = None  # their pooled_layers view, f32 [L, 2, blocks, ...]
 

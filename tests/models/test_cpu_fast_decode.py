@@ -12,6 +12,8 @@ the reference backend's (bitnet mode is bit-exact across backends).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,6 +93,39 @@ def test_fast_step_logits_match_the_module_forward(
         assert_fast_step_matches_module_forward(llm)
     finally:
         llm.close()
+
+
+FRESH_PROCESS_DECODE = """
+import json, sys
+from bitserve.llm import LLM
+from bitserve.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], backend="cpu")
+llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))
+stats = llm.instance.loaded.model.fast_decode.step.decode_layers.stats
+print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
+llm.close()
+"""
+
+
+def test_block_step_loads_from_numba_cache_in_a_fresh_process(smollm2_path: Path) -> None:
+    """A new process runs the compiled layer loop from numba's disk cache: no per-process compile (a
+    version that passed the projection as a function value was uncacheable, a 63-69 s compile on every
+    server start), and no crash when the cached loop is the first parallel code the process runs (numba
+    starts its thread pool only for parallel functions it compiles or loads itself)."""
+
+    def run() -> dict[str, int]:
+        done = subprocess.run(
+            [sys.executable, "-c", FRESH_PROCESS_DECODE, str(smollm2_path)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    run()  # compiles (and writes the cache) unless an earlier process did
+    assert run() == {"hits": 1, "misses": 0}
 
 
 def test_block_step_refuses_mixed_formats() -> None:

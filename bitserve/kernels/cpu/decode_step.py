@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from bitserve.kernels.cpu import blockdot, int8dot
 from bitserve.kernels.cpu.decode_glue import (
@@ -35,7 +36,32 @@ from bitserve.kernels.cpu.isa import Isa
 QKV, O_PROJ, GATE_UP, DOWN = 0, 1, 2, 3
 
 
-@njit(nogil=True, cache=True)
+def _project(
+    gemv: Callable, gemm: Callable, model: tuple, which: int, layer: int, acts: tuple, num_tokens: int
+) -> np.ndarray:
+    """Projection `which` (QKV, ...) of one layer on int8 activations -> f32 [num_tokens, M]; compiled
+    code only (the overload below picks _project_ternary or _project_blocks by the model tuple's type)."""
+    raise NotImplementedError("decode_step._project runs only inside numba-compiled code")
+
+
+@overload(_project, jit_options={"nogil": True}, strict=False)
+def _project_by_weight_kind(
+    gemv: types.Type,
+    gemm: types.Type,
+    model: types.BaseTuple,
+    which: types.Type,
+    layer: types.Type,
+    acts: types.Type,
+    num_tokens: types.Type,
+) -> Callable:
+    # Chosen at compile time from the model tuple's first field (uint8 base array: ternary; a tuple of
+    # per-layer record arrays: blocks). Passing the projection as a function value instead made numba
+    # refuse to cache the entry points ("uses dynamic globals"): a 63-69 s compile in every process.
+    if isinstance(model.types[0], types.Array):
+        return _project_ternary
+    return _project_blocks
+
+
 def _project_ternary(
     gemv: Callable, gemm: Callable, model: tuple, which: int, layer: int, acts: tuple, num_tokens: int
 ) -> np.ndarray:
@@ -54,7 +80,6 @@ def _project_ternary(
     return out
 
 
-@njit(nogil=True, cache=True)
 def _project_blocks(
     gemv: Callable, gemm: Callable, model: tuple, which: int, layer: int, acts: tuple, num_tokens: int
 ) -> np.ndarray:
@@ -91,12 +116,10 @@ def _layer_vector(stacked: tuple | None, which: int, layer: int) -> np.ndarray |
 
 
 @njit(nogil=True, cache=True)
-def _decode_layers(
-    project: Callable, gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, step: tuple
-) -> None:
+def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, step: tuple) -> None:
     """Every layer of one decode step (one token per sequence), x f32 [T, hidden] updated in place to the
-    last layer's output (before the final norm). `project` runs a projection (_project_ternary or
-    _project_blocks) with the ISA's kernel entry points gemv / gemm.
+    last layer's output (before the final norm). _project runs a projection (_project_ternary or
+    _project_blocks, by the model's weight kind) with the variant's kernel entry points gemv / gemm.
 
     model (once per model, cpu_ternary_step.TernaryStep, cpu_block_step.BlockStep): ternary: base uint8
     [n]; offsets: row_off int64 [L, M] of qkv, o_proj, gate_up, down (byte offsets in base); row_scales:
@@ -119,7 +142,7 @@ def _decode_layers(
             acts = norm_quantize(x, attn_norms[0], eps, kp_hidden, padded)
         else:
             acts = residual_norm_quantize(x, delta, attn_norms[layer], eps, kp_hidden, padded)
-        qkv = project(gemv, gemm, model, QKV, layer, acts, num_tokens)
+        qkv = _project(gemv, gemm, model, QKV, layer, acts, num_tokens)
         attn_sub_norm = _layer_vector(sub_norms, 0, layer)
         acts = rope_attend_quantize(
             qkv,
@@ -141,14 +164,14 @@ def _decode_layers(
             kp_attn,
             padded,
         )
-        attn_out = project(gemv, gemm, model, O_PROJ, layer, acts, num_tokens)
+        attn_out = _project(gemv, gemm, model, O_PROJ, layer, acts, num_tokens)
         acts = residual_norm_quantize(x, attn_out, ffn_norms[layer], eps, kp_hidden, padded)
-        gate_up = project(gemv, gemm, model, GATE_UP, layer, acts, num_tokens)
+        gate_up = _project(gemv, gemm, model, GATE_UP, layer, acts, num_tokens)
         ffn_sub_norm = _layer_vector(sub_norms, 1, layer)
         acts = gated_quantize(
             gate_up, intermediate, relu2, ffn_sub_norm, eps, kp_inter, padded, parallel_gate
         )
-        delta = project(gemv, gemm, model, DOWN, layer, acts, num_tokens)
+        delta = _project(gemv, gemm, model, DOWN, layer, acts, num_tokens)
     for t in range(num_tokens):
         for i in range(x.shape[1]):
             x[t, i] += delta[t, i]
@@ -163,42 +186,42 @@ def _decode_layers(
 
 @njit(nogil=True, cache=True)
 def avx2_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_ternary, int8dot.avx2_gemv, int8dot.avx2_gemm, x, model, step)
+    _decode_layers(int8dot.avx2_gemv, int8dot.avx2_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def vnni_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_ternary, int8dot.vnni_gemv, int8dot.vnni_gemm, x, model, step)
+    _decode_layers(int8dot.vnni_gemv, int8dot.vnni_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def avx2_q4_1_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_blocks, blockdot.avx2_q4_1_gemv, blockdot.avx2_q4_1_gemm, x, model, step)
+    _decode_layers(blockdot.avx2_q4_1_gemv, blockdot.avx2_q4_1_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def avx2_q4_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_blocks, blockdot.avx2_q4_0_gemv, blockdot.avx2_q4_0_gemm, x, model, step)
+    _decode_layers(blockdot.avx2_q4_0_gemv, blockdot.avx2_q4_0_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def avx2_q8_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_blocks, blockdot.avx2_q8_0_gemv, blockdot.avx2_q8_0_gemm, x, model, step)
+    _decode_layers(blockdot.avx2_q8_0_gemv, blockdot.avx2_q8_0_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def vnni_q4_1_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_blocks, blockdot.vnni_q4_1_gemv, blockdot.vnni_q4_1_gemm, x, model, step)
+    _decode_layers(blockdot.vnni_q4_1_gemv, blockdot.vnni_q4_1_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def vnni_q4_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_blocks, blockdot.vnni_q4_0_gemv, blockdot.vnni_q4_0_gemm, x, model, step)
+    _decode_layers(blockdot.vnni_q4_0_gemv, blockdot.vnni_q4_0_gemm, x, model, step)
 
 
 @njit(nogil=True, cache=True)
 def vnni_q8_0_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
-    _decode_layers(_project_blocks, blockdot.vnni_q8_0_gemv, blockdot.vnni_q8_0_gemm, x, model, step)
+    _decode_layers(blockdot.vnni_q8_0_gemv, blockdot.vnni_q8_0_gemm, x, model, step)
 
 
 DECODE_LAYERS: dict[Isa, Callable[..., None]] = {Isa.AVX2: avx2_decode_layers, Isa.VNNI: vnni_decode_layers}
