@@ -43,6 +43,7 @@ class BenchConfig:
     max_tokens: int = 100
     prompt: str | None = None
     num_prompt_words: int = 32  # synthetic prompt length when `prompt` is None
+    prompt_seed: str = ""  # varies the synthetic prompts: a fresh seed meets no server's prompt cache
     temperature: float = 0.0
     ignore_eos: bool = False
     include_usage: bool = True  # ask for a usage chunk (stream_options.include_usage)
@@ -110,14 +111,18 @@ def default_num_requests(concurrency: int) -> int:
     return min(4 * concurrency, max(MAX_DEFAULT_NUM_REQUESTS, concurrency))
 
 
-def synthetic_prompt(index: int, num_words: int) -> str:
-    """About `num_words` words, distinct per request index, identical across runs (and servers)."""
-    rng = random.Random(f"bitserve-bench-{index}")  # a str seed: random.Random(-1) would equal Random(1)
+def synthetic_prompt(index: int, num_words: int, seed: str = "") -> str:
+    """About `num_words` words, distinct per request index, identical across runs (and servers) with the
+    same seed."""
+    key = f"{seed}/{index}" if seed else str(index)  # no seed: the prompts of earlier runs
+    rng = random.Random(f"bitserve-bench-{key}")  # a str seed: random.Random(-1) would equal Random(1)
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
 def prompt_for(config: BenchConfig, index: int) -> str:
-    return config.prompt if config.prompt is not None else synthetic_prompt(index, config.num_prompt_words)
+    if config.prompt is not None:
+        return config.prompt
+    return synthetic_prompt(index, config.num_prompt_words, config.prompt_seed)
 
 
 async def run_bench_async(config: BenchConfig) -> BenchRun:

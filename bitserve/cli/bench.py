@@ -62,6 +62,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, has_url: bool = True
         default=_default("num_prompt_words"),
         help="synthetic prompts of about this many words, distinct per request",
     )
+    parser.add_argument(
+        "--prompt-seed",
+        default=_default("prompt_seed"),
+        help="vary the synthetic prompts (a seed no run used before meets no server's prompt cache)",
+    )
     parser.add_argument("--temperature", type=float, default=_default("temperature"))
     parser.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos: true so requests run to max_tokens"
@@ -167,6 +172,7 @@ def config_from_args(args: argparse.Namespace, url: str | None = None) -> BenchC
         max_tokens=args.max_tokens,
         prompt=args.prompt,
         num_prompt_words=args.prompt_tokens,
+        prompt_seed=args.prompt_seed,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         include_usage=not args.no_usage,

@@ -109,6 +109,8 @@ def test_synthetic_prompts_are_deterministic_and_distinct() -> None:
     assert synthetic_prompt(3, 20) == synthetic_prompt(3, 20)
     assert synthetic_prompt(3, 20) != synthetic_prompt(4, 20)
     assert len(synthetic_prompt(5, 64).split()) == 64
+    assert synthetic_prompt(3, 20, seed="run2") == synthetic_prompt(3, 20, seed="run2")
+    assert synthetic_prompt(3, 20, seed="run2") != synthetic_prompt(3, 20)
 
 
 # ----------------------------------------------------------------- fake OpenAI-compatible server
