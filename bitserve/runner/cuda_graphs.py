@@ -73,8 +73,15 @@ class DecodeGraphs:
         self.inputs[SEQ_LENS].fill_(1)
         self.block_table = torch.full((size, width), self.scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self._host_inputs = torch.empty_like(self.inputs, device="cpu").pin_memory()
+        # Two pinned staging buffers for the inputs, used in turn: a launch ahead (runner/cuda_lookahead.py)
+        # may still be copying from one when the next launch fills the other; each buffer's event marks its
+        # copy done before the host writes it again. The table is copied only by run(), whose step the
+        # runner syncs on before its next launch.
+        self._host_inputs = [torch.empty_like(self.inputs, device="cpu").pin_memory() for _ in range(2)]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn = 0
         self._host_table = torch.empty_like(self.block_table, device="cpu").pin_memory()
+        self._last: tuple[int, int] | None = None  # (size, width) of the last launch
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
@@ -142,9 +149,41 @@ class DecodeGraphs:
         for row, pad in zip(rows, (0, 0, self.scratch_slot, 1), strict=True):
             row.extend([pad] * padding)
         table.extend([[scratch] * width] * padding)
-        self._host_inputs[:, :size] = torch.tensor(rows, dtype=torch.int64)
         self._host_table[:size, :width] = torch.tensor(table, dtype=torch.int32)
-        self.inputs[:, :size].copy_(self._host_inputs[:, :size], non_blocking=True)
+        self._send_rows(torch.tensor(rows, dtype=torch.int64), 0, size)
         self.block_table[:size, :width].copy_(self._host_table[:size, :width], non_blocking=True)
+        return self._replay(size, width, num)
+
+    def replay_next(
+        self, token_ids: torch.Tensor, positions: Sequence[int], slots: Sequence[int]
+    ) -> torch.Tensor:
+        """The last launch's sequences one position on: token_ids int64 [num] (on the device: that step's
+        tokens, never read by the host here), each at `positions` writing `slots`, with the same block
+        table (the caller checked that every position falls in a block the sequence owns) -> logits f32
+        [num, vocab], as run() returns them."""
+        if self._last is None:
+            raise RuntimeError("replay_next needs a launch before it")
+        size, width = self._last
+        num = len(positions)
+        rows = [list(positions), list(slots), [position + 1 for position in positions]]
+        self._send_rows(torch.tensor(rows, dtype=torch.int64), POSITIONS, num)
+        self.inputs[INPUT_IDS, :num].copy_(token_ids)
+        return self._replay(size, width, num)
+
+    def _send_rows(self, rows: torch.Tensor, first_row: int, columns: int) -> None:
+        """rows int64 [n, columns] -> inputs[first_row : first_row + n, :columns], through the staging
+        buffer whose last copy is done."""
+        turn = self._turn
+        self._turn = 1 - turn
+        staging = self._host_inputs[turn]
+        self._copied[turn].synchronize()  # its previous copy has left it (at once, unless very recent)
+        last_row = first_row + rows.shape[0]
+        staged = staging[first_row:last_row, :columns]
+        staged.copy_(rows)
+        self.inputs[first_row:last_row, :columns].copy_(staged, non_blocking=True)
+        self._copied[turn].record()
+
+    def _replay(self, size: int, width: int, num: int) -> torch.Tensor:
+        self._last = (size, width)
         self.graphs[size, width].replay()
         return self.logits[size, width][:num]

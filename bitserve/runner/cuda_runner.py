@@ -4,7 +4,8 @@ Differences from the CPU runner: the KV pages live on the device (one extra scra
 padded rows of a CUDA-graph bucket write to), the batch's small tensors are built on the host and sent
 in one pinned, non-blocking copy, the forward is `CudaDecoder`'s, and decode-only steps replay a CUDA
 graph captured per batch-size bucket (runner/cuda_graphs.py). Sampling runs on the device on the logits
-the step produced; the sampled ids are the step's one host sync.
+the step produced; the sampled ids are the step's one host sync. Plain greedy decode steps launch the
+step after them before that sync (runner/cuda_lookahead.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,21 @@ from collections.abc import Sequence
 
 import torch
 
-from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from bitserve.errors import InvalidRequest
 from bitserve.kernels.cuda.ternary_matmul import GEMV_MAX_T
 from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
 from bitserve.models.decoder import DecoderModel
 from bitserve.runner.cuda_graphs import DecodeGraphs
+from bitserve.runner.cuda_lookahead import (
+    Lookahead,
+    LookaheadStats,
+    TokenReadback,
+    is_plain_greedy,
+    lookahead_enabled,
+    next_positions,
+    read_tokens,
+)
 from bitserve.runner.input_batch import build_batch_inputs
 from bitserve.runner.kv_cache import CacheLayout
 from bitserve.runner.model_runner import ModelRunner
@@ -43,6 +53,7 @@ class CudaModelRunner(ModelRunner):
         self.decoder = CudaDecoder(model, device)
         self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
         self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
+        self.max_model_len = max_model_len
         self._warm_up_prefill(max_model_len)
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
@@ -55,6 +66,10 @@ class CudaModelRunner(ModelRunner):
                 device=device,
             )
             self.graphs.capture_all()
+        self.lookahead = use_cuda_graphs and lookahead_enabled()
+        self.lookahead_stats = LookaheadStats()
+        self._pending: Lookahead | None = None  # the step launched ahead, if any
+        self._readback = TokenReadback(self.graphs.sizes[-1]) if self.graphs is not None else None
 
     @torch.inference_mode()
     def _warm_up_prefill(self, max_model_len: int) -> None:
@@ -99,6 +114,59 @@ class CudaModelRunner(ModelRunner):
         masked, but NaN * 0 would still poison the output), on the device."""
         shape = (2, layout.num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
         return [torch.zeros(shape, dtype=layout.dtype, device=self.device) for _ in range(layout.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """As ModelRunner.execute; a plain greedy decode step in a CUDA graph also launches the step after
+        it before its own tokens reach the host, and uses that step's tokens if it is the one asked next."""
+        requests = scheduler_output.requests
+        pending, self._pending = self._pending, None  # a guess not used now is dropped
+        if pending is not None and pending.matches(requests):
+            self.lookahead_stats.hits += 1
+            token_ids, readback = pending.token_ids, pending.readback
+        elif self._can_look_ahead(requests):
+            token_ids = self.graphs.run(requests).argmax(dim=-1)  # type: ignore[union-attr]
+            readback = self._readback.start(token_ids)  # type: ignore[union-attr]
+        else:
+            return super().execute(scheduler_output)
+        self.free_request_state(scheduler_output.finished_request_ids)
+        self._pending = self._launch_next(requests, token_ids)
+        host_ids = read_tokens(readback)  # type: ignore[arg-type]  # the one host sync; the next step runs on
+        if self._pending is not None:
+            self._pending.fed_token_ids = host_ids
+        sampled = {request.request_id: [token] for request, token in zip(requests, host_ids, strict=True)}
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=None)
+
+    def _can_look_ahead(self, requests: Sequence[ScheduledRequest]) -> bool:
+        return (
+            self.lookahead
+            and self.graphs is not None
+            and bool(requests)
+            and self.graphs.fits(len(requests))
+            and all(is_plain_greedy(request) for request in requests)
+        )
+
+    def _launch_next(self, requests: Sequence[ScheduledRequest], token_ids: torch.Tensor) -> Lookahead | None:
+        """Launch the step after `requests` (each fed its token of token_ids, on the device), or None where
+        one sequence's next position has no block yet."""
+        block_size = self.layout.block_size
+        positions = next_positions(requests, self.max_model_len, block_size)
+        if positions is None:
+            return None
+        slots = [
+            request.block_ids[position // block_size] * block_size + position % block_size
+            for request, position in zip(requests, positions, strict=True)
+        ]
+        logits = self.graphs.replay_next(token_ids, positions, slots)  # type: ignore[union-attr]
+        self.lookahead_stats.launched += 1
+        next_ids = logits.argmax(dim=-1)
+        return Lookahead(
+            request_ids=tuple(request.request_id for request in requests),
+            positions=tuple(positions),
+            num_blocks=tuple(len(request.block_ids) for request in requests),
+            token_ids=next_ids,
+            readback=self._readback.start(next_ids),  # type: ignore[union-attr]
+        )
 
     @torch.inference_mode()
     def forward_logits(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:

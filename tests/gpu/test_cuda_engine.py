@@ -92,6 +92,34 @@ def test_many_sequences_in_one_graph_bucket(b158_file: Path) -> None:
         llm.close()
 
 
+def lookahead_run(path: Path, enabled: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, object]:
+    """Greedy tokens of sequences that end at different steps (a batch that shrinks, blocks of 4 so
+    guesses stop at every fourth position), with a seeded sampled one among them for half of the run,
+    and the runner's lookahead counts."""
+    monkeypatch.setenv("BITSERVE_CUDA_LOOKAHEAD", "1" if enabled else "0")
+    llm = LLM(config=engine_config(path, "cuda", kv="float32"))
+    try:
+        prompts = [[(13 * i + j) % 400 + 30 for j in range(2 + 3 * i)] for i in range(4)]
+        greedy = [SamplingParams(max_tokens=12 + 9 * i, temperature=0, ignore_eos=True) for i in range(4)]
+        tokens = [llm.generate([p], g)[0].outputs[0].token_ids for p, g in zip(prompts, greedy, strict=True)]
+        both = llm.generate(prompts, greedy[3])  # all four at once, ending together
+        tokens += [o.outputs[0].token_ids for o in both]
+        sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
+        mixed = [llm.generate([prompts[0]], sampled)[0].outputs[0].token_ids]
+        return tokens + mixed, dataclasses.replace(llm.instance.engine.runner.lookahead_stats)
+    finally:
+        llm.close()
+
+
+def test_lookahead_tokens_equal_lookahead_off(b158_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps launched ahead are used (most decode steps) and change no token."""
+    on, on_stats = lookahead_run(b158_file, True, monkeypatch)
+    off, off_stats = lookahead_run(b158_file, False, monkeypatch)
+    assert on == off
+    assert off_stats.launched == 0
+    assert on_stats.hits > 0.5 * on_stats.launched > 0
+
+
 def test_dense_q4_model_logits_match_cpu(tmp_path: Path, tokenizer_source: Path) -> None:
     """A SmolLM2-shaped Q4_1 llama (dequantized to f32 on the device): first-step logits within fp32
     summation-order tolerance of the CPU reference backend's."""

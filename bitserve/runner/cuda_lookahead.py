@@ -1,0 +1,131 @@
+"""Decode lookahead on CUDA: the next decode step's graph is launched before the host has read this one's
+tokens, so the GPU does not idle while the host finishes the step.
+
+At batch 1 a 2B decode graph replays in ~1.2 ms, and the host spends ~0.3 ms between the step's one sync
+and the next replay (reading the tokens, the scheduler's update and next schedule, building and copying the
+next inputs, the caller's output processing): the GPU idled for a fifth of every step (benchmarks/
+RESULTS.md). Here, once a plain greedy decode step is launched, its tokens are taken on the device
+(argmax, as the sampler does for greedy rows) and fed straight into a replay of the same graph at the next
+positions; only then does the host wait for this step's tokens. If the scheduler's next step is exactly
+that one (same sequences in the same order, each fed the token it sampled, at the next position, with the
+same blocks), its tokens are already computed (or in flight); otherwise the guess is dropped and the step
+runs as usual.
+
+A dropped guess is harmless: it wrote only the KV slot of each sequence's next position, inside a block
+the sequence already owned and had not filled (a guess is made only when the next position falls in an
+allocated block), so no full, prefix-cached block changes; a sequence that goes on rewrites that slot in its
+real step before anything reads it; a sequence that ended gave back a block whose next owner writes every
+slot before it reads it, in stream order after the guess. Only plain greedy rows are guessed (no logprobs,
+penalties, logit bias, min_tokens, grammar): their token is the argmax of the step's logits, which is what
+the sampler computes for them, so the tokens are the same to the bit with lookahead on or off.
+
+BITSERVE_CUDA_LOOKAHEAD=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bitserve.core.scheduler_output import ScheduledRequest
+
+LOOKAHEAD_ENV = "BITSERVE_CUDA_LOOKAHEAD"
+
+
+def lookahead_enabled() -> bool:
+    return os.environ.get(LOOKAHEAD_ENV, "1") != "0"
+
+
+def is_plain_greedy(request: ScheduledRequest) -> bool:
+    """A decode row whose token is the argmax of its logits: the sampler changes nothing else for it."""
+    params = request.params
+    return (
+        request.sample
+        and len(request.token_ids) == 1
+        and params.is_greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and not params.has_penalties
+        and params.min_tokens == 0
+        and params.guide is None
+    )
+
+
+def next_positions(
+    requests: Sequence[ScheduledRequest], max_model_len: int, block_size: int
+) -> list[int] | None:
+    """Each sequence's position in the step after this one, or None where one of them would need a block
+    it does not own yet (or run past the model's context)."""
+    positions = []
+    for request in requests:
+        position = request.start_position + 1
+        if position >= max_model_len or position // block_size >= len(request.block_ids):
+            return None
+        positions.append(position)
+    return positions
+
+
+class TokenReadback:
+    """Copies a step's sampled ids to the host as soon as they are computed, not when the host asks.
+
+    A plain `.tolist()` queues its copy behind everything launched before it, so after a launch ahead it
+    would wait for the next step too. Two pinned buffers in turn: at most two steps are in flight, and a
+    step's ids are read before the step two launches later reuses its buffer."""
+
+    def __init__(self, capacity: int) -> None:
+        self._buffers = [torch.empty(capacity, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn = 0
+
+    def start(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Queue the copy of token_ids int64 [n] (on the device) now -> (its host buffer, done event)."""
+        turn = self._turn
+        self._turn = 1 - turn
+        host = self._buffers[turn][: token_ids.shape[0]]
+        host.copy_(token_ids, non_blocking=True)
+        self._events[turn].record()
+        return host, self._events[turn]
+
+
+def read_tokens(started: tuple[torch.Tensor, torch.cuda.Event]) -> list[int]:
+    """The ids TokenReadback.start queued: waits for that step alone."""
+    host, done = started
+    done.synchronize()
+    return host.tolist()
+
+
+@dataclass(slots=True)
+class Lookahead:
+    """A decode step launched ahead: which step it computed, and its tokens (on the device)."""
+
+    request_ids: tuple[str, ...]
+    positions: tuple[int, ...]
+    num_blocks: tuple[int, ...]  # each sequence's block count when launched (blocks are only appended)
+    token_ids: torch.Tensor  # int64 [num_seqs] on the device: the step's argmax
+    readback: tuple[torch.Tensor, torch.cuda.Event] | None = None  # its copy to the host, queued at launch
+    fed_token_ids: list[int] = field(default_factory=list)  # what it was fed: the step before's tokens
+
+    def matches(self, requests: Sequence[ScheduledRequest]) -> bool:
+        """True when `requests` is the step this lookahead computed."""
+        if len(requests) != len(self.request_ids) or len(self.fed_token_ids) != len(requests):
+            return False
+        for i, request in enumerate(requests):
+            if (
+                request.request_id != self.request_ids[i]
+                or request.start_position != self.positions[i]
+                or len(request.block_ids) != self.num_blocks[i]
+                or len(request.token_ids) != 1
+                or request.token_ids[0] != self.fed_token_ids[i]
+                or not is_plain_greedy(request)
+            ):
+                return False
+        return True
+
+
+@dataclass(slots=True)
+class LookaheadStats:
+    launched: int = 0  # steps launched ahead
+    hits: int = 0  # of them, steps the scheduler then asked for

@@ -1,0 +1,102 @@
+"""runner/cuda_lookahead.py: when a decode step launched ahead is the step the scheduler asks for next.
+
+The launch itself needs a CUDA device (tests/gpu/test_cuda_engine.py checks that tokens with lookahead equal
+the CPU reference's and the tokens with it off); here, the rules that decide whether a guess is used, on
+the host alone: a wrong "yes" would return another step's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.runner.cuda_lookahead import Lookahead, is_plain_greedy, next_positions
+from bitserve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def decode(
+    request_id: str, token: int, position: int, blocks: list[int], **params: object
+) -> ScheduledRequest:
+    return ScheduledRequest(
+        request_id=request_id,
+        token_ids=[token],
+        start_position=position,
+        block_ids=blocks,
+        sample=True,
+        params=dataclasses.replace(GREEDY, **params),
+        num_computed_tokens_before=position,
+        prompt_token_ids=(1, 2, 3),
+    )
+
+
+def launched_after(requests: list[ScheduledRequest], tokens: list[int]) -> Lookahead:
+    """The lookahead the runner records after `requests`, fed `tokens` (their sampled ids)."""
+    positions = next_positions(requests, max_model_len=64, block_size=BLOCK_SIZE)
+    assert positions is not None
+    return Lookahead(
+        request_ids=tuple(r.request_id for r in requests),
+        positions=tuple(positions),
+        num_blocks=tuple(len(r.block_ids) for r in requests),
+        token_ids=torch.zeros(len(requests), dtype=torch.int64),
+        fed_token_ids=tokens,
+    )
+
+
+def test_the_next_step_of_the_same_sequences_matches() -> None:
+    step = [decode("a", 7, 5, [3, 9]), decode("b", 8, 2, [4])]
+    ahead = launched_after(step, [11, 12])
+    assert ahead.positions == (6, 3)
+    assert ahead.matches([decode("a", 11, 6, [3, 9]), decode("b", 12, 3, [4])])
+
+
+@pytest.mark.parametrize(
+    "next_step",
+    [
+        [decode("a", 11, 6, [3, 9])],  # b finished
+        [decode("b", 12, 3, [4]), decode("a", 11, 6, [3, 9])],  # another order
+        [decode("a", 11, 6, [3, 9]), decode("b", 13, 3, [4])],  # b fed another token
+        [decode("a", 11, 7, [3, 9]), decode("b", 12, 3, [4])],  # a at another position
+        [decode("a", 11, 6, [3, 9, 5]), decode("b", 12, 3, [4])],  # a got a block (another table)
+        [decode("a", 11, 6, [3, 9]), decode("b", 12, 3, [4]), decode("c", 1, 0, [6])],  # c joined
+        [decode("a", 11, 6, [3, 9]), decode("b", 12, 3, [4], temperature=0.7)],  # b samples
+        [decode("a", 11, 6, [3, 9], logprobs=2), decode("b", 12, 3, [4])],  # a wants logprobs
+    ],
+)
+def test_any_other_step_does_not_match(next_step: list[ScheduledRequest]) -> None:
+    ahead = launched_after([decode("a", 7, 5, [3, 9]), decode("b", 8, 2, [4])], [11, 12])
+    assert not ahead.matches(next_step)
+
+
+def test_a_lookahead_whose_tokens_the_host_has_not_read_matches_nothing() -> None:
+    step = [decode("a", 7, 5, [3, 9])]
+    ahead = launched_after(step, [])
+    assert not ahead.matches([decode("a", 11, 6, [3, 9])])
+
+
+def test_no_guess_where_the_next_position_needs_a_new_block_or_passes_the_context() -> None:
+    assert next_positions([decode("a", 7, 7, [3, 9])], max_model_len=64, block_size=BLOCK_SIZE) is None
+    assert next_positions([decode("a", 7, 6, [3, 9])], max_model_len=64, block_size=BLOCK_SIZE) == [7]
+    assert next_positions([decode("a", 7, 6, [3, 9])], max_model_len=7, block_size=BLOCK_SIZE) is None
+
+
+def test_only_rows_the_sampler_leaves_at_argmax_are_plain_greedy() -> None:
+    assert is_plain_greedy(decode("a", 1, 0, [0]))
+    assert is_plain_greedy(decode("a", 1, 0, [0], temperature=0.8, top_k=1))
+    for params in (
+        {"temperature": 0.8},
+        {"logprobs": 0},
+        {"presence_penalty": 0.5},
+        {"repetition_penalty": 1.1},
+        {"logit_bias": ((5, 2.0),)},
+        {"min_tokens": 3},
+    ):
+        assert not is_plain_greedy(decode("a", 1, 0, [0], **params)), params
+    prefill = dataclasses.replace(decode("a", 1, 0, [0]), token_ids=[1, 2])
+    assert not is_plain_greedy(prefill)
+    assert not is_plain_greedy(dataclasses.replace(decode("a", 1, 0, [0]), sample=False))
