@@ -79,6 +79,16 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits f32 [num_rows, vocab] -> the first index of each row's maximum (a NaN counts as the
+    maximum), int64 [num_rows]. On CPU through NumPy: torch's CPU argmax reduces a row with one scalar
+    loop (121 µs for 49,152 logits, 288 µs for 128,256, against NumPy's 8 and 12 µs on the 2-vCPU EPYC):
+    0.12 ms of a SmolLM2 decode step of ~7.4 ms."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+
+
 class Sampler:
     """Picks the next token of every row of a [num_rows, vocab_size] float logits batch.
 
@@ -121,10 +131,10 @@ class Sampler:
         """Greedy rows → argmax; the others → temperature, top-k, top-p, min-p, inverse CDF."""
         sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sampled_rows:
-            return logits.argmax(dim=-1)
+            return _argmax_rows(logits)
         if len(sampled_rows) == len(rows):
             return self._sample(logits, rows)
-        token_ids = logits.argmax(dim=-1)  # [num_rows]; sampled rows are overwritten below
+        token_ids = _argmax_rows(logits)  # [num_rows]; sampled rows are overwritten below
         index = _index_tensor(sampled_rows, logits.device)
         token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled_rows])
         return token_ids

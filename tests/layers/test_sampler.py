@@ -69,6 +69,19 @@ def test_greedy_is_argmax_and_ties_take_the_lowest_id() -> None:
     assert sample(logits, rows)[2] == 7
 
 
+def test_greedy_takes_torch_argmax_choice_at_nan_and_all_minus_inf_rows() -> None:
+    """The CPU greedy path goes through NumPy (faster); a NaN still wins and an all -inf row gives id 0,
+    as torch's argmax does."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    logits[0, 9] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 5] = logits[2, 60] = float("inf")
+    rows = [make_row(SamplingParams(temperature=0)) for _ in range(3)]
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected == [9, 0, 5]
+    assert sample(logits, rows) == expected
+
+
 def test_greedy_ignores_seed_and_leaves_its_generator_untouched() -> None:
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(2))
     row = make_row(SamplingParams(temperature=0, seed=5))
