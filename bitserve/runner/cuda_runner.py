@@ -121,6 +121,8 @@ class CudaModelRunner(ModelRunner):
         it before its own tokens reach the host, and uses that step's tokens if it is the one asked next."""
         requests = scheduler_output.requests
         pending, self._pending = self._pending, None  # a guess not used now is dropped
+        if not self.lookahead:
+            return super().execute(scheduler_output)
         if pending is not None and pending.matches(requests):
             self.lookahead_stats.hits += 1
             token_ids, readback = pending.token_ids, pending.readback
