@@ -50,7 +50,6 @@ class BlockStep:
         records = tuple(tuple(w.kernel_records for w in column) for column in weights)
         rows = tuple(column[0].out_features for column in weights)
         norms, sub_norms = stacked_norms(layers)
-        self.keep_alive = weights  # the records are views of their data
         self.model = (records, rows, None, None, norms, sub_norms)
         self.decode_layers = BLOCK_DECODE_LAYERS[(weights[0][0].tuning.isa, block_format)]
 

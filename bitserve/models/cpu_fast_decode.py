@@ -138,7 +138,6 @@ class FastCpuDecode:
         first = layers[0]
         kind = _KINDS[type(first.qkv)]
         self.model = model
-        self.layers = layers
         self.relu2 = relu2
         self.max_tokens = kind.max_tokens(first.qkv.tuning)
         self.padded_tokens = kind.padded

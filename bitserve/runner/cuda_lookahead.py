@@ -117,9 +117,8 @@ class Lookahead:
                 request.request_id != self.request_ids[i]
                 or request.start_position != self.positions[i]
                 or len(request.block_ids) != self.num_blocks[i]
-                or len(request.token_ids) != 1
+                or not is_plain_greedy(request)  # a one-token decode row, so token_ids[0] is all it was fed
                 or request.token_ids[0] != self.fed_token_ids[i]
-                or not is_plain_greedy(request)
             ):
                 return False
         return True
