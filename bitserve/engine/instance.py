@@ -22,7 +22,7 @@ from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.select import select_backend
 from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
-from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model
+from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model, release_freed_heap
 from bitserve.models.spec import ModelSpec
 from bitserve.runner.embeddings import pooling_from_metadata
 from bitserve.runner.kv_cache import (
@@ -174,10 +174,12 @@ class ModelInstance:
         )
         loaded = load_model(path, options)
         try:
-            return cls._assemble(config, path, loaded, device)
+            instance = cls._assemble(config, path, loaded, device)
         except BaseException:
             loaded.close()
             raise
+        release_freed_heap()  # the tokenizer's build temporaries (vocab dicts, parsed merges)
+        return instance
 
     @classmethod
     def _assemble(

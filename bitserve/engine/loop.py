@@ -15,9 +15,14 @@ from collections.abc import Callable
 from bitserve.engine.engine import Engine
 from bitserve.engine.messages import AbortRequests, AddRequest, Embed, Shutdown, StepResult
 from bitserve.errors import BitserveError
+from bitserve.loader.model_loader import release_freed_heap
 
 logger = logging.getLogger(__name__)
 
+# A prefill's activations ([tokens, intermediate] f32 per layer) are freed when its step ends, but glibc
+# keeps them in the engine thread's arena: ~90 MB resident after an 8 x 34-token prefill of 2B-4T
+# (benchmarks/RESULTS.md). Trimming costs ~0.2 ms, noise beside a prefill of this size.
+TRIM_AFTER_PREFILL_TOKENS = 64
 Command = AddRequest | AbortRequests | Embed | Shutdown
 
 
@@ -55,6 +60,8 @@ class EngineLoop:
                 self.num_steps += 1
                 self.last_progress = time.monotonic()
                 self._publish(result)
+                if result.stats.num_prefill_tokens >= TRIM_AFTER_PREFILL_TOKENS:
+                    release_freed_heap()
         except BaseException as exc:  # noqa: BLE001 - engine death is keyed on where, not what
             logger.critical("engine died: %r; scheduler: %s", exc, self._scheduler_dump(), exc_info=exc)
             self.is_running = False

@@ -18,7 +18,7 @@ from torch import nn
 
 from bitserve.kernels.backend import KernelBackend, PreparedLinear
 from bitserve.kernels.packed import PackedWeight
-from bitserve.kernels.reference.dequant import dense_rows
+from bitserve.kernels.reference.dequant import decode_row_bytes, dense_rows
 from bitserve.layers import ggml_ops
 
 
@@ -27,10 +27,18 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.table = table
         self.vocab_size, self.hidden_size = table.shape
+        # ids [T] -> the rows' bytes [T, row bytes], read from the file: set (read_from_file) when the
+        # table's mapped pages were released, so that lookups do not fault them back in
+        self.read_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def read_from_file(self, read_rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.read_rows = read_rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids [num_tokens] -> [num_tokens, hidden_size] float32
-        return dense_rows(self.table, input_ids)
+        if self.read_rows is None:
+            return dense_rows(self.table, input_ids)
+        return decode_row_bytes(self.table, self.read_rows(input_ids))
 
 
 class LMHead(nn.Module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
-from bitserve.kernels.reference.dequant import dequantize, unpack_ternary
+from bitserve.kernels.reference.dequant import dequantize, row_bytes_of, unpack_ternary
 from bitserve.loader.decode import DecodeOptions, as_uint8_tensor, make_packed_weight
 from bitserve.loader.gguf_reader import GGUFFile, read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
@@ -50,6 +51,7 @@ class GGUFWeightSource:
     decode_options: DecodeOptions
     lm_head: str = "auto"
     used: set[str] = field(default_factory=set)
+    released: set[str] = field(default_factory=set)  # tensors whose pages head() gave back, read by file_rows
     # the whole mapping as one torch tensor, made on first use: every tensor's bytes are a slice of it,
     # so weights read in place share one storage (a backend may stack them without a copy)
     _file: torch.Tensor | None = None
@@ -94,10 +96,27 @@ class GGUFWeightSource:
                     f"--lm-head q8_0 needs a backend with Q8_0 kernels; {self.backend.name!r} has none",
                     hint="use the cpu backend, or --lm-head auto",
                 )
+            # the float table's pages leave this process's RSS (657 MB on 2B-4T); a tied table's
+            # embedding lookups then read rows from the file (file_rows)
+            self.gguf.release_pages(name)
+            self.released.add(name)
             return prepared
         prepared = self._prepare_block(weight)
         # pages stay resident: a tied head's table also serves embedding lookups
         return prepared if prepared is not None else self.dense(name)
+
+    def file_rows(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """For a table whose mapped pages head() released (a tied float table under `--lm-head q8_0`):
+        row ids [T] -> uint8 [T, row bytes] read from the file, so lookups keep the pages out of RSS.
+        None while the table is read through the mapping."""
+        if name not in self.released:
+            return None
+        row_bytes = row_bytes_of(self.packed(name))
+
+        def read(row_ids: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(self.gguf.read_rows(name, row_ids.reshape(-1).tolist(), row_bytes))
+
+        return read
 
     def dense(self, name: str) -> torch.Tensor:
         weight = self.packed(name)

@@ -141,6 +141,9 @@ class DecoderModel(nn.Module):
         head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
         ggml_f16_head = weights.linear_mode.ggml_numerics and weights.packed(head_name).layout is Layout.F16
         self.lm_head = LMHead(weights.head(head_name), weights.backend, ggml_f16_head)
+        read_rows = weights.file_rows("token_embd.weight")  # set when head() released a tied table's pages
+        if read_rows is not None:
+            self.embed_tokens.read_from_file(read_rows)
         self.fast_decode = self._fast_decode(weights)
 
     def _fast_decode(self, weights: WeightSource) -> FastCpuDecode | None:

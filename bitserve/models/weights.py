@@ -6,6 +6,7 @@ dense, decided by the loader from the stored type), float vectors, and raw embed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -33,6 +34,10 @@ class WeightSource(Protocol):
 
     def head(self, name: str) -> PreparedLinear | torch.Tensor:
         """The LM head: a backend-prepared packed weight, or a float matrix as dense() gives."""
+
+    def file_rows(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Row ids [T] -> uint8 [T, row bytes] read from the file, for a table whose mapped pages the
+        source released (head() under --lm-head q8_0); None while the table is read in place."""
 
     def dense(self, name: str) -> torch.Tensor:
         """A float matrix [M, K] for the LM head: float32, or F16/BF16 kept as stored when large."""

@@ -6,6 +6,8 @@ mapping of bitserve.loader.gguf_reader; never imports the `gguf` package.
 
 from __future__ import annotations
 
+import array
+import itertools
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -84,7 +86,11 @@ class GGUFTokenizer:
         self._bos_ids = (special_ids.bos,) if add_bos and special_ids.bos is not None else ()
         self._eos_ids = (special_ids.eos,) if add_eos and special_ids.eos is not None else ()
         self._add_space_prefix = add_space_prefix
-        self._piece_bytes = _piece_bytes(tokens, token_types, is_spm=kind == "spm")
+        # every token's bytes in one buffer, token i at [offsets[i], offsets[i + 1]): ~1 MB for a
+        # 128,256-token vocabulary where a list of bytes objects took 6.7 MB
+        pieces = _piece_bytes(tokens, token_types, is_spm=kind == "spm")
+        self._piece_offsets = array.array("Q", itertools.accumulate(map(len, pieces), initial=0))
+        self._piece_buffer = b"".join(pieces)
         hidden = (TokenType.CONTROL, TokenType.UNKNOWN)
         self._is_hidden = bytes(t in hidden for t in token_types)  # 1 where skip_special hides it
         self._matcher = SpecialTokenMatcher(
@@ -171,7 +177,7 @@ class GGUFTokenizer:
         self._check_id(token_id)
         if skip_special and self._is_hidden[token_id]:
             return b""
-        return self._piece_bytes[token_id]
+        return self._piece_buffer[self._piece_offsets[token_id] : self._piece_offsets[token_id + 1]]
 
     def id_to_piece(self, token_id: int) -> str:
         self._check_id(token_id)

@@ -19,13 +19,12 @@ class SpecialTokenMatcher:
 
     def __init__(self, entries: Iterable[tuple[str, int, bool]]) -> None:
         """entries: (token text, token id, is_control) for each special token; texts are non-empty."""
-        self._lookup: dict[str, tuple[int, bool]] = {}
-        # llama.cpp orders by UTF-8 byte length, which can differ from the character count.
-        self._rank: dict[str, tuple[int, int]] = {}
+        # text -> token id << 1 | is_control: one int per entry, not a tuple (a vocabulary may hold ~10^5
+        # special tokens: 14 MB of tuples and ranks on the 2B-4T benchmark file)
+        self._lookup: dict[str, int] = {}
         lengths_by_first: dict[str, set[int]] = {}
         for text, token_id, is_control in entries:
-            self._lookup[text] = (token_id, is_control)
-            self._rank[text] = (-len(text.encode("utf-8", "surrogatepass")), token_id)
+            self._lookup[text] = token_id << 1 | is_control
             lengths_by_first.setdefault(text[0], set()).add(len(text))
         # Per first character, the token lengths to try at a position starting with it.
         self._lengths_by_first = {ch: tuple(sorted(lengths)) for ch, lengths in lengths_by_first.items()}
@@ -48,12 +47,19 @@ class SpecialTokenMatcher:
             return [text]
         # llama.cpp's order: longer tokens claim text first (ties: lower id; llama.cpp leaves ties
         # unspecified, and only overlapping distinct tokens of equal length could tell them apart).
-        order = sorted(occurrences, key=self._rank.__getitem__)
+        order = sorted(occurrences, key=self._rank)
         # (start, end, token id or -1 for raw text), covering the text in order.
         spans: list[tuple[int, int, int]] = [(0, len(text), -1)]
         for token_text in order:
-            spans = self._claim(spans, occurrences[token_text], len(token_text), self._lookup[token_text][0])
+            spans = self._claim(
+                spans, occurrences[token_text], len(token_text), self._lookup[token_text] >> 1
+            )
         return [text[start:end] if token_id < 0 else token_id for start, end, token_id in spans]
+
+    def _rank(self, text: str) -> tuple[int, int]:
+        """Sort key: llama.cpp orders by UTF-8 byte length (which can differ from the character count),
+        longest first; then by id."""
+        return -len(text.encode("utf-8", "surrogatepass")), self._lookup[text] >> 1
 
     def _find_occurrences(self, text: str, parse_special: bool) -> dict[str, list[int]]:
         """Token text -> sorted start positions of every (possibly overlapping) occurrence."""
@@ -66,7 +72,7 @@ class SpecialTokenMatcher:
             for length in lengths_by_first[match.group()]:
                 candidate = text[start : start + length]
                 entry = lookup.get(candidate)
-                if entry is not None and (parse_special or not entry[1]):
+                if entry is not None and (parse_special or not entry & 1):
                     occurrences.setdefault(candidate, []).append(start)
         return occurrences
 

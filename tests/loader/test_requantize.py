@@ -87,3 +87,44 @@ def test_a_q8_0_head_runs_on_the_block_kernels_and_stays_close(f16_head_model: P
 def test_q8_0_head_needs_block_kernels(f16_head_model: Path) -> None:
     with pytest.raises(UnsupportedModel, match="lm-head q8_0"):
         LLM(str(f16_head_model), backend="reference", lm_head="q8_0")
+
+
+def _resident_pages(path: str, offset: int, num_bytes: int) -> int:
+    """Pages of [offset, offset + num_bytes) of this process's mapping of `path` that are mapped in now
+    (/proc/self/pagemap's present bit, readable without privileges)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(path):
+            start = int(line.split("-")[0], 16)
+            first, last = (start + offset) // 4096, (start + offset + num_bytes) // 4096
+            with open("/proc/self/pagemap", "rb") as pagemap:
+                pagemap.seek(first * 8)
+                entries = np.frombuffer(pagemap.read((last - first) * 8), dtype=np.uint64)
+            return int(np.count_nonzero(entries >> np.uint64(63)))
+    raise AssertionError(f"{path} is not mapped")
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux's /proc/self/pagemap")
+def test_a_q8_0_head_gives_back_the_tied_tables_pages(f16_head_model: Path) -> None:
+    """The float table leaves the process's RSS once quantized, and embedding lookups read its rows from
+    the file (a fault in the mapping would map back a whole page-cache folio per row), bit for bit."""
+    float_head = LLM(str(f16_head_model), backend="cpu")
+    q8_head = LLM(str(f16_head_model), backend="cpu", lm_head="q8_0")
+    try:
+        embedding = q8_head.instance.loaded.model.embed_tokens
+        assert embedding.read_rows is not None
+        assert float_head.instance.loaded.model.embed_tokens.read_rows is None
+        info = q8_head.instance.loaded.gguf.tensors["token_embd.weight"]
+        assert info.nbytes > 64 * 4096, "the table must span many pages for the check to mean anything"
+        ids = torch.tensor([0, 7, 7, 1000, embedding.vocab_size - 1, 3])
+        torch.testing.assert_close(
+            embedding(ids), float_head.instance.loaded.model.embed_tokens(ids), rtol=0, atol=0
+        )
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        q8_head.generate(["The quick brown fox jumps over the lazy dog"], params)
+        # the two boundary pages may be shared with neighbouring tensors that are still read in place
+        assert _resident_pages(str(f16_head_model), info.file_offset, info.nbytes) <= 2
+        with pytest.raises(IndexError, match="outside"):
+            embedding(torch.tensor([embedding.vocab_size]))
+    finally:
+        float_head.close()
+        q8_head.close()

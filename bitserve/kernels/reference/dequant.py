@@ -207,13 +207,25 @@ def _decode_rows(layout: Layout, rows: torch.Tensor, num_cols: int) -> torch.Ten
     return out.reshape(num_rows, num_cols)
 
 
-def _row_matrix(weight: PackedWeight) -> torch.Tensor:
-    """The bytes of a row-decodable weight as uint8 [M, row_bytes], after checking the geometry."""
-    num_rows, num_cols = weight.shape
+def row_bytes_of(weight: PackedWeight) -> int:
+    """Bytes of one row of a row-decodable weight (block and float layouts), after checking K."""
+    _, num_cols = weight.shape
     block, type_size = BLOCK_GEOMETRY[weight.layout]
     if num_cols % block:
         raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {block}, got K={num_cols}")
-    row_bytes = num_cols // block * type_size
+    return num_cols // block * type_size
+
+
+def decode_row_bytes(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, row_bytes_of(weight)] read from weight's rows elsewhere (GGUFFile.read_rows) -> float32
+    [R, K], as dense_rows decodes them."""
+    return _decode_rows(weight.layout, rows, weight.shape[1])
+
+
+def _row_matrix(weight: PackedWeight) -> torch.Tensor:
+    """The bytes of a row-decodable weight as uint8 [M, row_bytes], after checking the geometry."""
+    num_rows, _ = weight.shape
+    row_bytes = row_bytes_of(weight)
     expect_nbytes(weight, num_rows * row_bytes)
     data = weight.data
     if data.storage_offset() % 4:  # dtype views of F32/F16 rows need an aligned start
