@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 # A prefill's activations ([tokens, intermediate] f32 per layer) are freed when its step ends, but glibc
 # keeps them in the engine thread's arena: ~90 MB resident after an 8 x 34-token prefill of 2B-4T
-# (benchmarks/RESULTS.md). Trimming costs ~0.2 ms, noise beside a prefill of this size.
+# (benchmarks/RESULTS.md). Trimming costs ~0.2 ms, noise beside a CPU prefill of this size.
 TRIM_AFTER_PREFILL_TOKENS = 64
 Command = AddRequest | AbortRequests | Embed | Shutdown
 
@@ -47,6 +47,8 @@ class EngineLoop:
         self.is_running = True
         self.last_progress = time.monotonic()  # updated after every step (liveness probe)
         self.num_steps = 0
+        # a CPU replica's activations live in this process's heap; a CUDA replica's on the device
+        self._trims_heap = engine.runner.device.type == "cpu"
 
     def run(self) -> None:
         try:
@@ -60,7 +62,7 @@ class EngineLoop:
                 self.num_steps += 1
                 self.last_progress = time.monotonic()
                 self._publish(result)
-                if result.stats.num_prefill_tokens >= TRIM_AFTER_PREFILL_TOKENS:
+                if self._trims_heap and result.stats.num_prefill_tokens >= TRIM_AFTER_PREFILL_TOKENS:
                     release_freed_heap()
         except BaseException as exc:  # noqa: BLE001 - engine death is keyed on where, not what
             logger.critical("engine died: %r; scheduler: %s", exc, self._scheduler_dump(), exc_info=exc)

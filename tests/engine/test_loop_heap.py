@@ -4,9 +4,11 @@ arena otherwise: ~90 MB resident after an 8-prompt 2B-4T prefill), and only afte
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from bitserve.core.step_outputs import StepStats
 from bitserve.engine import loop as loop_module
@@ -33,6 +35,7 @@ class ScriptedEngine:
     """Steps through `prefill_tokens`, one step each; after the last, `on_done` (stops the loop)."""
 
     prefill_tokens: list[int]
+    runner: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(device=torch.device("cpu")))
     on_done: Callable[[], None] = lambda: None
 
     def has_unfinished_requests(self) -> bool:
@@ -45,9 +48,11 @@ class ScriptedEngine:
         return result
 
 
-def test_the_heap_is_trimmed_after_prefill_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_heap_is_trimmed_after_cpu_prefill_steps(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """A CUDA replica's activations are on the device: nothing to trim in the host heap."""
     steps = [TRIM_AFTER_PREFILL_TOKENS, 0, 0, TRIM_AFTER_PREFILL_TOKENS - 1, 4 * TRIM_AFTER_PREFILL_TOKENS, 0]
-    engine = ScriptedEngine(list(steps))
+    engine = ScriptedEngine(list(steps), runner=SimpleNamespace(device=torch.device(device)))
     published: list[int] = []
     trimmed_after: list[int] = []
     monkeypatch.setattr(loop_module, "release_freed_heap", lambda: trimmed_after.append(published[-1]))
@@ -60,4 +65,5 @@ def test_the_heap_is_trimmed_after_prefill_steps_only(monkeypatch: pytest.Monkey
     engine.on_done = lambda: engine_loop.inbox.put(Shutdown())
     engine_loop.run()
     assert published == steps
-    assert trimmed_after == [TRIM_AFTER_PREFILL_TOKENS, 4 * TRIM_AFTER_PREFILL_TOKENS]
+    expected = [TRIM_AFTER_PREFILL_TOKENS, 4 * TRIM_AFTER_PREFILL_TOKENS] if device == "cpu" else []
+    assert trimmed_after == expected
