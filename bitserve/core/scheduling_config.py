@@ -44,6 +44,20 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(
         default=True, metadata={"help": "Split long prompts across steps so decodes never stall."}
     )
+    # A burst of requests reaching an idle engine (100 clients at once) arrives over ~0.1 s while the
+    # event loop parses them; stepping on the first one made that step wait for the GIL behind the
+    # parsing (142-237 ms for one 32-token prompt on an H100 replica) and prefilled the rest in a second
+    # step (benchmarks/RESULTS.md). Only an idle engine waits: nothing running is held back.
+    burst_gap_s: float = field(
+        default=0.002,
+        metadata={
+            "help": "An idle engine's first step waits until no request has arrived for this long (at "
+            "most burst_wait_max_s), so a burst is prefilled together (0 = step at once)."
+        },
+    )
+    burst_wait_max_s: float = field(
+        default=0.1, metadata={"help": "The longest an idle engine waits for a burst to finish arriving."}
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -54,6 +68,10 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be >= 2 (a prompt token plus one output token)")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        for name in ("burst_gap_s", "burst_wait_max_s"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:  # NaN fails too
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
         if not self.aging_interval_s > 0 or math.isnan(self.aging_interval_s):
             raise ValueError(f"aging_interval_s must be > 0, got {self.aging_interval_s}")
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:

@@ -58,6 +58,8 @@ class EngineLoop:
                     break
                 if not self.engine.has_unfinished_requests():
                     continue
+                if idle and not self._gather_burst():
+                    break
                 result = self.engine.step()
                 self.num_steps += 1
                 self.last_progress = time.monotonic()
@@ -91,6 +93,22 @@ class EngineLoop:
                 self.engine.add_request(command.request)
             except BitserveError as exc:  # e.g. too long for the KV cache: this request only
                 self._reject(command.request.request_id, exc)
+        return True
+
+    def _gather_burst(self) -> bool:
+        """Work reached an idle engine: keep applying commands until none arrives for burst_gap_s (or
+        burst_wait_max_s passed), so a burst of requests starts in one step. False on Shutdown."""
+        config = self.engine.scheduler.config
+        if config.burst_gap_s <= 0:
+            return True
+        deadline = time.monotonic() + config.burst_wait_max_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                command = self.inbox.get(timeout=min(config.burst_gap_s, remaining))
+            except queue.Empty:
+                return True
+            if not self._apply(command):
+                return False
         return True
 
     def _drain(self, block: bool) -> bool:
