@@ -23,6 +23,7 @@ import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
 from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
+from bitserve.runner.pinned_pair import PinnedPair
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +78,7 @@ class DecodeGraphs:
         # may still be copying from one when the next launch fills the other; each buffer's event marks its
         # copy done before the host writes it again. The table is copied only by run(), whose step the
         # runner syncs on before its next launch.
-        self._host_inputs = [torch.empty_like(self.inputs, device="cpu").pin_memory() for _ in range(2)]
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
-        self._turn = 0
+        self._host_inputs = PinnedPair(lambda: torch.empty_like(self.inputs, device="cpu"))
         self._host_table = torch.empty_like(self.block_table, device="cpu").pin_memory()
         self._last: tuple[int, int] | None = None  # (size, width) of the last launch
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -173,15 +172,12 @@ class DecodeGraphs:
     def _send_rows(self, rows: torch.Tensor, first_row: int, columns: int) -> None:
         """rows int64 [n, columns] -> inputs[first_row : first_row + n, :columns], through the staging
         buffer whose last copy is done."""
-        turn = self._turn
-        self._turn = 1 - turn
-        staging = self._host_inputs[turn]
-        self._copied[turn].synchronize()  # its previous copy has left it (at once, unless very recent)
+        staging, copied = self._host_inputs.take()
         last_row = first_row + rows.shape[0]
         staged = staging[first_row:last_row, :columns]
         staged.copy_(rows)
         self.inputs[first_row:last_row, :columns].copy_(staged, non_blocking=True)
-        self._copied[turn].record()
+        copied.record()
 
     def _replay(self, size: int, width: int, num: int) -> torch.Tensor:
         self._last = (size, width)

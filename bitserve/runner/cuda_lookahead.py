@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.runner.pinned_pair import PinnedPair
 
 LOOKAHEAD_ENV = "BITSERVE_CUDA_LOOKAHEAD"
 
@@ -73,21 +74,18 @@ class TokenReadback:
 
     A plain `.tolist()` queues its copy behind everything launched before it, so after a launch ahead it
     would wait for the next step too. Two pinned buffers in turn: at most two steps are in flight, and a
-    step's ids are read before the step two launches later reuses its buffer."""
+    step's ids are read before the step two launches later reuses its buffer (runner/pinned_pair.py)."""
 
     def __init__(self, capacity: int) -> None:
-        self._buffers = [torch.empty(capacity, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self._events = [torch.cuda.Event(), torch.cuda.Event()]
-        self._turn = 0
+        self._pair = PinnedPair(lambda: torch.empty(capacity, dtype=torch.int64))
 
     def start(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Queue the copy of token_ids int64 [n] (on the device) now -> (its host buffer, done event)."""
-        turn = self._turn
-        self._turn = 1 - turn
-        host = self._buffers[turn][: token_ids.shape[0]]
+        buffer, done = self._pair.take()
+        host = buffer[: token_ids.shape[0]]
         host.copy_(token_ids, non_blocking=True)
-        self._events[turn].record()
-        return host, self._events[turn]
+        done.record()
+        return host, done
 
 
 def read_tokens(started: tuple[torch.Tensor, torch.cuda.Event]) -> list[int]:
