@@ -132,23 +132,18 @@ class GenerationStream(OutputStream):
         keep-alive); StopAsyncIteration after the finished output; the request's error."""
         if self.is_finished or self.error is not None:
             raise StopAsyncIteration
-        items: list[ChoiceDelta | BaseException] = []
-        # A reader that fell behind (100 streams fed by one event loop) finds its deltas already queued:
-        # take them without the waiting machinery below (a task and a timer a call, ~15% of the event
-        # loop's busy time streaming 16 streams, benchmarks/RESULTS.md).
-        if self._queue.empty():
-            # NOTE: not asyncio.wait_for: up to Python 3.11 it returns the result when a cancellation
-            # (client disconnect) lands just as the item arrives, swallowing the cancel. asyncio.wait
-            # never swallows it; an unfinished get is cancelled (Queue.get keeps the item then).
-            getter = asyncio.ensure_future(self._queue.get())
-            try:
-                done, _ = await asyncio.wait({getter}, timeout=timeout)
-            finally:
-                if not getter.done():
-                    getter.cancel()
-            if not done:
-                return None
-            items.append(getter.result())
+        # NOTE: not asyncio.wait_for: up to Python 3.11 it returns the result when a cancellation
+        # (client disconnect) lands just as the item arrives, swallowing the cancel. asyncio.wait
+        # never swallows it; an unfinished get is cancelled (Queue.get keeps the item then).
+        getter = asyncio.ensure_future(self._queue.get())
+        try:
+            done, _ = await asyncio.wait({getter}, timeout=timeout)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if not done:
+            return None
+        items = [getter.result()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         return self._merge(items)

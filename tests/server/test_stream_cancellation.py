@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from bitserve.frontend import generation_stream
 from bitserve.frontend.generation_stream import GenerationStream
 from bitserve.frontend.output_processor import ChoiceDelta
 from bitserve.outputs import CompletionOutput
@@ -50,27 +49,6 @@ def test_timeout_returns_none_and_keeps_later_items() -> None:
         assert not output.finished
 
     asyncio.run(scenario())
-
-
-def test_queued_deltas_are_taken_without_a_waiting_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reader that fell behind gets what is queued at once: no task and timer per call (their cost was
-    ~15% of the event loop's busy time when streaming); an empty queue still waits and times out."""
-
-    async def scenario() -> None:
-        stream = _stream()
-        stream.put(_delta("be"))
-        stream.put(_delta("hind"))
-        with monkeypatch.context() as patch:
-            patch.setattr(generation_stream.asyncio, "ensure_future", _no_task)
-            output = await stream.next(5.0)
-        assert output is not None and output.outputs[0].text == "behind"
-        assert await stream.next(0.01) is None
-
-    asyncio.run(scenario())
-
-
-def _no_task(*args: object, **kwargs: object) -> None:
-    raise AssertionError("next() made a task although its deltas were queued")
 
 
 def test_close_runs_its_callbacks_once() -> None:
