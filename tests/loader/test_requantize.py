@@ -89,18 +89,16 @@ def test_q8_0_head_needs_block_kernels(f16_head_model: Path) -> None:
         LLM(str(f16_head_model), backend="reference", lm_head="q8_0")
 
 
-def _resident_pages(path: str, offset: int, num_bytes: int) -> int:
-    """Pages of [offset, offset + num_bytes) of this process's mapping of `path` that are mapped in now
-    (/proc/self/pagemap's present bit, readable without privileges)."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        if line.endswith(path):
-            start = int(line.split("-")[0], 16)
-            first, last = (start + offset) // 4096, (start + offset + num_bytes) // 4096
-            with open("/proc/self/pagemap", "rb") as pagemap:
-                pagemap.seek(first * 8)
-                entries = np.frombuffer(pagemap.read((last - first) * 8), dtype=np.uint64)
-            return int(np.count_nonzero(entries >> np.uint64(63)))
-    raise AssertionError(f"{path} is not mapped")
+def _resident_pages(mapping: np.ndarray, offset: int, num_bytes: int) -> int:
+    """Pages of [offset, offset + num_bytes) of `mapping` (a GGUFFile's file_bytes(): this model's own
+    mapping, not another model's of the same file) that are mapped in now (/proc/self/pagemap's present
+    bit, readable without privileges)."""
+    start = mapping.ctypes.data
+    first, last = (start + offset) // 4096, (start + offset + num_bytes) // 4096
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read((last - first) * 8), dtype=np.uint64)
+    return int(np.count_nonzero(entries >> np.uint64(63)))
 
 
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux's /proc/self/pagemap")
@@ -122,7 +120,8 @@ def test_a_q8_0_head_gives_back_the_tied_tables_pages(f16_head_model: Path) -> N
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         q8_head.generate(["The quick brown fox jumps over the lazy dog"], params)
         # the two boundary pages may be shared with neighbouring tensors that are still read in place
-        assert _resident_pages(str(f16_head_model), info.file_offset, info.nbytes) <= 2
+        mapping = q8_head.instance.loaded.gguf.file_bytes()
+        assert _resident_pages(mapping, info.file_offset, info.nbytes) <= 2
         with pytest.raises(IndexError, match="outside"):
             embedding(torch.tensor([embedding.vocab_size]))
     finally:
