@@ -210,13 +210,15 @@ def bench_offline(llm: LLM, levels: list[int], skip_transformers: bool, out: Pat
         emit(row, out)
 
 
-def bench_served(out: Path | None, port: int = 8123) -> None:
-    """bitserve serve on the 2B model, then bitserve bench at 100 concurrent 100-token completions."""
+def bench_served(out: Path | None, server_args: list[str], port: int = 8123) -> None:
+    """bitserve serve on the 2B model (plus server_args), then bitserve bench at 100 concurrent
+    100-token completions."""
     import httpx
 
     server = subprocess.Popen(
         [sys.executable, "-m", "bitserve", "serve", "--model", str(MODEL_2B), "--device", "cuda"]
-        + ["--port", str(port), "--kv-cache-memory-bytes", str(8 << 30), "--log-level", "WARNING"],
+        + ["--port", str(port), "--kv-cache-memory-bytes", str(8 << 30), "--log-level", "WARNING"]
+        + server_args,
         cwd=ROOT,
     )
     try:
@@ -242,6 +244,7 @@ def bench_served(out: Path | None, port: int = 8123) -> None:
         level = json.loads(bench.stdout)["levels"][0]
         e2e, ttft = level["e2e_s"], level["ttft_s"]
         row = {"bench": "served", "model": "2b4t-i2s", "concurrency": 100, "max_tokens": 100}
+        row |= {"server_args": " ".join(server_args)} if server_args else {}
         row |= {"num_ok": level["num_ok"], "num_errors": level["num_errors"]}
         row |= {"e2e_p50_s": e2e["p50"], "e2e_p99_s": e2e["p99"], "ttft_p99_s": ttft["p99"]}
         emit(row | {"output_tok_s": round(level["output_tokens_per_s"], 1)}, out)
@@ -266,6 +269,12 @@ def main() -> None:
         "--skip", default="", help="comma-separated: kernels,decode,offline,transformers,served"
     )
     parser.add_argument("--levels", default="16,64,256", help="offline concurrency levels")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="an extra `bitserve serve` argument of the served row (repeat: --server-arg=--http-parser=h11)",
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     ensure_models()
@@ -281,19 +290,21 @@ def main() -> None:
             args.out,
         )
         del smol
-    llm = _load_2b(kv)
-    if "decode" not in skip:
-        rate = decode_rate(llm, 1, 128)
-        bound = bandwidth / bytes_per_token_2b()
-        row = {"bench": "decode", "model": "2b4t-i2s", "batch": 1, **rate}
-        emit(row | {"bound_tok_s": round(bound), "share_of_bound": round(rate["tok_s"] / bound, 3)}, args.out)
-    if "offline" not in skip:
-        levels = [int(v) for v in args.levels.split(",")]
-        bench_offline(llm, levels, "transformers" in skip, args.out)
-    del llm
-    torch.cuda.empty_cache()
+    if not {"decode", "offline"} <= skip:
+        llm = _load_2b(kv)
+        if "decode" not in skip:
+            rate = decode_rate(llm, 1, 128)
+            bound = bandwidth / bytes_per_token_2b()
+            row = {"bench": "decode", "model": "2b4t-i2s", "batch": 1, **rate}
+            share = round(rate["tok_s"] / bound, 3)
+            emit(row | {"bound_tok_s": round(bound), "share_of_bound": share}, args.out)
+        if "offline" not in skip:
+            levels = [int(v) for v in args.levels.split(",")]
+            bench_offline(llm, levels, "transformers" in skip, args.out)
+        del llm
+        torch.cuda.empty_cache()
     if "served" not in skip:
-        bench_served(args.out)
+        bench_served(args.out, args.server_arg)
 
 
 def _load_2b(kv_bytes: int) -> LLM:

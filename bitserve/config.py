@@ -121,6 +121,8 @@ class EngineConfig:
 
 
 LOG_FORMATS = ("json", "text")
+HTTP_PARSERS = ("auto", "httptools", "h11")
+EVENT_LOOPS = ("asyncio", "uvloop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +267,17 @@ class ServerConfig:
     warmup: bool = field(default=True, metadata=_help("run one short generation before reporting ready"))
     access_log: bool = field(default=True, metadata=_help("log one line per HTTP request"))
     log_format: str = field(default="json", metadata=_help("log format: json (one object per line) or text"))
+    # NOTE: httptools parses in C and cut the served 2B row's p99 on an H100 (0.91 / 0.81 against 1.09 /
+    # 1.07 s in 2 of 3 alternating pairs); uvloop made it worse (1.28-1.57 s): its socket writes hold
+    # the GIL the engine thread needs, where asyncio's release it (benchmarks/RESULTS.md)
+    http_parser: str = field(
+        default="auto",
+        metadata=_help("HTTP/1.1 parser: auto (httptools when installed, else h11), httptools or h11"),
+    )
+    event_loop: str = field(
+        default="asyncio",
+        metadata=_help("event loop: asyncio, or uvloop when installed (slower beside a GPU engine thread)"),
+    )
     otel_endpoint: str | None = field(
         default=None,
         metadata=_help(
@@ -328,6 +341,9 @@ class ServerConfig:
             raise ValueError(f"response_cache_ttl_s must be > 0, got {self.response_cache_ttl_s}")
         if self.response_cache_dir is not None and not self.response_cache:
             raise ValueError("response_cache_dir needs response_cache on (--response-cache)")
+        for name, choices in (("http_parser", HTTP_PARSERS), ("event_loop", EVENT_LOOPS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 

@@ -118,7 +118,7 @@ class DrainingServer(uvicorn.Server):
 def serve(settings: Settings) -> int:
     """Run the server until it is drained; 0 on a clean exit, 1 when the model failed to load."""
     from bitserve.server.app import build_app
-    from bitserve.server.limits import header_timeout_protocol
+    from bitserve.server.http_protocols import http_protocol, resolve_http_parser
 
     config = settings.server
     exit_code = 0
@@ -133,15 +133,17 @@ def serve(settings: Settings) -> int:
     app = build_app(
         config, settings.engine, on_fatal=on_fatal, security=settings.security, batch=settings.batch
     )
+    parser = resolve_http_parser(config.http_parser)
+    logger.info("HTTP parser %s, event loop %s", parser, config.event_loop)
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
-        loop="asyncio",
+        loop=config.event_loop,
         lifespan="on",
         log_config=None,
         access_log=config.access_log,
-        http=header_timeout_protocol(config.header_read_timeout_s),
+        http=http_protocol(parser, config.header_read_timeout_s, config.max_header_bytes),
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=config.keep_alive_timeout_s,
         ws_max_size=config.ws_max_message_bytes,

@@ -4,41 +4,22 @@
   `max_body_bytes` get 413 (from Content-Length before reading, or as the bytes arrive); a body not
   fully received within `body_read_timeout_s` gets 408 and `Connection: close`. The app then sees
   the whole body at once.
-- `HeaderTimeoutH11Protocol` (uvicorn's h11 protocol plus a timer): a connection that opens, or
-  starts a request, and has not delivered complete headers within `header_read_timeout_s` gets a
-  408 and is closed (slowloris). Headers still arriving are capped by h11's
-  `max_incomplete_event_size` (uvicorn's `h11_max_incomplete_event_size` = `max_header_bytes`: 400);
-  headers that arrive whole are measured by the middleware (431). Idle keep-alive connections are
-  closed by uvicorn's `timeout_keep_alive`.
+Headers that are slow or still growing are cut off by the HTTP protocols (server/http_protocols.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
-import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from bitserve.errors import InvalidRequest, PayloadTooLarge
-from bitserve.server.errors import HeadersTooLarge, RequestTimeout, error_payload, lookup, send_error
+from bitserve.server.errors import HeadersTooLarge, RequestTimeout, lookup, send_error
 
 logger = logging.getLogger(__name__)
-
-
-def _header_timeout_response() -> bytes:
-    """A complete raw HTTP/1.1 408 (written to the socket: h11 cannot answer a request it never parsed)."""
-    body = json.dumps(error_payload(RequestTimeout("the request headers were not received in time"))).encode()
-    head = (
-        f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
 
 
 class BodyLimitMiddleware:
@@ -139,53 +120,3 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
-
-
-class HeaderTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on receiving request headers."""
-
-    header_read_timeout_s = 10.0  # replaced per server by `header_timeout_protocol()`
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._header_timer: asyncio.TimerHandle | None = None
-        super().connection_made(transport)
-        self._arm_header_timer()
-
-    def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and self.conn.their_state is h11.IDLE:
-            self._arm_header_timer()  # a new request on a kept-alive connection
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:
-            self._cancel_header_timer()  # headers are complete
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
-        super().connection_lost(exc)
-
-    def _arm_header_timer(self) -> None:
-        self._cancel_header_timer()
-        self._header_timer = self.loop.call_later(self.header_read_timeout_s, self._on_header_timeout)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _on_header_timeout(self) -> None:
-        self._header_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            logger.warning(
-                "closing a connection that sent no complete request headers in %g s",
-                self.header_read_timeout_s,
-            )
-            self.transport.write(_header_timeout_response())
-            self.transport.close()
-
-
-def header_timeout_protocol(header_read_timeout_s: float) -> type[Any]:
-    """A HeaderTimeoutH11Protocol subclass bound to this timeout (uvicorn's `http=` takes a class)."""
-    return type(
-        "BoundHeaderTimeoutH11Protocol",
-        (HeaderTimeoutH11Protocol,),
-        {"header_read_timeout_s": header_read_timeout_s},
-    )

@@ -189,17 +189,17 @@ def test_slow_body_is_cut_off_and_closed(blackbox: ServerProcess) -> None:
 
 
 def test_huge_headers_are_refused(blackbox: ServerProcess) -> None:
-    # 431 when the whole head arrives at once (the middleware measures it); h11 answers 400 when an
-    # incomplete head outgrows its buffer.
+    # 431 when the whole head arrives at once (the middleware measures it); an incomplete head that
+    # outgrows the limit gets 431 from the httptools protocol (400 from h11's own buffer limit)
     reply = exchange(blackbox, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 40_000 + b"\r\n\r\n")
     assert reply.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), reply[:100]
     with socket.create_connection(("127.0.0.1", blackbox.port), timeout=SOCKET_TIMEOUT_S) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nX-Pad: ")
         with contextlib.suppress(OSError):  # the server may hang up mid-way
-            for _ in range(10):  # 40 KiB of an unfinished head, in pieces: h11's 16 KiB limit trips
+            for _ in range(10):  # 40 KiB of an unfinished head, in pieces: the 16 KiB limit trips
                 sock.sendall(b"a" * 4096)
                 time.sleep(0.05)
-        assert sock.recv(65536).startswith(b"HTTP/1.1 400")
+        assert sock.recv(65536).startswith((b"HTTP/1.1 431", b"HTTP/1.1 400"))
 
 
 def test_raw_dot_segments_never_reach_files(blackbox: ServerProcess) -> None:
