@@ -22,15 +22,15 @@ MAX_ROW_BLOCK = 16384
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: read before the PDL wait
+    pdl_enter(USE_PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)  # f32 [BLOCK]
     wide = x.to(tl.float64)
     mean_square = (tl.sum(wide * wide, axis=0) / n_cols).to(tl.float32)
     inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * out_stride + cols, (x * inv_rms) * w, mask=mask)
 
 

@@ -111,8 +111,9 @@ def _rotary_cache_kernel(
 ):  # fmt: skip
     """One program per token: q rotated in place; k rotated in place and into its cache slot (rest
     of the head copied); v copied into its slot."""
-    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
+    # the step's inputs and the RoPE tables, before the PDL wait (see pdl.py): position -> cos / sin
+    # are two dependent reads that now run under the previous kernel
     position = tl.load(positions_ptr + token)
     slot = tl.load(slots_ptr + token)
     has_slot = slot >= 0  # a negative slot (a padded token) writes no cache entry
@@ -121,6 +122,7 @@ def _rotary_cache_kernel(
     half_ok = pairs < HALF
     cos = tl.load(cos_ptr + position * cs_stride + pairs, mask=half_ok, other=0.0)
     sin = tl.load(sin_ptr + position * cs_stride + pairs, mask=half_ok, other=0.0)
+    pdl_enter(USE_PDL)
     q_row = q_ptr + token * q_stride_t
     k_row = k_ptr + token * k_stride_t
     cache_offset = (slot // BLOCK_SIZE) * cache_stride_blk + (slot % BLOCK_SIZE) * cache_stride_pos
@@ -244,17 +246,22 @@ def _split_query(q, TERMS: tl.constexpr):
 
 
 @triton.jit
+def _tile_pages(table_row_ptr, keys, key_end, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each key [N] below key_end, from the sequence's block-table row (0 past it)."""
+    return tl.load(table_row_ptr + keys // BLOCK_SIZE, mask=keys < key_end, other=0)
+
+
+@triton.jit
 def _attend_tile(
     q0, q1, q2, unscale, m_i, l_i, acc,  # query terms [M, D], [M]; running max / sum [M]; acc [M, D]
-    k_head_ptr, v_head_ptr, table_row_ptr, keys, key_end, positions, kv_stride_blk, kv_stride_pos,
+    k_head_ptr, v_head_ptr, pages, keys, key_end, positions, kv_stride_blk, kv_stride_pos,
     dims, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, TERMS: tl.constexpr,
     P_SCALE: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys [N] (< key_end; with CAUSAL, key <= the row's position) through online softmax
-    (base 2: the scores carry log2(e)). The tile's pages are read in place from the block table."""
+    (base 2: the scores carry log2(e)). pages [N]: each key's cache block (`_tile_pages`), read in place."""
     key_ok = keys < key_end
-    page = tl.load(table_row_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-    rows = page * kv_stride_blk + (keys % BLOCK_SIZE) * kv_stride_pos  # [N] element offsets
+    rows = pages.to(tl.int64) * kv_stride_blk + (keys % BLOCK_SIZE) * kv_stride_pos  # [N] element offsets
     kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
     k = tl.load(k_head_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
     scores = _dot(q0, q1, q2, tl.trans(k), TERMS) * unscale[:, None]  # [M, N]
@@ -289,12 +296,17 @@ def _decode_kernel(
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
     NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp."""
-    pdl_enter(USE_PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # seq_lens and the block table are the step's inputs: the split's bounds and its first tile's pages
+    # (two dependent reads) are taken before the PDL wait (see pdl.py); q and the cache come after it
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    table_row = table_ptr + seq.to(tl.int64) * table_stride
+    first_keys = start + tl.arange(0, BLOCK_N)
+    first_pages = _tile_pages(table_row, first_keys, end, BLOCK_SIZE)
+    pdl_enter(USE_PDL)
     rows = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + rows
@@ -305,13 +317,16 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row = table_ptr + seq.to(tl.int64) * table_stride
     k_head = k_ptr + kv_head * kv_stride_head
     v_head = v_ptr + kv_head * kv_stride_head
     for tile in range(start, end, BLOCK_N):
+        keys = tile + tl.arange(0, BLOCK_N)
+        later = tile != start  # the first tile's pages are already here (a load of none otherwise)
+        pages = _tile_pages(table_row, keys, tl.where(later, end, 0), BLOCK_SIZE)
+        pages = tl.where(later, pages, first_pages)
         m_i, l_i, acc = _attend_tile(
-            q0, q1, q2, unscale, m_i, l_i, acc, k_head, v_head, table_row, tile + tl.arange(0, BLOCK_N),
-            end, rows, kv_stride_blk, kv_stride_pos, dims, HEAD_DIM, BLOCK_SIZE, False, TERMS, P_SCALE,
+            q0, q1, q2, unscale, m_i, l_i, acc, k_head, v_head, pages, keys, end, rows,
+            kv_stride_blk, kv_stride_pos, dims, HEAD_DIM, BLOCK_SIZE, False, TERMS, P_SCALE,
         )  # fmt: skip
     total = tl.where(l_i > 0, l_i, 1.0) * P_SCALE  # an empty split (or seq_len 0) writes zeros
     out_rows = out_ptr + seq.to(tl.int64) * out_stride_b + heads * out_stride_h + split * out_stride_s
@@ -480,16 +495,18 @@ def _prefill_kernel(
     k_head = k_ptr + kv_head * kv_stride_head
     v_head = v_ptr + kv_head * kv_stride_head
     for start in range(0, unmasked_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        pages = _tile_pages(table_row, keys, key_end, BLOCK_SIZE)
         m_i, l_i, acc = _attend_tile(
-            q0, q1, q2, unscale, m_i, l_i, acc, k_head, v_head, table_row, start + tl.arange(0, BLOCK_N),
-            key_end, positions, kv_stride_blk, kv_stride_pos, dims, HEAD_DIM, BLOCK_SIZE, False, TERMS,
-            P_SCALE,
+            q0, q1, q2, unscale, m_i, l_i, acc, k_head, v_head, pages, keys, key_end, positions,
+            kv_stride_blk, kv_stride_pos, dims, HEAD_DIM, BLOCK_SIZE, False, TERMS, P_SCALE,
         )  # fmt: skip
     for start in range(unmasked_end, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        pages = _tile_pages(table_row, keys, key_end, BLOCK_SIZE)
         m_i, l_i, acc = _attend_tile(
-            q0, q1, q2, unscale, m_i, l_i, acc, k_head, v_head, table_row, start + tl.arange(0, BLOCK_N),
-            key_end, positions, kv_stride_blk, kv_stride_pos, dims, HEAD_DIM, BLOCK_SIZE, True, TERMS,
-            P_SCALE,
+            q0, q1, q2, unscale, m_i, l_i, acc, k_head, v_head, pages, keys, key_end, positions,
+            kv_stride_blk, kv_stride_pos, dims, HEAD_DIM, BLOCK_SIZE, True, TERMS, P_SCALE,
         )  # fmt: skip
     total = tl.where(l_i > 0, l_i, 1.0) * P_SCALE
     out_rows = out_ptr + tokens * out_stride_t + heads * out_stride_h

@@ -12,11 +12,15 @@ ahead, each one's programs resident and parked in their wait, taking the SM slot
 needed (measured on an H100: a 2B batch-1 step went from 1.69 to 2.03 ms). Wait-then-trigger keeps
 exactly one kernel launched ahead.
 
-Contract of a kernel launched with `launch_options(...)`: it calls `pdl_enter(USE_PDL)` before it reads
-anything an earlier kernel writes and before any store, so ordering is as strict as without PDL
-(`gdc_wait` waits for the predecessor's completion, and the predecessor itself completed only after its
-own wait: the chain is transitive). Kernels that are not launched this way (cuBLAS, torch ops) start
-after their predecessor has completed, as always.
+Contract of a kernel launched with `launch_options(...)`: it calls `pdl_enter(USE_PDL)` before any store
+and before it reads anything the kernel launched just before it may write, so ordering is as strict as
+without PDL (`gdc_wait` waits for the predecessor's completion, and the predecessor itself completed only
+after its own wait: the chain is transitive). Before the wait a kernel may read what no running kernel
+writes: weights (a norm's, a GEMV's), and the step's inputs (positions, slots, seq_lens, block tables),
+which host copies and torch ops write before the chain's first kernel, and those start only after their
+predecessor has completed (they never trigger early). Such reads then travel under the previous kernel:
+a norm weight read after the wait came from DRAM on the critical path (2B batch-1 graph replay 1.186 ->
+1.116 ms on an H100 once it moved before the wait).
 
 BITSERVE_CUDA_PDL=0 turns it off (the kernels then compile without the grid-dependency instructions).
 Imports triton: load only on the CUDA path.

@@ -91,11 +91,17 @@ def _norm_quantize_kernel(
     USE_LIBDEVICE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * (2 * K if ACT != 0 else K)
     q_row = q_ptr + row * K
     offs = tl.arange(0, BLOCK)
+    if BLOCK >= K and HAS_NORM:
+        # a weight, no kernel's output: read before the PDL wait, under the previous kernel (it came from
+        # DRAM after the wait: 2B batch-1 graph replay 1.186 -> 1.116 ms on an H100)
+        w = tl.load(w_ptr + offs, mask=offs < K, other=0.0)
+    else:
+        w = offs  # a placeholder, never read
+    pdl_enter(USE_PDL)
     if BLOCK >= K:
         # the whole row in registers: one read of x
         mask = offs < K
@@ -103,7 +109,7 @@ def _norm_quantize_kernel(
         if HAS_NORM:
             h64 = h.to(tl.float64)
             inv = _inv_rms(tl.sum(h64 * h64, axis=0), eps, K)
-            h = (h * inv) * tl.load(w_ptr + offs, mask=mask, other=0.0)
+            h = (h * inv) * w
         s = _act_scale(tl.max(tl.abs(h), axis=0))
         tl.store(q_row + offs, _quantize(h, s, USE_LIBDEVICE), mask=mask)
     else:
