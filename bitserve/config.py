@@ -7,6 +7,7 @@ adjacent neighbours); they are re-exported here so callers have one place to loo
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
 
 from bitserve.core.scheduling_config import CacheConfig, SchedulerConfig
@@ -267,9 +268,9 @@ class ServerConfig:
     warmup: bool = field(default=True, metadata=_help("run one short generation before reporting ready"))
     access_log: bool = field(default=True, metadata=_help("log one line per HTTP request"))
     log_format: str = field(default="json", metadata=_help("log format: json (one object per line) or text"))
-    # NOTE: httptools parses in C and cut the served 2B row's p99 on an H100 (0.91 / 0.81 against 1.09 /
-    # 1.07 s in 2 of 3 alternating pairs); uvloop made it worse (1.28-1.57 s): its socket writes hold
-    # the GIL the engine thread needs, where asyncio's release it (benchmarks/RESULTS.md)
+    # NOTE: httptools parses in C: the served 2B row's p99 on an H100 averaged 0.957 s against h11's 1.060
+    # over 3 alternating pairs (lower in 2); uvloop made every run worse (1.28-1.57 s): its socket writes
+    # hold the GIL the engine thread needs, where asyncio's release it (benchmarks/RESULTS.md)
     http_parser: str = field(
         default="auto",
         metadata=_help("HTTP/1.1 parser: auto (httptools when installed, else h11), httptools or h11"),
@@ -342,8 +343,11 @@ class ServerConfig:
         if self.response_cache_dir is not None and not self.response_cache:
             raise ValueError("response_cache_dir needs response_cache on (--response-cache)")
         for name, choices in (("http_parser", HTTP_PARSERS), ("event_loop", EVENT_LOOPS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+            if value in ("httptools", "uvloop") and importlib.util.find_spec(value) is None:
+                raise ValueError(f"{name} {value} is not installed (pip install {value})")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
 
