@@ -25,12 +25,9 @@ from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import PreparedLinear
 from bitserve.kernels.cuda.backend import CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
-from bitserve.kernels.cuda.paged_attention import (
-    paged_decode_attention,
-    paged_prefill_attention,
-    rotary_and_cache_,
-)
+from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from bitserve.kernels.cuda.quantize import norm_quantize
+from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_
 from bitserve.kernels.packed import Layout
 from bitserve.kernels.reference.dequant import dense_rows
 from bitserve.layers.linear import Linear, LinearGroup

@@ -26,11 +26,8 @@ else:
         "needs a CUDA device, or TRITON_INTERPRET=1 (Triton's CPU interpreter)", allow_module_level=True
     )
 
-from bitserve.kernels.cuda.paged_attention import (  # noqa: E402
-    paged_decode_attention,
-    paged_prefill_attention,
-    rotary_and_cache_,
-)
+from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_  # noqa: E402
 from bitserve.layers.attention import AttentionMetadata, PagedAttention, make_decode_batch  # noqa: E402
 from bitserve.layers.rotary import RopeStyle, RotaryEmbedding  # noqa: E402
 
