@@ -5,13 +5,13 @@ The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, 
 bf16; token p of a sequence sits at slot `block_table[p // block_size] * block_size + p % block_size`
 (layers/attention.py). Queries, outputs and all arithmetic are f32.
 
-Numerics: attention runs its products on tensor cores at near-f32 accuracy: an f32 cache uses tf32x3 (three
-  tf32 products), an f16 / bf16 cache multiplies its own dtype exactly with f32 accumulation, the f32
-  left operand (q, or the softmax weights) being split into 2 (f16) or 3 (bf16) terms of that dtype
-  whose sum carries ~22-24 significant bits. For f16, q rows are scaled by a power of two (max |q| of a
-  row near 2^14) and the weights by 2^14 before the split, so no term overflows or sinks to subnormals;
-  the powers of two are undone exactly. Softmax is online (running max, exp2 with log2(e) folded into
-  the scale), summed in f32: tolerance-level parity with the eager f32 path (~1e-6 relative).
+Numerics: attention runs its products on tensor cores at near-f32 accuracy: an f32 cache uses tf32x3
+(three tf32 products), an f16 / bf16 cache multiplies its own dtype exactly with f32 accumulation, the
+f32 left operand (q, or the softmax weights) being split into 2 (f16) or 3 (bf16) terms of that dtype
+whose sum carries ~22-24 significant bits. For f16, q rows are scaled by a power of two (max |q| of a
+row near 2^14) and the weights by 2^14 before the split, so no term overflows or sinks to subnormals;
+the powers of two are undone exactly. Softmax is online (running max, exp2 with log2(e) folded into the
+scale), summed in f32: tolerance-level parity with the eager f32 path (~1e-6 relative).
 
 Graph capture: no kernel reads a device value on the host; every grid depends only on shapes (num_seqs,
 heads, block-table width, max_query_len), so a captured decode step replays for any seq_lens.
