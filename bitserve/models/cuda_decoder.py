@@ -7,7 +7,9 @@ launches (what decides decode speed at batch 1, where each layer's weights are 1
   adds the residual: 2 launches where the generic layers make ~12;
 - RoPE on q and k and the KV-cache write are one launch (`rotary_and_cache_`), attention one more
   (`paged_decode_attention` for a decode-only step, `paged_prefill_attention` otherwise).
-Dense projections (SmolLM2's Q4/Q8 weights, dequantized on the device) run the layer's own modules.
+Q4_0 / Q4_1 / Q8_0 projections (SmolLM2) take their RMSNorm, the gated activation before Wdown and the
+residual into one `block_gemv` launch (CudaBlockLinear.run_fused) on steps of up to 4 tokens; dense float
+projections run a Triton RMSNorm and cuBLAS; anything else the layer's own modules.
 Numerics: ternary linears are bit-identical to the reference backend; norms, RoPE and attention are fp32
 with the GPU's summation order (tokens equal the reference's on the golden tests).
 
@@ -23,7 +25,7 @@ import torch
 
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import PreparedLinear
-from bitserve.kernels.cuda.backend import CudaDenseLinear, CudaTernaryLinear
+from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from bitserve.kernels.cuda.quantize import norm_quantize
@@ -71,8 +73,9 @@ def _single_weight(linear: Linear | LinearGroup, kind: type[PreparedLinear]) -> 
 
 class _CudaLayer:
     """One DecoderLayer's weights, with each projection's path chosen once: ternary (norm + quantize,
-    then the W2A8 kernel with the residual), plain dense (Triton norm, cuBLAS, residual via addmm), or
-    the layer's own modules (output scales, reference fallbacks)."""
+    then the W2A8 kernel with the residual), block-quantized (norm, activation and residual in the block
+    GEMV), plain dense (Triton norm, cuBLAS, residual via addmm), or the layer's own modules (output
+    scales, reference fallbacks)."""
 
     def __init__(self, layer: DecoderLayer, activation: str, eps: float) -> None:
         self.layer = layer
@@ -88,6 +91,7 @@ class _CudaLayer:
             "down": layer.down_proj,
         }
         self.ternary = {name: _single_weight(m, CudaTernaryLinear) for name, m in self.modules.items()}
+        self.block = {name: _single_weight(m, CudaBlockLinear) for name, m in self.modules.items()}
         dense = {name: _single_weight(m, CudaDenseLinear) for name, m in self.modules.items()}
         self.dense = {name: None if w is None else w.data for name, w in dense.items()}  # f32 [M, K]
         if fused_act is None:
@@ -103,10 +107,12 @@ class _CudaLayer:
         self, name: str, x: torch.Tensor, norm: torch.nn.Module | None, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         """norm(x) through projection `name` (+ residual): f32 [T, M] (a group's outputs side by side)."""
-        ternary, dense = self.ternary[name], self.dense[name]
+        ternary, dense, block = self.ternary[name], self.dense[name], self.block[name]
+        norm_weight = None if norm is None else norm.weight
         if ternary is not None:
-            norm_weight = None if norm is None else norm.weight
             return _norm_linear(ternary, x, norm_weight, self.eps, residual=residual)
+        if block is not None:
+            return block.run_fused(x, norm_weight, self.eps, residual=residual)
         x = self._norm(x, norm)
         if dense is not None:
             if residual is None:
@@ -129,10 +135,13 @@ class _CudaLayer:
         """hidden f32 [T, hidden] -> hidden + Wdown(sub_norm(act(gate) * up))."""
         layer = self.layer
         gate_up = self._project("gate_up", hidden, layer.ffn_norm)  # [T, 2 * I]
+        norm = None if layer.ffn_sub_norm is None else layer.ffn_sub_norm.weight
         down = self.ternary["down"]
         if down is not None:
-            norm = None if layer.ffn_sub_norm is None else layer.ffn_sub_norm.weight
             return _norm_linear(down, gate_up, norm, self.eps, residual=hidden, activation=self.fused_act)
+        block_down = self.block["down"]
+        if block_down is not None:  # act(gate) * up, sub-norm and residual in the GEMV (or its fallback)
+            return block_down.run_fused(gate_up, norm, self.eps, activation=self.activation, residual=hidden)
         ffn_out = act_and_mul(gate_up, self.activation)  # [T, I]
         return self._project("down", ffn_out, layer.ffn_sub_norm, hidden)
 

@@ -120,26 +120,32 @@ def test_lookahead_tokens_equal_lookahead_off(b158_file: Path, monkeypatch: pyte
     assert on_stats.hits > 0.5 * on_stats.launched > 0
 
 
-def test_dense_q4_model_logits_match_cpu(tmp_path: Path, tokenizer_source: Path) -> None:
-    """A SmolLM2-shaped Q4_1 llama (dequantized to f32 on the device): first-step logits within fp32
-    summation-order tolerance of the CPU reference backend's."""
+@pytest.mark.parametrize("graphs", [True, False])
+def test_dense_q4_model_matches_cpu(tmp_path: Path, tokenizer_source: Path, graphs: bool) -> None:
+    """A SmolLM2-shaped Q4_1 llama (Q8_0 tied head): the prefill step (cuBLAS on the f32 copies) and the
+    decode steps (block_gemv on the packed blocks, norm / activation / residual in its launch; with and
+    without CUDA graphs) give the CPU reference backend's greedy tokens, and each step's top-5 logprobs
+    within fp32 summation-order tolerance."""
     from benchmarks.make_gpu_models import write_smollm2
 
     path = write_smollm2(tmp_path / "smollm2-q4_1.gguf", tokenizer_source)
     prompt = list(range(100, 140))
-    logits = {}
+    outputs = {}
     for device, backend in (("cpu", "reference"), ("cuda", "auto")):
-        llm = LLM(config=engine_config(path, device, kv="float32", backend=backend))
+        config = engine_config(path, device, kv="float32", backend=backend, graphs=graphs)
+        llm = LLM(config=config)
         try:
-            out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5))
-            logits[device] = out[0].outputs[0]
+            out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, logprobs=5))
+            outputs[device] = out[0].outputs[0]
         finally:
             llm.close()
-    top_cuda, top_cpu = logits["cuda"].logprobs[0].top_logprobs, logits["cpu"].logprobs[0].top_logprobs
-    assert [t for t, _ in top_cuda] == [t for t, _ in top_cpu]
-    torch.testing.assert_close(
-        torch.tensor([lp for _, lp in top_cuda]),
-        torch.tensor([lp for _, lp in top_cpu]),
-        rtol=1e-4,
-        atol=1e-4,
-    )
+    assert outputs["cuda"].token_ids == outputs["cpu"].token_ids
+    for step_cuda, step_cpu in zip(outputs["cuda"].logprobs, outputs["cpu"].logprobs, strict=True):
+        top_cuda, top_cpu = step_cuda.top_logprobs, step_cpu.top_logprobs
+        assert [t for t, _ in top_cuda] == [t for t, _ in top_cpu]
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in top_cuda]),
+            torch.tensor([lp for _, lp in top_cpu]),
+            rtol=1e-4,
+            atol=1e-4,
+        )

@@ -10,9 +10,11 @@ Runtime layouts:
   epilogue, so outputs are bit-identical to the reference backend's for any batch size.
 - anything else (float / llamacpp-tq modes, per-block scales, odd K): the reference backend's weight
   with its tensors on the device. Correct, slow (f64 integer matmuls), and logged once at load.
-- dense and block-quantized (Q4/Q8/F16) weights: dequantized at load to f32 on the device; F.linear
-  with TF32 and reduced-precision reductions off, so results stay within fp32 summation-order
-  tolerance of the CPU backends.
+- Q4_0 / Q4_1 / Q8_0 weights: kept packed for steps of up to GEMV_MAX_TOKENS tokens (block_gemv.py: one
+  PDL launch that also takes the RMSNorm, the gated activation and the residual), plus an f32 copy that
+  cuBLAS runs for longer steps (prefill, batched decode).
+- dense (F16 / BF16 / F32) weights: f32 on the device; F.linear with TF32 and reduced-precision
+  reductions off, so results stay within fp32 summation-order tolerance of the CPU backends.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from collections.abc import Sequence
 
 import torch
 
-from bitserve.errors import UnsupportedModel
+from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
+from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, QK, gemv_config, repack_blocks
 from bitserve.kernels.cuda.ternary_pack import GROUP, pack_ternary_planes
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.kernels.reference.dense import check_dense_weight
+from bitserve.kernels.reference.dequant import dequantize, row_bytes_of
+
+BLOCK_LAYOUTS = (Layout.Q4_0, Layout.Q4_1, Layout.Q8_0)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,48 @@ class CudaDenseLinear(PreparedLinear):
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.data)
+
+
+class CudaBlockLinear(PreparedLinear):
+    """A Q4_0 / Q4_1 / Q8_0 weight: data = codes, scale = d, extras["m"] (Q4) in block_gemv's layout, and
+    extras["dense"] f32 [M, K] for steps of more than GEMV_MAX_TOKENS tokens (cuBLAS)."""
+
+    __slots__ = ()
+
+    def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
+        return self.run_fused(x)
+
+    def run_fused(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        *,
+        activation: str | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """residual + W @ norm(act(x)): x f32 [T, K] ([T, 2K], gate then up, under `activation`),
+        norm_weight f32 [K], residual f32 [T, M] -> f32 [T, M]. Short steps: one block_gemv launch;
+        longer: the separate kernels and cuBLAS (which accumulates into `residual` in place)."""
+        from bitserve.kernels.cuda.block_gemv import block_gemv
+        from bitserve.kernels.cuda.elementwise import act_and_mul, rms_norm
+
+        if x.shape[0] <= GEMV_MAX_TOKENS and gemv_config(self.out_features, self.in_features) is not None:
+            parts = {"codes": self.data, "d": self.scale}
+            if "m" in self.extras:
+                parts["m"] = self.extras["m"]
+            return block_gemv(
+                x, parts, self.out_features, norm_weight=norm_weight, eps=eps, activation=activation,
+                residual=residual,
+            )  # fmt: skip
+        if activation is not None:
+            x = act_and_mul(x, activation)
+        if norm_weight is not None:
+            x = rms_norm(x, norm_weight, eps)
+        dense = self.extras["dense"]
+        if residual is None:
+            return torch.nn.functional.linear(x, dense)
+        return residual.addmm_(x, dense.t())
 
 
 class CudaTernaryLinear(PreparedLinear):
@@ -121,19 +169,37 @@ class CudaBackend(KernelBackend):
         return CudaDenseLinear(m, k, Layout.DENSE, None, data, None, self.name)
 
     def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
-        """No packed block form yet: Q4/Q8 weights are dequantized to f32 on the device at load."""
-        return None
+        """Q4_0 / Q4_1 / Q8_0 -> CudaBlockLinear (packed for the GEMV, f32 for cuBLAS); None otherwise."""
+        if weight.layout not in BLOCK_LAYOUTS:
+            return None
+        m, k = weight.shape
+        row_bytes = row_bytes_of(weight)
+        if k % QK or weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
+            raise InvalidModelFile(
+                f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
+                expected=f"K a multiple of {QK} and {m * row_bytes} bytes",
+            )
+        parts = repack_blocks(weight.data.reshape(m, row_bytes), weight.layout, k)
+        extras = {"dense": dequantize(weight).to(self.device).contiguous()}
+        if "m" in parts:
+            extras["m"] = parts["m"].to(self.device)
+        layout = Layout.Q8_0 if weight.layout is Layout.Q8_0 else Layout.Q4_1
+        codes, d = parts["codes"].to(self.device), parts["d"].to(self.device)
+        return CudaBlockLinear(m, k, layout, None, codes, d, self.name, extras)
 
     def fuse_group(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
         """q/k/v and gate/up stacked into one weight when all are CudaTernaryLinear (row scales keep each
-        weight's own scale) or all CudaDenseLinear: one kernel launch per group."""
+        weight's own scale), all CudaDenseLinear, or all CudaBlockLinear of one layout: one kernel launch
+        per group."""
         if len(weights) < 2 or len({w.in_features for w in weights}) != 1:
             return None
         strategy = type(weights[0])
-        if strategy not in (CudaTernaryLinear, CudaDenseLinear) or any(
+        if strategy not in (CudaTernaryLinear, CudaDenseLinear, CudaBlockLinear) or any(
             type(w) is not strategy for w in weights
         ):
             return None
+        if strategy is CudaBlockLinear:
+            return self._stack_blocks(weights)
         offsets = [0]
         for weight in weights[:-1]:
             offsets.append(offsets[-1] + weight.out_features)
@@ -148,6 +214,27 @@ class CudaBackend(KernelBackend):
             data,
             scale,
             self.name,
+        )
+        return stacked, offsets
+
+    def _stack_blocks(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
+        """CudaBlockLinear weights of one layout stacked row-wise (every part is per row)."""
+        if len({w.layout for w in weights}) != 1:
+            return None
+        offsets = [0]
+        for weight in weights[:-1]:
+            offsets.append(offsets[-1] + weight.out_features)
+        extras = {name: torch.cat([w.extras[name] for w in weights]) for name in weights[0].extras}
+        first = weights[0]
+        stacked = CudaBlockLinear(
+            sum(w.out_features for w in weights),
+            first.in_features,
+            first.layout,
+            None,
+            torch.cat([w.data for w in weights]),
+            torch.cat([w.scale for w in weights]),  # type: ignore[misc]
+            self.name,
+            extras,
         )
         return stacked, offsets
 

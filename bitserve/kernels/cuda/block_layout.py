@@ -1,0 +1,53 @@
+"""The runtime layout of Q4_0 / Q4_1 / Q8_0 weights on a CUDA device and block_gemv's tile config.
+
+Torch only (no Triton import), so the backend can prepare weights and choose paths on any machine.
+Layout: codes uint8 [M, K / 2] (Q4: each block's 16 `qs` bytes, low nibble = value j, high nibble = value
+j + 16, as in the file) or int8 [M, K] (Q8_0); d f32 [M, K / 32]; for Q4, m f32 [M, K / 32] (Q4_0 is
+stored as Q4_1 with m = -8 d, exact, as the CPU backend does). Per row, so weights stack row-wise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bitserve.kernels.cpu.blockquant import block_field_f32
+from bitserve.kernels.packed import Layout
+
+QK = 32  # values per block (ggml QK4_0 / QK4_1 / QK8_0)
+GEMV_MAX_TOKENS = 4  # steps of more tokens run cuBLAS on the f32 copy (one grid row per token there)
+MAX_TILE_VALUES = 16384  # BLOCK_M * padded K: the weight tile one program holds in registers
+TARGET_PROGRAMS = 128  # about one program per SM of an H100 (132): row blocks shrink until the grid fills
+TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block in the file
+
+
+def repack_blocks(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str, torch.Tensor]:
+    """A Q4_0 / Q4_1 / Q8_0 weight's file rows uint8 [M, K / 32 * type_size] -> {"codes", "d"(, "m")} in the
+    kernel's layout (module docstring). Copies: the file's pages may be released afterwards."""
+    num_rows, num_blocks = rows.shape[0], num_cols // QK
+    type_size = TYPE_SIZES[layout]
+    blocks = rows.reshape(num_rows, num_blocks, type_size)
+    d = block_field_f32(rows, num_cols, type_size, 0)  # [M, nb]
+    if layout is Layout.Q8_0:
+        codes = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(num_rows, num_cols)
+        return {"codes": codes, "d": d}
+    # Q4_0: m = -8 d is exact (a power-of-two multiple of an f16 value)
+    minimum = block_field_f32(rows, num_cols, type_size, 2) if layout is Layout.Q4_1 else d * -8.0
+    codes = blocks[:, :, type_size - QK // 2 :].reshape(num_rows, num_cols // 2).clone()
+    return {"codes": codes, "d": d, "m": minimum}
+
+
+def gemv_config(num_rows: int, num_cols: int) -> tuple[int, int] | None:
+    """(BLOCK_M, NB) for an [M, K] weight, or None when one program's tile of a single row would exceed
+    MAX_TILE_VALUES (such weights run cuBLAS on the f32 copy)."""
+    nb = _next_power_of_2(num_cols // QK)
+    padded = nb * QK
+    if padded > MAX_TILE_VALUES:
+        return None
+    block_m = max(1, MAX_TILE_VALUES // padded)
+    while block_m > 1 and -(-num_rows // block_m) < TARGET_PROGRAMS:
+        block_m //= 2
+    return block_m, nb
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
