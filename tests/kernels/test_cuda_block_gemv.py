@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bitserve.kernels.cuda.block_layout import gemv_config, repack_blocks
+from bitserve.kernels.cuda.block_layout import block_tile, repack_blocks
 from bitserve.kernels.packed import Layout
 
 pytestmark = pytest.mark.gpu
@@ -132,12 +132,16 @@ def test_block_gemv_refuses_steps_past_its_range() -> None:
 
 
 def test_tile_config_fills_the_grid_and_bounds_the_tile() -> None:
-    """Row blocks shrink until ~128 programs run (SmolLM2's qkv: 960 rows -> 4 a program); a K whose
-    padded row alone exceeds the tile has no config (cuBLAS runs it)."""
-    assert gemv_config(960, 576) == (4, 32)
-    assert gemv_config(49152, 576) == (16, 32)
-    assert gemv_config(576, 1536) == (4, 64)
-    assert gemv_config(10, 32768) is None
+    """A layer: two rows a token (many small programs: more loads in flight at batch 1), K padded to a
+    power of two of blocks, 8 warps from 2,048 values. A head: up to 4 rows, 4 warps. A K whose padded
+    row alone exceeds the tile has no tile (cuBLAS runs it)."""
+    assert block_tile(960, 576) == (2, 32, 4)
+    assert block_tile(960, 576, num_tokens=3) == (8, 32, 4)
+    assert block_tile(576, 1536) == (2, 64, 8)
+    assert block_tile(2560, 8192, num_tokens=4) == (2, 256, 8)
+    assert block_tile(49152, 576) == (4, 32, 4)
+    assert block_tile(128256, 2560) == (2, 128, 4)
+    assert block_tile(64, 32768) is None
 
 
 def _packed(layout: Layout, rows: torch.Tensor, num_rows: int, num_cols: int) -> PackedWeight:

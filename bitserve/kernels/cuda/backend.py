@@ -26,7 +26,7 @@ import torch
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, QK, gemv_config, repack_blocks
+from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, QK, block_tile, repack_blocks
 from bitserve.kernels.cuda.ternary_pack import GROUP, pack_ternary_planes
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary
@@ -92,7 +92,7 @@ class CudaBlockLinear(PreparedLinear):
         from bitserve.kernels.cuda.block_gemv import block_gemv
         from bitserve.kernels.cuda.elementwise import act_and_mul, rms_norm
 
-        if x.shape[0] <= GEMV_MAX_TOKENS and gemv_config(self.out_features, self.in_features) is not None:
+        if x.shape[0] <= GEMV_MAX_TOKENS and block_tile(self.out_features, self.in_features) is not None:
             parts = {"codes": self.data, "d": self.scale}
             if "m" in self.extras:
                 parts["m"] = self.extras["m"]

@@ -10,14 +10,15 @@ projection.
 
 Weights in block_layout.py's runtime layout (codes, d f32 per block, Q4's m f32 per block).
 
-One program owns BLOCK_M output rows of one token and the whole K (padded to a power of two): its weight
-tile [BLOCK_M, NB, 32] and norm weight are loaded before the PDL wait, x after it.
+One program owns BLOCK_M output rows and the whole K (padded to a power of two) for every token of the
+step: its weight tile (two [BLOCK_M, NB, 16] halves) and norm weight are loaded once, before the PDL
+wait, and each token's x after it.
 
 Numerics: the prologue is elementwise.py's, op for op (RMSNorm: f64 sum of squares, inv_rms = 1 /
 sqrt(fl32(ms) + eps), (x * inv_rms) * w; activation: act(gate) * up), so the normalized input is the one
-the separate kernels produced. The dot is a block's d * sum(q x) (+ m * sum(x) for Q4) in f32, a different
-summation order from F.linear on the dequantized rows: agreement within fp32 summation-order error, as
-the CPU backend's block kernels (kernels/cpu/blockquant.py).
+the separate kernels produced. The weights are dequantized in registers as d q + m (Q8_0: d q; the
+compiler may fuse it into one FMA) and the dot sums in f32 in the tile's order, not F.linear's: agreement
+within fp32 summation-order error, as the CPU backend's block kernels (kernels/cpu/blockquant.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, gemv_config
+from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, GemvTile, block_tile
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
@@ -34,64 +35,75 @@ NO_ACTIVATION = -1
 
 
 @triton.jit
+def _gated_input(x_row, cols, mask, num_cols, ACT: tl.constexpr):
+    """x[cols] f32, or act(gate[cols]) * up[cols] with the up half at num_cols (elementwise._act_mul_kernel's
+    expressions, so the values are the separate kernel's)."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if ACT == 0:  # silu(g) * up
+        up = tl.load(x_row + num_cols + cols, mask=mask, other=0.0)
+        x = (x / (1.0 + tl.exp(-x))) * up
+    elif ACT == 1:  # relu(g)^2 * up
+        up = tl.load(x_row + num_cols + cols, mask=mask, other=0.0)
+        relu = tl.maximum(x, 0.0)
+        x = (relu * relu) * up
+    elif ACT == 2:  # gelu (tanh approximation) * up
+        up = tl.load(x_row + num_cols + cols, mask=mask, other=0.0)
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        x = (0.5 * x * (1.0 + tanh)) * up
+    return x
+
+
+@triton.jit
 def _block_gemv_kernel(
     x_ptr, codes_ptr, d_ptr, m_ptr, norm_ptr, res_ptr, out_ptr,
     num_rows, num_cols, x_stride, res_stride, out_stride, eps,
     IS_Q4: tl.constexpr, HAS_NORM: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(1)
+    # a block's 32 values as two halves of 16: Q4's low / high nibbles of its 16 bytes, Q8's two runs
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     blocks = tl.arange(0, NB)  # [NB]
-    lanes = tl.arange(0, 32)  # [32]: value j of a block
+    lanes = tl.arange(0, 16)  # [16]
     num_blocks = num_cols // 32
     block_mask = (rows[:, None] < num_rows) & (blocks[None, :] < num_blocks)  # [BLOCK_M, NB]
     tile_mask = block_mask[:, :, None]  # [BLOCK_M, NB, 1]
     field = rows[:, None] * num_blocks + blocks[None, :]  # [BLOCK_M, NB]: index into d / m
     d = tl.load(d_ptr + field, mask=block_mask, other=0.0)
+    cols_lo = blocks[:, None] * 32 + lanes[None, :]  # [NB, 16]: values 0-15 of each block; +16: 16-31
+    col_mask = cols_lo < num_cols
+    # the weights dequantized in registers as the reference does (d q + m; Q8_0: d q), before the wait:
+    # only weights are read, so this overlaps the previous kernel
     if IS_Q4:
-        # value j of a block: byte j % 16, low nibble for j < 16, high nibble for j >= 16
-        byte = rows[:, None, None] * (num_cols // 2) + blocks[None, :, None] * 16
-        byte += (lanes % 16)[None, None, :]
-        packed = tl.load(codes_ptr + byte, mask=tile_mask, other=0)  # uint8 [BLOCK_M, NB, 32]
-        values = ((packed >> (4 * (lanes // 16))[None, None, :].to(tl.uint8)) & 15).to(tl.float32)
-        mins = tl.load(m_ptr + field, mask=block_mask, other=0.0)
+        byte = rows[:, None, None] * (num_cols // 2) + (blocks[:, None] * 16 + lanes[None, :])[None, :, :]
+        packed = tl.load(codes_ptr + byte, mask=tile_mask, other=0)  # uint8 [BLOCK_M, NB, 16]
+        mins = tl.load(m_ptr + field, mask=block_mask, other=0.0)[:, :, None]
+        w_lo = d[:, :, None] * (packed & 15).to(tl.float32) + mins  # f32 [BLOCK_M, NB, 16]
+        w_hi = d[:, :, None] * (packed >> 4).to(tl.float32) + mins
     else:
-        index = rows[:, None, None] * num_cols + blocks[None, :, None] * 32 + lanes[None, None, :]
-        values = tl.load(codes_ptr + index, mask=tile_mask, other=0).to(tl.float32)  # [BLOCK_M, NB, 32]
-    cols = blocks[:, None] * 32 + lanes[None, :]  # [NB, 32]
-    col_mask = cols < num_cols
-    if HAS_NORM:
-        norm_weight = tl.load(norm_ptr + cols, mask=col_mask, other=0.0)  # a weight: before the wait
+        index = rows[:, None, None] * num_cols + cols_lo[None, :, :]
+        w_lo = d[:, :, None] * tl.load(codes_ptr + index, mask=tile_mask, other=0).to(tl.float32)
+        w_hi = d[:, :, None] * tl.load(codes_ptr + index + 16, mask=tile_mask, other=0).to(tl.float32)
+    if HAS_NORM:  # a weight: read before the wait
+        norm_lo = tl.load(norm_ptr + cols_lo, mask=col_mask, other=0.0)
+        norm_hi = tl.load(norm_ptr + cols_lo + 16, mask=col_mask, other=0.0)
     pdl_enter(USE_PDL)
-    x_row = x_ptr + token * x_stride
-    x = tl.load(x_row + cols, mask=col_mask, other=0.0)  # f32 [NB, 32] (the gate half under ACT)
-    if ACT == 0:  # silu(g) * up, as elementwise._act_mul_kernel
-        up = tl.load(x_row + num_cols + cols, mask=col_mask, other=0.0)
-        x = (x / (1.0 + tl.exp(-x))) * up
-    elif ACT == 1:  # relu(g)^2 * up
-        up = tl.load(x_row + num_cols + cols, mask=col_mask, other=0.0)
-        relu = tl.maximum(x, 0.0)
-        x = (relu * relu) * up
-    elif ACT == 2:  # gelu (tanh approximation) * up
-        up = tl.load(x_row + num_cols + cols, mask=col_mask, other=0.0)
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-        x = (0.5 * x * (1.0 + tanh)) * up
-    if HAS_NORM:  # as elementwise._rms_norm_kernel
-        wide = x.to(tl.float64)
-        mean_square = (tl.sum(tl.sum(wide * wide, axis=1), axis=0) / num_cols).to(tl.float32)
-        inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
-        x = (x * inv_rms) * norm_weight
-    block_dots = tl.sum(values * x[None, :, :], axis=2)  # [BLOCK_M, NB]
-    partial = d * block_dots
-    if IS_Q4:
-        partial += mins * tl.sum(x, axis=1)[None, :]
-    y = tl.sum(partial, axis=1)  # [BLOCK_M]
     row_mask = rows < num_rows
-    if HAS_RESIDUAL:
-        y = tl.load(res_ptr + token * res_stride + rows, mask=row_mask, other=0.0) + y
-    tl.store(out_ptr + token * out_stride + rows, y, mask=row_mask)
+    for token in tl.static_range(NUM_TOKENS):  # the weight tile serves every token of the step
+        x_row = x_ptr + token * x_stride
+        x_lo = _gated_input(x_row, cols_lo, col_mask, num_cols, ACT)  # f32 [NB, 16]
+        x_hi = _gated_input(x_row, cols_lo + 16, col_mask, num_cols, ACT)
+        if HAS_NORM:  # as elementwise._rms_norm_kernel
+            wide_lo, wide_hi = x_lo.to(tl.float64), x_hi.to(tl.float64)
+            squares = tl.sum(tl.sum(wide_lo * wide_lo, axis=1) + tl.sum(wide_hi * wide_hi, axis=1), axis=0)
+            inv_rms = tl.div_rn(1.0, tl.sqrt_rn((squares / num_cols).to(tl.float32) + eps))
+            x_lo = (x_lo * inv_rms) * norm_lo
+            x_hi = (x_hi * inv_rms) * norm_hi
+        products = w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]  # [BLOCK_M, NB, 16]
+        y = tl.sum(tl.sum(products, axis=2), axis=1)  # [BLOCK_M]
+        if HAS_RESIDUAL:
+            y = tl.load(res_ptr + token * res_stride + rows, mask=row_mask, other=0.0) + y
+        tl.store(out_ptr + token * out_stride + rows, y, mask=row_mask)
 
 
 def block_gemv(
@@ -103,31 +115,32 @@ def block_gemv(
     eps: float = 0.0,
     activation: str | None = None,
     residual: torch.Tensor | None = None,
+    tile: GemvTile | None = None,
 ) -> torch.Tensor:
     """residual + W @ norm(act(x)) for T <= GEMV_MAX_TOKENS tokens.
 
     x f32 [T, K] (under `activation`, [T, 2K]: gate columns then up), unit column stride; weight from
     block_layout.repack_blocks for an [num_rows, K] matrix; norm_weight f32 [K]; residual f32 [T, M]
-    -> f32 [T, M].
+    -> f32 [T, M]. tile: block_tile's choice unless given (benchmarks sweep it).
     """
     num_tokens = x.shape[0]
     num_cols = x.shape[1] // 2 if activation is not None else x.shape[1]
-    config = gemv_config(num_rows, num_cols)
-    if config is None or num_tokens > GEMV_MAX_TOKENS or x.stride(1) != 1:
+    tile = tile or block_tile(num_rows, num_cols, num_tokens)
+    if tile is None or num_tokens > GEMV_MAX_TOKENS or x.stride(1) != 1:
         raise ValueError(f"block_gemv: {num_tokens} tokens of K={num_cols} is outside the kernel's range")
-    block_m, nb = config
     codes, d = weight["codes"], weight["d"]
     is_q4 = codes.dtype == torch.uint8
     out = torch.empty((num_tokens, num_rows), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
     act = NO_ACTIVATION if activation is None else ACTIVATIONS[activation]
-    grid = (triton.cdiv(num_rows, block_m), num_tokens)
+    grid = (triton.cdiv(num_rows, tile.block_m),)
     _block_gemv_kernel[grid](
         x, codes, d, weight.get("m", d), d if norm_weight is None else norm_weight,
         out if residual is None else residual, out,
         num_rows, num_cols, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), eps,
         IS_Q4=is_q4, HAS_NORM=norm_weight is not None, ACT=act, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=block_m, NB=nb, num_warps=4, **launch_options(x.device),
+        NUM_TOKENS=num_tokens, BLOCK_M=tile.block_m, NB=tile.nb, num_warps=tile.num_warps,
+        **launch_options(x.device),
     )  # fmt: skip
     return out

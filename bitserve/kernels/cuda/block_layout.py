@@ -8,6 +8,8 @@ stored as Q4_1 with m = -8 d, exact, as the CPU backend does). Per row, so weigh
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from bitserve.kernels.cpu.blockquant import block_field_f32
@@ -16,7 +18,11 @@ from bitserve.kernels.packed import Layout
 QK = 32  # values per block (ggml QK4_0 / QK4_1 / QK8_0)
 GEMV_MAX_TOKENS = 4  # steps of more tokens run cuBLAS on the f32 copy (one grid row per token there)
 MAX_TILE_VALUES = 16384  # BLOCK_M * padded K: the weight tile one program holds in registers
-TARGET_PROGRAMS = 128  # about one program per SM of an H100 (132): row blocks shrink until the grid fills
+# BLOCK_M = 2 T (T rounded up to a power of two): the fastest tile at T = 1 and 4 on an H100 (RESULTS.md)
+ROWS_PER_TOKEN = 2
+WIDE_K = 2048  # a padded K from which 8 warps beat 4
+HEAD_ROWS = 16384  # an LM head's rows (vocabularies): tiled for bandwidth, not latency
+HEAD_TILE_VALUES = 8192
 TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block in the file
 
 
@@ -36,17 +42,27 @@ def repack_blocks(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str
     return {"codes": codes, "d": d, "m": minimum}
 
 
-def gemv_config(num_rows: int, num_cols: int) -> tuple[int, int] | None:
-    """(BLOCK_M, NB) for an [M, K] weight, or None when one program's tile of a single row would exceed
-    MAX_TILE_VALUES (such weights run cuBLAS on the f32 copy)."""
+class GemvTile(NamedTuple):
+    """One block_gemv program: block_m output rows x nb blocks of 32 values (K padded to a power of two)."""
+
+    block_m: int
+    nb: int
+    num_warps: int
+
+
+def block_tile(num_rows: int, num_cols: int, num_tokens: int = 1) -> GemvTile | None:
+    """The tile for an [M, K] weight at T tokens, or None when one row's padded K alone exceeds
+    MAX_TILE_VALUES (such weights run cuBLAS on the f32 copy). A layer's GEMV at batch 1 is latency-bound:
+    small row blocks (more programs, more loads in flight at once), 8 warps from 2,048 values. An LM head
+    (M >= HEAD_ROWS) streams tens of MB: up to 4 rows a program, 4 warps (the sweep in RESULTS.md)."""
     nb = _next_power_of_2(num_cols // QK)
     padded = nb * QK
     if padded > MAX_TILE_VALUES:
         return None
-    block_m = max(1, MAX_TILE_VALUES // padded)
-    while block_m > 1 and -(-num_rows // block_m) < TARGET_PROGRAMS:
-        block_m //= 2
-    return block_m, nb
+    if num_rows >= HEAD_ROWS:
+        return GemvTile(max(1, min(4, HEAD_TILE_VALUES // padded)), nb, 4)
+    block_m = max(1, min(ROWS_PER_TOKEN * _next_power_of_2(num_tokens), MAX_TILE_VALUES // padded))
+    return GemvTile(block_m, nb, 8 if padded >= WIDE_K else 4)
 
 
 def _next_power_of_2(n: int) -> int:
