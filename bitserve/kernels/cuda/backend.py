@@ -200,9 +200,7 @@ class CudaBackend(KernelBackend):
             return None
         if strategy is CudaBlockLinear:
             return self._stack_blocks(weights)
-        offsets = [0]
-        for weight in weights[:-1]:
-            offsets.append(offsets[-1] + weight.out_features)
+        offsets = _row_offsets(weights)
         first = weights[0]
         data = torch.cat([w.data for w in weights])
         scale = torch.cat([w.scale for w in weights]) if strategy is CudaTernaryLinear else None  # type: ignore[misc]
@@ -221,9 +219,7 @@ class CudaBackend(KernelBackend):
         """CudaBlockLinear weights of one layout stacked row-wise (every part is per row)."""
         if len({w.layout for w in weights}) != 1:
             return None
-        offsets = [0]
-        for weight in weights[:-1]:
-            offsets.append(offsets[-1] + weight.out_features)
+        offsets = _row_offsets(weights)
         extras = {name: torch.cat([w.extras[name] for w in weights]) for name in weights[0].extras}
         first = weights[0]
         stacked = CudaBlockLinear(
@@ -258,3 +254,11 @@ class CudaBackend(KernelBackend):
             self.name,
             extras,
         )
+
+
+def _row_offsets(weights: Sequence[PreparedLinear]) -> list[int]:
+    """Where each weight's rows start in the stacked weight."""
+    offsets = [0]
+    for weight in weights[:-1]:
+        offsets.append(offsets[-1] + weight.out_features)
+    return offsets
