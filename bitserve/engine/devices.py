@@ -13,11 +13,14 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from bitserve.config import EngineConfig, kv_cache_budget_estimate
-from bitserve.errors import InvalidRequest
+from bitserve.errors import InvalidModelFile, InvalidRequest
+from bitserve.kernels.cuda.footprint import cuda_weight_bytes
 from bitserve.loader.catalog import resolve_model
+from bitserve.loader.gguf_reader import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +166,8 @@ def _resolve_auto(probe: DeviceProbe, needed_bytes: int, backend: str) -> Placem
     if needed_bytes > int(free * AUTO_FREE_MEMORY_FRACTION):
         return Placement(
             CPU,
-            f"the model needs about {needed_bytes / 1e9:.2f} GB (file + KV cache) but the GPU with the most "
-            f"free memory, cuda:{index}, has {free / 1e9:.2f} GB free "
+            f"the model needs about {needed_bytes / 1e9:.2f} GB (weights on the GPU + KV cache) but the GPU "
+            f"with the most free memory, cuda:{index}, has {free / 1e9:.2f} GB free "
             f"({AUTO_FREE_MEMORY_FRACTION:.0%} of it usable)",
         )
     return Placement(
@@ -228,10 +231,18 @@ def replica_config(config: EngineConfig, device: str) -> EngineConfig:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
 
 
-def estimated_device_bytes(file_bytes: int, config: EngineConfig) -> int:
-    """What a replica is expected to take on its device before it is loaded: weights about the file's
-    size (packed formats stay packed) plus the KV cache budget."""
-    return file_bytes + kv_cache_budget_estimate(config)
+def estimated_device_bytes(path: Path, config: EngineConfig) -> int:
+    """What a replica is expected to take on a GPU before it is loaded: its weights under the CUDA
+    backend's layouts, from the file's tensor table (kernels/cuda/footprint.py: Q4 / Q8 projections take
+    ~6x their file bytes there, ternary ones about theirs), plus the KV cache budget. Not counted: CUDA
+    graph pools and library workspaces. A file that does not parse counts at its size (its load then
+    fails with the parser's error)."""
+    try:
+        with read_gguf(path) as gguf:
+            weights = cuda_weight_bytes(gguf.tensors.values())
+    except InvalidModelFile:
+        weights = path.stat().st_size
+    return weights + kv_cache_budget_estimate(config)
 
 
 def resolve_engine_config(config: EngineConfig, probe: DeviceProbe | None = None) -> EngineConfig:
@@ -246,11 +257,10 @@ def resolve_engine_config(config: EngineConfig, probe: DeviceProbe | None = None
         )
     if devices == (CPU,):
         return replica_config(config, CPU)
-    file_bytes = resolve_model(config.model.model).stat().st_size
     placement = resolve_device(
         devices[0],
         probe or TorchDeviceProbe(),
-        needed_bytes=estimated_device_bytes(file_bytes, config),
+        needed_bytes=estimated_device_bytes(resolve_model(config.model.model), config),
         backend=config.model.backend,
     )
     return replica_config(config, placement.device)

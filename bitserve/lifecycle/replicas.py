@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from bitserve.config import EngineConfig, ServerConfig
 from bitserve.engine.devices import (
+    CPU,
     DeviceProbe,
     Placement,
     TorchDeviceProbe,
@@ -82,10 +83,13 @@ class ReplicaBuilder:
 
     def place(self, source: ModelFile, devices: tuple[str, ...]) -> tuple[Placement, ...]:
         """The concrete device of each requested replica (a worker thread: probing CUDA takes a while)."""
+        # the estimate reads the file's tensor table; a CPU replica never uses it
+        on_cpu_only = all(device == CPU for device in devices)
+        needed = 0 if on_cpu_only else estimated_device_bytes(source.path, self.engine_config)
         placements = resolve_devices(
             devices,
             self.probe,
-            needed_bytes=estimated_device_bytes(source.path.stat().st_size, self.engine_config),
+            needed_bytes=needed,
             backend=self.engine_config.model.backend,
         )
         for placement in placements:

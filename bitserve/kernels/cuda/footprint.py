@@ -1,0 +1,64 @@
+"""Device bytes a GGUF file's weights take under CudaBackend's layouts, from its tensor table alone.
+
+`--device auto` places a model on a GPU when its weights and KV budget fit the free memory. The file size
+is a poor estimate there: ternary weights shrink to 2-bit planes (I2_S stays ~ its size), but Q4/Q8
+projections grow ~6x (the packed blocks plus the f32 copy cuBLAS runs for long steps) and float
+projections become f32. Per tensor (n values, M rows), as backend.py and models/cuda_decoder.py lay them out:
+- ternary (I2_S, TQ1_0, TQ2_0, TL1, TL2): n / 4 bytes of planes + an f32 scale per row;
+- Q4_0 / Q4_1 / Q8_0 matrices: block_layout's packed form (codes, f32 d and m per 32 values) + f32 copy;
+- other matrices: f32 (dequantized at load);
+- the token table: as stored when F16 / BF16 / F32, else f32; a tied head reuses a float table and adds
+  a block weight for a Q4 / Q8 one; a separate F16 / BF16 head stays half;
+- vectors (norms): f32.
+No Triton or torch import: the lifecycle calls it before it loads anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from math import prod
+
+from bitserve.loader.gguf_reader import TensorInfo
+from bitserve.loader.gguf_types import GGMLType
+
+TERNARY_TYPES = frozenset({GGMLType.I2_S, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.TL1, GGMLType.TL2})
+HALF_TYPES = frozenset({GGMLType.F16, GGMLType.BF16})
+# packed bytes per value in block_layout.py's form: Q4 codes 0.5 + f32 d and m per 32 values; Q8_0 1 + d
+BLOCK_PACKED_BYTES = {GGMLType.Q4_0: 0.75, GGMLType.Q4_1: 0.75, GGMLType.Q8_0: 1.125}
+F32_BYTES = 4
+TOKEN_TABLE = "token_embd.weight"
+HEAD = "output.weight"
+
+
+def cuda_weight_bytes(tensors: Iterable[TensorInfo]) -> int:
+    """Estimated device bytes of every tensor of a file once CudaBackend has loaded it."""
+    by_name = {tensor.name: tensor for tensor in tensors}
+    total = sum(_tensor_bytes(tensor) for tensor in by_name.values())
+    table = by_name.get(TOKEN_TABLE)
+    if table is not None and HEAD not in by_name and table.ggml_type in BLOCK_PACKED_BYTES:
+        total += _matrix_bytes(table)  # a tied quantized head: its block weight beside the f32 table
+    return total
+
+
+def _tensor_bytes(tensor: TensorInfo) -> int:
+    values = prod(tensor.shape)
+    if tensor.name == TOKEN_TABLE:
+        if tensor.ggml_type in HALF_TYPES or tensor.ggml_type is GGMLType.F32:
+            return tensor.nbytes
+        return values * F32_BYTES
+    if tensor.name == HEAD and tensor.ggml_type in HALF_TYPES:
+        return tensor.nbytes
+    if len(tensor.shape) < 2:
+        return values * F32_BYTES
+    return _matrix_bytes(tensor)
+
+
+def _matrix_bytes(tensor: TensorInfo) -> int:
+    values = prod(tensor.shape)
+    rows = tensor.shape[1]  # ggml order: ne[0] is K, ne[1] is M
+    if tensor.ggml_type in TERNARY_TYPES:
+        return values // 4 + rows * F32_BYTES
+    packed = BLOCK_PACKED_BYTES.get(tensor.ggml_type)
+    if packed is not None:
+        return int(values * packed) + values * F32_BYTES
+    return values * F32_BYTES
