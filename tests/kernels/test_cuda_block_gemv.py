@@ -142,6 +142,7 @@ def test_tile_config_fills_the_grid_and_bounds_the_tile() -> None:
     assert block_tile(49152, 576) == (4, 32, 4)
     assert block_tile(128256, 2560) == (2, 128, 4)
     assert block_tile(64, 32768) is None
+    assert block_tile(262144, 8192) is None  # 2^31 values: past the kernel's int32 offsets
 
 
 def _packed(layout: Layout, rows: torch.Tensor, num_rows: int, num_cols: int) -> PackedWeight:

@@ -23,6 +23,7 @@ ROWS_PER_TOKEN = 2
 WIDE_K = 2048  # a padded K from which 8 warps beat 4
 HEAD_ROWS = 16384  # an LM head's rows (vocabularies): tiled for bandwidth, not latency
 HEAD_TILE_VALUES = 8192
+MAX_INT32_INDEX = 2**31  # the kernel indexes codes with int32 offsets (M * K values for Q8_0)
 TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block in the file
 
 
@@ -52,12 +53,13 @@ class GemvTile(NamedTuple):
 
 def block_tile(num_rows: int, num_cols: int, num_tokens: int = 1) -> GemvTile | None:
     """The tile for an [M, K] weight at T tokens, or None when one row's padded K alone exceeds
-    MAX_TILE_VALUES (such weights run cuBLAS on the f32 copy). A layer's GEMV at batch 1 is latency-bound:
-    small row blocks (more programs, more loads in flight at once), 8 warps from 2,048 values. An LM head
-    (M >= HEAD_ROWS) streams tens of MB: up to 4 rows a program, 4 warps (the sweep in RESULTS.md)."""
+    MAX_TILE_VALUES or M * K outgrows int32 offsets (such weights run cuBLAS on the f32 copy). A layer's
+    GEMV at batch 1 is latency-bound: small row blocks (more programs, more loads in flight at once), 8
+    warps from 2,048 values. An LM head (M >= HEAD_ROWS) streams tens of MB: up to 4 rows a program, 4
+    warps (the sweep in RESULTS.md)."""
     nb = _next_power_of_2(num_cols // QK)
     padded = nb * QK
-    if padded > MAX_TILE_VALUES:
+    if padded > MAX_TILE_VALUES or num_rows * num_cols >= MAX_INT32_INDEX:
         return None
     if num_rows >= HEAD_ROWS:
         return GemvTile(max(1, min(4, HEAD_TILE_VALUES // padded)), nb, 4)
