@@ -18,8 +18,8 @@ from typing import Protocol
 
 from bitserve.config import EngineConfig, kv_cache_budget_estimate
 from bitserve.errors import InvalidModelFile, InvalidRequest
-from bitserve.kernels.cuda.footprint import cuda_weight_bytes
 from bitserve.loader.catalog import resolve_model
+from bitserve.loader.cuda_footprint import cuda_weight_bytes
 from bitserve.loader.gguf_reader import read_gguf
 
 logger = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def replica_config(config: EngineConfig, device: str) -> EngineConfig:
 
 def estimated_device_bytes(path: Path, config: EngineConfig) -> int:
     """What a replica is expected to take on a GPU before it is loaded: its weights under the CUDA
-    backend's layouts, from the file's tensor table (kernels/cuda/footprint.py: Q4 / Q8 projections take
+    backend's layouts, from the file's tensor table (loader/cuda_footprint.py: Q4 / Q8 projections take
     ~6x their file bytes there, ternary ones about theirs), plus the KV cache budget. Not counted: CUDA
     graph pools and library workspaces. A file that does not parse counts at its size (its load then
     fails with the parser's error)."""

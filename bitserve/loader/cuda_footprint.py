@@ -3,14 +3,18 @@
 `--device auto` places a model on a GPU when its weights and KV budget fit the free memory. The file size
 is a poor estimate there: ternary weights shrink to 2-bit planes (I2_S stays ~ its size), but Q4/Q8
 projections grow ~6x (the packed blocks plus the f32 copy cuBLAS runs for long steps) and float
-projections become f32. Per tensor (n values, M rows), as backend.py and models/cuda_decoder.py lay them out:
+projections become f32. Per tensor (n values, M rows), as kernels/cuda/backend.py and
+models/cuda_decoder.py lay them out:
 - ternary (I2_S, TQ1_0, TQ2_0, TL1, TL2): n / 4 bytes of planes + an f32 scale per row;
-- Q4_0 / Q4_1 / Q8_0 matrices: block_layout's packed form (codes, f32 d and m per 32 values) + f32 copy;
+- Q4_0 / Q4_1 / Q8_0 matrices: kernels/cuda/block_layout.py's packed form (codes, f32 d and m per 32
+  values) + the f32 copy;
 - other matrices: f32 (dequantized at load);
 - the token table: as stored when F16 / BF16 / F32, else f32; a tied head reuses a float table and adds
   a block weight for a Q4 / Q8 one; a separate F16 / BF16 head stays half;
 - vectors (norms): f32.
-No Triton or torch import: the lifecycle calls it before it loads anything.
+No Triton or torch import: the lifecycle calls it before it loads anything. It lives in the loader (it
+reads the tensor table; kernels may not import the loader), and repeats the layouts' byte counts rather
+than importing the CUDA modules, which pull torch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The device-memory estimate of `--device auto` (kernels/cuda/footprint.py, engine/devices.py): weights as
+"""The device-memory estimate of `--device auto` (loader/cuda_footprint.py, engine/devices.py): weights as
 CudaBackend lays them out, from the file's tensor table, so a Q4 model is not placed on a GPU by its file
 size."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bitserve.config import EngineConfig, ModelConfig, kv_cache_budget_estimate
 from bitserve.engine.devices import estimated_device_bytes
-from bitserve.kernels.cuda.footprint import cuda_weight_bytes
+from bitserve.loader.cuda_footprint import cuda_weight_bytes
 from bitserve.loader.gguf_reader import TensorInfo, read_gguf
 from bitserve.loader.gguf_types import GGMLType
 
