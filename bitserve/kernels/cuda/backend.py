@@ -26,15 +26,13 @@ import torch
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, QK, block_tile, repack_blocks
+from bitserve.kernels.cuda.block_layout import BLOCK_LAYOUTS, GEMV_MAX_TOKENS, block_tile, repack_blocks
 from bitserve.kernels.cuda.ternary_pack import GROUP, pack_ternary_planes
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import ternary
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.kernels.reference.dense import check_dense_weight
 from bitserve.kernels.reference.dequant import dequantize, row_bytes_of
-
-BLOCK_LAYOUTS = (Layout.Q4_0, Layout.Q4_1, Layout.Q8_0)
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +171,11 @@ class CudaBackend(KernelBackend):
         if weight.layout not in BLOCK_LAYOUTS:
             return None
         m, k = weight.shape
-        row_bytes = row_bytes_of(weight)
-        if k % QK or weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
+        row_bytes = row_bytes_of(weight)  # raises for a K that is not a whole number of blocks
+        if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
             raise InvalidModelFile(
                 f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
-                expected=f"K a multiple of {QK} and {m * row_bytes} bytes",
+                expected=f"{m * row_bytes} bytes",
             )
         parts = repack_blocks(weight.data.reshape(m, row_bytes), weight.layout, k)
         extras = {"dense": dequantize(weight).to(self.device).contiguous()}

@@ -12,10 +12,11 @@ from typing import NamedTuple
 
 import torch
 
-from bitserve.kernels.cpu.blockquant import block_field_f32
+from bitserve.kernels.cpu.blockquant import QK, block_field_f32
 from bitserve.kernels.packed import Layout
+from bitserve.kernels.reference.dequant import BLOCK_GEOMETRY
 
-QK = 32  # values per block (ggml QK4_0 / QK4_1 / QK8_0)
+BLOCK_LAYOUTS = (Layout.Q4_0, Layout.Q4_1, Layout.Q8_0)  # the file layouts this form holds
 GEMV_MAX_TOKENS = 4  # steps of more tokens run cuBLAS on the f32 copy (one grid row per token there)
 MAX_TILE_VALUES = 16384  # BLOCK_M * padded K: the weight tile one program holds in registers
 # BLOCK_M = 2 T (T rounded up to a power of two): the fastest tile at T = 1 and 4 on an H100 (RESULTS.md)
@@ -24,14 +25,13 @@ WIDE_K = 2048  # a padded K from which 8 warps beat 4
 HEAD_ROWS = 16384  # an LM head's rows (vocabularies): tiled for bandwidth, not latency
 HEAD_TILE_VALUES = 8192
 MAX_INT32_INDEX = 2**31  # the kernel indexes codes with int32 offsets (M * K values for Q8_0)
-TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block in the file
 
 
 def repack_blocks(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str, torch.Tensor]:
     """A Q4_0 / Q4_1 / Q8_0 weight's file rows uint8 [M, K / 32 * type_size] -> {"codes", "d"(, "m")} in the
     kernel's layout (module docstring). Copies: the file's pages may be released afterwards."""
     num_rows, num_blocks = rows.shape[0], num_cols // QK
-    type_size = TYPE_SIZES[layout]
+    type_size = BLOCK_GEOMETRY[layout][1]  # bytes per 32-value block in the file
     blocks = rows.reshape(num_rows, num_blocks, type_size)
     d = block_field_f32(rows, num_cols, type_size, 0)  # [M, nb]
     if layout is Layout.Q8_0:
