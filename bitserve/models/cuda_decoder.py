@@ -4,7 +4,8 @@
 launches (what decides decode speed at batch 1, where each layer's weights are 1.6-8.8 MB):
 - a ternary projection takes its RMSNorm (or the gated activation and sub-norm before Wdown) and the
   int8 activation quantization in one `norm_quantize` launch, then one `ternary_linear` launch that also
-  adds the residual: 2 launches where the generic layers make ~12;
+  adds the residual: 2 launches where the generic layers make ~12; a ternary gate/up (rows interleaved
+  at load) writes act(gate) * up from its own epilogue, so Wdown's norm_quantize reads half as much;
 - RoPE on q and k and the KV-cache write are one launch (`rotary_and_cache_`), attention one more
   (`paged_decode_attention` for a decode-only step, `paged_prefill_attention` otherwise).
 Q4_0 / Q4_1 / Q8_0 projections (SmolLM2) take their RMSNorm, the gated activation before Wdown and the
@@ -28,6 +29,7 @@ from bitserve.kernels.backend import PreparedLinear
 from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, gated_row_order
 from bitserve.kernels.cuda.quantize import norm_quantize
 from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_
 from bitserve.kernels.packed import Layout
@@ -99,6 +101,17 @@ class _CudaLayer:
         self.fused_act = fused_act
         self.q_width = layer.num_heads * layer.head_dim
         self.kv_width = layer.num_kv_heads * layer.head_dim
+        self.gate_pair = self._pair_gate_up()
+
+    def _pair_gate_up(self) -> int | None:
+        """Ternary gate/up feeding a ternary Wdown: rows interleaved so the kernel's epilogue writes
+        act(gate) * up (pair_epilogue.py), and Wdown's norm_quantize reads I values, not 2I."""
+        weight, module = self.ternary["gate_up"], self.modules["gate_up"]
+        widths = module.out_features if isinstance(module, LinearGroup) else []
+        if weight is None or self.ternary["down"] is None or len(widths) != 2 or widths[0] != widths[1]:
+            return None
+        weight.permute_rows(gated_row_order(widths[0]))
+        return GATED_PAIRS[self.activation]
 
     def _norm(self, x: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
         return x if norm is None else rms_norm(x, norm.weight, self.eps)
@@ -134,9 +147,16 @@ class _CudaLayer:
     def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden f32 [T, hidden] -> hidden + Wdown(sub_norm(act(gate) * up))."""
         layer = self.layer
-        gate_up = self._project("gate_up", hidden, layer.ffn_norm)  # [T, 2 * I]
         norm = None if layer.ffn_sub_norm is None else layer.ffn_sub_norm.weight
         down = self.ternary["down"]
+        if self.gate_pair is not None and down is not None:
+            gate_up = self.ternary["gate_up"]
+            assert gate_up is not None  # invariant: a gate pair is made for a ternary gate/up
+            ffn_norm = None if layer.ffn_norm is None else layer.ffn_norm.weight
+            q, s_act = norm_quantize(hidden, ffn_norm, self.eps)
+            ffn_act = gate_up.run_paired(q, s_act, self.gate_pair)  # [T, I]: act(gate) * up
+            return _norm_linear(down, ffn_act, norm, self.eps, residual=hidden)
+        gate_up = self._project("gate_up", hidden, layer.ffn_norm)  # [T, 2 * I]
         if down is not None:
             return _norm_linear(down, gate_up, norm, self.eps, residual=hidden, activation=self.fused_act)
         block_down = self.block["down"]

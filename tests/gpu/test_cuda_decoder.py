@@ -56,6 +56,8 @@ def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: tor
     reference = load_model(b158_file, LoadOptions(backend=ReferenceBackend(), linear_mode=LinearMode.BITNET))
     loaded = load_model(b158_file, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
     decoder = CudaDecoder(loaded.model, device)
+    # the ternary gate/up projections write relu2(gate) * up from their epilogue (pair_epilogue.py)
+    assert all(layer.gate_pair is not None for layer in decoder.layers)
     spec = loaded.spec
     block_size, ids = 4, [5, 900, 17, 4242, 31, 77, 1000]
     caches = [

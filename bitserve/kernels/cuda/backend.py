@@ -126,11 +126,37 @@ class CudaTernaryLinear(PreparedLinear):
     def run_quantized(
         self, q: torch.Tensor, s_act: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """q int8 [T, K], s_act f32 [T] (+ residual f32 [T, M]) -> f32 [T, M]."""
+        """q int8 [T, K], s_act f32 [T] (+ residual f32 [T, M]) -> f32 [T, M], in the original row order
+        also for a weight whose rows `permute_rows` reordered for a pair epilogue."""
         from bitserve.kernels.cuda.ternary_matmul import ternary_linear
 
         assert self.scale is not None  # invariant: ternary weights carry their row scales
-        return ternary_linear(q, s_act, self.data, self.scale, residual=residual)
+        order = self.extras.get("row_order")
+        if order is None:
+            return ternary_linear(q, s_act, self.data, self.scale, residual=residual)
+        permuted = ternary_linear(q, s_act, self.data, self.scale)
+        out = torch.empty_like(permuted)
+        out[:, order] = permuted
+        return out if residual is None else residual + out
+
+    def run_paired(self, q: torch.Tensor, s_act: torch.Tensor, pair: int) -> torch.Tensor:
+        """q int8 [T, K], s_act f32 [T] -> act(gate) * up f32 [T, M / 2]: a [gate | up] weight whose rows
+        permute_rows interleaved (pair_epilogue.gated_row_order), through the gated pair epilogue."""
+        from bitserve.kernels.cuda.ternary_matmul import ternary_linear
+
+        assert self.scale is not None and "row_order" in self.extras  # invariant: permute_rows ran
+        return ternary_linear(q, s_act, self.data, self.scale, pair=pair)
+
+    def permute_rows(self, order: torch.Tensor) -> None:
+        """Reorder the rows (row i becomes original row order[i], int64 [M]) in place, for the gated pair
+        epilogue; `run_quantized` still answers in the original order."""
+        if "row_order" in self.extras or order.shape != (self.out_features,):
+            raise ValueError(f"a row order of {self.out_features} rows, once, got {tuple(order.shape)}")
+        assert self.scale is not None  # invariant: ternary weights carry their row scales
+        order = order.to(self.data.device)
+        self.data = self.data[order].contiguous()
+        self.scale = self.scale[order].contiguous()
+        self.extras = {**self.extras, "row_order": order}
 
 
 class CudaBackend(KernelBackend):

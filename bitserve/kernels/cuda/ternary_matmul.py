@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bitserve.kernels.cuda.pair_epilogue import PAIR_NONE, out_width, pair_store
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 from bitserve.kernels.cuda.ternary_pack import GROUP
 
@@ -129,9 +130,12 @@ def _gemv_kernel(
     HAS_RES: tl.constexpr,
     USE_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PAIR: tl.constexpr,  # the pair epilogue (pair_epilogue.py): PAIR_NONE, or the gated activation's
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
+    pairs = tl.program_id(0) * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
+    pair_ok = pairs < M // 2
     QW: tl.constexpr = KW * 4  # activation words per token
     w_rows = w_ptr + rows[:, None].to(tl.int64) * KW  # [BM, 1]
     # every weight load of the program is issued first: the DRAM latency is paid once, not per chunk
@@ -161,7 +165,12 @@ def _gemv_kernel(
     for t in tl.static_range(NUM_T):
         # D = sum(code * q) - sum(q), since code = w + 1
         d = tl.sum(accs[t], axis=1) - q_sums[t]  # [BM]
-        _gemv_row_epilogue(d, t, rows, row_ok, s_acts[t], scale, residuals[t], out_ptr, M, HAS_RES)
+        if PAIR == 0:
+            _gemv_row_epilogue(d, t, rows, row_ok, s_acts[t], scale, residuals[t], out_ptr, M, HAS_RES)
+        else:
+            y = tl.div_rn(d.to(tl.float32), s_acts[t]) * scale
+            tok = tl.full([1], t, tl.int32)
+            pair_store(y[None, :], tok, tok >= 0, pairs, pair_ok, out_ptr, M, PAIR, USE_ASM)
 
 
 @triton.jit
@@ -275,6 +284,7 @@ def _gemm_kernel(
     GROUPS_PER_SPLIT,  # 128-column groups per split (run time), divides K // 128
     HAS_RES: tl.constexpr,
     USE_ASM: tl.constexpr,
+    PAIR: tl.constexpr,  # the pair epilogue, as _gemv_kernel's
 ):
     # axis 0 (fastest) walks token tiles: programs running together share one weight tile in L2
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -293,8 +303,12 @@ def _gemm_kernel(
             a = tl.load(q_rows + (g * 128 + 32 * j), mask=tok_ok[:, None], other=0)  # int8 [BT, 32]
             w = _decode_plane(packed, j, USE_ASM)  # int8 [BN, 32]: plane j, 32 contiguous columns
             acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+    pairs = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     if SPLIT_K == 1:
-        _epilogue(acc, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
+        _gemm_finish(
+            acc, toks, rows, pairs, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES, PAIR,
+            USE_ASM,
+        )  # fmt: skip
     else:
         # exact int32 partial sums meet in ws (order-free); the last split to arrive runs the epilogue
         offs = toks[:, None] * M + rows[None, :]
@@ -305,7 +319,25 @@ def _gemm_kernel(
         arrived = tl.atomic_add(ws_ptr + T * M + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             d = tl.load(ws_ptr + offs, mask=mask, other=0, cache_modifier=".cg")
-            _epilogue(d, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
+            _gemm_finish(
+                d, toks, rows, pairs, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES, PAIR,
+                USE_ASM,
+            )  # fmt: skip
+
+
+@triton.jit
+def _gemm_finish(
+    d, toks, rows, pairs, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES: tl.constexpr,
+    PAIR: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """int32 D [BT, BN] of a finished tile -> the plain epilogue, or the pair epilogue (no residual)."""
+    if PAIR == 0:
+        _epilogue(d, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
+    else:
+        s_act = tl.load(s_ptr + toks, mask=tok_ok, other=1.0)  # [BT]
+        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BN]
+        y = tl.div_rn(d.to(tl.float32), s_act[:, None]) * scale[None, :]
+        pair_store(y, toks, tok_ok, pairs, pairs < M // 2, out_ptr, M, PAIR, USE_ASM)
 
 
 def use_gemv(m: int, k: int, num_tokens: int) -> bool:
@@ -352,6 +384,7 @@ def _check_operands(
     scale: torch.Tensor,
     residual: torch.Tensor | None,
     out: torch.Tensor | None,
+    out_cols: int | None = None,
 ) -> tuple[int, int, int]:
     """Dtype/shape/contiguity checks (metadata only, no host sync). Returns (T, M, K)."""
     if q.dtype != torch.int8 or q.dim() != 2 or not q.is_contiguous():
@@ -374,12 +407,12 @@ def _check_operands(
         raise ValueError(
             f"scale must be contiguous f32 [{m}] (one per row), got {scale.dtype} {tuple(scale.shape)}"
         )
-    for name, t in (("residual", residual), ("out", out)):
+    for name, t, width in (("residual", residual, m), ("out", out, out_cols or m)):
         if t is not None and (
-            t.dtype != torch.float32 or t.shape != (num_tokens, m) or not t.is_contiguous()
+            t.dtype != torch.float32 or t.shape != (num_tokens, width) or not t.is_contiguous()
         ):
             raise ValueError(
-                f"{name} must be contiguous f32 [{num_tokens}, {m}], got {t.dtype} {tuple(t.shape)}"
+                f"{name} must be contiguous f32 [{num_tokens}, {width}], got {t.dtype} {tuple(t.shape)}"
             )
     devices = {t.device for t in (q, s_act, packed, scale, residual, out) if t is not None}
     if len(devices) != 1:
@@ -387,7 +420,7 @@ def _check_operands(
     return num_tokens, m, k
 
 
-def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig) -> None:  # noqa: ANN001
+def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig, pair: int = PAIR_NONE) -> None:  # noqa: ANN001
     """The dp4a path with an explicit tile config (T <= GEMV_MAX_T). Operands as ternary_linear's."""
     num_tokens, k = q.shape
     m = packed.shape[0]
@@ -411,6 +444,7 @@ def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig) -> None
         num_warps=cfg.num_warps,
         enable_fp_fusion=False,
         **launch_options(q.device),
+        PAIR=pair,
     )
 
 
@@ -424,7 +458,7 @@ def split_k_for(num_tiles: int, num_groups: int, target_programs: int = 264) -> 
     return best
 
 
-def launch_gemm(q, s_act, packed, scale, residual, out, cfg: GemmConfig) -> None:  # noqa: ANN001
+def launch_gemm(q, s_act, packed, scale, residual, out, cfg: GemmConfig, pair: int = PAIR_NONE) -> None:  # noqa: ANN001
     """The tensor-core path with an explicit tile config. Operands as ternary_linear's."""
     num_tokens, k = q.shape
     m = packed.shape[0]
@@ -459,6 +493,7 @@ def launch_gemm(q, s_act, packed, scale, residual, out, cfg: GemmConfig) -> None
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=False,
+        PAIR=pair,
     )
 
 
@@ -469,21 +504,27 @@ def ternary_linear(
     scale: torch.Tensor,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    pair: int = PAIR_NONE,
 ) -> torch.Tensor:
     """q int8 [T, K], s_act f32 [T], packed uint8 [M, K // 4], scale f32 [M] -> f32 [T, M].
 
     y[t, m] = fl32(fl32(fl32(D[t, m]) / s_act[t]) * scale[m]) (+ residual[t, m], one f32 add).
+    With a gated `pair` (PAIR_RELU2 / PAIR_SILU, on a weight whose rows gated_row_order interleaved)
+    the epilogue writes act(gate) * up instead: out f32 [T, M / 2], no residual (pair_epilogue.py).
     All operands contiguous on one device; `out`, when given, is written in place and returned.
     No host sync (CUDA-graph capturable once each (T, M, K) has been run once).
     """
-    num_tokens, m, k = _check_operands(q, s_act, packed, scale, residual, out)
+    width = out_width(pair, packed.shape[0])
+    if pair != PAIR_NONE and residual is not None:
+        raise ValueError("a pair epilogue takes no residual")
+    num_tokens, m, k = _check_operands(q, s_act, packed, scale, residual, out, width)
     if out is None:
-        out = torch.empty(num_tokens, m, dtype=torch.float32, device=q.device)
+        out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or m == 0:
         return out
     if use_gemv(m, k, num_tokens):
         cfg = gemv_config(m, k, num_tokens) if q.is_cuda else INTERPRETER_GEMV
-        launch_gemv(q, s_act, packed, scale, residual, out, cfg)
+        launch_gemv(q, s_act, packed, scale, residual, out, cfg, pair)
     else:
-        launch_gemm(q, s_act, packed, scale, residual, out, gemm_config(m, k, num_tokens))
+        launch_gemm(q, s_act, packed, scale, residual, out, gemm_config(m, k, num_tokens), pair)
     return out
