@@ -9,7 +9,8 @@ expf), so Wdown's input is bit-identical.
 
 Measured (2B-4T I2_S batch-1 graph replay, A/B on one machine): -13 µs a step on an H100 (1.105 ->
 1.092 ms), -16 µs on an H200. RoPE and the KV-cache write in the q|k|v GEMV's epilogue the same way
-(rows permuted into rotation pairs) measured slower: +22 to +44 µs a step (RESULTS.md, 2026-11-27 13:xx).
+(rows permuted into rotation pairs) measured slower: +22 to +44 µs a step (benchmarks/RESULTS.md,
+2026-11-27 13:10–14:00).
 Imports triton: load only on the CUDA path.
 """
 

@@ -134,8 +134,6 @@ def _gemv_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    pairs = tl.program_id(0) * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
-    pair_ok = pairs < M // 2
     QW: tl.constexpr = KW * 4  # activation words per token
     w_rows = w_ptr + rows[:, None].to(tl.int64) * KW  # [BM, 1]
     # every weight load of the program is issued first: the DRAM latency is paid once, not per chunk
@@ -168,9 +166,11 @@ def _gemv_kernel(
         if PAIR == 0:
             _gemv_row_epilogue(d, t, rows, row_ok, s_acts[t], scale, residuals[t], out_ptr, M, HAS_RES)
         else:
+            # (pairs only here: a 1-row tile, which only a pair-free test config uses, has none)
+            pairs = tl.program_id(0) * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
             y = tl.div_rn(d.to(tl.float32), s_acts[t]) * scale
             tok = tl.full([1], t, tl.int32)
-            pair_store(y[None, :], tok, tok >= 0, pairs, pair_ok, out_ptr, M, PAIR, USE_ASM)
+            pair_store(y[None, :], tok, tok >= 0, pairs, pairs < M // 2, out_ptr, M, PAIR, USE_ASM)
 
 
 @triton.jit
@@ -424,6 +424,8 @@ def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig, pair: i
     """The dp4a path with an explicit tile config (T <= GEMV_MAX_T). Operands as ternary_linear's."""
     num_tokens, k = q.shape
     m = packed.shape[0]
+    if pair != PAIR_NONE and cfg.block_m % 2:
+        raise ValueError(f"a pair epilogue needs an even block_m, got {cfg.block_m}")
     _gemv_kernel[(triton.cdiv(m, cfg.block_m),)](
         q.view(torch.int32),  # [T, K // 4]
         packed.view(torch.int32),  # [M, K // 16]
