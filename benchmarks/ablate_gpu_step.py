@@ -1,0 +1,179 @@
+"""What each class of kernel costs inside the batch-1 decode chain on CUDA: the step's CUDA graph replayed
+with one class swapped for a trivial PDL kernel, against the full graph, in one process on one card.
+
+    python benchmarks/ablate_gpu_step.py /tmp/bitserve-gpu/2b4t-i2s.gguf [--classes norm,rope,...]
+
+Per-kernel profiler times do not answer this under PDL (a kernel launched early is timed while it waits),
+and a kernel's standalone time is not its cost in the chain (its loads before the PDL wait overlap the
+kernel before it). Here each class in turn (`norm` = norm_quantize, `rope` = RoPE + KV write, `attention`
+= decode attention, `ternary` = the W2A8 linears, `block` = the Q4 / Q8 GEMVs, `head` = the LM head) is
+replaced by `_trivial`: one program that waits for its predecessor, reads one value, writes one value,
+and lets the next kernel launch, the cheapest link a chain can have. `saved_us` is what the class costs
+beyond such links; `all` swaps every class (the chain of trivial links alone, plus the embedding and the
+final norm). Outputs of an ablated step are garbage (buffers are zeros, written once): only time counts.
+One JSON line per variant, then a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bitserve import LLM  # noqa: E402
+from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaTernaryLinear  # noqa: E402
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter  # noqa: E402
+from bitserve.models import cuda_decoder  # noqa: E402
+
+CLASSES = ("norm", "rope", "attention", "ternary", "block", "head")
+_BUFFERS: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+
+@triton.jit
+def _trivial_kernel(src_ptr, dst_ptr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    tl.store(dst_ptr, tl.load(src_ptr).to(dst_ptr.dtype.element_ty))
+
+
+def _trivial(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """One link: dst[0] = src[0] after the previous kernel; returns dst."""
+    _trivial_kernel[(1,)](src, dst, **launch_options(src.device))
+    return dst
+
+
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeros tensor per shape and dtype, made on first use: in the eager warm-up that precedes each
+    graph capture, so the capture itself records no allocation or memset."""
+    key = (tuple(shape), dtype)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return _BUFFERS[key]
+
+
+def _fake_norm_quantize(x, norm_weight, eps, *, activation=None, out_q=None, out_scale=None):  # noqa: ANN001, ANN202
+    width = x.shape[1] // 2 if activation is not None else x.shape[1]
+    q = _buffer((x.shape[0], width), torch.int8, x.device)
+    return q, _trivial(x, _buffer((x.shape[0],), torch.float32, x.device))
+
+
+def _fake_rotary(q, k, v, *args, **kwargs) -> None:  # noqa: ANN001
+    _trivial(q, q)
+
+
+def _fake_attention(q, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    return _trivial(q, _buffer(tuple(q.shape), torch.float32, q.device))
+
+
+def _fake_rows(x: torch.Tensor, columns: int) -> torch.Tensor:
+    """A stand-in for a projection's output: [T, columns] zeros behind one trivial link."""
+    return _trivial(x, _buffer((x.shape[0], columns), torch.float32, x.device))
+
+
+def _fake_logits(decoder: object, hidden: torch.Tensor) -> torch.Tensor:
+    return _fake_rows(hidden, decoder.spec.vocab_size)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def ablated(classes: set[str]) -> Iterator[None]:
+    """Swap the named classes for trivial links while the model loads and captures its graphs."""
+    saved: list[tuple[object, str, object]] = []
+
+    def swap(owner: object, name: str, value: object) -> None:
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    if "norm" in classes:
+        swap(cuda_decoder, "norm_quantize", _fake_norm_quantize)
+    if "rope" in classes:
+        swap(cuda_decoder, "rotary_and_cache_", _fake_rotary)
+    if "attention" in classes:
+        swap(cuda_decoder, "paged_decode_attention", _fake_attention)
+    if "ternary" in classes:
+        swap(
+            CudaTernaryLinear,
+            "run_quantized",
+            lambda self, q, s, residual=None: _fake_rows(q, self.out_features),
+        )
+        swap(CudaTernaryLinear, "run_paired", lambda self, q, s, pair: _fake_rows(q, self.out_features // 2))
+    if "block" in classes:
+        swap(CudaBlockLinear, "run_fused", lambda self, x, *args, **kwargs: _fake_rows(x, self.out_features))
+    if "head" in classes:
+        swap(cuda_decoder.CudaDecoder, "compute_logits", _fake_logits)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+        _BUFFERS.clear()
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, count: int = 200, rounds: int = 5) -> float:
+    """Best of `rounds` means of `count` back-to-back replays, µs."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(rounds):
+        graph.replay()
+        start.record()
+        for _ in range(count):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / count)
+    return best
+
+
+def measure(path: str, classes: set[str]) -> float:
+    with ablated(classes):
+        llm = LLM(path, device="cuda")
+        graphs = llm.engine.runner.graphs
+        micros = replay_us(graphs.graphs[1, graphs.widths[0]])  # batch 1, the shortest-context bucket
+        llm.close()
+    del llm
+    torch.cuda.empty_cache()
+    return micros
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model")
+    parser.add_argument(
+        "--classes", default=",".join(CLASSES), help="comma-separated, of " + ", ".join(CLASSES)
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the variants (alternating)")
+    args = parser.parse_args()
+    variants = [name for name in args.classes.split(",") if name] + ["all"]
+    unknown = set(variants) - set(CLASSES) - {"all"}
+    if unknown:
+        parser.error(f"unknown classes {sorted(unknown)}")
+    card = torch.cuda.get_device_name(0)
+    results: dict[str, list[float]] = {"full": [], **{name: [] for name in variants}}
+    for _ in range(args.rounds):
+        results["full"].append(measure(args.model, set()))
+        for name in variants:
+            results[name].append(measure(args.model, set(CLASSES) if name == "all" else {name}))
+    full = min(results["full"])
+    for name, times in results.items():
+        row = {
+            "model": Path(args.model).name,
+            "card": card,
+            "ablated": name,
+            "replay_us": [round(t, 1) for t in times],
+        }
+        if name != "full":
+            row["saved_us"] = round(full - min(times), 1)
+        sys.stdout.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
