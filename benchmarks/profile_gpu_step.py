@@ -2,6 +2,7 @@
 graph's kernels by GPU time (torch.profiler over replays). One JSON line per model, then the table.
 
     python benchmarks/profile_gpu_step.py /tmp/bitserve-gpu/2b4t-i2s.gguf [more.gguf ...]
+        [--set bitserve.kernels.cuda.paged_attention:PREFETCH_OLD_KEYS=False]
 
 BITSERVE_PROFILE_BATCH=N profiles the graph of the N-sequence bucket instead of batch 1 (the kernel
 table; the step times stay batch 1). BITSERVE_PROFILE_HOST=1 adds the host side's cProfile (engine
@@ -10,7 +11,10 @@ steps of the batch-1 decode loop, sorted by own time): what the host does betwee
 
 from __future__ import annotations
 
+import argparse
+import ast
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -73,8 +77,27 @@ def host_profile(llm: LLM) -> str:
     return text.getvalue()
 
 
+def apply_settings(settings: list[str]) -> None:
+    """`module:ATTR=literal` pairs set before any model loads: a module-level switch of the kernels
+    (e.g. bitserve.kernels.cuda.paged_attention:PREFETCH_OLD_KEYS=False) for an A/B in one command."""
+    for setting in settings:
+        target, _, literal = setting.partition("=")
+        module_name, _, attr = target.partition(":")
+        module = importlib.import_module(module_name)
+        if not attr or not hasattr(module, attr):
+            raise SystemExit(f"--set {setting}: {module_name} has no attribute {attr!r}")
+        setattr(module, attr, ast.literal_eval(literal))
+
+
 def main() -> None:
-    for path in sys.argv[1:]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--set", action="append", default=[], help="module:ATTR=literal before loading")
+    args = parser.parse_args()
+    apply_settings(args.set)
+    for path in args.models:
         llm = LLM(path, device="cuda")
         steps = step_times(llm)
         graphs = llm.engine.runner.graphs
