@@ -149,12 +149,11 @@ class _CudaLayer:
         layer = self.layer
         norm = None if layer.ffn_sub_norm is None else layer.ffn_sub_norm.weight
         down = self.ternary["down"]
-        if self.gate_pair is not None and down is not None:
+        if self.gate_pair is not None:
             gate_up = self.ternary["gate_up"]
-            assert gate_up is not None  # invariant: a gate pair is made for a ternary gate/up
+            assert gate_up is not None and down is not None  # invariant: _pair_gate_up's condition
             ffn_norm = None if layer.ffn_norm is None else layer.ffn_norm.weight
-            q, s_act = norm_quantize(hidden, ffn_norm, self.eps)
-            ffn_act = gate_up.run_paired(q, s_act, self.gate_pair)  # [T, I]: act(gate) * up
+            ffn_act = _norm_linear(gate_up, hidden, ffn_norm, self.eps, pair=self.gate_pair)  # act(gate) * up
             return _norm_linear(down, ffn_act, norm, self.eps, residual=hidden)
         gate_up = self._project("gate_up", hidden, layer.ffn_norm)  # [T, 2 * I]
         if down is not None:
@@ -174,9 +173,13 @@ def _norm_linear(
     *,
     residual: torch.Tensor | None = None,
     activation: str | None = None,
+    pair: int | None = None,
 ) -> torch.Tensor:
-    """Two launches: act/norm + int8 quantization of x, then the W2A8 kernel (+ residual)."""
+    """Two launches: act/norm + int8 quantization of x, then the W2A8 kernel (+ residual), or with a
+    gated `pair` the kernel's pair epilogue (a permuted gate/up weight -> act(gate) * up)."""
     q, s_act = norm_quantize(x, norm_weight, eps, activation=activation)
+    if pair is not None:
+        return weight.run_paired(q, s_act, pair)
     return weight.run_quantized(q, s_act, residual)
 
 

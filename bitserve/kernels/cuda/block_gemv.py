@@ -28,29 +28,19 @@ import triton
 import triton.language as tl
 
 from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, GemvTile, block_tile
-from bitserve.kernels.cuda.elementwise import ACTIVATIONS
+from bitserve.kernels.cuda.elementwise import ACTIVATIONS, activate, inv_rms
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
-NO_ACTIVATION = -1
+NO_ACTIVATION = -1  # ACT of an ungated input (ACTIVATIONS' codes are >= 0)
 
 
 @triton.jit
 def _gated_input(x_row, cols, mask, num_cols, ACT: tl.constexpr):
-    """x[cols] f32, or act(gate[cols]) * up[cols] with the up half at num_cols (elementwise._act_mul_kernel's
-    expressions, so the values are the separate kernel's)."""
+    """x[cols] f32, or act(gate[cols]) * up[cols] with the up half at num_cols (elementwise.activate, as
+    the separate kernel computes it)."""
     x = tl.load(x_row + cols, mask=mask, other=0.0)
-    if ACT == 0:  # silu(g) * up
-        up = tl.load(x_row + num_cols + cols, mask=mask, other=0.0)
-        x = (x / (1.0 + tl.exp(-x))) * up
-    elif ACT == 1:  # relu(g)^2 * up
-        up = tl.load(x_row + num_cols + cols, mask=mask, other=0.0)
-        relu = tl.maximum(x, 0.0)
-        x = (relu * relu) * up
-    elif ACT == 2:  # gelu (tanh approximation) * up
-        up = tl.load(x_row + num_cols + cols, mask=mask, other=0.0)
-        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-        x = (0.5 * x * (1.0 + tanh)) * up
+    if ACT >= 0:
+        x = activate(x, ACT) * tl.load(x_row + num_cols + cols, mask=mask, other=0.0)
     return x
 
 
@@ -96,9 +86,9 @@ def _block_gemv_kernel(
         if HAS_NORM:  # as elementwise._rms_norm_kernel
             wide_lo, wide_hi = x_lo.to(tl.float64), x_hi.to(tl.float64)
             squares = tl.sum(tl.sum(wide_lo * wide_lo, axis=1) + tl.sum(wide_hi * wide_hi, axis=1), axis=0)
-            inv_rms = tl.div_rn(1.0, tl.sqrt_rn((squares / num_cols).to(tl.float32) + eps))
-            x_lo = (x_lo * inv_rms) * norm_lo
-            x_hi = (x_hi * inv_rms) * norm_hi
+            scale = inv_rms(squares, num_cols, eps)
+            x_lo = (x_lo * scale) * norm_lo
+            x_hi = (x_hi * scale) * norm_hi
         products = w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]  # [BLOCK_M, NB, 16]
         y = tl.sum(tl.sum(products, axis=2), axis=1)  # [BLOCK_M]
         if HAS_RESIDUAL:

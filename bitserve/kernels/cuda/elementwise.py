@@ -19,6 +19,29 @@ MAX_ROW_BLOCK = 16384
 
 
 @triton.jit
+def inv_rms(sum_squares, num_cols, eps):
+    """f64 sum of a row's squares -> f32 1 / sqrt(fl32(sum / num_cols) + eps), IEEE sqrt and division:
+    layers/norm.py's arithmetic, shared by every kernel that normalizes a row."""
+    mean_square = (sum_squares / num_cols).to(tl.float32)
+    return tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
+
+
+@triton.jit
+def activate(gate, ACT: tl.constexpr):
+    """act(gate) f32 for ACTIVATIONS' code ACT (layers/activation.py's expressions, tl.exp)."""
+    if ACT == 0:  # silu(g) = g * sigmoid(g)
+        activated = gate / (1.0 + tl.exp(-gate))
+    elif ACT == 1:  # relu(g)^2
+        relu = tl.maximum(gate, 0.0)
+        activated = relu * relu
+    else:  # gelu, tanh approximation
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        activated = 0.5 * gate * (1.0 + tanh)
+    return activated
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -29,9 +52,8 @@ def _rms_norm_kernel(
     pdl_enter(USE_PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)  # f32 [BLOCK]
     wide = x.to(tl.float64)
-    mean_square = (tl.sum(wide * wide, axis=0) / n_cols).to(tl.float32)
-    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
-    tl.store(out_ptr + row * out_stride + cols, (x * inv_rms) * w, mask=mask)
+    scale = inv_rms(tl.sum(wide * wide, axis=0), n_cols, eps)
+    tl.store(out_ptr + row * out_stride + cols, (x * scale) * w, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,16 +81,7 @@ def _act_mul_kernel(
     mask = cols < width
     gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0)
     up = tl.load(gu_ptr + row * gu_stride + width + cols, mask=mask, other=0.0)
-    if ACT == 0:  # silu(g) = g * sigmoid(g)
-        activated = gate / (1.0 + tl.exp(-gate))
-    elif ACT == 1:  # relu(g)^2
-        relu = tl.maximum(gate, 0.0)
-        activated = relu * relu
-    else:  # gelu, tanh approximation
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-        activated = 0.5 * gate * (1.0 + tanh)
-    tl.store(out_ptr + row * out_stride + cols, activated * up, mask=mask)
+    tl.store(out_ptr + row * out_stride + cols, activate(gate, ACT) * up, mask=mask)
 
 
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from bitserve.kernels.cuda.elementwise import inv_rms
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 AMAX_FLOOR = 1e-5  # as kernels/reference/ternary.AMAX_FLOOR (docs/formats.md §3.1)
@@ -33,28 +34,25 @@ RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fl32(v + M) - M is rne(v) fo
 @triton.jit
 def _load_act(row_ptr, offs, mask, K: tl.constexpr, ACT: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
     """The row's values at offs (f32, 0 where masked): x itself, or act(gate) * up of a [2K] row."""
-    if ACT == 0:
-        h = tl.load(row_ptr + offs, mask=mask, other=0.0)
-    else:
-        g = tl.load(row_ptr + offs, mask=mask, other=0.0)
-        u = tl.load(row_ptr + K + offs, mask=mask, other=0.0)
-        if ACT == 1:
-            r = tl.maximum(g, 0.0)
-            h = (r * r) * u
-        else:
-            if USE_LIBDEVICE:
-                e = libdevice.exp(-g)  # accurate expf, not the ex2.approx of tl.exp
-            else:
-                e = tl.exp(-g)
-            h = tl.div_rn(g, 1.0 + e) * u
+    h = tl.load(row_ptr + offs, mask=mask, other=0.0)
+    if ACT != 0:
+        h = gated_product(h, tl.load(row_ptr + K + offs, mask=mask, other=0.0), ACT, USE_LIBDEVICE)
     return h
 
 
 @triton.jit
-def _inv_rms(sum_sq, eps, K: tl.constexpr):
-    """f64 sum of squares of a row -> f32 1 / sqrt(fl32(sum / K) + eps), IEEE sqrt and division."""
-    ms = (sum_sq / K).to(tl.float32)
-    return tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+def gated_product(g, u, ACT: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+    """act(g) * u in this module's arithmetic (docstring): ACT 1 relu2, 2 silu (ACTIVATIONS' codes)."""
+    if ACT == 1:
+        r = tl.maximum(g, 0.0)
+        h = (r * r) * u
+    else:
+        if USE_LIBDEVICE:
+            e = libdevice.exp(-g)  # accurate expf, not the ex2.approx of tl.exp
+        else:
+            e = tl.exp(-g)
+        h = tl.div_rn(g, 1.0 + e) * u
+    return h
 
 
 @triton.jit
@@ -108,7 +106,7 @@ def _norm_quantize_kernel(
         h = _load_act(x_row, offs, mask, K, ACT, USE_LIBDEVICE)
         if HAS_NORM:
             h64 = h.to(tl.float64)
-            inv = _inv_rms(tl.sum(h64 * h64, axis=0), eps, K)
+            inv = inv_rms(tl.sum(h64 * h64, axis=0), K, eps)
             h = (h * inv) * w
         s = _act_scale(tl.max(tl.abs(h), axis=0))
         tl.store(q_row + offs, _quantize(h, s, USE_LIBDEVICE), mask=mask)
@@ -121,7 +119,7 @@ def _norm_quantize_kernel(
                 mask = k0 + offs < K
                 h64 = _load_act(x_row, k0 + offs, mask, K, ACT, USE_LIBDEVICE).to(tl.float64)
                 sum_sq += h64 * h64
-            inv = _inv_rms(tl.sum(sum_sq, axis=0), eps, K)
+            inv = inv_rms(tl.sum(sum_sq, axis=0), K, eps)
         amax = tl.zeros([BLOCK], tl.float32)
         for k0 in range(0, K, BLOCK):
             mask = k0 + offs < K

@@ -511,7 +511,7 @@ def ternary_linear(
     """q int8 [T, K], s_act f32 [T], packed uint8 [M, K // 4], scale f32 [M] -> f32 [T, M].
 
     y[t, m] = fl32(fl32(fl32(D[t, m]) / s_act[t]) * scale[m]) (+ residual[t, m], one f32 add).
-    With a gated `pair` (PAIR_RELU2 / PAIR_SILU, on a weight whose rows gated_row_order interleaved)
+    With a gated `pair` (a GATED_PAIRS code, on a weight whose rows gated_row_order interleaved)
     the epilogue writes act(gate) * up instead: out f32 [T, M / 2], no residual (pair_epilogue.py).
     All operands contiguous on one device; `out`, when given, is written in place and returned.
     No host sync (CUDA-graph capturable once each (T, M, K) has been run once).
