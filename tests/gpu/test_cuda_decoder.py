@@ -6,7 +6,6 @@ the same kernels, slowly, so the integration is checked on machines without a GP
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,20 +14,13 @@ import torch
 from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.loader.model_loader import LoadOptions, load_model
+from bitserve.testing.kernel_device import kernel_test_device
 
 pytestmark = pytest.mark.gpu
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def kernel_device() -> torch.device:
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if INTERPRETED:
-        pytest.importorskip("triton")
-        return torch.device("cpu")
-    pytest.skip("needs a CUDA device, or TRITON_INTERPRET=1 with triton installed")
+    return torch.device(kernel_test_device())
 
 
 def metadata_for(start: int, num_new: int, block_size: int, device: torch.device):  # noqa: ANN201

@@ -8,23 +8,13 @@ shapes; CI deselects it (gpu marker).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
-pytest.importorskip("triton")
+from bitserve.testing.kernel_device import kernel_test_device
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif INTERPRET:
-    DEVICE = "cpu"
-else:
-    pytest.skip(
-        "needs a CUDA device, or TRITON_INTERPRET=1 (Triton's CPU interpreter)", allow_module_level=True
-    )
+pytestmark = pytest.mark.gpu
+DEVICE = kernel_test_device()
 
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_  # noqa: E402

@@ -7,19 +7,16 @@ and no CUDA device exists.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from bitserve.kernels.cuda.block_layout import block_tile, repack_blocks
 from bitserve.kernels.packed import Layout
+from bitserve.testing.kernel_device import kernel_test_device
 
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs a CUDA device, or TRITON_INTERPRET=1 (Triton's interpreter)", allow_module_level=True)
-pytest.importorskip("triton", reason="the CUDA kernels are written in Triton")
+DEVICE = kernel_test_device()
 gguf = pytest.importorskip("gguf", reason="the gguf package's quantizers are the reference")
 
 from bitserve.kernels.cuda.backend import CudaBackend, CudaBlockLinear  # noqa: E402
@@ -27,7 +24,6 @@ from bitserve.kernels.cuda.block_gemv import block_gemv  # noqa: E402
 from bitserve.kernels.packed import PackedWeight  # noqa: E402
 from bitserve.layers.activation import GATED_ACTIVATIONS  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYOUTS = [Layout.Q4_0, Layout.Q4_1, Layout.Q8_0]
 EPS = 1e-6
 

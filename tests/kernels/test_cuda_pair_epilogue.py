@@ -9,23 +9,17 @@ Runs on a CUDA device (`pytest -m gpu`), or in Triton's interpreter with TRITON_
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from bitserve.kernels.cuda.ternary_pack import pack_ternary_planes
 from bitserve.kernels.packed import Layout
 from bitserve.kernels.reference.ternary import quantize_activations
+from bitserve.testing.kernel_device import kernel_test_device
 
 pytestmark = pytest.mark.gpu
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip(
-        "needs a CUDA device, or TRITON_INTERPRET=1 for Triton's CPU interpreter", allow_module_level=True
-    )
-pytest.importorskip("triton", reason="the CUDA kernels are written in Triton")
+DEVICE = kernel_test_device()
 
 from bitserve.kernels.cuda.backend import CudaTernaryLinear  # noqa: E402
 from bitserve.kernels.cuda.pair_epilogue import (  # noqa: E402
@@ -43,7 +37,6 @@ from bitserve.kernels.cuda.ternary_matmul import (  # noqa: E402
     ternary_linear,
 )
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 # None: ternary_linear's own choice of path; else an explicit GEMV / GEMM tile config
 PATHS = [
     (1, None),

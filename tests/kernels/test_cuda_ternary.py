@@ -6,8 +6,6 @@ and no CUDA device exists (small shapes only there; the full model shapes need C
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,16 +13,12 @@ from bitserve.kernels.cuda.ternary_pack import pack_ternary_planes
 from bitserve.kernels.reference.ternary import bitnet_epilogue, integer_matmul, quantize_activations
 from bitserve.layers.activation import GATED_ACTIVATIONS
 from bitserve.layers.norm import RMSNorm
+from bitserve.testing.kernel_device import kernel_test_device
 
 pytestmark = pytest.mark.gpu
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip(
-        "needs a CUDA device, or TRITON_INTERPRET=1 for Triton's CPU interpreter", allow_module_level=True
-    )
-pytest.importorskip("triton", reason="the CUDA kernels are written in Triton")
+DEVICE = kernel_test_device()
+HAS_CUDA = DEVICE == "cuda"
 
 from bitserve.kernels.cuda.quantize import norm_quantize  # noqa: E402
 from bitserve.kernels.cuda.ternary_matmul import (  # noqa: E402
@@ -36,7 +30,6 @@ from bitserve.kernels.cuda.ternary_matmul import (  # noqa: E402
     ternary_linear,
 )
 
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="full model shapes are too slow in the interpreter")
 
 
