@@ -29,6 +29,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.profile_gpu_step import replay_us  # noqa: E402
 from bitserve import LLM  # noqa: E402
 from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaTernaryLinear  # noqa: E402
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter  # noqa: E402
@@ -116,26 +117,12 @@ def ablated(classes: set[str]) -> Iterator[None]:
         _BUFFERS.clear()
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, count: int = 200, rounds: int = 5) -> float:
-    """Best of `rounds` means of `count` back-to-back replays, µs."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(rounds):
-        graph.replay()
-        start.record()
-        for _ in range(count):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / count)
-    return best
-
-
 def measure(path: str, classes: set[str]) -> float:
     with ablated(classes):
         llm = LLM(path, device="cuda")
         graphs = llm.engine.runner.graphs
-        micros = replay_us(graphs.graphs[1, graphs.widths[0]])  # batch 1, the shortest-context bucket
+        # batch 1, the shortest-context bucket: best of 5 means of 200 replays
+        micros = replay_us(graphs.graphs[1, graphs.widths[0]], count=200, rounds=5)
         llm.close()
     del llm
     torch.cuda.empty_cache()
