@@ -33,6 +33,9 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SPLIT_TERMS = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 3}
 _F16_WEIGHT_SCALE = 16384.0  # softmax weights p <= 1 times 2^14: hi + lo f16 terms stay normal
 MIN_KEYS_PER_SPLIT = 64  # flash-decoding: at least one tile of keys per split
+# decode: the first tile's K / V rows older than this step's key read before the PDL wait (an A/B switch;
+# the contract it relies on: the kernel launched just before writes only each sequence's newest slot)
+PREFETCH_OLD_KEYS = True
 MAX_SPLITS = 32
 
 
@@ -107,9 +110,28 @@ def _attend_tile(
     """One tile of keys [N] (< key_end; with CAUSAL, key <= the row's position) through online softmax
     (base 2: the scores carry log2(e)). pages [N]: each key's cache block (`_tile_pages`), read in place."""
     key_ok = keys < key_end
-    rows = pages.to(tl.int64) * kv_stride_blk + (keys % BLOCK_SIZE) * kv_stride_pos  # [N] element offsets
+    rows = _kv_rows(pages, keys, kv_stride_blk, kv_stride_pos, BLOCK_SIZE)  # [N] element offsets
     kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
     k = tl.load(k_head_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    m_new, alpha, l_i, p = _online_softmax(q0, q1, q2, unscale, m_i, l_i, k, keys, key_end, positions,
+                                           CAUSAL, TERMS)  # fmt: skip
+    v = tl.load(v_head_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    return m_new, l_i, _accumulate(acc, alpha, p, v, TERMS, P_SCALE)
+
+
+@triton.jit
+def _kv_rows(pages, keys, kv_stride_blk, kv_stride_pos, BLOCK_SIZE: tl.constexpr):
+    """Element offsets [N] of keys [N] in a layer's K (or V) cache, pages [N] their cache blocks."""
+    return pages.to(tl.int64) * kv_stride_blk + (keys % BLOCK_SIZE) * kv_stride_pos
+
+
+@triton.jit
+def _online_softmax(
+    q0, q1, q2, unscale, m_i, l_i, k, keys, key_end, positions, CAUSAL: tl.constexpr, TERMS: tl.constexpr
+):  # fmt: skip
+    """Scores of a K tile [N, D] and the online-softmax update: (new max, the old terms' factor alpha,
+    new sum [M], weights p [M, N])."""
+    key_ok = keys < key_end
     scores = _dot(q0, q1, q2, tl.trans(k), TERMS) * unscale[:, None]  # [M, N]
     if CAUSAL:
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
@@ -119,11 +141,14 @@ def _attend_tile(
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every row sees key 0 in its first tile
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_head_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    return m_new, alpha, l_i * alpha + tl.sum(p, axis=1), p
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, TERMS: tl.constexpr, P_SCALE: tl.constexpr):
+    """acc [M, D] rescaled by alpha [M] plus the weights p [M, N] times the V tile [N, D]."""
     p0, p1, p2 = _split(p * P_SCALE, TERMS)
-    acc = acc * alpha[:, None] + _dot(p0, p1, p2, v, TERMS)
-    return m_new, l_i, acc
+    return acc * alpha[:, None] + _dot(p0, p1, p2, v, TERMS)
 
 
 # ------------------------------------------------------------------ decode
@@ -136,12 +161,13 @@ def _decode_kernel(
     out_stride_b, out_stride_h, out_stride_s, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TERMS: tl.constexpr,
-    P_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+    P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, kv_head, split): the GROUP query heads of one KV head (rows padded to BLOCK_G, so
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
-    NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp."""
+    NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp.
+    PREFETCH: the first tile's keys older than the newest (seq_len - 1) are read before the PDL wait."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # seq_lens and the block table are the step's inputs: the split's bounds and its first tile's pages
     # (two dependent reads) are taken before the PDL wait (see pdl.py); q and the cache come after it
@@ -152,24 +178,45 @@ def _decode_kernel(
     table_row = table_ptr + seq.to(tl.int64) * table_stride
     first_keys = start + tl.arange(0, BLOCK_N)
     first_pages = _tile_pages(table_row, first_keys, end, BLOCK_SIZE)
+    dims = tl.arange(0, BLOCK_D)
+    k_head = k_ptr + kv_head * kv_stride_head
+    v_head = v_ptr + kv_head * kv_stride_head
+    first_rows = _kv_rows(first_pages, first_keys, kv_stride_blk, kv_stride_pos, BLOCK_SIZE)
+    first_offs = first_rows[:, None] + dims[None, :]  # [N, D]
+    dim_ok = (dims < HEAD_DIM)[None, :]
+    newest = (first_keys == seq_len - 1)[:, None] & dim_ok  # the key this step's kernel before wrote
+    if PREFETCH:
+        # The other keys are earlier steps' cache entries, which no kernel of this step writes (the one
+        # before writes each sequence's newest slot only: rotary_and_cache_): their K and V DRAM reads
+        # travel under the previous kernel instead of after the wait.
+        older = (first_keys < end)[:, None] & dim_ok & ~newest
+        k_first = tl.load(k_head + first_offs, mask=older, other=0.0)
+        v_first = tl.load(v_head + first_offs, mask=older, other=0.0)
     pdl_enter(USE_PDL)
     rows = tl.arange(0, BLOCK_G)
-    dims = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + rows
     mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
     q_rows = q_ptr + seq.to(tl.int64) * q_stride_b + heads * q_stride_h
     q = tl.load(q_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    if PREFETCH:
+        # the newest key's row, now written (an L2 read), in place of its zeros
+        k_first = tl.where(newest, tl.load(k_head + first_offs, mask=newest, other=0.0), k_first)
+        v_first = tl.where(newest, tl.load(v_head + first_offs, mask=newest, other=0.0), v_first)
+    else:
+        first_ok = (first_keys < end)[:, None] & dim_ok
+        k_first = tl.load(k_head + first_offs, mask=first_ok, other=0.0)
+        v_first = tl.load(v_head + first_offs, mask=first_ok, other=0.0)
     q0, q1, q2, unscale = _split_query(q * qk_scale, TERMS)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    k_head = k_ptr + kv_head * kv_stride_head
-    v_head = v_ptr + kv_head * kv_stride_head
-    for tile in range(start, end, BLOCK_N):
+    if start < end:  # an empty split (or seq_len 0) keeps the zeros: no key, no -inf - -inf
+        m_i, alpha, l_i, p = _online_softmax(q0, q1, q2, unscale, m_i, l_i, k_first, first_keys, end, rows,
+                                             False, TERMS)  # fmt: skip
+        acc = _accumulate(acc, alpha, p, v_first, TERMS, P_SCALE)
+    for tile in range(start + BLOCK_N, end, BLOCK_N):
         keys = tile + tl.arange(0, BLOCK_N)
-        later = tile != start  # the first tile's pages are already here (a load of none otherwise)
-        pages = _tile_pages(table_row, keys, tl.where(later, end, 0), BLOCK_SIZE)
-        pages = tl.where(later, pages, first_pages)
+        pages = _tile_pages(table_row, keys, end, BLOCK_SIZE)
         m_i, l_i, acc = _attend_tile(
             q0, q1, q2, unscale, m_i, l_i, acc, k_head, v_head, pages, keys, end, rows,
             kv_stride_blk, kv_stride_pos, dims, HEAD_DIM, BLOCK_SIZE, False, TERMS, P_SCALE,
@@ -256,6 +303,9 @@ def paged_decode_attention(
     blocks are never read); seq_lens int32 / int64 [B] on the device, keys per sequence including this
     step's (0 gives a zero row). No host sync: capturable in a CUDA graph, grid from B, H and
     max_blocks. num_splits (tests, tuning) overrides the flash-decoding split count; 1 = one kernel.
+    Under PDL the first tile's keys other than each sequence's newest (position seq_len - 1) are read
+    before the kernel waits for the one launched before it, which may write those newest slots only (as
+    rotary_and_cache_ does); cache entries written otherwise must come from a kernel further back.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -285,7 +335,7 @@ def paged_decode_attention(
         block_table.stride(0), *target_strides, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        TERMS=_split_terms(kv_cache), P_SCALE=_weight_scale(kv_cache.dtype),
+        TERMS=_split_terms(kv_cache), P_SCALE=_weight_scale(kv_cache.dtype), PREFETCH=PREFETCH_OLD_KEYS,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1:

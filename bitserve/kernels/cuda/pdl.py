@@ -18,9 +18,10 @@ without PDL (`gdc_wait` waits for the predecessor's completion, and the predeces
 after its own wait: the chain is transitive). Before the wait a kernel may read what no running kernel
 writes: weights (a norm's, a GEMV's), and the step's inputs (positions, slots, seq_lens, block tables),
 which host copies and torch ops write before the chain's first kernel, and those start only after their
-predecessor has completed (they never trigger early). Such reads then travel under the previous kernel:
-a norm weight read after the wait came from DRAM on the critical path (2B batch-1 graph replay 1.186 ->
-1.116 ms on an H100 once it moved before the wait).
+predecessor has completed (they never trigger early); decode attention also reads the KV cache of earlier
+steps' keys there (the kernel before it writes only this step's slots). Such reads then travel under the
+previous kernel: a norm weight read after the wait came from DRAM on the critical path (2B batch-1 graph
+replay 1.186 -> 1.116 ms on an H100 once it moved before the wait).
 
 BITSERVE_CUDA_PDL=0 turns it off (the kernels then compile without the grid-dependency instructions).
 Imports triton: load only on the CUDA path.
