@@ -146,10 +146,12 @@ def decode_rate(
         total_s = timed_generate(llm, prompts, new_tokens + 1)
         runs.append((max(total_s - prefill_s, 1e-9), total_s))
     decode_s, total_s = sorted(runs)[len(runs) // 2]
+    stats = llm.instance.engine.runner.lookahead_stats  # steps launched ahead / used, over all runs
     return {
         "tok_s": round(num_seqs * new_tokens / decode_s, 1),
         "ms_per_step": round(decode_s / new_tokens * 1000, 3),
         "wall_tok_s": round(num_seqs * (new_tokens + 1) / total_s, 1),
+        "lookahead_hits": f"{stats.hits}/{stats.launched}",
     }
 
 

@@ -85,19 +85,27 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Give the request slots for `num_new_tokens` more tokens, first adopting prefix hits.
 
         `new_computed_blocks` (from `get_computed_blocks`, only for a request holding no blocks)
-        cover tokens counted beyond `request.num_computed_tokens`. Returns the whole block table,
-        or None, allocating nothing, when the free blocks cannot cover it.
+        cover tokens counted beyond `request.num_computed_tokens`. `num_lookahead_tokens` more slots
+        are reserved past the new tokens (a runner that launches the next decode step before this one
+        ends writes there). Returns the whole block table, or None, allocating nothing, when the free
+        blocks cannot cover it.
         """
         table = self._block_tables.get(request.request_id)
         assert not (table and new_computed_blocks), "prefix hits only for a request without blocks"
         num_held = len(table) if table else 0
         num_hit_tokens = len(new_computed_blocks) * self.block_size
-        num_total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_total_tokens = (
+            request.num_computed_tokens + num_hit_tokens + num_new_tokens + num_lookahead_tokens
+        )
         num_required = self.num_blocks_for(num_total_tokens)
         num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
         # A hit on a free cached block takes it out of the free list, so it counts against the free

@@ -63,9 +63,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.config = config
         self.kv = kv
+        # slots reserved past each decode's token, where free blocks allow without preempting: a runner
+        # that launches the next step before this one ends (runner/cuda_lookahead.py) writes there
+        self.num_lookahead_tokens = num_lookahead_tokens
         self._clock = clock
         self.requests: dict[str, Request] = {}  # every live (not finished) request
         self.waiting = RequestQueue()
@@ -195,8 +199,12 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> bool:
         """Allocate slots for `request`, preempting lowest-priority requests until it fits.
 
-        Returns False when `request` itself was the lowest priority left and got preempted.
+        Returns False when `request` itself was the lowest priority left and got preempted. A decode's
+        lookahead slots are taken only from free blocks: they never preempt.
         """
+        lookahead = self.num_lookahead_tokens if num_new == 1 else 0
+        if lookahead and self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead) is not None:
+            return True
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self.running[-1]
             self._preempt(victim, plan)

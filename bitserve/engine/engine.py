@@ -36,7 +36,7 @@ class Engine:
             num_blocks=runner.layout.num_blocks,
             enable_prefix_caching=cache_config.enable_prefix_caching,
         )
-        return cls(Scheduler(scheduler_config, kv), runner)
+        return cls(Scheduler(scheduler_config, kv, num_lookahead_tokens=runner.num_lookahead_tokens), runner)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request. Raises InvalidRequest if it can never be served (too long for the cache)."""

@@ -76,11 +76,13 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         # Two pinned staging buffers for the inputs, used in turn: a launch ahead (runner/cuda_lookahead.py)
         # may still be copying from one when the next launch fills the other; each buffer's event marks its
-        # copy done before the host writes it again. The table is copied only by run(), whose step the
-        # runner syncs on before its next launch.
+        # copy done before the host writes it again. The table is copied whole only by run(), whose step
+        # the runner syncs on before its next launch; replay_next writes blocks appended since (rare)
+        # from pageable memory, which the copy has read when it returns.
         self._host_inputs = PinnedPair(lambda: torch.empty_like(self.inputs, device="cpu"))
         self._host_table = torch.empty_like(self.block_table, device="cpu").pin_memory()
         self._last: tuple[int, int] | None = None  # (size, width) of the last launch
+        self._table_blocks: list[int] = []  # each row's blocks in the device table, as last written
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
@@ -151,23 +153,44 @@ class DecodeGraphs:
         self._host_table[:size, :width] = torch.tensor(table, dtype=torch.int32)
         self._send_rows(torch.tensor(rows, dtype=torch.int64), 0, size)
         self.block_table[:size, :width].copy_(self._host_table[:size, :width], non_blocking=True)
+        self._table_blocks = [len(request.block_ids) for request in requests]
         return self._replay(size, width, num)
 
     def replay_next(
-        self, token_ids: torch.Tensor, positions: Sequence[int], slots: Sequence[int]
-    ) -> torch.Tensor:
-        """The last launch's sequences one position on: token_ids int64 [num] (on the device: that step's
-        tokens, never read by the host here), each at `positions` writing `slots`, with the same block
-        table (the caller checked that every position falls in a block the sequence owns) -> logits f32
-        [num, vocab], as run() returns them."""
+        self,
+        token_ids: torch.Tensor,
+        requests: Sequence[ScheduledRequest],
+        positions: Sequence[int],
+        slots: Sequence[int],
+    ) -> torch.Tensor | None:
+        """The last launch's sequences (`requests`, in its row order) one position on: token_ids int64
+        [num] (on the device: that step's tokens, never read by the host here), each at `positions`
+        writing `slots` (the caller checked that every position falls in a block the sequence owns) ->
+        logits f32 [num, vocab], as run() returns them. Blocks appended to a sequence since its table row
+        was written go into the row first; None, launching nothing, where a table no longer fits the
+        last launch's width."""
         if self._last is None:
             raise RuntimeError("replay_next needs a launch before it")
         size, width = self._last
+        if any(len(request.block_ids) > width for request in requests):
+            return None
+        self._append_blocks(requests)
         num = len(positions)
         rows = [list(positions), list(slots), [position + 1 for position in positions]]
         self._send_rows(torch.tensor(rows, dtype=torch.int64), POSITIONS, num)
         self.inputs[INPUT_IDS, :num].copy_(token_ids)
         return self._replay(size, width, num)
+
+    def _append_blocks(self, requests: Sequence[ScheduledRequest]) -> None:
+        """Blocks a sequence got since its device table row was written (the scheduler reserves the next
+        position's block a step ahead for the launch ahead) -> that row. Rare (once a block's worth of
+        steps), so a plain pageable copy: copy_ has read the source when it returns."""
+        for row, request in enumerate(requests):
+            written, held = self._table_blocks[row], len(request.block_ids)
+            if held > written:
+                appended = torch.tensor(request.block_ids[written:], dtype=torch.int32)
+                self.block_table[row, written:held].copy_(appended, non_blocking=True)
+                self._table_blocks[row] = held
 
     def _send_rows(self, rows: torch.Tensor, first_row: int, columns: int) -> None:
         """rows int64 [n, columns] -> inputs[first_row : first_row + n, :columns], through the staging

@@ -8,8 +8,12 @@ RESULTS.md). Here, once a plain greedy decode step is launched, its tokens are t
 (argmax, as the sampler does for greedy rows) and fed straight into a replay of the same graph at the next
 positions; only then does the host wait for this step's tokens. If the scheduler's next step is exactly
 that one (same sequences in the same order, each fed the token it sampled, at the next position, with the
-same blocks), its tokens are already computed (or in flight); otherwise the guess is dropped and the step
-runs as usual.
+blocks it was launched with, perhaps more appended), its tokens are already computed (or in flight);
+otherwise the guess is dropped and the step runs as usual. A guess needs the next position's block: the
+scheduler can reserve one slot ahead for every decode (CudaRunner.num_lookahead_tokens, with
+BITSERVE_CUDA_LOOKAHEAD_SLOT=1), where it can without preempting anyone; without it every 16th step (a
+block's worth) cannot be guessed and the GPU idles through that step's host work (2B on an H200: 508 of
+512 launches ahead used with the reservation).
 
 A dropped guess is harmless: it wrote only the KV slot of each sequence's next position, inside a block
 the sequence already owned and had not filled (a guess is made only when the next position falls in an
@@ -34,10 +38,20 @@ from bitserve.core.scheduler_output import ScheduledRequest
 from bitserve.runner.pinned_pair import PinnedPair
 
 LOOKAHEAD_ENV = "BITSERVE_CUDA_LOOKAHEAD"
+# Opt-in until the GPU engine tests pass with it (the first device run of the reservation failed them:
+# the launch ahead replayed a device block table that lacked the reserved block; replay_next now writes
+# appended blocks first, not yet run on a GPU). Off, no block is appended between a launch ahead and its
+# match, so the appended-block path never fires and steps are as before.
+LOOKAHEAD_SLOT_ENV = "BITSERVE_CUDA_LOOKAHEAD_SLOT"
 
 
 def lookahead_enabled() -> bool:
     return os.environ.get(LOOKAHEAD_ENV, "1") != "0"
+
+
+def lookahead_slot_enabled() -> bool:
+    """The scheduler reserves each decode's next KV slot for the launch ahead (LOOKAHEAD_SLOT_ENV=1)."""
+    return os.environ.get(LOOKAHEAD_SLOT_ENV, "0") == "1"
 
 
 def is_plain_greedy(request: ScheduledRequest) -> bool:
@@ -101,7 +115,9 @@ class Lookahead:
 
     request_ids: tuple[str, ...]
     positions: tuple[int, ...]
-    num_blocks: tuple[int, ...]  # each sequence's block count when launched (blocks are only appended)
+    # each sequence's block count when launched: a running sequence's blocks are only appended, so a step
+    # whose table holds at least these is one whose first blocks are the ones the launch read
+    num_blocks: tuple[int, ...]
     token_ids: torch.Tensor  # int64 [num_seqs] on the device: the step's argmax
     readback: tuple[torch.Tensor, torch.cuda.Event] | None = None  # its copy to the host, queued at launch
     fed_token_ids: list[int] = field(default_factory=list)  # what it was fed: the step before's tokens
@@ -114,7 +130,7 @@ class Lookahead:
             if (
                 request.request_id != self.request_ids[i]
                 or request.start_position != self.positions[i]
-                or len(request.block_ids) != self.num_blocks[i]
+                or len(request.block_ids) < self.num_blocks[i]  # blocks only grow: a prefix, as launched
                 or not is_plain_greedy(request)  # a one-token decode row, so token_ids[0] is all it was fed
                 or request.token_ids[0] != self.fed_token_ids[i]
             ):

@@ -27,6 +27,7 @@ from bitserve.runner.cuda_lookahead import (
     TokenReadback,
     is_plain_greedy,
     lookahead_enabled,
+    lookahead_slot_enabled,
     next_positions,
     read_tokens,
 )
@@ -67,6 +68,8 @@ class CudaModelRunner(ModelRunner):
             )
             self.graphs.capture_all()
         self.lookahead = use_cuda_graphs and lookahead_enabled()
+        # the guessed step's KV slot, reserved by the scheduler (opt-in: see cuda_lookahead.py)
+        self.num_lookahead_tokens = 1 if self.lookahead and lookahead_slot_enabled() else 0
         self.lookahead_stats = LookaheadStats()
         self._pending: Lookahead | None = None  # the step launched ahead, if any
         self._readback = TokenReadback(self.graphs.sizes[-1]) if self.graphs is not None else None
@@ -159,7 +162,9 @@ class CudaModelRunner(ModelRunner):
             request.block_ids[position // block_size] * block_size + position % block_size
             for request, position in zip(requests, positions, strict=True)
         ]
-        logits = self.graphs.replay_next(token_ids, positions, slots)  # type: ignore[union-attr]
+        logits = self.graphs.replay_next(token_ids, requests, positions, slots)  # type: ignore[union-attr]
+        if logits is None:  # a table outgrew the last launch's context bucket
+            return None
         self.lookahead_stats.launched += 1
         next_ids = logits.argmax(dim=-1)
         return Lookahead(

@@ -29,6 +29,7 @@ class ModelRunner:
     """The CPU runner (and the base of runner/cuda_runner.py, which overrides `forward_logits`)."""
 
     device = torch.device("cpu")
+    num_lookahead_tokens = 0  # KV slots the scheduler reserves past each decode token (cuda_runner.py: 1)
 
     def __init__(self, model: DecoderModel, layout: CacheLayout) -> None:
         self.model = model

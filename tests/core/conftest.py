@@ -38,6 +38,7 @@ def build_scheduler(
     num_blocks: int = 65,
     enable_prefix_caching: bool = True,
     clock: Callable[[], float] | None = None,
+    num_lookahead_tokens: int = 0,
     **overrides: Any,
 ) -> Scheduler:
     settings: dict[str, Any] = dict(
@@ -45,7 +46,9 @@ def build_scheduler(
     )
     settings.update(overrides)
     kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching)
-    return Scheduler(SchedulerConfig(**settings), kv, clock=clock or FakeClock())
+    return Scheduler(
+        SchedulerConfig(**settings), kv, clock=clock or FakeClock(), num_lookahead_tokens=num_lookahead_tokens
+    )
 
 
 def build_request(

@@ -163,6 +163,40 @@ def test_a_request_preempts_itself_when_it_is_the_lowest_priority(make_scheduler
     assert low.num_computed_tokens == 0 and low.output_token_ids == [3]
 
 
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_a_decode_reserves_the_lookahead_slot_ahead_of_its_block_boundary(
+    make_scheduler, make_request, make_runner, invariants, no_leak, lookahead: int
+) -> None:
+    """A runner that launches the next decode step early (CUDA lookahead) writes that step's KV slot:
+    the scheduler gives each decode the block of position + 1 one step before the token needs it."""
+    scheduler = make_scheduler(block_size=4, num_blocks=20, num_lookahead_tokens=lookahead)
+    runner = make_runner(block_size=4)
+    scheduler.add_request(make_request("a", [11, 12, 13], max_tokens=9, ignore_eos=True))
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        invariants(scheduler, output)
+        (request,) = output.requests
+        end = request.start_position + len(request.token_ids)
+        if len(request.token_ids) == 1:  # a decode: the next position's block is there when asked for
+            assert len(request.block_ids) == -(-(end + lookahead) // 4)
+        scheduler.update(output, runner.execute(output))
+    no_leak(scheduler)
+
+
+def test_lookahead_slots_never_preempt(make_scheduler, make_request) -> None:
+    """Where the decode token fits and its lookahead slot would need a block nobody has free, the
+    decode runs without the slot and nothing is preempted."""
+    scheduler = make_scheduler(block_size=4, num_blocks=3, max_model_len=8, num_lookahead_tokens=1)
+    scheduler.add_request(make_request("a", range(3), max_tokens=5, ignore_eos=True))
+    scheduler.add_request(make_request("b", range(100, 103), max_tokens=5, ignore_eos=True))
+    output = scheduler.schedule()  # both prefills: one block each, the two usable blocks
+    assert [r.request_id for r in output.requests] == ["a", "b"]
+    scheduler.update(output, RunnerOutput({"a": [3], "b": [3]}))
+    output = scheduler.schedule()  # position 3 of each: the last slot of the block each holds
+    assert [r.request_id for r in output.requests] == ["a", "b"] and not output.preempted_request_ids
+    assert [len(r.block_ids) for r in output.requests] == [1, 1]
+
+
 def test_priority_order_with_one_seat(make_scheduler, make_request, run_step) -> None:
     scheduler = make_scheduler(max_num_seqs=1)
     scheduler.add_request(make_request("low", [1, 2], priority=Priority.LOW, max_tokens=1))

@@ -92,11 +92,14 @@ def test_many_sequences_in_one_graph_bucket(b158_file: Path) -> None:
         llm.close()
 
 
-def lookahead_run(path: Path, enabled: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, object]:
+def lookahead_run(
+    path: Path, enabled: bool, monkeypatch: pytest.MonkeyPatch, slot: bool = False
+) -> tuple[list, object]:
     """Greedy tokens of sequences that end at different steps (a batch that shrinks, blocks of 4 so
-    guesses stop at every fourth position), with a seeded sampled one among them for half of the run,
-    and the runner's lookahead counts."""
+    guesses stop at every fourth position unless the scheduler reserves the next slot), with a seeded
+    sampled one among them for half of the run, and the runner's lookahead counts."""
     monkeypatch.setenv("BITSERVE_CUDA_LOOKAHEAD", "1" if enabled else "0")
+    monkeypatch.setenv("BITSERVE_CUDA_LOOKAHEAD_SLOT", "1" if slot else "0")
     llm = LLM(config=engine_config(path, "cuda", kv="float32"))
     try:
         prompts = [[(13 * i + j) % 400 + 30 for j in range(2 + 3 * i)] for i in range(4)]
@@ -111,13 +114,21 @@ def lookahead_run(path: Path, enabled: bool, monkeypatch: pytest.MonkeyPatch) ->
         llm.close()
 
 
-def test_lookahead_tokens_equal_lookahead_off(b158_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps launched ahead are used (most decode steps) and change no token."""
-    on, on_stats = lookahead_run(b158_file, True, monkeypatch)
+@pytest.mark.parametrize("slot", [False, True])
+def test_lookahead_tokens_equal_lookahead_off(
+    b158_file: Path, monkeypatch: pytest.MonkeyPatch, slot: bool
+) -> None:
+    """Steps launched ahead are used (most decode steps) and change no token; with the next KV slot
+    reserved (BITSERVE_CUDA_LOOKAHEAD_SLOT=1) the launch ahead crosses block boundaries too, so its
+    device block table must take the blocks appended since (cuda_graphs.replay_next)."""
+    on, on_stats = lookahead_run(b158_file, True, monkeypatch, slot)
     off, off_stats = lookahead_run(b158_file, False, monkeypatch)
     assert on == off
     assert off_stats.launched == 0
     assert on_stats.hits > 0.5 * on_stats.launched > 0
+    if slot:  # every decode step but each greedy call's first is guessed, block boundaries included
+        engine_steps = sum(len(tokens) - 1 for tokens in on[:5])  # 4 calls alone, then 4 sequences at once
+        assert on_stats.hits >= engine_steps - 5
 
 
 @pytest.mark.parametrize("graphs", [True, False])

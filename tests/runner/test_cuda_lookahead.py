@@ -53,6 +53,8 @@ def test_the_next_step_of_the_same_sequences_matches() -> None:
     ahead = launched_after(step, [11, 12])
     assert ahead.positions == (6, 3)
     assert ahead.matches([decode("a", 11, 6, [3, 9]), decode("b", 12, 3, [4])])
+    # blocks appended since the launch (the scheduler's lookahead slot): the launch's table is a prefix
+    assert ahead.matches([decode("a", 11, 6, [3, 9]), decode("b", 12, 3, [4, 8])])
 
 
 @pytest.mark.parametrize(
@@ -62,7 +64,7 @@ def test_the_next_step_of_the_same_sequences_matches() -> None:
         [decode("b", 12, 3, [4]), decode("a", 11, 6, [3, 9])],  # another order
         [decode("a", 11, 6, [3, 9]), decode("b", 13, 3, [4])],  # b fed another token
         [decode("a", 11, 7, [3, 9]), decode("b", 12, 3, [4])],  # a at another position
-        [decode("a", 11, 6, [3, 9, 5]), decode("b", 12, 3, [4])],  # a got a block (another table)
+        [decode("a", 11, 6, [3]), decode("b", 12, 3, [4])],  # a holds fewer blocks (another table)
         [decode("a", 11, 6, [3, 9]), decode("b", 12, 3, [4]), decode("c", 1, 0, [6])],  # c joined
         [decode("a", 11, 6, [3, 9]), decode("b", 12, 3, [4], temperature=0.7)],  # b samples
         [decode("a", 11, 6, [3, 9], logprobs=2), decode("b", 12, 3, [4])],  # a wants logprobs
@@ -100,3 +102,21 @@ def test_only_rows_the_sampler_leaves_at_argmax_are_plain_greedy() -> None:
     prefill = dataclasses.replace(decode("a", 1, 0, [0]), token_ids=[1, 2])
     assert not is_plain_greedy(prefill)
     assert not is_plain_greedy(dataclasses.replace(decode("a", 1, 0, [0]), sample=False))
+
+
+def test_blocks_appended_since_the_table_was_written_reach_the_device_table() -> None:
+    """A launch ahead replays the last step's graph, whose block table the host wrote then: a block the
+    scheduler appended since (the lookahead slot's) must be written into the row before the replay, and a
+    table past the graph's width must launch nothing (the attention kernel would read padding)."""
+    pytest.importorskip("triton")  # runner/cuda_graphs.py imports the CUDA decoder's kernels
+    from bitserve.runner.cuda_graphs import DecodeGraphs
+
+    graphs = object.__new__(DecodeGraphs)  # the unit alone: its table bookkeeping, no CUDA device
+    graphs.block_table = torch.full((2, 4), 99, dtype=torch.int32)
+    graphs._table_blocks = [2, 1]
+    graphs._append_blocks([decode("a", 1, 7, [3, 9, 5]), decode("b", 1, 2, [4])])
+    assert graphs.block_table.tolist() == [[99, 99, 5, 99], [99, 99, 99, 99]]
+    assert graphs._table_blocks == [3, 1]
+    graphs._last = (2, 2)
+    grown = [decode("a", 1, 8, [3, 9, 5]), decode("b", 1, 3, [4])]
+    assert graphs.replay_next(torch.zeros(2, dtype=torch.int64), grown, [8, 3], [20, 19]) is None
