@@ -25,6 +25,7 @@ from bitserve.runner.cuda_lookahead import (
     Lookahead,
     LookaheadStats,
     TokenReadback,
+    ends_with_this_step,
     is_plain_greedy,
     lookahead_enabled,
     lookahead_slot_enabled,
@@ -153,7 +154,9 @@ class CudaModelRunner(ModelRunner):
 
     def _launch_next(self, requests: Sequence[ScheduledRequest], token_ids: torch.Tensor) -> Lookahead | None:
         """Launch the step after `requests` (each fed its token of token_ids, on the device), or None where
-        one sequence's next position has no block yet."""
+        a sequence ends with this step or its next position has no block yet."""
+        if any(ends_with_this_step(request) for request in requests):
+            return None
         block_size = self.layout.block_size
         positions = next_positions(requests, self.max_model_len, block_size)
         if positions is None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
-from bitserve.runner.cuda_lookahead import Lookahead, is_plain_greedy, next_positions
+from bitserve.runner.cuda_lookahead import Lookahead, ends_with_this_step, is_plain_greedy, next_positions
 from bitserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -85,6 +85,15 @@ def test_no_guess_where_the_next_position_needs_a_new_block_or_passes_the_contex
     assert next_positions([decode("a", 7, 7, [3, 9])], max_model_len=64, block_size=BLOCK_SIZE) is None
     assert next_positions([decode("a", 7, 6, [3, 9])], max_model_len=64, block_size=BLOCK_SIZE) == [7]
     assert next_positions([decode("a", 7, 6, [3, 9])], max_model_len=7, block_size=BLOCK_SIZE) is None
+
+
+def test_no_guess_after_a_sequence_samples_its_last_token_by_max_tokens() -> None:
+    """The scheduler finishes a request once its outputs reach max_tokens: a step launched after the
+    step that samples the last one would be dropped (and a batch that loses a sequence mismatches)."""
+    step = decode("a", 7, 9, [3, 9, 4], max_tokens=5)
+    assert not ends_with_this_step(dataclasses.replace(step, output_token_ids=(1, 2, 3)))  # samples the 4th
+    assert ends_with_this_step(dataclasses.replace(step, output_token_ids=(1, 2, 3, 4)))  # samples the 5th
+    assert not ends_with_this_step(dataclasses.replace(step, params=GREEDY, output_token_ids=(1,) * 99))
 
 
 def test_only_rows_the_sampler_leaves_at_argmax_are_plain_greedy() -> None:
