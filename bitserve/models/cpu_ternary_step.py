@@ -4,7 +4,11 @@ FastCpuDecode (cpu_fast_decode.py) hands a ternary model's decode steps to `Tern
 call for every layer. Its weights stay where the loader put them (no copy): each layer's stacked
 Int8BitnetLinear is (w uint8 [n], row_off int64 [M]), and every w of a model lies in one address range
 (the file mapping for I2_S; for repacked formats, the arrays the loader allocated), so one uint8 view of
-that range and row offsets relative to it, stacked [L, M] per projection, reach every row.
+that range and row offsets relative to it, stacked [L, M] per projection, reach every row. Repacked arrays
+are not always near each other: the allocator's choice between its heap and fresh mappings depends on
+what the process freed before (seen once in a full test run: a TQ2_0 model's arrays terabytes apart, so
+the model silently fell back to the layer-by-layer forward). Then they are copied into one buffer, each
+linear moved onto its slice (consolidate), and the step is built over that.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ if TYPE_CHECKING:
 # how far one view may reach past the bytes it is for: separate large allocations sit close together in
 # the process's mapping area; a span much wider than them means the arrays lie far apart
 MAX_SPAN_SLACK = 1 << 30
+ARENA_ALIGN = 64  # bytes: each weight's start in a consolidated buffer (a cache line)
 
 
 def address_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]] | None:
@@ -44,6 +49,26 @@ def address_span(arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]] | Non
         return None
     view = np.ctypeslib.as_array((ctypes.c_uint8 * (high - low)).from_address(low))
     return view, [start - low for start in starts]
+
+
+def consolidate(linears: list[Int8BitnetLinear]) -> int | None:
+    """Copy the weights' packed rows into one buffer (each start ARENA_ALIGN-aligned) and move each linear
+    onto its slice (Int8BitnetLinear.move_data: the separate arrays are released as they are replaced), so
+    that one view spans them all. Returns the bytes copied; None, changing nothing, where a weight reads
+    its rows in place from the file."""
+    unique = list({id(linear): linear for linear in linears}.values())
+    if any("row_offsets" in linear.extras for linear in unique):
+        return None
+    starts, total = [], 0
+    for linear in unique:
+        starts.append(total)
+        total += -(-linear.data.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    arena = torch.empty(total, dtype=torch.uint8)  # pages are touched only as the copies fill them
+    for linear, start in zip(unique, starts, strict=True):
+        part = arena[start : start + linear.data.nbytes].view(linear.data.shape)
+        part.copy_(linear.data)
+        linear.move_data(part)
+    return total
 
 
 class ScatteredWeights(Exception):
@@ -86,12 +111,21 @@ class TernaryStep:
 
     @classmethod
     def build(cls, layers: list[_FastLayer]) -> TernaryStep | None:
-        """The step, or None when the weights do not lie in one address range (see address_span)."""
+        """The step; weights lying far apart (address_span) are first consolidated into one buffer. None
+        when they lie apart and some are read in place from the file (they cannot move)."""
         try:
             return cls(layers)
         except ScatteredWeights:
+            pass
+        linears = [
+            weight for layer in layers for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        moved = consolidate(linears)
+        if moved is None:
             logger.info("ternary weights lie far apart in memory: the lean decode step runs layer by layer")
             return None
+        logger.info("ternary weights lay far apart in memory: %.1f MB copied into one buffer", moved / 1e6)
+        return cls(layers)
 
     def __init__(self, layers: list[_FastLayer]) -> None:
         projections: list[list[Int8BitnetLinear]] = [

@@ -267,6 +267,34 @@ def test_bitnet_arch_tq2_fast_step_matches_the_module_forward(synthetic_models: 
         llm.close()
 
 
+def test_ternary_weights_far_apart_are_consolidated_for_the_one_call_step(
+    synthetic_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repacked weights lie where the allocator put them, which depends on what the process freed before
+    (a full test run once put a TQ2_0 model's arrays terabytes apart, and the model fell back to the layer
+    loop). Here every span wider than the weights' own bytes counts as far apart: the step copies them into
+    one buffer, moves each linear onto its slice, and decodes exactly as the module forward."""
+    from bitserve.models import cpu_ternary_step
+    from bitserve.models.cpu_fast_decode import _fast_layer
+
+    llm = LLM(str(synthetic_models["TQ2_0"]), backend="cpu")
+    try:
+        model = llm.instance.loaded.model
+        layers = [_fast_layer(layer) for layer in model.layers]
+        linears = [w for lay in layers for w in (lay.qkv, lay.o_proj, lay.gate_up, lay.down)]
+        total = sum(linear.data.nbytes for linear in linears)
+        # whole cache lines each, so the consolidated buffer is exactly their bytes
+        assert all(linear.data.nbytes % cpu_ternary_step.ARENA_ALIGN == 0 for linear in linears)
+        monkeypatch.setattr(cpu_ternary_step, "MAX_SPAN_SLACK", -total)  # a span may not pass the bytes
+        assert len({linear.data.untyped_storage().data_ptr() for linear in linears}) == len(linears)
+        model.fast_decode.step = cpu_ternary_step.TernaryStep.build(layers)
+        assert model.fast_decode.step is not None
+        assert len({linear.data.untyped_storage().data_ptr() for linear in linears}) == 1  # one buffer
+        assert_fast_step_matches_module_forward(llm, batch_sizes=(3, 1))
+    finally:
+        llm.close()
+
+
 def test_cpu_relu2_rounds_as_torch() -> None:
     """The cpu backend's numba relu2 (both forwards use it) equals layers.activation's torch relu2 to the
     bit, so bitnet mode stays bit-exact with the reference backend."""

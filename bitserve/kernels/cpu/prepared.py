@@ -184,6 +184,14 @@ class Int8BitnetLinear(_Int8Activations):
         """(w uint8 [n], row_off int64 [M]): the weight as its kernels read it (kernel_rows)."""
         return self._weight
 
+    def move_data(self, data: torch.Tensor) -> None:
+        """Hold the packed rows in `data` (uint8, same shape, already holding the same bytes) instead: the
+        old array is released. Only for rows the weight owns, not rows read in place from the file."""
+        if "row_offsets" in self.extras or data.shape != self.data.shape or data.dtype != self.data.dtype:
+            raise ValueError(f"move_data: a {tuple(self.data.shape)} {self.data.dtype} array it owns")
+        self.data = data
+        self._bind()
+
     @property
     def kernel_row_scale(self) -> np.ndarray:
         """f32 [M]: each row's scale, as its kernels read it."""
