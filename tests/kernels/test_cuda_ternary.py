@@ -171,6 +171,67 @@ def test_ternary_linear_residual_both_paths(with_residual: bool) -> None:
         _check_linear(384, 512, num_tokens, with_residual=with_residual, seed=num_tokens)
 
 
+def test_gemv_config_overrides_come_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bitserve.kernels.cuda import ternary_matmul
+
+    default = ternary_matmul.gemv_config(3840, 2560, 1)
+    monkeypatch.setitem(ternary_matmul.GEMV_CONFIG_OVERRIDES, (3840, 2560, 1), (8, 64, 2))
+    assert ternary_matmul.gemv_config(3840, 2560, 1) == GemvConfig(8, 64, 2) != default
+    monkeypatch.setitem(ternary_matmul.GEMV_CONFIG_OVERRIDES, (3840, 2560, 2), (2, 128, 1))
+    assert ternary_matmul.gemv_config(3840, 2560, 1) == GemvConfig(8, 64, 2)  # keyed by T too
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "num_tokens", "cfg"),
+    [
+        (40, 2560, 1, GemvConfig(4, 128, 1)),  # KW 160: a 32-word tail (the 2B's q|k|v, o, gate/up)
+        (48, 2560, 3, GemvConfig(16, 64, 4)),
+        (20, 6912, 1, GemvConfig(2, 128, 1)),  # KW 432: a 64-word tail of 48 (the 2B's Wdown)
+        (24, 384, 2, GemvConfig(4, 128, 1)),  # KW 24: no whole chunk, the tail alone
+        (16, 512, 1, GemvConfig(4, 32, 1)),  # chunks divide KW: no tail
+    ],
+)
+@pytest.mark.parametrize("pair", [False, True])
+def test_gemv_exact_tail_is_exact(
+    m: int, k: int, num_tokens: int, cfg: GemvConfig, pair: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GEMV_EXACT_TAIL: the last KW % BLOCK_W words as a narrower chunk of their own, with and without
+    the residual, and through the gated pair epilogue."""
+    from bitserve.kernels.cuda import ternary_matmul
+    from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, PAIR_NONE
+
+    monkeypatch.setattr(ternary_matmul, "GEMV_EXACT_TAIL", True)
+    tails: list[int] = []  # the tail width each launch asked for: the path under test did run
+    kernel = ternary_matmul._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int]):  # noqa: ANN204
+            def launch(*args: object, **kwargs: object) -> object:
+                tails.append(kwargs["TAIL_W"])  # type: ignore[arg-type]
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(ternary_matmul, "_gemv_kernel", Spy())
+    gen = torch.Generator().manual_seed(m + k + num_tokens)
+    values, packed, scale = _weights(m, k, gen)
+    q, s_act = quantize_activations(torch.randn(num_tokens, k, generator=gen))
+    d = [t.to(DEVICE) for t in (q, s_act, packed, scale)]
+    expected = _reference_linear(q, s_act, values, scale, None)
+    if pair:  # rows 2p, 2p + 1 are gate and up of pair p: relu2(gate) * up, quantize.py's op order (exact)
+        out = torch.full((num_tokens, m // 2), float("nan"), device=DEVICE)
+        launch_gemv(*d, None, out, cfg, GATED_PAIRS["relu2"])
+        gate, up = expected[:, 0::2], expected[:, 1::2]
+        assert torch.equal(out.cpu(), (torch.relu(gate) * torch.relu(gate)) * up)
+        assert tails == [ternary_matmul.gemv_tail(k // 16, cfg.block_w)] and (tails[0] > 0) == (k != 512)
+        return
+    residual = torch.randn(num_tokens, m, generator=gen)
+    out = torch.full((num_tokens, m), float("nan"), device=DEVICE)
+    launch_gemv(*d, residual.to(DEVICE), out, cfg, PAIR_NONE)
+    assert torch.equal(out.cpu(), expected + residual)
+    assert tails == [ternary_matmul.gemv_tail(k // 16, cfg.block_w)] and (tails[0] > 0) == (k != 512)
+
+
 @pytest.mark.parametrize(
     ("num_tokens", "cfg"),
     [

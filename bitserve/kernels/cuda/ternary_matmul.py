@@ -41,6 +41,15 @@ from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 from bitserve.kernels.cuda.ternary_pack import GROUP
 
 GEMV_MAX_T = 8  # largest T served by the dp4a GEMV path
+# The GEMV's last KW % BLOCK_W words as a chunk of their own (next power of two wide) instead of a whole
+# masked BLOCK_W chunk: at the 2B's K = 2560 (KW 160) a 128-word chunk pair spends 96 of its 256 words'
+# instructions on masked zeros, 29% of the step's GEMV work over its four projections (sm_90 SASS,
+# compiled offline: RESULTS.md). An A/B switch, off until a GPU run measures it and runs the GPU tests.
+GEMV_EXACT_TAIL = False
+# (M, K, T) -> (block_m, block_w, num_warps) replacing gemv_config's choice: for sweeps inside the decode
+# chain (benchmarks/ab_gpu_decode.py sets it before a load), where a GEMV's weights arrive under the kernel
+# before it and its instruction count, not its standalone latency, is what the step pays
+GEMV_CONFIG_OVERRIDES: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 WORDS_PER_GROUP = tl.constexpr(GROUP // 16)  # int32 words of packed weights per 128-column group (8)
 
 
@@ -131,13 +140,19 @@ def _gemv_kernel(
     USE_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
     PAIR: tl.constexpr,  # the pair epilogue (pair_epilogue.py): PAIR_NONE, or the gated activation's
+    TAIL_W: tl.constexpr = 0,  # > 0: the last KW % BLOCK_W words as one chunk this wide (see gemv_tail)
+    TAIL_A_1D: tl.constexpr = False,  # the tail chunk's A_1D
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     QW: tl.constexpr = KW * 4  # activation words per token
+    MAIN_END: tl.constexpr = KW if TAIL_W == 0 else KW // BLOCK_W * BLOCK_W  # words in BLOCK_W chunks
     w_rows = w_ptr + rows[:, None].to(tl.int64) * KW  # [BM, 1]
     # every weight load of the program is issued first: the DRAM latency is paid once, not per chunk
-    chunks = _load_weight_chunks(w_rows, row_ok, KW, BLOCK_W, EVEN_M)
+    chunks = _load_weight_chunks(w_rows, row_ok, KW, 0, MAIN_END, BLOCK_W, EVEN_M)
+    tail = ()
+    if TAIL_W > 0:
+        tail = _load_weight_chunks(w_rows, row_ok, KW, MAIN_END, MAIN_END + TAIL_W, TAIL_W, EVEN_M)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BM]: a weight, not an input
     # with PDL the loads above overlap the previous kernel; q, s_act, residual are its outputs
     pdl_enter(USE_PDL)
@@ -156,13 +171,22 @@ def _gemv_kernel(
     # NOTE: a tuple of 2-D accumulators (one per token), not a 3-D tensor: Triton gives a loop-carried
     # 3-D accumulator a layout of its own and converts every weight tile to it through shared memory
     accs = ()
+    tail_accs = ()
     for _ in tl.static_range(NUM_T):
         accs = accs + (tl.zeros([BLOCK_M, BLOCK_W], tl.int32),)
-    for c in tl.static_range(0, KW, BLOCK_W):
+        if TAIL_W > 0:
+            tail_accs = tail_accs + (tl.zeros([BLOCK_M, TAIL_W], tl.int32),)
+    for c in tl.static_range(0, MAIN_END, BLOCK_W):
         accs = _gemv_chunk(chunks[c // BLOCK_W], c, accs, q_ptr, rows, KW, NUM_T, BLOCK_W, A_1D, USE_ASM)
+    if TAIL_W > 0:
+        tail_accs = _gemv_chunk(
+            tail[0], MAIN_END, tail_accs, q_ptr, rows, KW, NUM_T, TAIL_W, TAIL_A_1D, USE_ASM
+        )
     for t in tl.static_range(NUM_T):
         # D = sum(code * q) - sum(q), since code = w + 1
         d = tl.sum(accs[t], axis=1) - q_sums[t]  # [BM]
+        if TAIL_W > 0:
+            d += tl.sum(tail_accs[t], axis=1)
         if PAIR == 0:
             _gemv_row_epilogue(d, t, rows, row_ok, s_acts[t], scale, residuals[t], out_ptr, M, HAS_RES)
         else:
@@ -174,11 +198,15 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _load_weight_chunks(w_rows, row_ok, KW: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_M: tl.constexpr):
-    """All [BM, BW] int32 weight chunks of the program's rows, as a tuple (masked only at the edges)."""
+def _load_weight_chunks(
+    w_rows, row_ok, KW: tl.constexpr, START: tl.constexpr, END: tl.constexpr, BLOCK_W: tl.constexpr,
+    EVEN_M: tl.constexpr,
+):  # fmt: skip
+    """The [BM, BW] int32 weight chunks of the program's rows from word START up to END, as a tuple
+    (masked only at the edges; none when END <= START)."""
     cols = tl.arange(0, BLOCK_W)
     chunks = ()
-    for c in tl.static_range(0, KW, BLOCK_W):
+    for c in tl.static_range(START, END, BLOCK_W):
         kw = c + cols
         # weights are read once: stream them past L1, which keeps the activations
         if EVEN_M and c + BLOCK_W <= KW:
@@ -352,7 +380,11 @@ def gemv_config(m: int, k: int, num_tokens: int) -> GemvConfig:
 
     Small programs of 2-8 rows and 128-256-word (2048-4096-weight) chunks, one or two warps: many small
     programs in flight hide DRAM latency best. The 13824-row gate/up matrix prefers more rows a program.
+    GEMV_CONFIG_OVERRIDES comes first.
     """
+    override = GEMV_CONFIG_OVERRIDES.get((m, k, num_tokens))
+    if override is not None:
+        return GemvConfig(*override)
     if m >= 8192:
         if num_tokens == 1:
             return GemvConfig(block_m=16, block_w=64, num_warps=4)
@@ -426,6 +458,7 @@ def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig, pair: i
     m = packed.shape[0]
     if pair != PAIR_NONE and cfg.block_m % 2:
         raise ValueError(f"a pair epilogue needs an even block_m, got {cfg.block_m}")
+    tail_w = gemv_tail(k // 16, cfg.block_w) if GEMV_EXACT_TAIL else 0
     _gemv_kernel[(triton.cdiv(m, cfg.block_m),)](
         q.view(torch.int32),  # [T, K // 4]
         packed.view(torch.int32),  # [M, K // 16]
@@ -447,7 +480,16 @@ def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig, pair: i
         enable_fp_fusion=False,
         **launch_options(q.device),
         PAIR=pair,
+        TAIL_W=tail_w,
+        TAIL_A_1D=tail_w >= 128 * cfg.num_warps,
     )
+
+
+def gemv_tail(kw: int, block_w: int) -> int:
+    """Width of the GEMV's tail chunk for KW words a row in BLOCK_W chunks: the next power of two of the
+    remainder, 0 when the chunks divide KW."""
+    rest = kw % block_w
+    return triton.next_power_of_2(rest) if rest else 0
 
 
 def split_k_for(num_tiles: int, num_groups: int, target_programs: int = 264) -> int:
