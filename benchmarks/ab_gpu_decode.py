@@ -1,20 +1,20 @@
 """A/B of batch-1 decode on CUDA by the bench row's own metric, variants alternating in one process.
 
-    python benchmarks/ab_gpu_decode.py /tmp/bitserve-gpu/2b4t-i2s.gguf \
-        --variant base: \
-        --variant slot:env:BITSERVE_CUDA_LOOKAHEAD_SLOT=1 \
-        --variant tiles128:bitserve.kernels.cuda.paged_attention:SOME_SWITCH=128 --rounds 2
+    python benchmarks/ab_gpu_decode.py /tmp/bitserve-gpu/2b4t-i2s.gguf --rounds 2 \
+        --variant base: --variant slot:env:BITSERVE_CUDA_LOOKAHEAD_SLOT=1 \
+        --variant "tail:bitserve.kernels.cuda.ternary_matmul:GEMV_EXACT_TAIL=True"
 
-Each variant is `name:` followed by comma-separated settings, each `module:ATTR=literal` (a module-level
-switch, set before the model loads: profile_gpu_step.apply_settings) or `env:NAME=value`; settings not
-named by a variant keep the values they had when this script started, so `base:` is the code as it is.
-Per variant and round: load the model, `bench_gpu.decode_rate` (ms a step over 128 tokens from a
-16-token prompt, the median of three; the bench's decode row), the batch-1 graph's replay time
-(shortest-context bucket, best of 3 x 200) and the launches ahead used. A graph replay alone misses what
-grows with the context and what the engine does between replays; this measures both (on the H200,
-2026-11-28: a change that cost 1.4% in replay cost 5-7% here). One JSON line per measurement. An env
-switch that the code reads once per process (BITSERVE_CUDA_PDL) cannot be varied here; the lookahead
-ones (BITSERVE_CUDA_LOOKAHEAD, BITSERVE_CUDA_LOOKAHEAD_SLOT) are read at each load and can.
+Each variant is `name:` followed by settings joined by `;` ('both:env:X=1;module:ATTR=2'), each
+`module:ATTR=literal` (a module-level switch, set before the model loads:
+profile_gpu_step.apply_settings) or `env:NAME=value`; settings not named by a variant keep the values
+they had when this script started, so `base:` is the code as it is. Per variant and round: load the
+model, `bench_gpu.decode_rate` (ms a step over 128 tokens from a 16-token prompt, the median of three;
+the bench's decode row, with its `lookahead_hits`) and the batch-1 graph's replay time (shortest-context
+bucket, best of 3 x 200). A graph replay alone misses what grows with the context and what the engine
+does between replays; this measures both (on the H200, 2026-11-28: a change that cost 1.4% in replay
+cost 5-7% here). One JSON line per measurement. An env switch that the code reads once per process
+(BITSERVE_CUDA_PDL) cannot be varied here; the lookahead ones (BITSERVE_CUDA_LOOKAHEAD,
+BITSERVE_CUDA_LOOKAHEAD_SLOT) are read at each load and can.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, settings = text.partition(":")
     if not name:
         raise SystemExit(f"--variant {text!r}: give it a name, `name:settings`")
-    return name, [s for s in settings.split(",") if s]
+    return name, [s for s in settings.split(";") if s]
 
 
 def snapshot(settings: list[str]) -> list[str]:
@@ -92,7 +92,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("model")
-    parser.add_argument("--variant", action="append", required=True, help="name:setting,setting,...")
+    parser.add_argument("--variant", action="append", required=True, help="name:setting;setting;...")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-bytes", type=int, default=8 << 30)
     args = parser.parse_args()
