@@ -35,9 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import bench_gpu  # noqa: E402
 from profile_gpu_step import apply_settings, replay_us  # noqa: E402
 
-from bitserve import LLM  # noqa: E402
-from bitserve.config import EngineConfig, ModelConfig  # noqa: E402
-
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
     name, _, settings = text.partition(":")
@@ -74,9 +71,7 @@ def apply(settings: list[str]) -> None:
 
 
 def measure(path: str, kv_bytes: int) -> dict:
-    llm = LLM(
-        config=EngineConfig(model=ModelConfig(model=path, device="cuda"), kv_cache_memory_bytes=kv_bytes)
-    )
+    llm = bench_gpu.load_on_cuda(path, kv_bytes)
     try:
         rate = bench_gpu.decode_rate(llm, 1, 128)
         graphs = llm.engine.runner.graphs

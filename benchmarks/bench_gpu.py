@@ -146,7 +146,7 @@ def decode_rate(
         total_s = timed_generate(llm, prompts, new_tokens + 1)
         runs.append((max(total_s - prefill_s, 1e-9), total_s))
     decode_s, total_s = sorted(runs)[len(runs) // 2]
-    stats = llm.instance.engine.runner.lookahead_stats  # steps launched ahead / used, over all runs
+    stats = llm.engine.runner.lookahead_stats  # steps launched ahead / used, over all runs
     return {
         "tok_s": round(num_seqs * new_tokens / decode_s, 1),
         "ms_per_step": round(decode_s / new_tokens * 1000, 3),
@@ -319,12 +319,15 @@ def main() -> None:
 
 
 def _load_2b(kv_bytes: int) -> LLM:
+    return load_on_cuda(MODEL_2B, kv_bytes)
+
+
+def load_on_cuda(path: Path | str, kv_bytes: int) -> LLM:
+    """An LLM on the model file with a KV cache of kv_bytes on the CUDA device."""
     from bitserve.config import EngineConfig, ModelConfig
 
     return LLM(
-        config=EngineConfig(
-            model=ModelConfig(model=str(MODEL_2B), device="cuda"), kv_cache_memory_bytes=kv_bytes
-        )
+        config=EngineConfig(model=ModelConfig(model=str(path), device="cuda"), kv_cache_memory_bytes=kv_bytes)
     )
 
 

@@ -47,15 +47,9 @@ def compile_projection(
 ) -> tuple[object, ternary_matmul.GemvConfig]:
     """The GEMV of an M x K projection at T tokens, as launch_gemv would launch it, compiled for sm_90."""
     cfg = ternary_matmul.gemv_config(m, k, num_tokens)
-    kw = k // 16
-    tail = ternary_matmul.gemv_tail(kw, cfg.block_w) if ternary_matmul.GEMV_EXACT_TAIL else 0
-    constexprs = {
-        "KW": kw, "NUM_T": num_tokens, "BLOCK_M": cfg.block_m, "BLOCK_W": cfg.block_w,
-        "SUM_BLOCK": min(256, triton.next_power_of_2(k // 4)), "EVEN_M": m % cfg.block_m == 0,
-        "A_1D": cfg.block_w >= 128 * cfg.num_warps, "HAS_RES": not pair, "USE_ASM": True, "USE_PDL": True,
-        "PAIR": GATED_PAIRS["relu2"] if pair else PAIR_NONE, "TAIL_W": tail,
-        "TAIL_A_1D": tail >= 128 * cfg.num_warps,
-    }  # fmt: skip
+    pair_code = GATED_PAIRS["relu2"] if pair else PAIR_NONE
+    constexprs = ternary_matmul.gemv_constexprs(m, k, num_tokens, cfg, pair_code, not pair, True)
+    constexprs["USE_PDL"] = True
     kernel = ternary_matmul._gemv_kernel
     signature = dict(zip(POINTERS, POINTER_TYPES, strict=True)) | {"M": "i32"}
     signature |= {name: "constexpr" for name in constexprs}

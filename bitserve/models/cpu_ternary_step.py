@@ -71,6 +71,16 @@ def consolidate(linears: list[Int8BitnetLinear]) -> int | None:
     return total
 
 
+def _projection_columns(layers: list[_FastLayer]) -> list[list[Int8BitnetLinear]]:
+    """The layers' weights, one list [L] per projection, in the step's order: qkv, o, gate/up, down."""
+    return [
+        [layer.qkv for layer in layers],
+        [layer.o_proj for layer in layers],
+        [layer.gate_up for layer in layers],
+        [layer.down for layer in layers],
+    ]
+
+
 class ScatteredWeights(Exception):
     """The weights lie too far apart in memory for one view (address_span)."""
 
@@ -117,10 +127,7 @@ class TernaryStep:
             return cls(layers)
         except ScatteredWeights:
             pass
-        linears = [
-            weight for layer in layers for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-        ]
-        moved = consolidate(linears)
+        moved = consolidate([weight for column in _projection_columns(layers) for weight in column])
         if moved is None:
             logger.info("ternary weights lie far apart in memory: the lean decode step runs layer by layer")
             return None
@@ -128,12 +135,7 @@ class TernaryStep:
         return cls(layers)
 
     def __init__(self, layers: list[_FastLayer]) -> None:
-        projections: list[list[Int8BitnetLinear]] = [
-            [layer.qkv for layer in layers],
-            [layer.o_proj for layer in layers],
-            [layer.gate_up for layer in layers],
-            [layer.down for layer in layers],
-        ]
+        projections = _projection_columns(layers)
         weights = [[weight.kernel_weight for weight in column] for column in projections]
         span = address_span([w for column in weights for w, _ in column])
         if span is None:

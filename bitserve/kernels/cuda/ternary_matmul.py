@@ -458,7 +458,6 @@ def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig, pair: i
     m = packed.shape[0]
     if pair != PAIR_NONE and cfg.block_m % 2:
         raise ValueError(f"a pair epilogue needs an even block_m, got {cfg.block_m}")
-    tail_w = gemv_tail(k // 16, cfg.block_w) if GEMV_EXACT_TAIL else 0
     _gemv_kernel[(triton.cdiv(m, cfg.block_m),)](
         q.view(torch.int32),  # [T, K // 4]
         packed.view(torch.int32),  # [M, K // 16]
@@ -467,22 +466,32 @@ def launch_gemv(q, s_act, packed, scale, residual, out, cfg: GemvConfig, pair: i
         residual if residual is not None else out,
         out,
         m,
-        KW=k // 16,
-        NUM_T=num_tokens,
-        BLOCK_M=cfg.block_m,
-        BLOCK_W=cfg.block_w,
-        SUM_BLOCK=min(256, triton.next_power_of_2(k // 4)),
-        EVEN_M=m % cfg.block_m == 0,
-        A_1D=cfg.block_w >= 128 * cfg.num_warps,
-        HAS_RES=residual is not None,
-        USE_ASM=q.device.type == "cuda",
+        **gemv_constexprs(m, k, num_tokens, cfg, pair, residual is not None, q.device.type == "cuda"),
         num_warps=cfg.num_warps,
         enable_fp_fusion=False,
         **launch_options(q.device),
-        PAIR=pair,
-        TAIL_W=tail_w,
-        TAIL_A_1D=tail_w >= 128 * cfg.num_warps,
     )
+
+
+def gemv_constexprs(
+    m: int, k: int, num_tokens: int, cfg: GemvConfig, pair: int, has_residual: bool, use_asm: bool
+) -> dict[str, int | bool]:
+    """The GEMV kernel's compile-time arguments (all but USE_PDL) for an M x K weight at T tokens: what
+    launch_gemv passes, and what benchmarks/sass_count_gemv.py compiles offline."""
+    kw = k // 16
+    tail_w = gemv_tail(kw, cfg.block_w) if GEMV_EXACT_TAIL else 0
+    return {
+        "KW": kw, "NUM_T": num_tokens, "BLOCK_M": cfg.block_m, "BLOCK_W": cfg.block_w,
+        "SUM_BLOCK": min(256, triton.next_power_of_2(k // 4)), "EVEN_M": m % cfg.block_m == 0,
+        "A_1D": _all_threads_along_k(cfg.block_w, cfg.num_warps), "HAS_RES": has_residual,
+        "USE_ASM": use_asm, "PAIR": pair, "TAIL_W": tail_w,
+        "TAIL_A_1D": _all_threads_along_k(tail_w, cfg.num_warps),
+    }  # fmt: skip
+
+
+def _all_threads_along_k(words: int, num_warps: int) -> bool:
+    """A chunk this many words wide gives every thread of the program its own 4-word slice along K."""
+    return words >= 128 * num_warps
 
 
 def gemv_tail(kw: int, block_w: int) -> int:
