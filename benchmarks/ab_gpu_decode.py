@@ -1,8 +1,8 @@
 """A/B of batch-1 decode on CUDA by the bench row's own metric, variants alternating in one process.
 
     python benchmarks/ab_gpu_decode.py /tmp/bitserve-gpu/2b4t-i2s.gguf --rounds 2 \
-        --variant base: --variant slot:env:BITSERVE_CUDA_LOOKAHEAD_SLOT=1 \
-        --variant "tail:bitserve.kernels.cuda.ternary_matmul:GEMV_EXACT_TAIL=True"
+        --variant base: --variant noslot:env:BITSERVE_CUDA_LOOKAHEAD_SLOT=0 \
+        --variant "notail:bitserve.kernels.cuda.ternary_matmul:GEMV_EXACT_TAIL=False"
 
 Each variant is `name:` followed by settings joined by `;` ('both:env:X=1;module:ATTR=2'), each
 `module:ATTR=literal` (a module-level switch, set before the model loads:

@@ -44,8 +44,9 @@ GEMV_MAX_T = 8  # largest T served by the dp4a GEMV path
 # The GEMV's last KW % BLOCK_W words as a chunk of their own (next power of two wide) instead of a whole
 # masked BLOCK_W chunk: at the 2B's K = 2560 (KW 160) a 128-word chunk pair spends 96 of its 256 words'
 # instructions on masked zeros, 29% of the step's GEMV work over its four projections (sm_90 SASS,
-# compiled offline: RESULTS.md). An A/B switch, off until a GPU run measures it and runs the GPU tests.
-GEMV_EXACT_TAIL = False
+# compiled offline: RESULTS.md). On: 2B batch-1 decode on an H200 1.040 -> 1.025 ms a step (2026-11-28,
+# ab_gpu_decode.py); kept as a switch for A/B runs.
+GEMV_EXACT_TAIL = True
 # (M, K, T) -> (block_m, block_w, num_warps) replacing gemv_config's choice: for sweeps inside the decode
 # chain (benchmarks/ab_gpu_decode.py sets it before a load), where a GEMV's weights arrive under the kernel
 # before it and its instruction count, not its standalone latency, is what the step pays
