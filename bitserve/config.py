@@ -124,6 +124,7 @@ class EngineConfig:
 LOG_FORMATS = ("json", "text")
 HTTP_PARSERS = ("auto", "httptools", "h11")
 EVENT_LOOPS = ("asyncio", "uvloop")
+ENGINE_PROCESS_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +280,17 @@ class ServerConfig:
         default="asyncio",
         metadata=_help("event loop: asyncio, or uvloop when installed (slower beside a GPU engine thread)"),
     )
+    # NOTE: a CUDA replica's engine steps in ~1-4 ms of Python around a graph replay; in the server's own
+    # process it takes turns on one GIL with the event loop that parses requests and streams every token,
+    # and the served 2B row's waves spent half their time there (benchmarks/RESULTS.md, 2026-11-27 06:00).
+    # A CPU replica's steps are mostly numba / torch time without the GIL: it stays a thread by default.
+    engine_process: str = field(
+        default="auto",
+        metadata=_help(
+            "run each replica's engine in a process of its own: auto (CUDA replicas), on (every replica) "
+            "or off (a thread of the server's process)"
+        ),
+    )
     otel_endpoint: str | None = field(
         default=None,
         metadata=_help(
@@ -342,6 +354,9 @@ class ServerConfig:
             raise ValueError(f"response_cache_ttl_s must be > 0, got {self.response_cache_ttl_s}")
         if self.response_cache_dir is not None and not self.response_cache:
             raise ValueError("response_cache_dir needs response_cache on (--response-cache)")
+        if self.engine_process not in ENGINE_PROCESS_MODES:
+            choices = ", ".join(ENGINE_PROCESS_MODES)
+            raise ValueError(f"engine_process must be one of {choices}, got {self.engine_process!r}")
         for name, choices in (("http_parser", HTTP_PARSERS), ("event_loop", EVENT_LOOPS)):
             value = getattr(self, name)
             if value not in choices:

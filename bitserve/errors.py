@@ -21,6 +21,20 @@ class BitserveError(Exception):
             text += f" (hint: {self.hint})"
         return text
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Errors cross the engine process's pipe (engine/process.py). Exception's own reduce calls
+        # cls(*args), which a subclass with required keywords (QueueFull's retry_after_s) refuses.
+        return (_restore_error, (type(self), self.args, self.__dict__))
+
+
+def _restore_error(
+    cls: type[BitserveError], args: tuple[object, ...], state: dict[str, object]
+) -> BitserveError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidRequest(BitserveError, ValueError):
     """A request or parameter is malformed or out of range."""

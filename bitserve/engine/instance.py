@@ -141,8 +141,78 @@ def plan_kv_cache(
     )
 
 
+def text_side(
+    config: EngineConfig, path: Path, metadata: Mapping[str, Any], spec: ModelSpec
+) -> tuple[GGUFTokenizer, ChatTemplate | InvalidRequest]:
+    """The tokenizer and chat template of a model file: what the frontend needs of it besides the weights
+    (built again, from the file's metadata alone, beside an engine in its own process: process.py)."""
+    tokenizer = tokenizer_from_gguf(metadata, pre_policy=config.model.tokenizer_pre)
+    if tokenizer.vocab_size > spec.vocab_size:  # an id past the embedding would break a step
+        raise InvalidModelFile(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
+            f"{spec.vocab_size}",
+            path=str(path),
+            hint="the GGUF's tokenizer and weights do not belong together",
+        )
+    try:
+        chat_template: ChatTemplate | InvalidRequest = ChatTemplate(
+            metadata.get("tokenizer.chat_template"),
+            bos_token=tokenizer.id_to_piece(tokenizer.bos_token_id)
+            if tokenizer.bos_token_id is not None
+            else "",
+            eos_token=tokenizer.id_to_piece(tokenizer.eos_token_id)
+            if tokenizer.eos_token_id is not None
+            else "",
+            architecture=spec.architecture,
+        )
+    except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
+        chat_template = exc
+    return tokenizer, chat_template
+
+
+class ServedModelParts:
+    """What the frontend reads of a loaded model, the same whether its engine is a thread here
+    (ModelInstance) or a process of its own (process.RemoteModelInstance). Needs `loaded` (gguf, spec),
+    `chat_template`, `tokenizer`."""
+
+    loaded: Any
+    chat_template: ChatTemplate | InvalidRequest
+    tokenizer: GGUFTokenizer
+
+    @functools.cached_property
+    def quant_format(self) -> str:
+        """The projections' GGUF type ("I2_S", "Q4_1", ...): a metrics label, one small fixed vocabulary."""
+        return projection_format(self.loaded.gguf)
+
+    @property
+    def pooling(self) -> str:
+        """How /v1/embeddings pools hidden states: the GGUF's pooling type, else mean."""
+        metadata = self.loaded.gguf.metadata
+        return pooling_from_metadata(metadata, str(metadata.get("general.architecture", "")))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.loaded.spec.hidden_size
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How tool calls are written for this model: its chat template's own format, else the JSON
+        convention (structured/tool_formats.py)."""
+        source = None if isinstance(self.chat_template, InvalidRequest) else self.chat_template.source
+        return tool_format_for(source)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Render `messages` (and `tools`, the template's own variable) with the model's chat template
+        and tokenize. Raises InvalidRequest."""
+        if isinstance(self.chat_template, InvalidRequest):
+            raise self.chat_template
+        return encode_chat(self.tokenizer, self.chat_template.render(messages, tools=tools))
+
+
 @dataclass
-class ModelInstance:
+class ModelInstance(ServedModelParts):
     name: str
     path: Path
     loaded: LoadResult
@@ -185,28 +255,7 @@ class ModelInstance:
     def _assemble(
         cls, config: EngineConfig, path: Path, loaded: LoadResult, device: torch.device
     ) -> ModelInstance:
-        metadata = loaded.gguf.metadata
-        tokenizer = tokenizer_from_gguf(metadata, pre_policy=config.model.tokenizer_pre)
-        if tokenizer.vocab_size > loaded.spec.vocab_size:  # an id past the embedding would break a step
-            raise InvalidModelFile(
-                f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
-                f"{loaded.spec.vocab_size}",
-                path=str(path),
-                hint="the GGUF's tokenizer and weights do not belong together",
-            )
-        try:
-            chat_template: ChatTemplate | InvalidRequest = ChatTemplate(
-                metadata.get("tokenizer.chat_template"),
-                bos_token=tokenizer.id_to_piece(tokenizer.bos_token_id)
-                if tokenizer.bos_token_id is not None
-                else "",
-                eos_token=tokenizer.id_to_piece(tokenizer.eos_token_id)
-                if tokenizer.eos_token_id is not None
-                else "",
-                architecture=loaded.spec.architecture,
-            )
-        except InvalidRequest as exc:  # no usable template: completions work, chat answers this error
-            chat_template = exc
+        tokenizer, chat_template = text_side(config, path, loaded.gguf.metadata, loaded.spec)
         scheduler_config = serving_limits(config, loaded.spec, loaded.gguf, device)
         max_model_len = scheduler_config.max_model_len
         layout = plan_kv_cache(config, loaded.spec, scheduler_config, device)
@@ -244,40 +293,14 @@ class ModelInstance:
             grammars,
         )
 
-    @functools.cached_property
-    def quant_format(self) -> str:
-        """The projections' GGUF type ("I2_S", "Q4_1", ...): a metrics label, one small fixed vocabulary."""
-        return projection_format(self.loaded.gguf)
-
-    @property
-    def pooling(self) -> str:
-        """How /v1/embeddings pools hidden states: the GGUF's pooling type, else mean."""
-        metadata = self.loaded.gguf.metadata
-        return pooling_from_metadata(metadata, str(metadata.get("general.architecture", "")))
-
-    @property
-    def hidden_size(self) -> int:
-        return self.loaded.spec.hidden_size
-
     @property
     def kv_cache_bytes(self) -> int:
         return self.engine.runner.layout.total_bytes
 
-    @functools.cached_property
-    def tool_format(self) -> ToolFormat:
-        """How tool calls are written for this model: its chat template's own format, else the JSON
-        convention (structured/tool_formats.py)."""
-        source = None if isinstance(self.chat_template, InvalidRequest) else self.chat_template.source
-        return tool_format_for(source)
-
-    def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> list[int]:
-        """Render `messages` (and `tools`, the template's own variable) with the model's chat template
-        and tokenize. Raises InvalidRequest."""
-        if isinstance(self.chat_template, InvalidRequest):
-            raise self.chat_template
-        return encode_chat(self.tokenizer, self.chat_template.render(messages, tools=tools))
+    @property
+    def kv_cache_description(self) -> dict[str, int | str]:
+        """The KV pool as /health and /v1/models show it."""
+        return self.engine.runner.layout.describe()
 
     def close(self) -> None:
         self.loaded.close()

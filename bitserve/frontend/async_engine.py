@@ -1,6 +1,7 @@
 """AsyncEngine: the asyncio face of one ModelInstance. Admission, the n-choice fan-out, one
 GenerationStream per request, cancellation, drain and engine death. Runs on the event loop; never
-blocks on model compute (the engine has its own thread behind ThreadEngineClient).
+blocks on model compute: the engine runs in a thread of its own (ThreadEngineClient) or a process of
+its own (ProcessEngineClient).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 from bitserve.config import ServerConfig
 from bitserve.engine.instance import ModelInstance
 from bitserve.engine.messages import Embed, EngineOutput, KVCacheStats, Priority, StepResult, StepStats
+from bitserve.engine.process import RemoteModelInstance
 from bitserve.errors import BitserveError, EngineDead, ModelUnavailable, QueueFull
 from bitserve.frontend.admission import AdmissionLimits, check_request
-from bitserve.frontend.engine_client import ThreadEngineClient
+from bitserve.frontend.engine_client import EngineClient, ThreadEngineClient
 from bitserve.frontend.generation_stream import DEADLINE_REASON, GenerationStream, deadline_error
 from bitserve.frontend.output_processor import OutputProcessor, choice_request_id
+from bitserve.frontend.process_client import ProcessEngineClient
 from bitserve.metrics.stats import NullStatsSink, RequestStats, StatsSink
 from bitserve.sampling_params import SamplingParams
 
@@ -52,7 +55,7 @@ class EngineSnapshot:
 class AsyncEngine:
     def __init__(
         self,
-        instance: ModelInstance,
+        instance: ModelInstance | RemoteModelInstance,
         *,
         limits: AdmissionLimits | None = None,
         stats: StatsSink | None = None,
@@ -68,7 +71,7 @@ class AsyncEngine:
         self.processor = OutputProcessor(instance.tokenizer)
         self._streams: dict[str, GenerationStream] = {}
         self._queued_tokens = 0
-        self._client: ThreadEngineClient | None = None
+        self._client: EngineClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # request id -> the timer that ends its stream at its deadline (the engine checks deadlines only
         # between steps; this one fires on time even during a long prefill or a stalled engine)
@@ -90,9 +93,11 @@ class AsyncEngine:
 
     def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
-        self._client = ThreadEngineClient(
-            self.instance.engine, loop, self._on_step, self._on_rejected, self._on_dead, self._on_embedded
-        )
+        callbacks = (self._on_step, self._on_rejected, self._on_dead, self._on_embedded)
+        if isinstance(self.instance, RemoteModelInstance):  # the engine runs in its own process
+            self._client = ProcessEngineClient(self.instance.engine_process, loop, *callbacks)
+        else:
+            self._client = ThreadEngineClient(self.instance.engine, loop, *callbacks)
 
     async def shutdown(self) -> None:
         if self._client is not None:
@@ -314,6 +319,12 @@ class AsyncEngine:
             )
         )
 
+    def _kv_cache_stats(self) -> KVCacheStats:
+        if self._client is not None:
+            return self._client.kv_cache_stats()
+        assert isinstance(self.instance, ModelInstance), "a remote instance is always started"
+        return self.instance.engine.kv_cache_stats()
+
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
             model=self.name,
@@ -326,5 +337,5 @@ class AsyncEngine:
             is_draining=self.is_draining,
             seconds_since_progress=round(self.seconds_since_progress, 3),
             last_step=self.last_stats,
-            kv_cache=self.instance.engine.kv_cache_stats(),
+            kv_cache=self._kv_cache_stats(),
         )

@@ -14,16 +14,36 @@ from typing import Protocol
 
 from bitserve.engine.engine import Engine
 from bitserve.engine.loop import EngineLoop
-from bitserve.engine.messages import AbortRequests, AddRequest, Embed, EngineRequest, Shutdown, StepResult
+from bitserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Embed,
+    EngineRequest,
+    KVCacheStats,
+    Shutdown,
+    StepResult,
+)
 from bitserve.errors import BitserveError
 
 
 class EngineClient(Protocol):
+    """What AsyncEngine uses of its engine: ThreadEngineClient here, ProcessEngineClient
+    (frontend/process_client.py) for an engine in its own process."""
+
+    last_progress: float
+    num_steps: int
+
     def add_request(self, request: EngineRequest) -> None: ...
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
+    def embed(self, command: Embed) -> None: ...
+
+    def kv_cache_stats(self) -> KVCacheStats: ...
+
     def shutdown(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
 
     @property
     def is_alive(self) -> bool: ...
@@ -66,6 +86,9 @@ class ThreadEngineClient:
     @property
     def num_steps(self) -> int:
         return self._loop.num_steps
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        return self.engine.kv_cache_stats()
 
     def add_request(self, request: EngineRequest) -> None:
         self._loop.inbox.put(AddRequest(request))

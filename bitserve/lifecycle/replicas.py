@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,7 @@ from bitserve.engine.devices import (
     resolve_devices,
 )
 from bitserve.engine.instance import ModelInstance
+from bitserve.engine.process import RemoteModelInstance, start_engine_process, uses_engine_process
 from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
 from bitserve.frontend.device_router import Replica
 from bitserve.lifecycle.model_files import GoldenPrompt, ModelFile
@@ -36,7 +38,7 @@ from bitserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Hello"
-InstanceLoader = Callable[[EngineConfig], ModelInstance]
+InstanceLoader = Callable[[EngineConfig], ModelInstance | RemoteModelInstance]
 
 
 async def warm_up(engine: AsyncEngine, request_id: str) -> None:
@@ -49,8 +51,8 @@ async def warm_up(engine: AsyncEngine, request_id: str) -> None:
 
 class ReplicaBuilder:
     """`probe`: device discovery (torch.cuda unless given; tests pass a fake GPU inventory).
-    `load_instance`: EngineConfig -> ModelInstance (ModelInstance.load unless set; looked up at each
-    load, so a test may patch it)."""
+    `load_instance`: EngineConfig -> ModelInstance (unless set: ModelInstance.load, or an engine in a
+    process of its own per ServerConfig.engine_process; looked up at each load, so a test may patch it)."""
 
     def __init__(
         self,
@@ -101,13 +103,22 @@ class ReplicaBuilder:
         base = dataclasses.replace(
             self.engine_config, model=dataclasses.replace(self.engine_config.model, model=str(source.path))
         )
-        load = self.load_instance or ModelInstance.load
         for index, placement in enumerate(placements):
             slot.phase, slot.progress = "loading", 0.2 + 0.6 * index / len(placements)
+            load = self.load_instance or self.loader_for(placement.device)
             instance = await asyncio.to_thread(load, replica_config(base, placement.device))
             self.start(slot, placement.device, instance)
 
-    def start(self, slot: ModelSlot, device: str, instance: ModelInstance) -> Replica:
+    def loader_for(self, device: str) -> InstanceLoader:
+        """How a replica on `device` is loaded: in this process, or in an engine process of its own."""
+        config = self.server_config
+        if uses_engine_process(config.engine_process, device):
+            return functools.partial(
+                start_engine_process, log_level=config.log_level, log_format=config.log_format
+            )
+        return ModelInstance.load
+
+    def start(self, slot: ModelSlot, device: str, instance: ModelInstance | RemoteModelInstance) -> Replica:
         """Wrap `instance` in an engine labelled `device` and start its thread."""
         engine = AsyncEngine(
             instance,

@@ -200,7 +200,7 @@ def describe_replica(replica: Replica) -> dict[str, Any]:
         "device": replica.device,
         "backend": replica.instance.loaded.backend.name,
         "kernels": replica.instance.loaded.backend.describe(),  # ISA variant, block-weight activations
-        "kv_cache": replica.instance.engine.runner.layout.describe(),  # tokens it holds, bytes, dtype
+        "kv_cache": replica.instance.kv_cache_description,  # tokens it holds, bytes, dtype
         "is_alive": engine.is_alive,
         "is_draining": engine.is_draining,
         "num_active_requests": engine.num_active_requests,

@@ -1,0 +1,140 @@
+"""ProcessEngineClient: the seam between the asyncio frontend and an engine in its own process
+(engine/process.py), with ThreadEngineClient's face.
+
+Commands are pickled down the pipe from the event loop (the child's inbox thread drains them at once, so a
+send never waits on a step). The child's messages are read on the event loop itself, when the pipe is
+readable (`loop.add_reader`): no thread of ours competes for this process's GIL, and each message
+becomes the same callback ThreadEngineClient would have scheduled. A pipe that closes without a
+Shutdown sent (the child crashed, was killed, ran out of memory) is the engine's death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from bitserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Embed,
+    EngineRequest,
+    KVCacheStats,
+    Shutdown,
+    StepResult,
+)
+from bitserve.engine.process import ChildMessage, Died, Embedded, EngineProcess, Rejected, Stepped
+from bitserve.errors import BitserveError, EngineDead
+
+logger = logging.getLogger(__name__)
+
+
+class ProcessEngineClient:
+    """`on_step(result)`, `on_rejected(request_id, error)`, `on_dead(error)` and `on_embedded(request_id,
+    result)` are called on the event loop, as ThreadEngineClient calls them."""
+
+    def __init__(
+        self,
+        engine_process: EngineProcess,
+        loop: asyncio.AbstractEventLoop,
+        on_step: Callable[[StepResult], None],
+        on_rejected: Callable[[str, BitserveError], None],
+        on_dead: Callable[[BaseException], None],
+        on_embedded: Callable[[str, list[list[float]] | BitserveError], None] | None = None,
+    ) -> None:
+        self._process = engine_process
+        self._conn = engine_process.conn
+        self._loop = loop
+        self._on_step = on_step
+        self._on_rejected = on_rejected
+        self._on_dead = on_dead
+        self._on_embedded = on_embedded
+        self._kv_cache = engine_process.facts.kv_cache_stats
+        self.last_progress = time.monotonic()  # when the last step's result arrived (liveness)
+        self.num_steps = 0
+        self._stopping = False  # Shutdown sent: the pipe closing is the expected end
+        self._ended = False  # the pipe closed or the engine reported its death
+        self._fd = self._conn.fileno()
+        loop.add_reader(self._fd, self._read)
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._ended and self._process.process.is_alive()
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        """The KV cache after the child's last step (its facts' until the first)."""
+        return self._kv_cache
+
+    def add_request(self, request: EngineRequest) -> None:
+        self._send(AddRequest(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequests(tuple(request_ids)))
+
+    def embed(self, command: Embed) -> None:
+        self._send(command)
+
+    def shutdown(self) -> None:
+        """Ask the engine to stop after its current step; join() then waits for the process."""
+        self._stopping = True
+        self._send(Shutdown())
+        self._stop_reading()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._process.process.join(timeout)
+
+    def _send(self, command: object) -> None:
+        if self._ended:
+            return  # the death was reported; AsyncEngine refuses new work
+        try:
+            self._conn.send(command)
+        except OSError:  # the child is gone: its pipe's closing is read (and reported) next
+            logger.warning("engine process %s: pipe closed under a send", self._process.process.pid)
+
+    def _read(self) -> None:
+        """Every message already in the pipe, in order; a closed pipe ends the engine."""
+        try:
+            while self._conn.poll():
+                self._dispatch(self._conn.recv())
+        except (EOFError, OSError):
+            self._lost()
+
+    def _dispatch(self, message: ChildMessage) -> None:
+        if isinstance(message, Stepped):
+            self.num_steps += 1
+            self.last_progress = time.monotonic()
+            self._kv_cache = message.kv_cache
+            self._on_step(message.result)
+        elif isinstance(message, Rejected):
+            self._on_rejected(message.request_id, message.error)
+        elif isinstance(message, Embedded):
+            if self._on_embedded is not None:
+                self._on_embedded(message.request_id, message.result)
+        elif isinstance(message, Died):
+            self._end(EngineDead(f"the engine process's step failed: {message.description}"))
+        else:
+            logger.error("engine process %s sent an unexpected %s", self._process.process.pid, type(message))
+
+    def _lost(self) -> None:
+        if self._stopping or self._ended:
+            self._stop_reading()
+            return
+        process = self._process.process
+        process.join(1.0)  # the pipe closes as the process exits: its status is there a moment later
+        self._end(EngineDead(f"the engine process {process.pid} exited (code {process.exitcode})"))
+
+    def _end(self, error: BaseException) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._stop_reading()
+        logger.critical("%s", error)
+        self._on_dead(error)
+
+    def _stop_reading(self) -> None:
+        try:
+            self._loop.remove_reader(self._fd)
+        except (ValueError, OSError):  # the loop or the descriptor is already closed
+            pass
