@@ -10,8 +10,8 @@ each has its own interpreter.
 The seam is the EngineLoop's (engine/loop.py): the inbox commands of engine/messages.py go down the
 pipe; what the loop publishes comes back as the messages below. All of them pickle (no tensors, no
 asyncio objects). The child is spawned (never forked: a CUDA context does not survive a fork), ignores
-SIGINT (the server stops it with a Shutdown command after its drain), and shuts down when the pipe
-closes, so a server that dies without a word leaves no engine behind.
+SIGINT and SIGTERM (the server stops it with a Shutdown command after its drain; past a timeout, SIGKILL),
+and shuts down when the pipe closes, so a server that dies without a word leaves no engine behind.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from bitserve.tokenizer.gguf_vocab import GGUFTokenizer
 
 logger = logging.getLogger(__name__)
 
+CLOSE_GRACE_S = 1.0  # close() after the client's own wait: a last moment before SIGKILL
 READY_POLL_S = 0.5  # how often a load that has not answered yet checks that its process still lives
-STOP_TIMEOUT_S = 10.0  # after Shutdown, then after SIGTERM, before the next harder way to stop it
+STOP_TIMEOUT_S = 10.0  # after Shutdown, before SIGKILL (the engine's step in flight has finished by then)
 
 
 def uses_engine_process(mode: str, device: str) -> bool:
@@ -135,7 +136,10 @@ def sendable(error: BaseException) -> BaseException:
 def run_engine_process(config: EngineConfig, conn: Connection, log_level: str, log_format: str) -> None:
     """The child's entry point: load the model, say Ready (or LoadFailed), run the engine loop until
     Shutdown or the pipe closes. Exit status 1 when the engine died."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
+    # Ctrl-C, or a supervisor's SIGTERM to the whole process group, must not cut the requests the server
+    # is draining: the server sends Shutdown when its drain is done (and a dead server closes the pipe)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level, log_format)
     try:
         instance = ModelInstance.load(config)
@@ -200,17 +204,14 @@ class EngineProcess:
         self.facts = facts
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Wait for the process to end (after a Shutdown was sent), then terminate it, then kill it."""
+        """Wait for the process to end (after a Shutdown was sent), else kill it."""
         stop_process(self.process, self.conn, timeout_s)
 
 
 def stop_process(process: BaseProcess, conn: Connection, timeout_s: float) -> None:
     process.join(timeout_s)
-    if process.is_alive():
-        logger.warning("engine process %s did not stop in %.0f s: terminating it", process.pid, timeout_s)
-        process.terminate()
-        process.join(STOP_TIMEOUT_S)
-    if process.is_alive():
+    if process.is_alive():  # it ignores SIGTERM (run_engine_process)
+        logger.warning("engine process %s did not stop in %.0f s: killing it", process.pid, timeout_s)
         process.kill()
         process.join()
     conn.close()
@@ -262,8 +263,10 @@ class RemoteModelInstance(ServedModelParts):
         return dict(self.engine_process.facts.kv_cache_description)
 
     def close(self) -> None:
-        """Stop the engine process (its engine was sent Shutdown by the client) and unmap the file."""
-        self.engine_process.stop()
+        """Stop the engine process and unmap the file. Its client sent Shutdown and waited for the
+        process (AsyncEngine.shutdown, in a worker thread); what still runs a moment later is killed,
+        since this runs on the event loop."""
+        self.engine_process.stop(timeout_s=CLOSE_GRACE_S)
         self.loaded.gguf.close()
 
 

@@ -18,7 +18,7 @@ from bitserve.engine.messages import Embed, EngineOutput, KVCacheStats, Priority
 from bitserve.engine.process import RemoteModelInstance
 from bitserve.errors import BitserveError, EngineDead, ModelUnavailable, QueueFull
 from bitserve.frontend.admission import AdmissionLimits, check_request
-from bitserve.frontend.engine_client import EngineClient, ThreadEngineClient
+from bitserve.frontend.engine_client import EngineCallbacks, EngineClient, ThreadEngineClient
 from bitserve.frontend.generation_stream import DEADLINE_REASON, GenerationStream, deadline_error
 from bitserve.frontend.output_processor import OutputProcessor, choice_request_id
 from bitserve.frontend.process_client import ProcessEngineClient
@@ -93,11 +93,11 @@ class AsyncEngine:
 
     def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
-        callbacks = (self._on_step, self._on_rejected, self._on_dead, self._on_embedded)
+        callbacks = EngineCallbacks(self._on_step, self._on_rejected, self._on_dead, self._on_embedded)
         if isinstance(self.instance, RemoteModelInstance):  # the engine runs in its own process
-            self._client = ProcessEngineClient(self.instance.engine_process, loop, *callbacks)
+            self._client = ProcessEngineClient(self.instance.engine_process, loop, callbacks)
         else:
-            self._client = ThreadEngineClient(self.instance.engine, loop, *callbacks)
+            self._client = ThreadEngineClient(self.instance.engine, loop, callbacks)
 
     async def shutdown(self) -> None:
         if self._client is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from bitserve.engine.engine import Engine
 from bitserve.engine.loop import EngineLoop
@@ -24,6 +24,16 @@ from bitserve.engine.messages import (
     StepResult,
 )
 from bitserve.errors import BitserveError
+
+
+class EngineCallbacks(NamedTuple):
+    """What an engine client calls on the event loop: after each step, for a request the engine refused
+    on admission, once if the engine dies, and with an embedding's answer."""
+
+    on_step: Callable[[StepResult], None]
+    on_rejected: Callable[[str, BitserveError], None]
+    on_dead: Callable[[BaseException], None]
+    on_embedded: Callable[[str, list[list[float]] | BitserveError], None]
 
 
 class EngineClient(Protocol):
@@ -50,27 +60,17 @@ class EngineClient(Protocol):
 
 
 class ThreadEngineClient:
-    """Owns the engine thread. `on_step(result)`, `on_rejected(request_id, error)` and
-    `on_dead(error)` are called on the event loop."""
+    """Owns the engine thread; hands each of the loop's callbacks to the event loop."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        loop: asyncio.AbstractEventLoop,
-        on_step: Callable[[StepResult], None],
-        on_rejected: Callable[[str, BitserveError], None],
-        on_dead: Callable[[BaseException], None],
-        on_embedded: Callable[[str, list[list[float]] | BitserveError], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, callbacks: EngineCallbacks) -> None:
         self.engine = engine
+        on_step, on_rejected, on_dead, on_embedded = callbacks
         self._loop = EngineLoop(
             engine,
             publish=lambda result: loop.call_soon_threadsafe(on_step, result),
             reject=lambda request_id, error: loop.call_soon_threadsafe(on_rejected, request_id, error),
             die=lambda error: loop.call_soon_threadsafe(on_dead, error),
-            embedded=None
-            if on_embedded is None
-            else lambda request_id, result: loop.call_soon_threadsafe(on_embedded, request_id, result),
+            embedded=lambda request_id, result: loop.call_soon_threadsafe(on_embedded, request_id, result),
         )
         self._thread = threading.Thread(target=self._loop.run, name="bitserve-engine", daemon=True)
         self._thread.start()

@@ -13,43 +13,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
-from bitserve.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    Embed,
-    EngineRequest,
-    KVCacheStats,
-    Shutdown,
-    StepResult,
-)
+from bitserve.engine.messages import AbortRequests, AddRequest, Embed, EngineRequest, KVCacheStats, Shutdown
 from bitserve.engine.process import ChildMessage, Died, Embedded, EngineProcess, Rejected, Stepped
-from bitserve.errors import BitserveError, EngineDead
+from bitserve.errors import EngineDead
+from bitserve.frontend.engine_client import EngineCallbacks
 
 logger = logging.getLogger(__name__)
 
 
 class ProcessEngineClient:
-    """`on_step(result)`, `on_rejected(request_id, error)`, `on_dead(error)` and `on_embedded(request_id,
-    result)` are called on the event loop, as ThreadEngineClient calls them."""
+    """Calls `callbacks` on the event loop, as ThreadEngineClient does."""
 
     def __init__(
-        self,
-        engine_process: EngineProcess,
-        loop: asyncio.AbstractEventLoop,
-        on_step: Callable[[StepResult], None],
-        on_rejected: Callable[[str, BitserveError], None],
-        on_dead: Callable[[BaseException], None],
-        on_embedded: Callable[[str, list[list[float]] | BitserveError], None] | None = None,
+        self, engine_process: EngineProcess, loop: asyncio.AbstractEventLoop, callbacks: EngineCallbacks
     ) -> None:
         self._process = engine_process
         self._conn = engine_process.conn
         self._loop = loop
-        self._on_step = on_step
-        self._on_rejected = on_rejected
-        self._on_dead = on_dead
-        self._on_embedded = on_embedded
+        self._callbacks = callbacks
         self._kv_cache = engine_process.facts.kv_cache_stats
         self.last_progress = time.monotonic()  # when the last step's result arrived (liveness)
         self.num_steps = 0
@@ -106,12 +88,11 @@ class ProcessEngineClient:
             self.num_steps += 1
             self.last_progress = time.monotonic()
             self._kv_cache = message.kv_cache
-            self._on_step(message.result)
+            self._callbacks.on_step(message.result)
         elif isinstance(message, Rejected):
-            self._on_rejected(message.request_id, message.error)
+            self._callbacks.on_rejected(message.request_id, message.error)
         elif isinstance(message, Embedded):
-            if self._on_embedded is not None:
-                self._on_embedded(message.request_id, message.result)
+            self._callbacks.on_embedded(message.request_id, message.result)
         elif isinstance(message, Died):
             self._end(EngineDead(f"the engine process's step failed: {message.description}"))
         else:
@@ -131,7 +112,7 @@ class ProcessEngineClient:
         self._ended = True
         self._stop_reading()
         logger.critical("%s", error)
-        self._on_dead(error)
+        self._callbacks.on_dead(error)
 
     def _stop_reading(self) -> None:
         try:

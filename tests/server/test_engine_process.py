@@ -1,5 +1,6 @@
 """Engines in processes of their own (`--engine-process on`: engine/process.py, frontend/process_client.py)
-over real HTTP, on the lifecycle tests' tiny synthetic versions: the same answers as the thread engine, a
+over real HTTP, on the lifecycle tests' tiny synthetic versions: the same answers (completions, streams,
+embeddings) as the thread engine, a
 load's error carried back from the child, swaps under load, and a killed engine process ending its
 streams with an error while the server lives on and can load the alias again."""
 
@@ -34,6 +35,19 @@ def engine_process_of(server: Any) -> BaseProcess:
     return instance.engine_process.process
 
 
+def reaped(process: BaseProcess, timeout_s: float = 30.0) -> bool:
+    """Whether the process is gone (exited and reaped by the server) within timeout_s. Polled with
+    kill(pid, 0): joining it from this thread too would race the server's own join for its exit status."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def greedy_completion(url: str, prompt: str) -> tuple[str, int, str]:
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.0}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
@@ -53,6 +67,7 @@ def replica_view(url: str) -> dict[str, Any]:
 def test_the_engine_process_answers_as_the_thread_engine(model_root: ModelRoot) -> None:
     answers: dict[str, list[tuple[str, int, str]]] = {}
     views: dict[str, dict[str, Any]] = {}
+    embeddings: dict[str, list[list[float]]] = {}
     for mode in ("off", "on"):
         with lifecycle_server(model_root, engine_process=mode) as server:
             if mode == "on":
@@ -60,6 +75,9 @@ def test_the_engine_process_answers_as_the_thread_engine(model_root: ModelRoot) 
                 assert process.is_alive() and process.pid != os.getpid()
             answers[mode] = [greedy_completion(server.url, prompt) for prompt in PROMPTS]
             views[mode] = replica_view(server.url)
+            embedded = httpx.post(f"{server.url}/v1/embeddings", json={"input": list(PROMPTS)}, timeout=60.0)
+            assert embedded.status_code == 200, embedded.text
+            embeddings[mode] = [item["embedding"] for item in embedded.json()["data"]]
 
             async def streamed(url: str = server.url) -> Any:
                 async with httpx.AsyncClient(base_url=url, timeout=60.0) as client:
@@ -68,10 +86,10 @@ def test_the_engine_process_answers_as_the_thread_engine(model_root: ModelRoot) 
             result = asyncio.run(streamed())
             assert result.has_done and result.error is None and result.text == answers[mode][0][0]
     assert answers["on"] == answers["off"]
+    assert embeddings["on"] == embeddings["off"] and len(embeddings["on"]) == len(PROMPTS)
     assert all(tokens > 0 for _, tokens, _ in answers["on"])
     assert views["on"] == views["off"] and views["on"]["is_alive"] is True
-    process.join(10.0)
-    assert not process.is_alive(), "the server's shutdown stops its engine process"
+    assert reaped(process), "the server's shutdown stops its engine process"
 
 
 def test_a_load_error_in_the_engine_process_is_the_loads_error(model_root: ModelRoot) -> None:
@@ -114,9 +132,7 @@ def test_swaps_under_load_between_engine_processes_lose_nothing(model_root: Mode
         assert swaps == [v2, v1]
         assert len(results) > 50 and failed(results) == []
         assert {next(iter(r.versions)) for _, _, r in results} == {v1, v2}
-        for process in retired:  # each swapped-out version's engine process ended
-            process.join(10.0)
-            assert not process.is_alive()
+        assert all(reaped(process) for process in retired)  # each swapped-out version's engine ended
 
 
 def test_a_killed_engine_process_ends_its_streams_and_the_alias_loads_again(model_root: ModelRoot) -> None:
@@ -140,8 +156,7 @@ def test_a_killed_engine_process_ends_its_streams_and_the_alias_loads_again(mode
         lines, ended_after_s = asyncio.run(stream_then_kill())
         assert ended_after_s < 10.0
         assert any('"error"' in line and "engine" in line for line in lines), lines[-3:]
-        process.join(10.0)
-        assert process.exitcode == -signal.SIGKILL
+        assert reaped(process) and process.exitcode == -signal.SIGKILL
         refused = httpx.post(
             f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30.0
         )
