@@ -283,7 +283,8 @@ class ServerConfig:
     # NOTE: a CUDA replica's engine steps in ~1-4 ms of Python around a graph replay; in the server's own
     # process it takes turns on one GIL with the event loop that parses requests and streams every token,
     # and the served 2B row's waves spent half their time there (benchmarks/RESULTS.md, 2026-11-27 06:00).
-    # A CPU replica's steps are mostly numba / torch time without the GIL: it stays a thread by default.
+    # A CPU replica stays a thread by default: on 2 vCPUs a process served SmolLM2 at 16 streams 12-16%
+    # faster but held 40% more memory in two processes (927 against 660 MB; RESULTS.md, 2026-11-29).
     engine_process: str = field(
         default="auto",
         metadata=_help(
