@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from bitserve.tokenizer.gguf_vocab import GGUFTokenizer
 logger = logging.getLogger(__name__)
 
 CLOSE_GRACE_S = 1.0  # close() after the client's own wait: a last moment before SIGKILL
+PIPE_BUFFER_BYTES = 4 * 1024 * 1024
 READY_POLL_S = 0.5  # how often a load that has not answered yet checks that its process still lives
 STOP_TIMEOUT_S = 10.0  # after Shutdown, before SIGKILL (the engine's step in flight has finished by then)
 
@@ -182,14 +185,16 @@ def serve_engine(instance: ModelInstance, conn: Connection) -> bool:
 
 
 def forward_commands(conn: Connection, loop: EngineLoop) -> None:
-    """The server's commands -> the loop's inbox, until the pipe closes (then Shutdown)."""
+    """The server's commands (a list a message: ProcessEngineClient._flush) -> the loop's inbox, until
+    the pipe closes (then Shutdown)."""
     while True:
         try:
-            command = conn.recv()
+            commands = conn.recv()
         except (EOFError, OSError):
             loop.inbox.put(Shutdown())
             return
-        loop.inbox.put(command)
+        for command in commands:
+            loop.inbox.put(command)
 
 
 # ---------------------------------------------------------------- the server's side
@@ -278,6 +283,8 @@ def start_engine_process(
     path = resolve_model(config.model.model)
     context = multiprocessing.get_context("spawn")
     conn, child_conn = context.Pipe(duplex=True)
+    widen_pipe(conn)
+    widen_pipe(child_conn)
     process = context.Process(
         target=run_engine_process,
         args=(config, child_conn, log_level, log_format),
@@ -311,6 +318,18 @@ def start_engine_process(
         grammars=GrammarCompiler(tokenizer, facts.spec.vocab_size),
         engine_process=EngineProcess(process, conn, facts),
     )
+
+
+def widen_pipe(conn: Connection) -> None:
+    """Ask for PIPE_BUFFER_BYTES of socket buffer each way (the kernel caps it at net.core.wmem_max /
+    rmem_max; the default is ~200 KB, about 100 messages, each charged ~2 KB): a burst of step results or
+    commands then waits in the kernel, not in a blocked write on either side."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket: its options are the pipe's
+    try:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, PIPE_BUFFER_BYTES)
+    finally:
+        sock.close()
 
 
 def wait_ready(process: BaseProcess, conn: Connection) -> EngineFacts:
