@@ -275,6 +275,10 @@ class RemoteModelInstance(ServedModelParts):
         self.loaded.gguf.close()
 
 
+# What the frontend serves a replica through: its engine a thread here, or a process of its own
+ServedModel = ModelInstance | RemoteModelInstance
+
+
 def start_engine_process(
     config: EngineConfig, *, log_level: str = "INFO", log_format: str = "json"
 ) -> RemoteModelInstance:

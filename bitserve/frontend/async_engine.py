@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from bitserve.config import ServerConfig
 from bitserve.engine.instance import ModelInstance
 from bitserve.engine.messages import Embed, EngineOutput, KVCacheStats, Priority, StepResult, StepStats
-from bitserve.engine.process import RemoteModelInstance
+from bitserve.engine.process import RemoteModelInstance, ServedModel
 from bitserve.errors import BitserveError, EngineDead, ModelUnavailable, QueueFull
 from bitserve.frontend.admission import AdmissionLimits, check_request
 from bitserve.frontend.engine_client import EngineCallbacks, EngineClient, ThreadEngineClient
@@ -55,7 +55,7 @@ class EngineSnapshot:
 class AsyncEngine:
     def __init__(
         self,
-        instance: ModelInstance | RemoteModelInstance,
+        instance: ServedModel,
         *,
         limits: AdmissionLimits | None = None,
         stats: StatsSink | None = None,

@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bitserve.engine.devices import AUTO, CUDA, parse_device
-from bitserve.engine.instance import ModelInstance
 from bitserve.engine.messages import Priority
-from bitserve.engine.process import RemoteModelInstance
+from bitserve.engine.process import ServedModel
 from bitserve.errors import BitserveError, DeadlineExceeded, EngineDead, InvalidRequest, ModelUnavailable
 from bitserve.frontend.async_engine import AsyncEngine
 from bitserve.frontend.generation_stream import GenerationStream, OutputStream, StreamTiming
@@ -35,7 +34,7 @@ class Replica:
     limits, identical on every replica of a version (same file, same config but the device)."""
 
     device: str  # "cpu" or "cuda:N"
-    instance: ModelInstance | RemoteModelInstance
+    instance: ServedModel
     engine: AsyncEngine
 
     @property

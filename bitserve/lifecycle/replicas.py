@@ -26,7 +26,7 @@ from bitserve.engine.devices import (
     resolve_devices,
 )
 from bitserve.engine.instance import ModelInstance
-from bitserve.engine.process import RemoteModelInstance, start_engine_process, uses_engine_process
+from bitserve.engine.process import ServedModel, start_engine_process, uses_engine_process
 from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
 from bitserve.frontend.device_router import Replica
 from bitserve.lifecycle.model_files import GoldenPrompt, ModelFile
@@ -38,7 +38,7 @@ from bitserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Hello"
-InstanceLoader = Callable[[EngineConfig], ModelInstance | RemoteModelInstance]
+InstanceLoader = Callable[[EngineConfig], ServedModel]
 
 
 async def warm_up(engine: AsyncEngine, request_id: str) -> None:
@@ -118,7 +118,7 @@ class ReplicaBuilder:
             )
         return ModelInstance.load
 
-    def start(self, slot: ModelSlot, device: str, instance: ModelInstance | RemoteModelInstance) -> Replica:
+    def start(self, slot: ModelSlot, device: str, instance: ServedModel) -> Replica:
         """Wrap `instance` in an engine labelled `device` and start its thread."""
         engine = AsyncEngine(
             instance,

@@ -21,7 +21,7 @@ from bitserve.lifecycle.model_files import ModelFile
 from bitserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from bitserve.engine.instance import ModelInstance
+    from bitserve.engine.process import ServedModel
     from bitserve.frontend.async_engine import AsyncEngine
 
 
@@ -82,7 +82,7 @@ def model_info(alias: str, version: str, replicas: Sequence[Replica]) -> SlotInf
     )
 
 
-def estimated_memory_bytes(instance: ModelInstance) -> int:
+def estimated_memory_bytes(instance: ServedModel) -> int:
     """What keeping `instance` resident costs: its weights (about the file's size: packed formats stay
     packed, the mmap'd parts are file pages) plus its KV cache."""
     return instance.path.stat().st_size + instance.kv_cache_bytes
@@ -121,7 +121,7 @@ class ModelSlot:
         return self.info.version if self.info is not None else self.source.version
 
     @property
-    def instance(self) -> ModelInstance | None:
+    def instance(self) -> ServedModel | None:
         """The first replica's instance: tokenizer, chat template and limits (the same on every replica)."""
         return self.replicas[0].instance if self.replicas else None
 
@@ -221,7 +221,7 @@ class Lease:
         self._is_released = False
 
     @property
-    def instance(self) -> ModelInstance:
+    def instance(self) -> ServedModel:
         """Tokenizer, chat template and limits of the leased version (the same on every replica)."""
         instance = self.slot.instance
         assert instance is not None, "a lease is only handed out on a READY slot"

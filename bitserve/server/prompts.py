@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from bitserve.engine.instance import ModelInstance
+from bitserve.engine.process import ServedModel
 from bitserve.server.protocol import ChatMessage, PromptInput, check_token_ids, template_messages
 from bitserve.structured.tool_formats import ToolRequest
 
@@ -24,13 +24,13 @@ async def _run(num_chars: int, fn: Callable[[], T]) -> T:
     return await asyncio.to_thread(fn)
 
 
-async def encode_text(instance: ModelInstance, text: str, *, add_special: bool = True) -> list[int]:
+async def encode_text(instance: ServedModel, text: str, *, add_special: bool = True) -> list[int]:
     """The text's token ids (possibly none: an empty prompt is admission's refusal, not the tokenizer's)."""
     return await _run(len(text), lambda: instance.tokenizer.encode(text, add_special=add_special))
 
 
 async def encode_messages(
-    instance: ModelInstance, messages: list[ChatMessage], tools: ToolRequest | None = None
+    instance: ServedModel, messages: list[ChatMessage], tools: ToolRequest | None = None
 ) -> list[int]:
     """Render with the model's chat template and tokenize, `tools` put in the prompt the way the
     model's tool format says. InvalidRequest when it has no template."""
@@ -40,7 +40,7 @@ async def encode_messages(
     return await _run(num_chars, lambda: instance.encode_chat(rendered, template_tools))
 
 
-async def encode_prompt(instance: ModelInstance, prompt: PromptInput) -> list[int]:
+async def encode_prompt(instance: ServedModel, prompt: PromptInput) -> list[int]:
     """The prompt's token ids, whichever form the request gave it in."""
     if prompt.messages is not None:
         return await encode_messages(instance, prompt.messages, prompt.tools)

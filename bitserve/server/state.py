@@ -19,7 +19,7 @@ from fastapi import Request
 
 import bitserve
 from bitserve.config import EngineConfig, ServerConfig
-from bitserve.engine.instance import ModelInstance
+from bitserve.engine.process import ServedModel
 from bitserve.errors import ModelUnavailable, ServerShuttingDown
 from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.slot import Lease, ModelSlot
@@ -121,7 +121,7 @@ class AppState:
             )
         return self.models.acquire(model)
 
-    def require_instance(self, model: str | None) -> ModelInstance:
+    def require_instance(self, model: str | None) -> ServedModel:
         """The model a request names, for work that needs no engine step (tokenize), draining or not."""
         alias = model if model is not None else self.models.default_alias
         check_model_access(alias)
