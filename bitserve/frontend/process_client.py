@@ -22,6 +22,8 @@ from bitserve.frontend.engine_client import EngineCallbacks
 
 logger = logging.getLogger(__name__)
 
+MESSAGES_PER_READ = 4  # step results handled before the event loop runs its other ready tasks
+
 
 class ProcessEngineClient:
     """Calls `callbacks` on the event loop, as ThreadEngineClient does."""
@@ -92,9 +94,13 @@ class ProcessEngineClient:
             logger.warning("engine process %s: pipe closed under a send", self._process.process.pid)
 
     def _read(self) -> None:
-        """Every message already in the pipe, in order; a closed pipe ends the engine."""
+        """Up to MESSAGES_PER_READ messages in the pipe, in order (the reader fires again while more
+        wait: an engine stepping faster than its results are handled must not starve the streams' writers,
+        which the thread client's one callback a step never did); a closed pipe ends the engine."""
         try:
-            while self._conn.poll():
+            for _ in range(MESSAGES_PER_READ):
+                if not self._conn.poll():
+                    return
                 self._dispatch(self._conn.recv())
         except (EOFError, OSError):
             self._lost()
