@@ -238,7 +238,6 @@ class RemoteLoad:
     """The parts of a LoadResult the frontend reads: the file's metadata and tensor table (this process's
     own read-only map of it), the model's spec and the backend's description."""
 
-    path: Path
     gguf: GGUFFile
     spec: ModelSpec
     backend: BackendFacts
@@ -311,9 +310,7 @@ def start_engine_process(
     return RemoteModelInstance(
         name=config.model.model,
         path=path,
-        loaded=RemoteLoad(
-            path, gguf, facts.spec, BackendFacts(facts.backend_name, facts.backend_description)
-        ),
+        loaded=RemoteLoad(gguf, facts.spec, BackendFacts(facts.backend_name, facts.backend_description)),
         tokenizer=tokenizer,
         chat_template=chat_template,
         config=config,
@@ -336,22 +333,23 @@ def widen_pipe(conn: Connection) -> None:
         sock.close()
 
 
+def exited_while_loading(process: BaseProcess) -> ModelLoadError:
+    return ModelLoadError(
+        f"the engine process exited with code {process.exitcode} while loading the model",
+        hint="see the server log for the engine process's last lines",
+    )
+
+
 def wait_ready(process: BaseProcess, conn: Connection) -> EngineFacts:
     """The child's first message: its facts, or the load's error raised here."""
     while not conn.poll(READY_POLL_S):
         if not process.is_alive():
-            raise ModelLoadError(
-                f"the engine process exited with code {process.exitcode} while loading the model",
-                hint="see the server log for the engine process's last lines",
-            )
+            raise exited_while_loading(process)
     try:
         message: Any = conn.recv()
     except EOFError:
         process.join(STOP_TIMEOUT_S)
-        raise ModelLoadError(
-            f"the engine process exited with code {process.exitcode} while loading the model",
-            hint="see the server log for the engine process's last lines",
-        ) from None
+        raise exited_while_loading(process) from None
     if isinstance(message, LoadFailed):
         raise message.error
     if not isinstance(message, Ready):

@@ -119,7 +119,8 @@ class ReplicaBuilder:
         return ModelInstance.load
 
     def start(self, slot: ModelSlot, device: str, instance: ServedModel) -> Replica:
-        """Wrap `instance` in an engine labelled `device` and start its thread."""
+        """Wrap `instance` in an engine labelled `device` and start it (its thread, or its client to the
+        engine process)."""
         engine = AsyncEngine(
             instance,
             limits=AdmissionLimits.from_config(self.server_config),
