@@ -13,8 +13,10 @@ DEST=${1:-.whl}
 PYTHON=${PYTHON:-python3}
 TARGET_PY=${TARGET_PY:-3.12}
 # what the image lacks, with their own dependencies spelled out (pip download --no-deps fetches none):
-# FastAPI 0.16x imports opentelemetry-api; openai 3.x speaks httpx2; the server imports redis and PyJWT
+# FastAPI 0.16x imports opentelemetry-api; openai 3.x speaks httpx2; the server imports redis and PyJWT;
+# `bitserve bench` streams with aiohttp
 PACKAGES=(
+  aiohappyeyeballs aiohttp aiosignal attrs frozenlist idna multidict propcache yarl
   annotated-doc annotated-types anyio click fastapi gguf h11 httpcore2 httptools httpx2 hypothesis
   iniconfig jiter openai opentelemetry-api pluggy pydantic pydantic-core pydantic-settings pyjwt pytest
   python-dotenv python-multipart redis sniffio sortedcontainers starlette truststore typing-extensions

@@ -1,6 +1,12 @@
 """The bench's own async HTTP client for any OpenAI-compatible server: streams one request and times it.
 
 Talks to loopback addresses only unless told otherwise; never follows redirects or environment proxies.
+
+aiohttp, not httpx: at 100 streams of a GPU server (~14,000 chunks/s) a client that spends longer on a
+chunk than the server does reports its own lag as the server's latency. Measured on a 2-vCPU machine
+(benchmarks/RESULTS.md, 2026-11-29): httpx's streaming read cost ~130 µs of client CPU a chunk (anyio
+cancel scopes and a pause/resume of the socket's reader per read), aiohttp ~50 µs. vLLM's serving
+benchmark streams with aiohttp for the same reason.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from bitserve.bench.sse import SSEEvent, SSEParser
 from bitserve.errors import BitserveError, InvalidRequest
@@ -117,7 +123,7 @@ class RequestResult:
 
 
 class OpenAIClient:
-    """Streams requests to one OpenAI-compatible server over a pooled httpx.AsyncClient."""
+    """Streams requests to one OpenAI-compatible server over a pooled aiohttp session."""
 
     def __init__(
         self,
@@ -130,30 +136,45 @@ class OpenAIClient:
     ) -> None:
         self.url = check_url(url, allow_remote=allow_remote)
         self.timeout_s = timeout_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            follow_redirects=False,
-            trust_env=False,  # no proxies from the environment: load stays local
-        )
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._max_connections = max_connections
+        self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> OpenAIClient:
+        # made inside the running loop (aiohttp binds a session to it)
+        self._http = aiohttp.ClientSession(
+            headers=self._headers,
+            connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            trust_env=False,  # no proxies from the environment: load stays local
+        )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("OpenAIClient is used outside `async with`")
+        return self._http
 
     async def list_models(self) -> list[str]:
         """Model ids from GET /v1/models, in the server's order."""
         try:
-            response = await self._http.get("/v1/models")
-            response.raise_for_status()
-            payload = response.json()
+            async with self.http.get(f"{self.url}/v1/models", allow_redirects=False) as response:
+                response.raise_for_status()
+                payload = await response.json(content_type=None)
             return [str(entry["id"]) for entry in payload.get("data", [])]
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+        ) as exc:
             raise BitserveError(
                 f"could not list models at {self.url}/v1/models: {type(exc).__name__}: {exc}",
                 hint="check that the server is up, or pass --model",
@@ -169,34 +190,33 @@ class OpenAIClient:
 
         async def run() -> None:
             nonlocal has_response
-            async with self._http.stream("POST", ENDPOINT_PATHS[endpoint], json=body) as response:
+            url = self.url + ENDPOINT_PATHS[endpoint]
+            async with self.http.post(url, json=body, allow_redirects=False) as response:
                 has_response = True
                 await self._read(response, result)
 
         try:
             await asyncio.wait_for(run(), self.timeout_s)
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+        except asyncio.TimeoutError:
             result.fail("timeout", f"no complete response within {self.timeout_s} s")
-        except httpx.TransportError as exc:
+        except aiohttp.ClientError as exc:
             # after the headers, a dropped connection is a truncated stream; before, the server was
             # unreachable
             result.fail("truncated" if has_response else "connect_error", f"{type(exc).__name__}: {exc}")
         result.e2e_s = time.perf_counter() - result.start
         return result
 
-    async def _read(self, response: httpx.Response, result: RequestResult) -> None:
-        if response.status_code != 200:
+    async def _read(self, response: aiohttp.ClientResponse, result: RequestResult) -> None:
+        if response.status != 200:
             detail = b""
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.content.iter_any():
                 detail += chunk
                 if len(detail) >= MAX_ERROR_DETAIL_BYTES:
                     break
-            result.fail(
-                f"http_{response.status_code}", detail[:MAX_ERROR_DETAIL_BYTES].decode("utf-8", "replace")
-            )
+            result.fail(f"http_{response.status}", detail[:MAX_ERROR_DETAIL_BYTES].decode("utf-8", "replace"))
             return
         parser = SSEParser()
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.content.iter_any():
             now = time.perf_counter()  # every event of one network chunk arrived together
             for event in parser.feed(chunk):
                 if not _handle_event(event, result, now):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -107,7 +108,9 @@ class GenerationStream(OutputStream):
         # "replica_failover" when it moves the request to another replica
         self.abort_reason = "client_disconnect"
         self.on_close: Callable[[BaseException | None], None] | None = None
-        self._queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
+        # deltas and errors not yet read; `_waiter` is the reader's wake-up while it waits for one
+        self._items: deque[ChoiceDelta | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._num_cached_tokens = 0
         self._end = end
         self._is_closed = False
@@ -123,7 +126,11 @@ class GenerationStream(OutputStream):
     # ----------------------------------------------------------------- producer side (AsyncEngine)
 
     def put(self, item: ChoiceDelta | BaseException) -> None:
-        self._queue.put_nowait(item)
+        """Queue a delta or the request's error (on the event loop's thread) and wake the reader."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # ----------------------------------------------------------------- consumer side
 
@@ -132,21 +139,32 @@ class GenerationStream(OutputStream):
         keep-alive); StopAsyncIteration after the finished output; the request's error."""
         if self.is_finished or self.error is not None:
             raise StopAsyncIteration
-        # NOTE: not asyncio.wait_for: up to Python 3.11 it returns the result when a cancellation
-        # (client disconnect) lands just as the item arrives, swallowing the cancel. asyncio.wait
-        # never swallows it; an unfinished get is cancelled (Queue.get keeps the item then).
-        getter = asyncio.ensure_future(self._queue.get())
-        try:
-            done, _ = await asyncio.wait({getter}, timeout=timeout)
-        finally:
-            if not getter.done():
-                getter.cancel()
-        if not done:
+        if not self._items and not await self._wait(timeout):
             return None
-        items = [getter.result()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        items = list(self._items)
+        self._items.clear()
         return self._merge(items)
+
+    async def _wait(self, timeout: float | None) -> bool:
+        """Wait until something is queued; False when `timeout` passed first.
+
+        A plain future the producer resolves, not a task per wait (`ensure_future(queue.get())` plus
+        `asyncio.wait` cost a task, a timer and three loop turns per token: at 100 streams of a GPU's
+        steps that was a measurable share of the event loop). A cancellation (client disconnect)
+        raises here and is never swallowed, which `asyncio.wait_for` up to Python 3.11 could do when
+        the item arrived in the same turn; queued items stay queued.
+        """
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiter = waiter
+        timer = None if timeout is None else loop.call_later(timeout, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        return bool(self._items)
 
     def _merge(self, items: list[ChoiceDelta | BaseException]) -> RequestOutput:
         output = RequestOutput(self.request_id, self.prompt_token_ids, [], False, model=self.model)
@@ -186,3 +204,8 @@ class GenerationStream(OutputStream):
         self._end(self)
         if self.on_close is not None:
             self.on_close(self.error)
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -29,7 +29,9 @@ def test_cancel_that_lands_with_an_item_is_not_swallowed() -> None:
         waiter.cancel()  # ... and the disconnect cancels it in the same turn
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        assert stream._queue.qsize() in (0, 1)  # nothing else happened to the queue
+        # the delta the cancelled read woke for is still there for a later read: nothing is lost
+        output = await stream.next(0.01)
+        assert output is not None and output.outputs[0].text == "output"
 
     asyncio.run(scenario())
 
@@ -47,6 +49,37 @@ def test_timeout_returns_none_and_keeps_later_items() -> None:
             and output.outputs[0].token_ids == [7, 7]
         )
         assert not output.finished
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_reader_wakes_on_put_and_queued_items_come_merged() -> None:
+    async def scenario() -> None:
+        stream = _stream()
+        reader = asyncio.ensure_future(stream.next(None))  # no timeout: waits for the producer
+        await asyncio.sleep(0.01)
+        assert not reader.done()
+        stream.put(_delta("a"))
+        first = await asyncio.wait_for(reader, 1.0)
+        assert first is not None and first.outputs[0].text == "a"
+        stream.put(_delta("b"))
+        stream.put(_delta("c"))
+        second = await stream.next(None)  # already queued: returned at once, merged
+        assert second is not None and second.outputs[0].text == "bc"
+
+    asyncio.run(scenario())
+
+
+def test_an_error_put_while_waiting_is_raised() -> None:
+    async def scenario() -> None:
+        stream = _stream()
+        reader = asyncio.ensure_future(stream.next(5.0))
+        await asyncio.sleep(0)
+        stream.put(RuntimeError("engine died"))
+        with pytest.raises(RuntimeError, match="engine died"):
+            await reader
+        with pytest.raises(StopAsyncIteration):  # the error ends the stream
+            await stream.next(0.01)
 
     asyncio.run(scenario())
 
