@@ -26,6 +26,7 @@ import torch
 
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import PreparedLinear
+from bitserve.kernels.cuda.argmax import cast_argmax_rows
 from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
@@ -203,7 +204,7 @@ class CudaDecoder:
         self.spec = spec
         self.layers = [_CudaLayer(layer, spec.activation, spec.rms_norm_eps) for layer in model.layers]
         self.embedding = _device_embedding(model, device)  # [vocab, hidden], f32 / f16 / bf16
-        self.head = _device_head(model, device, self.embedding)
+        self.head = _device_head(model, device, self.embedding)  # logits in the head's dtype
         rotary = model.rotary
         self.cos, self.sin = rotary.cos.to(device), rotary.sin.to(device)  # [max_pos, rope_dim / 2]
         self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
@@ -261,7 +262,13 @@ class CudaDecoder:
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states f32 [n, hidden] -> logits f32 [n, vocab]."""
-        return self.head(hidden_states)
+        return self.head(hidden_states).to(torch.float32)
+
+    def logits_and_argmax(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states f32 [n, hidden] -> (logits f32 [n, vocab], their argmax int64 [n]): what the
+        decode graphs end with, the widening of an F16 / BF16 head's output and greedy sampling's argmax
+        in one kernel (kernels/cuda/argmax.py)."""
+        return cast_argmax_rows(self.head(hidden_states))
 
 
 def _device_embedding(model: DecoderModel, device: torch.device) -> torch.Tensor:
@@ -276,8 +283,9 @@ def _device_embedding(model: DecoderModel, device: torch.device) -> torch.Tensor
 
 
 def _device_head(model: DecoderModel, device: torch.device, embedding: torch.Tensor):  # noqa: ANN202
-    """The LM head's callable on the device: a prepared (dense f32) weight, or a float matrix; a tied
-    F16 head shares the embedding's device copy."""
+    """The LM head's callable on the device, hidden f32 [n, hidden] -> logits [n, vocab] in the head's
+    dtype (f32 for a prepared dense weight): a prepared weight, or a float matrix; a tied F16 head shares
+    the embedding's device copy."""
     weight = model.lm_head.weight
     if isinstance(weight, PreparedLinear):
         return weight
@@ -287,5 +295,6 @@ def _device_head(model: DecoderModel, device: torch.device, embedding: torch.Ten
         matrix = weight.to(device)
     if matrix.dtype == torch.float32:
         return lambda hidden: torch.nn.functional.linear(hidden, matrix)
-    # F16 / BF16: activations rounded to the weight's dtype, fp32 accumulation (as the CPU head)
-    return lambda hidden: torch.nn.functional.linear(hidden.to(matrix.dtype), matrix).to(torch.float32)
+    # F16 / BF16: activations rounded to the weight's dtype, fp32 accumulation, logits rounded to the
+    # weight's dtype (as the CPU head); the caller widens them
+    return lambda hidden: torch.nn.functional.linear(hidden.to(matrix.dtype), matrix)

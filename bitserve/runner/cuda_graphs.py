@@ -11,6 +11,13 @@ Each graph reads static input buffers and writes static logits: a step of n sequ
 (one pinned int64 block and the int32 block table, two non-blocking copies) into the first n rows of the
 smallest fitting bucket, pads the rest with a harmless row (token 0 at position 0, one key, writing to
 the scratch KV slot), replays, and reads the first n rows of the logits. All graphs share one pool.
+
+The input buffers are flat, and a bucket's graph reads a contiguous prefix of them: [4, size] int64
+(ids, positions, slots, seq_lens) and [size, width] int32 (the table). So every host -> device copy is one
+plain DMA from pinned memory. (Row slices of [4, 256] / [256, width_max] tensors were strided: torch then
+staged the source through a pageable temporary, and a pageable cudaMemcpyAsync waits for the stream to
+drain first, so the launch ahead blocked until the step before it had finished, and the GPU idled for
+the launch's host work, ~25 µs a 2B batch-1 step on an H200: benchmarks/RESULTS.md, 2026-11-29.)
 """
 
 from __future__ import annotations
@@ -68,43 +75,50 @@ class DecodeGraphs:
         self.scratch_block = scratch_block  # a KV page no sequence owns: padded rows write there
         self.scratch_slot = scratch_block * self.block_size
         size, width = self.sizes[-1], self.widths[-1]
-        # static inputs on the device; rows past a step's sequences keep the padding written here
-        self.inputs = torch.zeros((4, size), dtype=torch.int64, device=device)  # ids, positions, slots, lens
-        self.inputs[SLOTS].fill_(self.scratch_slot)
-        self.inputs[SEQ_LENS].fill_(1)
-        self.block_table = torch.full((size, width), self.scratch_block, dtype=torch.int32, device=device)
+        # static inputs on the device (see the module docstring: bucket views are contiguous prefixes)
+        self._inputs = torch.zeros(4 * size, dtype=torch.int64, device=device)
+        self._table = torch.full((size * width,), scratch_block, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        # Two pinned staging buffers for the inputs, used in turn: a launch ahead (runner/cuda_lookahead.py)
-        # may still be copying from one when the next launch fills the other; each buffer's event marks its
-        # copy done before the host writes it again. The table is copied whole only by run(), whose step
-        # the runner syncs on before its next launch; replay_next writes blocks appended since (rare)
-        # from pageable memory, which the copy has read when it returns.
-        self._host_inputs = PinnedPair(lambda: torch.empty_like(self.inputs, device="cpu"))
-        self._host_table = torch.empty_like(self.block_table, device="cpu").pin_memory()
+        # Two pinned staging buffers for each, used in turn: a launch ahead (runner/cuda_lookahead.py) may
+        # still be copying from one when the next launch fills the other; each buffer's event marks its
+        # copy done before the host writes it again.
+        self._host_inputs = PinnedPair(lambda: torch.empty(4 * size, dtype=torch.int64))
+        self._host_table = PinnedPair(lambda: torch.empty(size * width, dtype=torch.int32))
         self._last: tuple[int, int] | None = None  # (size, width) of the last launch
         self._table_blocks: list[int] = []  # each row's blocks in the device table, as last written
+        self._table_host = torch.empty(0, 0, dtype=torch.int32)  # the last launch's table [size, width]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # [size, vocab] f32
+        self.token_ids: dict[tuple[int, int], torch.Tensor] = {}  # [size] int64: each row's argmax
         self.pool = None
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
+    def inputs(self, size: int) -> torch.Tensor:
+        """The size bucket's inputs on the device: int64 [4, size] (ids, positions, slots, seq_lens)."""
+        return self._inputs[: 4 * size].view(4, size)
+
+    def block_table(self, size: int, width: int) -> torch.Tensor:
+        """The (size, width) bucket's block table on the device: int32 [size, width]."""
+        return self._table[: size * width].view(size, width)
+
     def _metadata(self, size: int, width: int) -> DeviceAttentionMetadata:
+        inputs = self.inputs(size)
         return DeviceAttentionMetadata(
-            slot_mapping=self.inputs[SLOTS, :size],
-            block_table=self.block_table[:size, :width],
-            seq_lens=self.inputs[SEQ_LENS, :size],
+            slot_mapping=inputs[SLOTS],
+            block_table=self.block_table(size, width),
+            seq_lens=inputs[SEQ_LENS],
             query_start_loc=self.query_start_loc[: size + 1],
             max_query_len=1,
             decode_only=True,
             decode_splits=1 if width * self.block_size <= SINGLE_SPLIT_KEYS else None,
         )
 
-    def _step(self, size: int, width: int) -> torch.Tensor:
-        ids, positions = self.inputs[INPUT_IDS, :size], self.inputs[POSITIONS, :size]
+    def _step(self, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, positions = self.inputs(size)[INPUT_IDS], self.inputs(size)[POSITIONS]
         hidden = self.decoder(ids, positions, self.kv_caches, self._metadata(size, width))
-        return self.decoder.compute_logits(hidden)  # [size, vocab]
+        return self.decoder.logits_and_argmax(hidden)  # f32 [size, vocab], int64 [size]
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -113,11 +127,12 @@ class DecodeGraphs:
         started = time.perf_counter()
         for size in reversed(self.sizes):
             for width in reversed(self.widths):
+                self._pad(size, width)  # the buckets share memory: this one's padding, harmless rows
                 self._step(size, width)  # eager warm-up: compilation happens outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[size, width] = self._step(size, width)
+                    self.logits[size, width], self.token_ids[size, width] = self._step(size, width)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[size, width] = graph
@@ -150,9 +165,9 @@ class DecodeGraphs:
         for row, pad in zip(rows, (0, 0, self.scratch_slot, 1), strict=True):
             row.extend([pad] * padding)
         table.extend([[scratch] * width] * padding)
-        self._host_table[:size, :width] = torch.tensor(table, dtype=torch.int32)
+        self._table_host = torch.tensor(table, dtype=torch.int32)
         self._send_rows(torch.tensor(rows, dtype=torch.int64), 0, size)
-        self.block_table[:size, :width].copy_(self._host_table[:size, :width], non_blocking=True)
+        self._send_table(size, width)
         self._table_blocks = [len(request.block_ids) for request in requests]
         return self._replay(size, width, num)
 
@@ -174,35 +189,71 @@ class DecodeGraphs:
         size, width = self._last
         if any(len(request.block_ids) > width for request in requests):
             return None
-        self._append_blocks(requests)
+        if append_blocks(self._table_host, self._table_blocks, requests):
+            self._send_table(size, width)
         num = len(positions)
-        rows = [list(positions), list(slots), [position + 1 for position in positions]]
-        self._send_rows(torch.tensor(rows, dtype=torch.int64), POSITIONS, num)
-        self.inputs[INPUT_IDS, :num].copy_(token_ids)
+        padding = size - num  # the padded rows' positions, slots and lengths, as run() wrote them
+        rows = [
+            list(positions) + [0] * padding,
+            list(slots) + [self.scratch_slot] * padding,
+            [position + 1 for position in positions] + [1] * padding,
+        ]
+        self._send_rows(torch.tensor(rows, dtype=torch.int64), POSITIONS, size)
+        self.inputs(size)[INPUT_IDS, :num].copy_(token_ids)  # device to device
         return self._replay(size, width, num)
 
-    def _append_blocks(self, requests: Sequence[ScheduledRequest]) -> None:
-        """Blocks a sequence got since its device table row was written (the scheduler reserves the next
-        position's block a step ahead for the launch ahead) -> that row. Rare (once a block's worth of
-        steps), so a plain pageable copy: copy_ has read the source when it returns."""
-        for row, request in enumerate(requests):
-            written, held = self._table_blocks[row], len(request.block_ids)
-            if held > written:
-                appended = torch.tensor(request.block_ids[written:], dtype=torch.int32)
-                self.block_table[row, written:held].copy_(appended, non_blocking=True)
-                self._table_blocks[row] = held
+    def _pad(self, size: int, width: int) -> None:
+        """Every row of the bucket harmless: token 0 at position 0, one key, in the scratch block."""
+        inputs = self.inputs(size)
+        inputs[INPUT_IDS].zero_()
+        inputs[POSITIONS].zero_()
+        inputs[SLOTS].fill_(self.scratch_slot)
+        inputs[SEQ_LENS].fill_(1)
+        self.block_table(size, width).fill_(self.scratch_block)
 
-    def _send_rows(self, rows: torch.Tensor, first_row: int, columns: int) -> None:
-        """rows int64 [n, columns] -> inputs[first_row : first_row + n, :columns], through the staging
-        buffer whose last copy is done."""
+    def _send_rows(self, rows: torch.Tensor, first_row: int, size: int) -> None:
+        """rows int64 [n, size] -> rows first_row .. first_row + n of the size bucket's inputs: whole rows
+        of a contiguous block, so one DMA from the staging buffer whose last copy is done."""
         staging, copied = self._host_inputs.take()
         last_row = first_row + rows.shape[0]
-        staged = staging[first_row:last_row, :columns]
+        staged = staging[: 4 * size].view(4, size)[first_row:last_row]
         staged.copy_(rows)
-        self.inputs[first_row:last_row, :columns].copy_(staged, non_blocking=True)
+        self.inputs(size)[first_row:last_row].copy_(staged, non_blocking=True)
+        copied.record()
+
+    def _send_table(self, size: int, width: int) -> None:
+        """The host's table of the last launch [size, width] -> the bucket's device table, one DMA from
+        pinned memory."""
+        staging, copied = self._host_table.take()
+        staged = staging[: size * width].view(size, width)
+        staged.copy_(self._table_host)
+        self.block_table(size, width).copy_(staged, non_blocking=True)
         copied.record()
 
     def _replay(self, size: int, width: int, num: int) -> torch.Tensor:
         self._last = (size, width)
         self.graphs[size, width].replay()
         return self.logits[size, width][:num]
+
+    def last_token_ids(self, num: int) -> torch.Tensor:
+        """The argmax of each of the last launch's first `num` rows, int64 [num] on the device (a view of
+        the bucket's static output: copy it before the next launch of that bucket). What greedy rows
+        sample, computed inside the graph."""
+        if self._last is None:
+            raise RuntimeError("last_token_ids needs a launch before it")
+        return self.token_ids[self._last][:num]
+
+
+def append_blocks(table: torch.Tensor, table_blocks: list[int], requests: Sequence[ScheduledRequest]) -> bool:
+    """Blocks a sequence got since its table row was written (the scheduler reserves the next position's
+    block a step ahead for the launch ahead) -> into `table` (int32 [rows, width], the host's copy of the
+    last launch's table) and `table_blocks` (each row's block count); True when any row changed. The
+    caller checked that every sequence's blocks fit the width."""
+    changed = False
+    for row, request in enumerate(requests):
+        written, held = table_blocks[row], len(request.block_ids)
+        if held > written:
+            table[row, written:held] = torch.tensor(request.block_ids[written:], dtype=torch.int32)
+            table_blocks[row] = held
+            changed = True
+    return changed

@@ -131,7 +131,8 @@ class CudaModelRunner(ModelRunner):
             self.lookahead_stats.hits += 1
             token_ids, readback = pending.token_ids, pending.readback
         elif self._can_look_ahead(requests):
-            token_ids = self.graphs.run(requests).argmax(dim=-1)  # type: ignore[union-attr]
+            self.graphs.run(requests)  # type: ignore[union-attr]
+            token_ids = self.graphs.last_token_ids(len(requests))  # type: ignore[union-attr]
             readback = self._readback.start(token_ids)  # type: ignore[union-attr]
         else:
             return super().execute(scheduler_output)
@@ -169,7 +170,7 @@ class CudaModelRunner(ModelRunner):
         if logits is None:  # a table outgrew the last launch's context bucket
             return None
         self.lookahead_stats.launched += 1
-        next_ids = logits.argmax(dim=-1)
+        next_ids = self.graphs.last_token_ids(len(requests))  # type: ignore[union-attr]
         return Lookahead(
             request_ids=tuple(request.request_id for request in requests),
             positions=tuple(positions),

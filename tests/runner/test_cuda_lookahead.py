@@ -118,14 +118,15 @@ def test_blocks_appended_since_the_table_was_written_reach_the_device_table() ->
     scheduler appended since (the lookahead slot's) must be written into the row before the replay, and a
     table past the graph's width must launch nothing (the attention kernel would read padding)."""
     pytest.importorskip("triton")  # runner/cuda_graphs.py imports the CUDA decoder's kernels
-    from bitserve.runner.cuda_graphs import DecodeGraphs
+    from bitserve.runner.cuda_graphs import DecodeGraphs, append_blocks
 
-    graphs = object.__new__(DecodeGraphs)  # the unit alone: its table bookkeeping, no CUDA device
-    graphs.block_table = torch.full((2, 4), 99, dtype=torch.int32)
-    graphs._table_blocks = [2, 1]
-    graphs._append_blocks([decode("a", 1, 7, [3, 9, 5]), decode("b", 1, 2, [4])])
-    assert graphs.block_table.tolist() == [[99, 99, 5, 99], [99, 99, 99, 99]]
-    assert graphs._table_blocks == [3, 1]
+    table = torch.full((2, 4), 99, dtype=torch.int32)  # the host's copy of the last launch's table
+    table_blocks = [2, 1]
+    assert append_blocks(table, table_blocks, [decode("a", 1, 7, [3, 9, 5]), decode("b", 1, 2, [4])])
+    assert table.tolist() == [[99, 99, 5, 99], [99, 99, 99, 99]]
+    assert table_blocks == [3, 1]
+    assert not append_blocks(table, table_blocks, [decode("a", 1, 8, [3, 9, 5]), decode("b", 1, 3, [4])])
+    graphs = object.__new__(DecodeGraphs)  # the unit alone: its width check, no CUDA device
     graphs._last = (2, 2)
     grown = [decode("a", 1, 8, [3, 9, 5]), decode("b", 1, 3, [4])]
     assert graphs.replay_next(torch.zeros(2, dtype=torch.int64), grown, [8, 3], [20, 19]) is None
