@@ -7,17 +7,19 @@ keys and the full max_model_len. A short-context bucket runs decode attention in
 flash-decoding split rule reads the table width, not the lengths, which a graph cannot see), saving the
 split reduction; longer ones keep the kernel's own rule.
 
-Each graph reads static input buffers and writes static logits: a step of n sequences copies its inputs
+Each graph reads static input buffers and writes static logits (f32) and each row's argmax (greedy
+sampling's token, kernels/cuda/argmax.py, in the same kernel that widens an F16 head's logits): a step of
+n sequences copies its inputs
 (one pinned int64 block and the int32 block table, two non-blocking copies) into the first n rows of the
 smallest fitting bucket, pads the rest with a harmless row (token 0 at position 0, one key, writing to
-the scratch KV slot), replays, and reads the first n rows of the logits. All graphs share one pool.
+the scratch KV slot), replays, and reads the first n rows of its outputs. All graphs share one pool.
 
 The input buffers are flat, and a bucket's graph reads a contiguous prefix of them: [4, size] int64
 (ids, positions, slots, seq_lens) and [size, width] int32 (the table). So every host -> device copy is one
-plain DMA from pinned memory. (Row slices of [4, 256] / [256, width_max] tensors were strided: torch then
-staged the source through a pageable temporary, and a pageable cudaMemcpyAsync waits for the stream to
-drain first, so the launch ahead blocked until the step before it had finished, and the GPU idled for
-the launch's host work, ~25 µs a 2B batch-1 step on an H200: benchmarks/RESULTS.md, 2026-11-29.)
+plain DMA from pinned memory. (Row slices of [4, 256] / [256, width_max] tensors were strided: torch
+copied them through a pageable temporary and a scatter kernel, one more kernel and gap a step. Measured
+alone on an H200 the change is inside the noise, 1.036 / 1.036 -> 1.043 / 1.030 ms a 2B batch-1 step:
+benchmarks/RESULTS.md, 2026-11-29.)
 """
 
 from __future__ import annotations
