@@ -68,12 +68,25 @@ def test_negative_zero_ties_with_positive_zero_by_index() -> None:
 
 def test_launch_after_launch_and_a_strided_row_view() -> None:
     generator = torch.Generator().manual_seed(2)
-    for num_rows in (1, 5, 2):  # the counters grow once, then are reused; each launch resets them
+    for num_rows in (1, 5, 2):  # the same counters, reused; each launch resets them
         logits = torch.randn(num_rows, 2 * BLOCK + 3, generator=generator).to(DEVICE)
         assert argmax_rows(logits).tolist() == reference(logits)
     wide = torch.randn(4, 3 * BLOCK, generator=generator).to(DEVICE)
     rows = wide[1:3, : BLOCK + 11]  # a row stride larger than the width
     assert argmax_rows(rows).tolist() == reference(rows)
+
+
+def test_outgrown_counters_stay_alive_and_zero() -> None:
+    """A launch of more rows than the counters hold makes new ones; the old stay allocated (a captured
+    graph points at them) and still read zero, so a replay that uses them starts right."""
+    from bitserve.kernels.cuda.argmax import INITIAL_ROWS, Argmax
+
+    argmax = Argmax(torch.device(DEVICE))
+    first = argmax._arrivals
+    logits = torch.randn(INITIAL_ROWS + 1, 9, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    assert argmax(logits).tolist() == reference(logits)
+    assert argmax._arrivals is not first and argmax._outgrown == [first]
+    assert int(first.sum()) == 0 and int(argmax._arrivals.sum()) == 0
 
 
 def test_shapes_it_refuses() -> None:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 BLOCK = 4096  # logits a program reduces: 32 programs a row of 128,256
 NUM_WARPS = 8
+INITIAL_ROWS = 1024  # arrival counters made at first use: the decode graphs' buckets (<= 256) fit
 MAX_COLUMNS = 2**31 - 1  # indices are int32 inside the kernel
 MAX_INDEX = tl.constexpr(MAX_COLUMNS)
 
@@ -72,7 +73,10 @@ class Argmax:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._arrivals = torch.zeros(0, dtype=torch.int32, device=device)
+        self._arrivals = torch.zeros(INITIAL_ROWS, dtype=torch.int32, device=device)
+        # counters outgrown by a larger launch: kept alive, since a CUDA graph captured with one still
+        # points at it (freed, the caching allocator would hand its bytes to another tensor)
+        self._outgrown: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, widened: torch.Tensor | None = None) -> torch.Tensor:
         """logits [rows, vocab] (f32, f16 or bf16; unit column stride) -> int64 [rows], torch.argmax's
@@ -90,6 +94,7 @@ class Argmax:
         if num_rows == 0:
             return out
         if self._arrivals.numel() < num_rows:
+            self._outgrown.append(self._arrivals)
             self._arrivals = torch.zeros(num_rows, dtype=torch.int32, device=self.device)
         n_parts = triton.cdiv(num_cols, BLOCK)
         part_values = torch.empty(num_rows * n_parts, dtype=torch.float32, device=logits.device)
