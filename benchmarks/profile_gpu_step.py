@@ -7,6 +7,9 @@ graph's kernels by GPU time (torch.profiler over replays). One JSON line per mod
 BITSERVE_PROFILE_BATCH=N profiles the graph of the N-sequence bucket instead of batch 1 (the kernel
 table; the step times stay batch 1). BITSERVE_PROFILE_HOST=1 adds the host side's cProfile (engine
 steps of the batch-1 decode loop, sorted by own time): what the host does between two graph replays.
+BITSERVE_PROFILE_TIMELINE=1 adds the step as the GPU runs it in a greedy generate (launches ahead, the
+copies between graphs; torch.profiler over 65 tokens): the step period, the GPU's idle time, and every
+operation outside the kernel chain with its time and the idle gap before it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pstats
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -81,6 +85,73 @@ def host_profile(llm: LLM) -> str:
     return text.getvalue()
 
 
+STEP_END_KERNEL = "_argmax_kernel"  # the decode graph's last kernel (kernels/cuda/argmax.py)
+
+
+def step_timeline(events: list[dict[str, float | str]], chain_min_per_step: int = 10) -> dict[str, object]:
+    """GPU events (name, ts, dur in µs; kernels and copies in stream order) of a decode loop -> per step
+    (from one STEP_END_KERNEL's end to the next one's end, from the second such end on: the prefill and
+    the first decode step are not measured): the median
+    period and idle time, and for each operation that runs fewer than `chain_min_per_step` times a step
+    (the head, the argmax, copies, casts: not the layer chain) its median time and the median idle gap
+    before it."""
+    ends = [i for i, event in enumerate(events) if event["name"] == STEP_END_KERNEL]
+    periods, idles = [], []
+    durations: dict[str, list[float]] = defaultdict(list)
+    gaps: dict[str, list[float]] = defaultdict(list)
+    counts: dict[str, int] = defaultdict(int)
+    steps = list(zip(ends[1:-1], ends[2:], strict=False))  # consecutive ends: one fewer pair
+    for first, last in steps:
+        start = float(events[first]["ts"]) + float(events[first]["dur"])
+        busy_until, idle = start, 0.0
+        for event in events[first + 1 : last + 1]:
+            name, ts, dur = str(event["name"]), float(event["ts"]), float(event["dur"])
+            gap = max(0.0, ts - busy_until)
+            idle += gap
+            busy_until = max(busy_until, ts + dur)
+            counts[name] += 1
+            durations[name].append(dur)
+            gaps[name].append(gap)
+        periods.append(busy_until - start)
+        idles.append(idle)
+    if not steps:
+        return {"steps": 0}
+    outside = {
+        name[:70]: {
+            "us": round(statistics.median(durations[name]), 2),
+            "gap_before_us": round(statistics.median(gaps[name]), 2),
+            "per_step": round(count / len(steps), 2),
+        }
+        for name, count in counts.items()
+        if count < chain_min_per_step * len(steps)
+    }
+    return {
+        "steps": len(steps),
+        "period_us_median": round(statistics.median(periods), 1),
+        "idle_us_median": round(statistics.median(idles), 1),
+        "outside_chain": outside,
+    }
+
+
+def timeline(llm: LLM, new_tokens: int = 65) -> dict[str, object]:
+    """step_timeline of a batch-1 greedy generate of `new_tokens` (after one of the same length)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    prompt = [list(range(100, 116))]
+    llm.generate(prompt, params)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, params)
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [
+        {"name": e.name, "ts": e.time_range.start, "dur": e.time_range.end - e.time_range.start}
+        for e in prof.events()
+        if e.device_type == cuda
+    ]
+    return step_timeline(sorted(events, key=lambda event: event["ts"]))
+
+
 def apply_settings(settings: list[str]) -> None:
     """`module:ATTR=literal` pairs set before any model loads: a module-level switch of the kernels
     (e.g. bitserve.kernels.cuda.paged_attention:PREFETCH_OLD_KEYS=False) for an A/B in one command."""
@@ -118,6 +189,8 @@ def main() -> None:
         sys.stdout.write(kernel_table(graph) + "\n")
         if os.environ.get("BITSERVE_PROFILE_HOST") == "1":
             sys.stdout.write(host_profile(llm) + "\n")
+        if os.environ.get("BITSERVE_PROFILE_TIMELINE") == "1":
+            sys.stdout.write(json.dumps({"model": Path(path).name, "timeline": timeline(llm)}) + "\n")
         llm.close()
         del llm
         torch.cuda.empty_cache()
