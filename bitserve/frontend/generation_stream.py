@@ -128,9 +128,8 @@ class GenerationStream(OutputStream):
     def put(self, item: ChoiceDelta | BaseException) -> None:
         """Queue a delta or the request's error (on the event loop's thread) and wake the reader."""
         self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._waiter is not None:
+            _resolve(self._waiter)
 
     # ----------------------------------------------------------------- consumer side
 

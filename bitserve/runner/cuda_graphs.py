@@ -76,6 +76,8 @@ class DecodeGraphs:
         self.widths = context_widths(max_blocks_per_seq, self.block_size)
         self.scratch_block = scratch_block  # a KV page no sequence owns: padded rows write there
         self.scratch_slot = scratch_block * self.block_size
+        # a harmless row (ids, positions, slots, seq_lens): token 0 at position 0, one key, in the scratch
+        self.padding_row = (0, 0, self.scratch_slot, 1)
         size, width = self.sizes[-1], self.widths[-1]
         # static inputs on the device (see the module docstring: bucket views are contiguous prefixes)
         self._inputs = torch.zeros(4 * size, dtype=torch.int64, device=device)
@@ -163,8 +165,8 @@ class DecodeGraphs:
             rows[SLOTS].append(request.block_ids[position // block_size] * block_size + position % block_size)
             rows[SEQ_LENS].append(position + 1)
             table.append(request.block_ids + [scratch] * (width - len(request.block_ids)))
-        padding = size - num  # harmless rows: token 0 at position 0, one key, in the scratch block
-        for row, pad in zip(rows, (0, 0, self.scratch_slot, 1), strict=True):
+        padding = size - num  # rows past the step's sequences: the padding row
+        for row, pad in zip(rows, self.padding_row, strict=True):
             row.extend([pad] * padding)
         table.extend([[scratch] * width] * padding)
         self._table_host = torch.tensor(table, dtype=torch.int32)
@@ -195,22 +197,20 @@ class DecodeGraphs:
             self._send_table(size, width)
         num = len(positions)
         padding = size - num  # the padded rows' positions, slots and lengths, as run() wrote them
+        columns = (list(positions), list(slots), [position + 1 for position in positions])
         rows = [
-            list(positions) + [0] * padding,
-            list(slots) + [self.scratch_slot] * padding,
-            [position + 1 for position in positions] + [1] * padding,
+            values + [pad] * padding
+            for values, pad in zip(columns, self.padding_row[POSITIONS:], strict=True)
         ]
         self._send_rows(torch.tensor(rows, dtype=torch.int64), POSITIONS, size)
         self.inputs(size)[INPUT_IDS, :num].copy_(token_ids)  # device to device
         return self._replay(size, width, num)
 
     def _pad(self, size: int, width: int) -> None:
-        """Every row of the bucket harmless: token 0 at position 0, one key, in the scratch block."""
+        """Every row of the bucket the padding row, its table all the scratch block."""
         inputs = self.inputs(size)
-        inputs[INPUT_IDS].zero_()
-        inputs[POSITIONS].zero_()
-        inputs[SLOTS].fill_(self.scratch_slot)
-        inputs[SEQ_LENS].fill_(1)
+        for row, value in enumerate(self.padding_row):
+            inputs[row].fill_(value)
         self.block_table(size, width).fill_(self.scratch_block)
 
     def _send_rows(self, rows: torch.Tensor, first_row: int, size: int) -> None:

@@ -95,3 +95,8 @@ def test_shapes_it_refuses() -> None:
     with pytest.raises(ValueError, match="columns"):
         argmax_rows(torch.zeros(2, 0, device=DEVICE))
     assert argmax_rows(torch.zeros(0, 5, device=DEVICE)).tolist() == []
+    from bitserve.kernels.cuda.argmax import Argmax
+
+    half = torch.zeros(2, 5, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="widened"):
+        Argmax(torch.device(DEVICE))(half, torch.empty_like(half))  # widened must be f32

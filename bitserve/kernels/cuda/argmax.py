@@ -88,7 +88,9 @@ class Argmax:
         num_rows, num_cols = logits.shape
         if num_cols == 0 or num_cols > MAX_COLUMNS:
             raise ValueError(f"argmax_rows needs 1 to {MAX_COLUMNS} columns, got {num_cols}")
-        if widened is not None and (widened.shape != logits.shape or widened.stride(1) != 1):
+        if widened is not None and (
+            widened.dtype != torch.float32 or widened.shape != logits.shape or widened.stride(1) != 1
+        ):
             raise ValueError("widened must be f32 logits' shape with unit column stride")
         out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         if num_rows == 0:
