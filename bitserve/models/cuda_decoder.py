@@ -26,7 +26,7 @@ import torch
 
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import PreparedLinear
-from bitserve.kernels.cuda.argmax import cast_argmax_rows
+from bitserve.kernels.cuda.argmax import StepFeed, cast_argmax_rows
 from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
@@ -204,7 +204,8 @@ class CudaDecoder:
         self.spec = spec
         self.layers = [_CudaLayer(layer, spec.activation, spec.rms_norm_eps) for layer in model.layers]
         self.embedding = _device_embedding(model, device)  # [vocab, hidden], f32 / f16 / bf16
-        self.head = _device_head(model, device, self.embedding)  # logits in the head's dtype
+        # logits in the head's dtype; a float matrix's input is rounded to its dtype (head_input_dtype)
+        self.head, self.head_input_dtype = _device_head(model, device, self.embedding)
         rotary = model.rotary
         self.cos, self.sin = rotary.cos.to(device), rotary.sin.to(device)  # [max_pos, rope_dim / 2]
         self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
@@ -219,6 +220,19 @@ class CudaDecoder:
     ) -> torch.Tensor:
         """input_ids, positions int64 [T] -> hidden_states f32 [T, hidden] (final norm applied)."""
         hidden = self.embedding[input_ids].to(torch.float32)  # [T, hidden]
+        return self.final_norm(self.run_layers(hidden, positions, kv_caches, metadata))
+
+    __call__ = forward
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: DeviceAttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden f32 [T, hidden] (the tokens' embeddings), positions int64 [T] -> the last layer's output
+        f32 [T, hidden], before the final norm."""
         num_tokens = hidden.shape[0]
         for cuda_layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer = cuda_layer.layer
@@ -234,9 +248,11 @@ class CudaDecoder:
             attn = self._attend(q, kv_cache, metadata).view(num_tokens, -1)  # [T, H * D]
             hidden = cuda_layer.attn_out(attn, hidden)
             hidden = cuda_layer.ffn(hidden)
-        return rms_norm(hidden, self.model.norm.weight, self.spec.rms_norm_eps)
+        return hidden
 
-    __call__ = forward
+    def final_norm(self, hidden: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The model's last RMSNorm: f32 [T, hidden] -> [T, hidden] in out_dtype."""
+        return rms_norm(hidden, self.model.norm.weight, self.spec.rms_norm_eps, out_dtype)
 
     def _attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: DeviceAttentionMetadata
@@ -264,11 +280,15 @@ class CudaDecoder:
         """hidden_states f32 [n, hidden] -> logits f32 [n, vocab]."""
         return self.head(hidden_states).to(torch.float32)
 
-    def logits_and_argmax(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states f32 [n, hidden] -> (logits f32 [n, vocab], their argmax int64 [n]): what the
-        decode graphs end with, the widening of an F16 / BF16 head's output and greedy sampling's argmax
-        in one kernel (kernels/cuda/argmax.py)."""
-        return cast_argmax_rows(self.head(hidden_states))
+    def norm_logits_and_argmax(
+        self, hidden: torch.Tensor, feed: StepFeed | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output f32 [n, hidden] -> (logits f32 [n, vocab], their argmax int64 [n]): what
+        the decode graphs end with. The final norm writes the head's input dtype (an F16 head's cast in
+        its launch), and the widening of an F16 / BF16 head's output, greedy sampling's argmax and the
+        next step's feed are one kernel (kernels/cuda/argmax.py)."""
+        normed = self.final_norm(hidden, self.head_input_dtype)
+        return cast_argmax_rows(self.head(normed), feed)
 
 
 def _device_embedding(model: DecoderModel, device: torch.device) -> torch.Tensor:
@@ -283,18 +303,19 @@ def _device_embedding(model: DecoderModel, device: torch.device) -> torch.Tensor
 
 
 def _device_head(model: DecoderModel, device: torch.device, embedding: torch.Tensor):  # noqa: ANN202
-    """The LM head's callable on the device, hidden f32 [n, hidden] -> logits [n, vocab] in the head's
-    dtype (f32 for a prepared dense weight): a prepared weight, or a float matrix; a tied F16 head shares
-    the embedding's device copy."""
+    """(The LM head's callable on the device, the dtype its input is rounded to). The callable: hidden
+    [n, hidden] (f32, or already that dtype) -> logits [n, vocab] in the head's dtype (f32 for a prepared
+    dense weight): a prepared weight, or a float matrix; a tied F16 head shares the embedding's device
+    copy."""
     weight = model.lm_head.weight
     if isinstance(weight, PreparedLinear):
-        return weight
+        return weight, torch.float32
     if model.spec.tie_word_embeddings and weight.dtype == embedding.dtype and weight.shape == embedding.shape:
         matrix = embedding
     else:
         matrix = weight.to(device)
     if matrix.dtype == torch.float32:
-        return lambda hidden: torch.nn.functional.linear(hidden, matrix)
+        return (lambda hidden: torch.nn.functional.linear(hidden, matrix)), torch.float32
     # F16 / BF16: activations rounded to the weight's dtype, fp32 accumulation, logits rounded to the
     # weight's dtype (as the CPU head); the caller widens them
-    return lambda hidden: torch.nn.functional.linear(hidden.to(matrix.dtype), matrix)
+    return (lambda hidden: torch.nn.functional.linear(hidden.to(matrix.dtype), matrix)), matrix.dtype

@@ -8,11 +8,16 @@ flash-decoding split rule reads the table width, not the lengths, which a graph 
 split reduction; longer ones keep the kernel's own rule.
 
 Each graph reads static input buffers and writes static logits (f32) and each row's argmax (greedy
-sampling's token, kernels/cuda/argmax.py, in the same kernel that widens an F16 head's logits): a step of
-n sequences copies its inputs
-(one pinned int64 block and the int32 block table, two non-blocking copies) into the first n rows of the
-smallest fitting bucket, pads the rest with a harmless row (token 0 at position 0, one key, writing to
-the scratch KV slot), replays, and reads the first n rows of its outputs. All graphs share one pool.
+sampling's token, kernels/cuda/argmax.py, in the same kernel that widens an F16 head's logits). A step
+of n sequences copies each row's token id and position, and the block table, into the first n rows of the
+smallest fitting bucket (two non-blocking copies from pinned memory), pads the rest with a harmless row
+(token 0 at position 0, its table all the scratch block: one key, written to the scratch page), replays,
+and reads the first n rows of its outputs. The graph's first kernel derives each row's KV slot and
+context length and gathers its embedding (kernels/cuda/decode_inputs.py); its last, the argmax, also
+feeds the step after (kernels/cuda/argmax.py's StepFeed): each real row's token id and position + 1 go
+into the inputs, and the tokens into pinned host memory. So a step launched ahead with the same rows
+(replay_next) copies nothing but a table row that gained a block, and the host reads a step's tokens
+(`readback`) without a copy. All graphs share one pool.
 
 The input buffers are flat, and a bucket's graph reads a contiguous prefix of them: [4, size] int64
 (ids, positions, slots, seq_lens) and [size, width] int32 (the table). So every host -> device copy is one
@@ -27,10 +32,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.kernels.cuda.argmax import StepFeed
+from bitserve.kernels.cuda.decode_inputs import INPUT_IDS, POSITIONS, SEQ_LENS, SLOTS, prepare_decode_step
 from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
 from bitserve.runner.pinned_pair import PinnedPair
 
@@ -39,8 +47,6 @@ logger = logging.getLogger(__name__)
 MAX_BUCKET = 256
 CONTEXT_BUCKETS = (256, 1024)  # keys; the last bucket is always max_model_len
 SINGLE_SPLIT_KEYS = 256  # contexts this short attend in one split
-# rows of the packed int64 input block
-INPUT_IDS, POSITIONS, SLOTS, SEQ_LENS = range(4)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -77,6 +83,7 @@ class DecodeGraphs:
         self.scratch_block = scratch_block  # a KV page no sequence owns: padded rows write there
         self.scratch_slot = scratch_block * self.block_size
         # a harmless row (ids, positions, slots, seq_lens): token 0 at position 0, one key, in the scratch
+        # (the graph derives the slot and length from the position and a table row of scratch blocks)
         self.padding_row = (0, 0, self.scratch_slot, 1)
         size, width = self.sizes[-1], self.widths[-1]
         # static inputs on the device (see the module docstring: bucket views are contiguous prefixes)
@@ -86,14 +93,20 @@ class DecodeGraphs:
         # Two pinned staging buffers for each, used in turn: a launch ahead (runner/cuda_lookahead.py) may
         # still be copying from one when the next launch fills the other; each buffer's event marks its
         # copy done before the host writes it again.
-        self._host_inputs = PinnedPair(lambda: torch.empty(4 * size, dtype=torch.int64))
+        self._host_inputs = PinnedPair(lambda: torch.empty(2 * size, dtype=torch.int64))
         self._host_table = PinnedPair(lambda: torch.empty(size * width, dtype=torch.int32))
+        # each row's token, written by the graph's argmax into row position % 2 (kernels/cuda/argmax.py)
+        self.host_tokens = torch.zeros(2, size, dtype=torch.int64).pin_memory()
+        # each launch's completion, in turn: at most two launches are unread (a step and the one ahead)
+        self._launched = [torch.cuda.Event(), torch.cuda.Event()]
         self._last: tuple[int, int] | None = None  # (size, width) of the last launch
+        self._last_positions: tuple[int, ...] = ()  # its rows' positions
         self._table_blocks: list[int] = []  # each row's blocks in the device table, as last written
         self._table_host = torch.empty(0, 0, dtype=torch.int32)  # the last launch's table [size, width]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}  # [size, vocab] f32
-        self.token_ids: dict[tuple[int, int], torch.Tensor] = {}  # [size] int64: each row's argmax
+        # [size] int64: each row's argmax (the host reads it from host_tokens: readback())
+        self.token_ids: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
     def fits(self, num_seqs: int) -> bool:
@@ -120,9 +133,11 @@ class DecodeGraphs:
         )
 
     def _step(self, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, positions = self.inputs(size)[INPUT_IDS], self.inputs(size)[POSITIONS]
-        hidden = self.decoder(ids, positions, self.kv_caches, self._metadata(size, width))
-        return self.decoder.logits_and_argmax(hidden)  # f32 [size, vocab], int64 [size]
+        inputs, table, decoder = self.inputs(size), self.block_table(size, width), self.decoder
+        embedded = prepare_decode_step(inputs, table, decoder.embedding, self.block_size)  # [size, hidden]
+        hidden = decoder.run_layers(embedded, inputs[POSITIONS], self.kv_caches, self._metadata(size, width))
+        feed = StepFeed(inputs, table, self.scratch_block, self.host_tokens[:, :size])
+        return self.decoder.norm_logits_and_argmax(hidden, feed)  # f32 [size, vocab], int64 [size]
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -155,56 +170,37 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= num)
         needed = max(len(request.block_ids) for request in requests)
         width = next(w for w in self.widths if w >= needed)
-        block_size, scratch = self.block_size, self.scratch_block
-        rows: list[list[int]] = [[], [], [], []]
-        table: list[list[int]] = []
-        for request in requests:
-            position = request.start_position
-            rows[INPUT_IDS].append(request.token_ids[0])
-            rows[POSITIONS].append(position)
-            rows[SLOTS].append(request.block_ids[position // block_size] * block_size + position % block_size)
-            rows[SEQ_LENS].append(position + 1)
-            table.append(request.block_ids + [scratch] * (width - len(request.block_ids)))
+        scratch = self.scratch_block
         padding = size - num  # rows past the step's sequences: the padding row
-        for row, pad in zip(rows, self.padding_row, strict=True):
-            row.extend([pad] * padding)
+        pad_id, pad_position = self.padding_row[INPUT_IDS], self.padding_row[POSITIONS]
+        ids = [request.token_ids[0] for request in requests] + [pad_id] * padding
+        positions = [request.start_position for request in requests]
+        table = [request.block_ids + [scratch] * (width - len(request.block_ids)) for request in requests]
         table.extend([[scratch] * width] * padding)
         self._table_host = torch.tensor(table, dtype=torch.int32)
-        self._send_rows(torch.tensor(rows, dtype=torch.int64), 0, size)
+        self._send_rows(torch.tensor([ids, positions + [pad_position] * padding], dtype=torch.int64), size)
         self._send_table(size, width)
         self._table_blocks = [len(request.block_ids) for request in requests]
-        return self._replay(size, width, num)
+        return self._replay(size, width, positions)
 
     def replay_next(
-        self,
-        token_ids: torch.Tensor,
-        requests: Sequence[ScheduledRequest],
-        positions: Sequence[int],
-        slots: Sequence[int],
+        self, requests: Sequence[ScheduledRequest], positions: Sequence[int]
     ) -> torch.Tensor | None:
-        """The last launch's sequences (`requests`, in its row order) one position on: token_ids int64
-        [num] (on the device: that step's tokens, never read by the host here), each at `positions`
-        writing `slots` (the caller checked that every position falls in a block the sequence owns) ->
-        logits f32 [num, vocab], as run() returns them. Blocks appended to a sequence since its table row
-        was written go into the row first; None, launching nothing, where a table no longer fits the
-        last launch's width."""
+        """The last launch's sequences (`requests`, in its row order) one position on, each fed the token
+        that launch computed (its argmax: the graph wrote it and the position into the inputs) ->
+        logits f32 [num, vocab], as run() returns them. The caller checked that every position falls in a
+        block the sequence owns. Blocks appended to a sequence since its table row was written go into
+        the row first; None, launching nothing, where a table no longer fits the last launch's width."""
         if self._last is None:
             raise RuntimeError("replay_next needs a launch before it")
         size, width = self._last
         if any(len(request.block_ids) > width for request in requests):
             return None
+        if list(positions) != [position + 1 for position in self._last_positions]:
+            raise RuntimeError("replay_next continues the last launch's rows, each one position on")
         if append_blocks(self._table_host, self._table_blocks, requests):
             self._send_table(size, width)
-        num = len(positions)
-        padding = size - num  # the padded rows' positions, slots and lengths, as run() wrote them
-        columns = (list(positions), list(slots), [position + 1 for position in positions])
-        rows = [
-            values + [pad] * padding
-            for values, pad in zip(columns, self.padding_row[POSITIONS:], strict=True)
-        ]
-        self._send_rows(torch.tensor(rows, dtype=torch.int64), POSITIONS, size)
-        self.inputs(size)[INPUT_IDS, :num].copy_(token_ids)  # device to device
-        return self._replay(size, width, num)
+        return self._replay(size, width, positions)
 
     def _pad(self, size: int, width: int) -> None:
         """Every row of the bucket the padding row, its table all the scratch block."""
@@ -213,14 +209,13 @@ class DecodeGraphs:
             inputs[row].fill_(value)
         self.block_table(size, width).fill_(self.scratch_block)
 
-    def _send_rows(self, rows: torch.Tensor, first_row: int, size: int) -> None:
-        """rows int64 [n, size] -> rows first_row .. first_row + n of the size bucket's inputs: whole rows
-        of a contiguous block, so one DMA from the staging buffer whose last copy is done."""
+    def _send_rows(self, rows: torch.Tensor, size: int) -> None:
+        """rows int64 [2, size] (ids, positions) -> the size bucket's first two input rows: a contiguous
+        block, so one DMA from the staging buffer whose last copy is done."""
         staging, copied = self._host_inputs.take()
-        last_row = first_row + rows.shape[0]
-        staged = staging[: 4 * size].view(4, size)[first_row:last_row]
+        staged = staging[: 2 * size].view(2, size)
         staged.copy_(rows)
-        self.inputs(size)[first_row:last_row].copy_(staged, non_blocking=True)
+        self.inputs(size)[INPUT_IDS : POSITIONS + 1].copy_(staged, non_blocking=True)
         copied.record()
 
     def _send_table(self, size: int, width: int) -> None:
@@ -232,18 +227,36 @@ class DecodeGraphs:
         self.block_table(size, width).copy_(staged, non_blocking=True)
         copied.record()
 
-    def _replay(self, size: int, width: int, num: int) -> torch.Tensor:
-        self._last = (size, width)
+    def _replay(self, size: int, width: int, positions: Sequence[int]) -> torch.Tensor:
+        self._last, self._last_positions = (size, width), tuple(positions)
         self.graphs[size, width].replay()
-        return self.logits[size, width][:num]
+        launched = self._launched.pop(0)
+        launched.record()
+        self._launched.append(launched)
+        return self.logits[size, width][: len(positions)]
 
-    def last_token_ids(self, num: int) -> torch.Tensor:
-        """The argmax of each of the last launch's first `num` rows, int64 [num] on the device (a view of
-        the bucket's static output: copy it before the next launch of that bucket). What greedy rows
-        sample, computed inside the graph."""
+    def readback(self) -> TokenReadback:
+        """The last launch's tokens (each row's argmax), for the host to read when that launch is done."""
         if self._last is None:
-            raise RuntimeError("last_token_ids needs a launch before it")
-        return self.token_ids[self._last][:num]
+            raise RuntimeError("readback needs a launch before it")
+        return TokenReadback(self.host_tokens, self._last_positions, self._launched[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class TokenReadback:
+    """A launch's tokens in the pinned buffer its argmax writes (row position % 2 of each sequence's
+    column): valid once `done` has completed, until the second launch after it (which a host launches
+    only after reading this one: see kernels/cuda/argmax.py)."""
+
+    host_tokens: torch.Tensor  # int64 [2, size], pinned
+    positions: tuple[int, ...]  # each row's position in that launch
+    done: torch.cuda.Event  # recorded after that launch
+
+    def read(self) -> list[int]:
+        """Waits for that launch alone (the one launched ahead after it runs on) -> each row's token."""
+        self.done.synchronize()
+        by_parity = self.host_tokens[:, : len(self.positions)].tolist()
+        return [by_parity[position % 2][row] for row, position in enumerate(self.positions)]
 
 
 def append_blocks(table: torch.Tensor, table_blocks: list[int], requests: Sequence[ScheduledRequest]) -> bool:

@@ -5,8 +5,9 @@ At batch 1 a 2B decode graph replays in ~1.2 ms, and the host spends ~0.3 ms bet
 and the next replay (reading the tokens, the scheduler's update and next schedule, building and copying the
 next inputs, the caller's output processing): the GPU idled for a fifth of every step (benchmarks/
 RESULTS.md). Here, once a plain greedy decode step is launched, its tokens are taken on the device
-(argmax, as the sampler does for greedy rows) and fed straight into a replay of the same graph at the next
-positions; only then does the host wait for this step's tokens. If the scheduler's next step is exactly
+(argmax, as the sampler does for greedy rows; the graph itself writes them and the next positions into
+its inputs: runner/cuda_graphs.py) and a replay of the same graph computes the next step; only then does
+the host wait for this step's tokens. If the scheduler's next step is exactly
 that one (same sequences in the same order, each fed the token it sampled, at the next position, with the
 blocks it was launched with, perhaps more appended), its tokens are already computed (or in flight);
 otherwise the guess is dropped and the step runs as usual. A guess needs the next position's block: the
@@ -34,11 +35,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from bitserve.core.scheduler_output import ScheduledRequest
-from bitserve.runner.pinned_pair import PinnedPair
+
+if TYPE_CHECKING:
+    from bitserve.runner.cuda_graphs import TokenReadback
 
 LOOKAHEAD_ENV = "BITSERVE_CUDA_LOOKAHEAD"
 # On by default (2B on an H200, 2026-11-28: 1.040 -> 1.027 ms a step with it, ab_gpu_decode.py); =0 turns
@@ -92,32 +94,6 @@ def next_positions(
     return positions
 
 
-class TokenReadback:
-    """Copies a step's sampled ids to the host as soon as they are computed, not when the host asks.
-
-    A plain `.tolist()` queues its copy behind everything launched before it, so after a launch ahead it
-    would wait for the next step too. Two pinned buffers in turn: at most two steps are in flight, and a
-    step's ids are read before the step two launches later reuses its buffer (runner/pinned_pair.py)."""
-
-    def __init__(self, capacity: int) -> None:
-        self._pair = PinnedPair(lambda: torch.empty(capacity, dtype=torch.int64))
-
-    def start(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Queue the copy of token_ids int64 [n] (on the device) now -> (its host buffer, done event)."""
-        buffer, done = self._pair.take()
-        host = buffer[: token_ids.shape[0]]
-        host.copy_(token_ids, non_blocking=True)
-        done.record()
-        return host, done
-
-
-def read_tokens(started: tuple[torch.Tensor, torch.cuda.Event]) -> list[int]:
-    """The ids TokenReadback.start queued: waits for that step alone."""
-    host, done = started
-    done.synchronize()
-    return host.tolist()
-
-
 @dataclass(slots=True)
 class Lookahead:
     """A decode step launched ahead: which step it computed, and its tokens (on the device)."""
@@ -127,8 +103,7 @@ class Lookahead:
     # each sequence's block count when launched: a running sequence's blocks are only appended, so a step
     # whose table holds at least these is one whose first blocks are the ones the launch read
     num_blocks: tuple[int, ...]
-    token_ids: torch.Tensor  # int64 [num_seqs] on the device: the step's argmax
-    readback: tuple[torch.Tensor, torch.cuda.Event] | None = None  # its copy to the host, queued at launch
+    readback: TokenReadback  # its tokens (each row's argmax), for the host once it is done
     fed_token_ids: list[int] = field(default_factory=list)  # what it was fed: the step before's tokens
 
     def matches(self, requests: Sequence[ScheduledRequest]) -> bool:

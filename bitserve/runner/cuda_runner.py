@@ -24,13 +24,11 @@ from bitserve.runner.cuda_graphs import DecodeGraphs
 from bitserve.runner.cuda_lookahead import (
     Lookahead,
     LookaheadStats,
-    TokenReadback,
     ends_with_this_step,
     is_plain_greedy,
     lookahead_enabled,
     lookahead_slot_enabled,
     next_positions,
-    read_tokens,
 )
 from bitserve.runner.input_batch import build_batch_inputs
 from bitserve.runner.kv_cache import CacheLayout
@@ -73,7 +71,6 @@ class CudaModelRunner(ModelRunner):
         self.num_lookahead_tokens = 1 if self.lookahead and lookahead_slot_enabled() else 0
         self.lookahead_stats = LookaheadStats()
         self._pending: Lookahead | None = None  # the step launched ahead, if any
-        self._readback = TokenReadback(self.graphs.sizes[-1]) if self.graphs is not None else None
 
     @torch.inference_mode()
     def _warm_up_prefill(self, max_model_len: int) -> None:
@@ -129,16 +126,15 @@ class CudaModelRunner(ModelRunner):
             return super().execute(scheduler_output)
         if pending is not None and pending.matches(requests):
             self.lookahead_stats.hits += 1
-            token_ids, readback = pending.token_ids, pending.readback
+            readback = pending.readback
         elif self._can_look_ahead(requests):
             self.graphs.run(requests)  # type: ignore[union-attr]
-            token_ids = self.graphs.last_token_ids(len(requests))  # type: ignore[union-attr]
-            readback = self._readback.start(token_ids)  # type: ignore[union-attr]
+            readback = self.graphs.readback()  # type: ignore[union-attr]
         else:
             return super().execute(scheduler_output)
         self.free_request_state(scheduler_output.finished_request_ids)
-        self._pending = self._launch_next(requests, token_ids)
-        host_ids = read_tokens(readback)  # type: ignore[arg-type]  # the one host sync; the next step runs on
+        self._pending = self._launch_next(requests)
+        host_ids = readback.read()  # the one host sync; the step launched ahead runs on
         if self._pending is not None:
             self._pending.fed_token_ids = host_ids
         sampled = {request.request_id: [token] for request, token in zip(requests, host_ids, strict=True)}
@@ -153,30 +149,23 @@ class CudaModelRunner(ModelRunner):
             and all(is_plain_greedy(request) for request in requests)
         )
 
-    def _launch_next(self, requests: Sequence[ScheduledRequest], token_ids: torch.Tensor) -> Lookahead | None:
-        """Launch the step after `requests` (each fed its token of token_ids, on the device), or None where
-        a sequence ends with this step or its next position has no block yet."""
+    def _launch_next(self, requests: Sequence[ScheduledRequest]) -> Lookahead | None:
+        """Launch the step after `requests` (each fed the token the last launch computed, on the device),
+        or None where a sequence ends with this step or its next position has no block yet."""
         if any(ends_with_this_step(request) for request in requests):
             return None
-        block_size = self.layout.block_size
-        positions = next_positions(requests, self.max_model_len, block_size)
+        positions = next_positions(requests, self.max_model_len, self.layout.block_size)
         if positions is None:
             return None
-        slots = [
-            request.block_ids[position // block_size] * block_size + position % block_size
-            for request, position in zip(requests, positions, strict=True)
-        ]
-        logits = self.graphs.replay_next(token_ids, requests, positions, slots)  # type: ignore[union-attr]
+        logits = self.graphs.replay_next(requests, positions)  # type: ignore[union-attr]
         if logits is None:  # a table outgrew the last launch's context bucket
             return None
         self.lookahead_stats.launched += 1
-        next_ids = self.graphs.last_token_ids(len(requests))  # type: ignore[union-attr]
         return Lookahead(
             request_ids=tuple(request.request_id for request in requests),
             positions=tuple(positions),
             num_blocks=tuple(len(request.block_ids) for request in requests),
-            token_ids=next_ids,
-            readback=self._readback.start(next_ids),  # type: ignore[union-attr]
+            readback=self.graphs.readback(),  # type: ignore[union-attr]
         )
 
     @torch.inference_mode()

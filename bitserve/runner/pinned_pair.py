@@ -1,8 +1,8 @@
 """PinnedPair: two pinned host buffers used in turn, each with the CUDA event of its last copy.
 
 A step launched ahead (runner/cuda_lookahead.py) can still be copying through one buffer while the host
-prepares the next copy in the other: the graphs' input staging (host -> device, cuda_graphs.DecodeGraphs)
-and the sampled ids' readback (device -> host, cuda_lookahead.TokenReadback) both need exactly that.
+prepares the next copy in the other: the graphs' input and table staging (host -> device,
+cuda_graphs.DecodeGraphs) needs exactly that.
 """
 
 from __future__ import annotations

@@ -8,10 +8,22 @@ row to arrive (an atomic counter) reduces the parts and resets the counter for t
 logits go through it, one kernel where a cast and torch's argmax were two (and a launch gap).
 
 Semantics are torch.argmax's: the first index of the maximum, a NaN counting as the maximum (the first
-NaN wins), -0.0 equal to +0.0. Imports triton: load only on the CUDA path.
+NaN wins), -0.0 equal to +0.0.
+
+With a `StepFeed` the row's last program also feeds the next decode step (runner/cuda_graphs.py): it
+writes the row's token into the graph's input ids and advances its position by one (rows of a real
+sequence only: a padded row, whose table row starts with the scratch block, stays as it was), and it
+stores the token into pinned host memory, in row `position % 2` of the feed's host buffer. So a step
+launched ahead needs no host -> device copy (nor a device -> device copy of the ids), and the host reads
+the tokens without a device -> host copy: on an H200 each copy sat behind a 1.6-5.6 µs gap between the
+graphs (benchmarks/RESULTS.md, 2026-11-29). Two rows suffice: a host reads a step's tokens before it
+launches the second step after it, and consecutive steps of a sequence differ in position parity.
+Imports triton: load only on the CUDA path.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,10 +49,34 @@ def _first_max(values, indices):
     return tl.where(has_nan, float("nan"), top), tl.where(has_nan, nan_index, top_index)
 
 
+@dataclass(frozen=True, slots=True)
+class StepFeed:
+    """Where a decode graph's argmax feeds the next step (see the module docstring)."""
+
+    inputs: torch.Tensor  # int64 [4, rows] contiguous: row 0 the ids, row 1 the positions (advanced here)
+    block_table: torch.Tensor  # int32 [rows, width] contiguous: a row starting with scratch_block is padding
+    scratch_block: int
+    host_tokens: torch.Tensor  # int64 [2, >= rows], unit column stride, pinned: [position % 2, row]
+
+
+@triton.jit
+def _feed_next_step(
+    best, row, inputs_ptr, table_ptr, tokens_ptr, n_rows, table_width, tokens_stride, scratch_block
+):
+    """Row `row`'s token `best` (int64) -> the host buffer's row position % 2, and, for a real sequence,
+    the input ids and position + 1 of the step after."""
+    position = tl.load(inputs_ptr + n_rows + row)
+    tl.store(tokens_ptr + (position % 2) * tokens_stride + row, best)
+    if tl.load(table_ptr + row * table_width) != scratch_block:
+        tl.store(inputs_ptr + row, best)
+        tl.store(inputs_ptr + n_rows + row, position + 1)
+
+
 @triton.jit
 def _argmax_kernel(
     x_ptr, out_ptr, wide_ptr, part_values_ptr, part_indices_ptr, arrivals_ptr, n_cols, x_stride,
-    wide_stride, n_parts, BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr, WIDEN: tl.constexpr,
+    wide_stride, n_parts, feed_inputs_ptr, feed_table_ptr, feed_tokens_ptr, table_width, tokens_stride,
+    scratch_block, BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr, WIDEN: tl.constexpr, FEED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -64,7 +100,13 @@ def _argmax_kernel(
         values = tl.load(part_values_ptr + first + parts, mask=is_part, other=float("-inf"), volatile=True)
         indices = tl.load(part_indices_ptr + first + parts, mask=is_part, other=MAX_INDEX, volatile=True)
         _, best = _first_max(values, indices)
-        tl.store(out_ptr + row, best.to(tl.int64))
+        token = best.to(tl.int64)
+        tl.store(out_ptr + row, token)
+        if FEED:
+            _feed_next_step(
+                token, row, feed_inputs_ptr, feed_table_ptr, feed_tokens_ptr, tl.num_programs(0), table_width,
+                tokens_stride, scratch_block,
+            )  # fmt: skip
         tl.store(arrivals_ptr + row, 0)  # the next launch on this stream starts from zero
 
 
@@ -78,10 +120,13 @@ class Argmax:
         # points at it (freed, the caching allocator would hand its bytes to another tensor)
         self._outgrown: list[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, widened: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, widened: torch.Tensor | None = None, feed: StepFeed | None = None
+    ) -> torch.Tensor:
         """logits [rows, vocab] (f32, f16 or bf16; unit column stride) -> int64 [rows], torch.argmax's
-        answer; `widened` f32 [rows, vocab] (unit column stride), when given, gets the logits as f32.
-        Launches on the current stream; concurrent launches on other streams must not share it."""
+        answer; `widened` f32 [rows, vocab] (unit column stride), when given, gets the logits as f32;
+        `feed`, when given, gets each row's token (see StepFeed). Launches on the current stream;
+        concurrent launches on other streams must not share it."""
         if logits.dim() != 2 or logits.stride(1) != 1:
             shape = tuple(logits.shape)
             raise ValueError(f"argmax_rows needs [rows, vocab] with unit column stride, got {shape}")
@@ -102,12 +147,32 @@ class Argmax:
         part_values = torch.empty(num_rows * n_parts, dtype=torch.float32, device=logits.device)
         part_indices = torch.empty(num_rows * n_parts, dtype=torch.int32, device=logits.device)
         wide = logits if widened is None else widened  # an unused pointer when not widening
+        if feed is not None:
+            _check_feed(feed, num_rows)
+            feed_pointers = (feed.inputs, feed.block_table, feed.host_tokens)
+            feed_values = (feed.block_table.shape[1], feed.host_tokens.stride(0), feed.scratch_block)
+        else:  # unused pointers and values
+            feed_pointers, feed_values = (out, out, out), (1, 1, 0)
         _argmax_kernel[(num_rows, n_parts)](
             logits, out, wide, part_values, part_indices, self._arrivals, num_cols, logits.stride(0),
-            wide.stride(0), n_parts, BLOCK=BLOCK, PARTS_BLOCK=triton.next_power_of_2(n_parts),
-            WIDEN=widened is not None, num_warps=NUM_WARPS,
+            wide.stride(0), n_parts, *feed_pointers, *feed_values, BLOCK=BLOCK,
+            PARTS_BLOCK=triton.next_power_of_2(n_parts), WIDEN=widened is not None, FEED=feed is not None,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
         return out
+
+
+def _check_feed(feed: StepFeed, num_rows: int) -> None:
+    inputs, table, tokens = feed.inputs, feed.block_table, feed.host_tokens
+    if inputs.shape != (4, num_rows) or inputs.dtype != torch.int64 or not inputs.is_contiguous():
+        raise ValueError(f"feed.inputs must be contiguous int64 [4, {num_rows}], got {tuple(inputs.shape)}")
+    table_ok = table.dim() == 2 and table.shape[0] == num_rows and table.dtype == torch.int32
+    if not (table_ok and table.is_contiguous()):
+        raise ValueError(f"feed.block_table must be contiguous int32 [{num_rows}, width]")
+    if tokens.dim() != 2 or tokens.shape[0] != 2 or tokens.shape[1] < num_rows or tokens.stride(1) != 1:
+        raise ValueError(f"feed.host_tokens must be int64 [2, >= {num_rows}] with unit column stride")
+    if tokens.dtype != torch.int64:
+        raise ValueError("feed.host_tokens must be int64")
 
 
 _BY_DEVICE: dict[torch.device, Argmax] = {}
@@ -125,10 +190,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return _for_device(logits.device)(logits)
 
 
-def cast_argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [rows, vocab] f16 / bf16 / f32 -> (the logits as f32, their argmax int64 [rows]); f32
-    logits come back as they are."""
+def cast_argmax_rows(logits: torch.Tensor, feed: StepFeed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] f16 / bf16 / f32 -> (the logits as f32, their argmax int64 [rows]), the
+    tokens also fed to `feed` when given; f32 logits come back as they are."""
+    argmax = _for_device(logits.device)
     if logits.dtype == torch.float32:
-        return logits, argmax_rows(logits)
+        return logits, argmax(logits, feed=feed)
     widened = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    return widened, _for_device(logits.device)(logits, widened)
+    return widened, argmax(logits, widened, feed)

@@ -53,15 +53,22 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)  # f32 [BLOCK]
     wide = x.to(tl.float64)
     scale = inv_rms(tl.sum(wide * wide, axis=0), n_cols, eps)
-    tl.store(out_ptr + row * out_stride + cols, (x * scale) * w, mask=mask)
+    normed = (x * scale) * w
+    tl.store(out_ptr + row * out_stride + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x f32 [T, N] (unit column stride), weight f32 [N] -> f32 [T, N]."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """x f32 [T, N] (unit column stride), weight f32 [N] -> [T, N] in out_dtype: f32, or f16 / bf16
+    rounded to nearest even from the f32 result (what .to(out_dtype) of the f32 output gives, in the
+    same launch: the decode graphs' final norm feeds an F16 LM head so)."""
     num_rows, num_cols = x.shape
     if num_cols > MAX_ROW_BLOCK:
         raise ValueError(f"rms_norm rows of {num_cols} values exceed {MAX_ROW_BLOCK}")
-    out = torch.empty((num_rows, num_cols), dtype=torch.float32, device=x.device)
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"rms_norm writes f32, f16 or bf16, not {out_dtype}")
+    out = torch.empty((num_rows, num_cols), dtype=out_dtype, device=x.device)
     if num_rows:
         block = triton.next_power_of_2(num_cols)
         _rms_norm_kernel[(num_rows,)](
