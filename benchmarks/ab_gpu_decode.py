@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import bench_gpu  # noqa: E402
-from profile_gpu_step import apply_settings, replay_us  # noqa: E402
+from profile_gpu_step import REPLAY_CONTEXT, apply_settings, replay_us  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -75,7 +75,8 @@ def measure(path: str, kv_bytes: int) -> dict:
     try:
         rate = bench_gpu.decode_rate(llm, 1, 128)
         graphs = llm.engine.runner.graphs
-        replay = replay_us(graphs.graphs[1, graphs.widths[0]], count=200, rounds=3)
+        graph = graphs.held_graph(1, graphs.widths[0], REPLAY_CONTEXT)  # replays that repeat one step
+        replay = replay_us(graph, count=200, rounds=3)
         return {**rate, "replay_ms": round(replay / 1000, 3)}
     finally:
         llm.close()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
+from bitserve.errors import UnsupportedModel
 from bitserve.kernels.cuda.argmax import StepFeed
 from bitserve.kernels.cuda.decode_inputs import INPUT_IDS, POSITIONS, SEQ_LENS, SLOTS, prepare_decode_step
 from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
@@ -147,7 +148,8 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             for width in reversed(self.widths):
                 self._pad(size, width)  # the buckets share memory: this one's padding, harmless rows
-                self._step(size, width)  # eager warm-up: compilation happens outside the capture
+                logits, _ = self._step(size, width)  # eager warm-up: compilation happens outside the capture
+                self._check_vocab(logits.shape[1])
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
@@ -162,6 +164,17 @@ class DecodeGraphs:
             self.widths,
             time.perf_counter() - started,
         )
+
+    def _check_vocab(self, head_rows: int) -> None:
+        """The argmax feeds its token to the next step's embedding gather, which reads that row
+        unchecked: a head with more rows than the token table could send it past the table."""
+        table_rows = self.decoder.embedding.shape[0]
+        if head_rows > table_rows:
+            raise UnsupportedModel(
+                f"the LM head has {head_rows} rows but the token embedding {table_rows}: a sampled token "
+                "could have no embedding",
+                hint="run it with --no-cuda-graphs, or fix the file's output / token_embd tensors",
+            )
 
     def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
         """A decode-only step of len(requests) sequences -> logits f32 [len(requests), vocab] (a view of
@@ -201,6 +214,19 @@ class DecodeGraphs:
         if append_blocks(self._table_host, self._table_blocks, requests):
             self._send_table(size, width)
         return self._replay(size, width, positions)
+
+    def held_graph(self, size: int, width: int, context: int) -> torch.cuda.CUDAGraph:
+        """The (size, width) bucket's graph with inputs its replays leave as they are, for timing replays
+        back to back (benchmarks/profile_gpu_step.py): every row a padded one at position context - 1, so
+        each attends over `context` keys (of the scratch page) and the argmax feeds nothing back. (After
+        a real step its rows are real, and each replay would move them one position on, past the
+        bucket's table in a few hundred replays.) The next step must be a run()."""
+        if not 1 <= context <= width * self.block_size:
+            raise ValueError(f"context {context} is outside the bucket's 1..{width * self.block_size} keys")
+        self._pad(size, width)
+        self.inputs(size)[POSITIONS].fill_(context - 1)
+        self._last = None
+        return self.graphs[size, width]
 
     def _pad(self, size: int, width: int) -> None:
         """Every row of the bucket the padding row, its table all the scratch block."""

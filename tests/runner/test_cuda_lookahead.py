@@ -8,6 +8,7 @@ the host alone: a wrong "yes" would return another step's tokens.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,3 +131,17 @@ def test_blocks_appended_since_the_table_was_written_reach_the_device_table() ->
     graphs._last = (2, 2)
     grown = [decode("a", 1, 8, [3, 9, 5]), decode("b", 1, 3, [4])]
     assert graphs.replay_next(grown, [8, 3]) is None
+
+
+def test_graphs_refuse_a_head_with_more_rows_than_the_token_table() -> None:
+    """The graphs' argmax feeds each token to the next step's embedding gather, which does not check it:
+    a head wider than the table is refused at capture, not read past the table later."""
+    pytest.importorskip("triton")
+    from bitserve.errors import UnsupportedModel
+    from bitserve.runner.cuda_graphs import DecodeGraphs
+
+    graphs = object.__new__(DecodeGraphs)  # the unit alone: no CUDA device
+    graphs.decoder = SimpleNamespace(embedding=torch.zeros(10, 4))
+    graphs._check_vocab(10)
+    with pytest.raises(UnsupportedModel, match="11 rows but the token embedding 10"):
+        graphs._check_vocab(11)

@@ -16,10 +16,13 @@ Contract of a kernel launched with `launch_options(...)`: it calls `pdl_enter(US
 and before it reads anything the kernel launched just before it may write, so ordering is as strict as
 without PDL (`gdc_wait` waits for the predecessor's completion, and the predecessor itself completed only
 after its own wait: the chain is transitive). Before the wait a kernel may read what no running kernel
-writes: weights (a norm's, a GEMV's), and the step's inputs (positions, slots, seq_lens, block tables),
-which host copies and torch ops write before the chain's first kernel, and those start only after their
-predecessor has completed (they never trigger early); decode attention also reads the KV cache of earlier
-steps' keys there (the kernel before it writes only this step's slots). Such reads then travel under the
+writes: weights (a norm's, a GEMV's), and anything written two or more kernels earlier (a kernel starts
+only once its predecessor has passed its own wait, that is once the kernel before that has completed).
+So the step's inputs are readable there: ids, positions and block tables, which host copies (or the step
+before) write before the chain's first kernel, and slots and seq_lens, which that first kernel
+(decode_inputs.py) writes, several kernels before the RoPE + KV write and the attention that read them
+(keep one kernel at least between them); decode attention also reads the KV cache of earlier steps'
+keys there (the kernel before it writes only this step's slots). Such reads then travel under the
 previous kernel: a norm weight read after the wait came from DRAM on the critical path (2B batch-1 graph
 replay 1.186 -> 1.116 ms on an H100 once it moved before the wait).
 
