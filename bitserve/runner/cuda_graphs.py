@@ -82,10 +82,9 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_batch)
         self.widths = context_widths(max_blocks_per_seq, self.block_size)
         self.scratch_block = scratch_block  # a KV page no sequence owns: padded rows write there
-        self.scratch_slot = scratch_block * self.block_size
-        # a harmless row (ids, positions, slots, seq_lens): token 0 at position 0, one key, in the scratch
-        # (the graph derives the slot and length from the position and a table row of scratch blocks)
-        self.padding_row = (0, 0, self.scratch_slot, 1)
+        # a harmless row's token id and position: token 0 at position 0, which with a table row of scratch
+        # blocks the graph turns into one key written to the scratch page
+        self.padding_row = (0, 0)
         size, width = self.sizes[-1], self.widths[-1]
         # static inputs on the device (see the module docstring: bucket views are contiguous prefixes)
         self._inputs = torch.zeros(4 * size, dtype=torch.int64, device=device)
@@ -185,7 +184,7 @@ class DecodeGraphs:
         width = next(w for w in self.widths if w >= needed)
         scratch = self.scratch_block
         padding = size - num  # rows past the step's sequences: the padding row
-        pad_id, pad_position = self.padding_row[INPUT_IDS], self.padding_row[POSITIONS]
+        pad_id, pad_position = self.padding_row
         ids = [request.token_ids[0] for request in requests] + [pad_id] * padding
         positions = [request.start_position for request in requests]
         table = [request.block_ids + [scratch] * (width - len(request.block_ids)) for request in requests]
@@ -229,9 +228,10 @@ class DecodeGraphs:
         return self.graphs[size, width]
 
     def _pad(self, size: int, width: int) -> None:
-        """Every row of the bucket the padding row, its table all the scratch block."""
+        """Every row of the bucket the padding row, its table all the scratch block (the graph's first
+        kernel derives the slots and lengths)."""
         inputs = self.inputs(size)
-        for row, value in enumerate(self.padding_row):
+        for row, value in zip((INPUT_IDS, POSITIONS), self.padding_row, strict=True):
             inputs[row].fill_(value)
         self.block_table(size, width).fill_(self.scratch_block)
 

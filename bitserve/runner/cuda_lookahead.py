@@ -96,7 +96,7 @@ def next_positions(
 
 @dataclass(slots=True)
 class Lookahead:
-    """A decode step launched ahead: which step it computed, and its tokens (on the device)."""
+    """A decode step launched ahead: which step it computed, and where the host reads its tokens."""
 
     request_ids: tuple[str, ...]
     positions: tuple[int, ...]

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bitserve.kernels.cuda.decode_inputs import IDS_ROW, POSITIONS_ROW, check_step_inputs
+
 BLOCK = 4096  # logits a program reduces: 32 programs a row of 128,256
 NUM_WARPS = 8
 INITIAL_ROWS = 1024  # arrival counters made at first use: the decode graphs' buckets (<= 256) fit
@@ -65,11 +67,11 @@ def _feed_next_step(
 ):
     """Row `row`'s token `best` (int64) -> the host buffer's row position % 2, and, for a real sequence,
     the input ids and position + 1 of the step after."""
-    position = tl.load(inputs_ptr + n_rows + row)
+    position = tl.load(inputs_ptr + POSITIONS_ROW * n_rows + row)
     tl.store(tokens_ptr + (position % 2) * tokens_stride + row, best)
     if tl.load(table_ptr + row * table_width) != scratch_block:
-        tl.store(inputs_ptr + row, best)
-        tl.store(inputs_ptr + n_rows + row, position + 1)
+        tl.store(inputs_ptr + IDS_ROW * n_rows + row, best)
+        tl.store(inputs_ptr + POSITIONS_ROW * n_rows + row, position + 1)
 
 
 @triton.jit
@@ -163,12 +165,11 @@ class Argmax:
 
 
 def _check_feed(feed: StepFeed, num_rows: int) -> None:
-    inputs, table, tokens = feed.inputs, feed.block_table, feed.host_tokens
-    if inputs.shape != (4, num_rows) or inputs.dtype != torch.int64 or not inputs.is_contiguous():
-        raise ValueError(f"feed.inputs must be contiguous int64 [4, {num_rows}], got {tuple(inputs.shape)}")
-    table_ok = table.dim() == 2 and table.shape[0] == num_rows and table.dtype == torch.int32
-    if not (table_ok and table.is_contiguous()):
-        raise ValueError(f"feed.block_table must be contiguous int32 [{num_rows}, width]")
+    if feed.inputs.shape[-1] != num_rows:
+        shape = tuple(feed.inputs.shape)
+        raise ValueError(f"feed.inputs must be [4, {num_rows}] (the logits' rows), got {shape}")
+    check_step_inputs(feed.inputs, feed.block_table)
+    tokens = feed.host_tokens
     if tokens.dim() != 2 or tokens.shape[0] != 2 or tokens.shape[1] < num_rows or tokens.stride(1) != 1:
         raise ValueError(f"feed.host_tokens must be int64 [2, >= {num_rows}] with unit column stride")
     if tokens.dtype != torch.int64:

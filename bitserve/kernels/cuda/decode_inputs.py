@@ -21,8 +21,8 @@ from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 INPUT_IDS, POSITIONS, SLOTS, SEQ_LENS = range(4)
 MAX_BLOCK = 4096  # embedding values a program copies
 NUM_WARPS = 4
-# the rows as the kernel sees them (a Triton kernel reads only constexpr globals)
-_IDS, _POSITIONS, _SLOTS, _SEQ_LENS = (tl.constexpr(row) for row in range(4))
+# the rows as kernels see them (a Triton kernel reads only constexpr globals): here and in argmax.py's feed
+IDS_ROW, POSITIONS_ROW, SLOTS_ROW, SEQ_LENS_ROW = (tl.constexpr(row) for row in range(4))
 
 
 @triton.jit
@@ -33,8 +33,8 @@ def _prepare_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     pdl_enter(USE_PDL)
-    token = tl.load(inputs_ptr + _IDS * size + row)
-    position = tl.load(inputs_ptr + _POSITIONS * size + row)
+    token = tl.load(inputs_ptr + IDS_ROW * size + row)
+    position = tl.load(inputs_ptr + POSITIONS_ROW * size + row)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < hidden_size
     values = tl.load(embedding_ptr + token * embedding_stride + cols, mask=in_row, other=0.0)
@@ -44,8 +44,19 @@ def _prepare_kernel(
         # reading past the row
         column = tl.minimum(position // block_size, width - 1)
         block = tl.load(table_ptr + row * width + column).to(tl.int64)
-        tl.store(inputs_ptr + _SLOTS * size + row, block * block_size + position % block_size)
-        tl.store(inputs_ptr + _SEQ_LENS * size + row, position + 1)
+        tl.store(inputs_ptr + SLOTS_ROW * size + row, block * block_size + position % block_size)
+        tl.store(inputs_ptr + SEQ_LENS_ROW * size + row, position + 1)
+
+
+def check_step_inputs(inputs: torch.Tensor, block_table: torch.Tensor) -> None:
+    """The layout the decode graphs' kernels index by hand: inputs contiguous int64 [4, size], block_table
+    contiguous int32 [size, width]."""
+    if inputs.dim() != 2 or inputs.shape[0] != 4 or inputs.dtype != torch.int64 or not inputs.is_contiguous():
+        raise ValueError(f"inputs must be contiguous int64 [4, size], got {tuple(inputs.shape)}")
+    size = inputs.shape[1]
+    table_ok = block_table.dim() == 2 and block_table.shape[0] == size and block_table.dtype == torch.int32
+    if not (table_ok and block_table.is_contiguous()):
+        raise ValueError(f"block_table must be contiguous int32 [{size}, width]")
 
 
 def prepare_decode_step(
@@ -56,11 +67,8 @@ def prepare_decode_step(
     -> hidden f32 [size, hidden], each row its token's embedding row. Row r's slot becomes
     block_table[r, positions[r] // block_size] * block_size + positions[r] % block_size and its
     seq_len positions[r] + 1."""
+    check_step_inputs(inputs, block_table)
     size = inputs.shape[1]
-    if inputs.shape[0] != 4 or inputs.dtype != torch.int64 or not inputs.is_contiguous():
-        raise ValueError(f"inputs must be contiguous int64 [4, size], got {tuple(inputs.shape)}")
-    if block_table.shape[0] != size or block_table.dtype != torch.int32 or not block_table.is_contiguous():
-        raise ValueError(f"block_table must be contiguous int32 [{size}, width]")
     if embedding.dim() != 2 or embedding.stride(1) != 1:
         raise ValueError("embedding must be [vocab, hidden] with unit column stride")
     hidden_size = embedding.shape[1]
