@@ -79,9 +79,10 @@ def _fake_rows(x: torch.Tensor, columns: int) -> torch.Tensor:
     return _trivial(x, _buffer((x.shape[0], columns), torch.float32, x.device))
 
 
-def _fake_head(model, device, embedding):  # noqa: ANN001, ANN202
+def _fake_head(matrix):  # noqa: ANN001, ANN202
     """cuda_decoder._device_head's stand-in: (a trivial link writing [n, vocab] f32, its input dtype)."""
-    return (lambda hidden: _fake_rows(hidden, model.spec.vocab_size)), torch.float32
+    vocab = matrix.shape[0] if isinstance(matrix, torch.Tensor) else matrix.out_features
+    return (lambda hidden: _fake_rows(hidden, vocab)), torch.float32
 
 
 @contextlib.contextmanager
@@ -110,6 +111,7 @@ def ablated(classes: set[str]) -> Iterator[None]:
         swap(CudaBlockLinear, "run_fused", lambda self, x, *args, **kwargs: _fake_rows(x, self.out_features))
     if "head" in classes:
         swap(cuda_decoder, "_device_head", _fake_head)  # the decode graphs and compute_logits call it
+        swap(cuda_decoder, "_greedy_head", lambda matrix: None)
     try:
         yield
     finally:
@@ -123,7 +125,8 @@ def measure(path: str, classes: set[str]) -> float:
         llm = LLM(path, device="cuda")
         graphs = llm.engine.runner.graphs
         # batch 1, the shortest-context bucket (one key, as after the load): best of 5 means of 200 replays
-        micros = replay_us(graphs.held_graph(1, graphs.widths[0], 1), count=200, rounds=5)
+        greedy = graphs.decoder.greedy_head_fits(1)  # as a greedy decode step runs
+        micros = replay_us(graphs.held_graph(1, graphs.widths[0], 1, greedy=greedy), count=200, rounds=5)
         llm.close()
     del llm
     torch.cuda.empty_cache()

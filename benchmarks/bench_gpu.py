@@ -119,6 +119,29 @@ def bench_kernels(bandwidth: float, out: Path | None) -> None:
     gbps = head.numel() * 2 / (us * 1e-6) / 1e9
     row = {"bench": "kernel", "kernel": f"F16 LM head {VOCAB_2B}x{HIDDEN_2B} T=1", "us": round(us, 2)}
     emit(row | {"GB_s": round(gbps), "share_of_copy_bw": round(gbps * 1e9 / bandwidth, 3)}, out)
+    bench_greedy_head(head, bandwidth, us, out)
+
+
+def bench_greedy_head(head: torch.Tensor, bandwidth: float, full_us: float, out: Path | None) -> None:
+    """The greedy head (kernels/cuda/greedy_head.py: the argmax from an int8 copy of the head, plus the
+    exact logits of the candidate rows) on the same F16 head at T = 1, beside the full head's µs; each
+    input's argmax checked against cuBLAS's, and the rows it scored exactly."""
+    from bitserve.kernels.cuda.argmax import cast_argmax_rows
+    from bitserve.kernels.cuda.greedy_head import GreedyHead
+
+    greedy = GreedyHead(head)
+    inputs = [torch.randn(1, HIDDEN_2B, device="cuda").half() for _ in range(8)]
+    for x in inputs:
+        _, expected = cast_argmax_rows(torch.nn.functional.linear(x, head))
+        _, got = cast_argmax_rows(greedy(x))
+        if got.tolist() != expected.tolist():
+            raise AssertionError(f"greedy head argmax {got.tolist()} != cuBLAS {expected.tolist()}")
+    us = graph_time_us(lambda i: greedy(inputs[i % len(inputs)]))
+    gbps = greedy.quantized.numel() / (us * 1e-6) / 1e9  # the int8 copy: the bytes every call reads
+    row = {"bench": "kernel", "kernel": f"greedy head (int8 copy + exact candidates) {VOCAB_2B}x{HIDDEN_2B}"}
+    row |= {"us": round(us, 2), "full_head_us": round(full_us, 2), "GB_s": round(gbps)}
+    row |= {"share_of_copy_bw": round(gbps * 1e9 / bandwidth, 3)}
+    emit(row | {"max_candidates": int(max(int(greedy.candidates(x).max()) for x in inputs))}, out)
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:

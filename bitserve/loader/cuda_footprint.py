@@ -11,7 +11,9 @@ models/cuda_decoder.py lay them out:
 - other matrices: f32 (dequantized at load);
 - the token table: as stored when F16 / BF16 / F32, else f32; a tied head reuses a float table and adds
   a block weight for a Q4 / Q8 one; a separate F16 / BF16 head stays half;
-- vectors (norms): f32.
+- vectors (norms): f32;
+- a float head (separate, or the tied table) adds its greedy-head copy (kernels/cuda/greedy_head.py):
+  one int8 per value and an f32 scale per row.
 No Triton or torch import: the lifecycle calls it before it loads anything. It lives in the loader (it
 reads the tensor table; kernels may not import the loader), and repeats the layouts' byte counts rather
 than importing the CUDA modules, which pull torch.
@@ -27,6 +29,7 @@ from bitserve.loader.gguf_types import GGMLType
 
 TERNARY_TYPES = frozenset({GGMLType.I2_S, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.TL1, GGMLType.TL2})
 HALF_TYPES = frozenset({GGMLType.F16, GGMLType.BF16})
+FLOAT_TYPES = HALF_TYPES | {GGMLType.F32}
 # packed bytes per value in block_layout.py's form: Q4 codes 0.5 + f32 d and m per 32 values; Q8_0 1 + d
 BLOCK_PACKED_BYTES = {GGMLType.Q4_0: 0.75, GGMLType.Q4_1: 0.75, GGMLType.Q8_0: 1.125}
 F32_BYTES = 4
@@ -41,6 +44,9 @@ def cuda_weight_bytes(tensors: Iterable[TensorInfo]) -> int:
     table = by_name.get(TOKEN_TABLE)
     if table is not None and HEAD not in by_name and table.ggml_type in BLOCK_PACKED_BYTES:
         total += _matrix_bytes(table)  # a tied quantized head: its block weight beside the f32 table
+    head = by_name.get(HEAD, table)
+    if head is not None and head.ggml_type in FLOAT_TYPES and len(head.shape) == 2:
+        total += prod(head.shape) + head.shape[1] * F32_BYTES  # the greedy head's int8 copy and scales
     return total
 
 

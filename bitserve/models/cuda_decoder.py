@@ -20,6 +20,8 @@ decode step in a CUDA graph (runner/cuda_graphs.py).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,9 @@ from bitserve.kernels.backend import PreparedLinear
 from bitserve.kernels.cuda.argmax import StepFeed, cast_argmax_rows
 from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
+from bitserve.kernels.cuda.greedy_head import MAX_ROWS as GREEDY_HEAD_MAX_ROWS
+from bitserve.kernels.cuda.greedy_head import OUTPUT_STEP as GREEDY_HEAD_DTYPES
+from bitserve.kernels.cuda.greedy_head import GreedyHead
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, gated_row_order
 from bitserve.kernels.cuda.quantize import norm_quantize
@@ -39,6 +44,9 @@ from bitserve.layers.linear import Linear, LinearGroup
 from bitserve.layers.rotary import RopeStyle
 from bitserve.models.decoder import DecoderLayer, DecoderModel
 
+logger = logging.getLogger(__name__)
+
+GREEDY_HEAD_ENV = "BITSERVE_CUDA_GREEDY_HEAD"  # "0": greedy decode steps run the full head
 # GATED_ACTIVATIONS names that norm_quantize computes in its prologue
 _FUSED_ACTIVATIONS = {"relu2": "relu2", "relu_sqr": "relu2", "silu": "silu"}
 _FLOAT_LAYOUTS = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout.F32: torch.float32}
@@ -205,7 +213,10 @@ class CudaDecoder:
         self.layers = [_CudaLayer(layer, spec.activation, spec.rms_norm_eps) for layer in model.layers]
         self.embedding = _device_embedding(model, device)  # [vocab, hidden], f32 / f16 / bf16
         # logits in the head's dtype; a float matrix's input is rounded to its dtype (head_input_dtype)
-        self.head, self.head_input_dtype = _device_head(model, device, self.embedding)
+        head_matrix = _head_matrix(model, device, self.embedding)
+        self.head, self.head_input_dtype = _device_head(head_matrix)
+        # greedy rows of small decode steps: the argmax from an int8 copy of a float head
+        self.greedy_head = _greedy_head(head_matrix)
         rotary = model.rotary
         self.cos, self.sin = rotary.cos.to(device), rotary.sin.to(device)  # [max_pos, rope_dim / 2]
         self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
@@ -280,14 +291,24 @@ class CudaDecoder:
         """hidden_states f32 [n, hidden] -> logits f32 [n, vocab]."""
         return self.head(hidden_states).to(torch.float32)
 
+    def greedy_head_fits(self, num_rows: int) -> bool:
+        """Whether norm_logits_and_argmax(..., greedy=True) takes the greedy head at this many rows."""
+        return self.greedy_head is not None and num_rows <= GREEDY_HEAD_MAX_ROWS
+
     def norm_logits_and_argmax(
-        self, hidden: torch.Tensor, feed: StepFeed | None = None
+        self, hidden: torch.Tensor, feed: StepFeed | None = None, *, greedy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output f32 [n, hidden] -> (logits f32 [n, vocab], their argmax int64 [n]): what
         the decode graphs end with. The final norm writes the head's input dtype (an F16 head's cast in
         its launch), and the widening of an F16 / BF16 head's output, greedy sampling's argmax and the
-        next step's feed are one kernel (kernels/cuda/argmax.py)."""
+        next step's feed are one kernel (kernels/cuda/argmax.py).
+
+        greedy=True (rows that only take the argmax) runs the greedy head where it fits
+        (greedy_head_fits): the same argmax from half the head's bytes, but every logit other than
+        the candidates' is -inf, so these logits are not for sampling (kernels/cuda/greedy_head.py)."""
         normed = self.final_norm(hidden, self.head_input_dtype)
+        if greedy and self.greedy_head_fits(normed.shape[0]):
+            return cast_argmax_rows(self.greedy_head(normed), feed)  # type: ignore[misc]
         return cast_argmax_rows(self.head(normed), feed)
 
 
@@ -302,18 +323,37 @@ def _device_embedding(model: DecoderModel, device: torch.device) -> torch.Tensor
     return dense_rows(table, all_rows).to(device)
 
 
-def _device_head(model: DecoderModel, device: torch.device, embedding: torch.Tensor):  # noqa: ANN202
-    """(The LM head's callable on the device, the dtype its input is rounded to). The callable: hidden
-    [n, hidden] (f32, or already that dtype) -> logits [n, vocab] in the head's dtype (f32 for a prepared
-    dense weight): a prepared weight, or a float matrix; a tied F16 head shares the embedding's device
-    copy."""
+def _head_matrix(
+    model: DecoderModel, device: torch.device, embedding: torch.Tensor
+) -> PreparedLinear | torch.Tensor:
+    """The LM head on the device: a prepared weight, or a float matrix [vocab, hidden]; a tied F16 head
+    shares the embedding's device copy."""
     weight = model.lm_head.weight
     if isinstance(weight, PreparedLinear):
-        return weight, torch.float32
+        return weight
     if model.spec.tie_word_embeddings and weight.dtype == embedding.dtype and weight.shape == embedding.shape:
-        matrix = embedding
-    else:
-        matrix = weight.to(device)
+        return embedding
+    return weight.to(device)
+
+
+def _greedy_head(matrix: PreparedLinear | torch.Tensor) -> GreedyHead | None:
+    """The greedy head of a float matrix head (an int8 copy: vocab x hidden bytes more device memory),
+    unless BITSERVE_CUDA_GREEDY_HEAD=0; None for a prepared (block-quantized) head."""
+    if isinstance(matrix, PreparedLinear) or matrix.dtype not in GREEDY_HEAD_DTYPES:
+        return None
+    if os.environ.get(GREEDY_HEAD_ENV, "1") == "0" or matrix.shape[1] % 4 != 0:
+        return None
+    head = GreedyHead(matrix.contiguous())
+    logger.info("greedy decode steps take their argmax from an int8 copy of the %s head", matrix.dtype)
+    return head
+
+
+def _device_head(matrix: PreparedLinear | torch.Tensor):  # noqa: ANN202
+    """(The LM head's callable on the device, the dtype its input is rounded to). The callable: hidden
+    [n, hidden] (f32, or already that dtype) -> logits [n, vocab] in the head's dtype (f32 for a prepared
+    dense weight)."""
+    if isinstance(matrix, PreparedLinear):
+        return matrix, torch.float32
     if matrix.dtype == torch.float32:
         return (lambda hidden: torch.nn.functional.linear(hidden, matrix)), torch.float32
     # F16 / BF16: activations rounded to the weight's dtype, fp32 accumulation, logits rounded to the

@@ -25,6 +25,11 @@ plain DMA from pinned memory. (Row slices of [4, 256] / [256, width_max] tensors
 copied them through a pageable temporary and a scatter kernel, one more kernel and gap a step. Measured
 alone on an H200 the change is inside the noise, 1.036 / 1.036 -> 1.043 / 1.030 ms a 2B batch-1 step:
 benchmarks/RESULTS.md, 2026-11-29.)
+
+Small buckets of a model with an F16 / BF16 head also get a greedy graph each (`run(..., greedy=True)`,
+for steps whose rows all take the argmax: the launch ahead's): the same step ending in the greedy head
+(kernels/cuda/greedy_head.py), which finds the same argmax from an int8 copy of the head, half the
+head's bytes. Its logits are -inf outside the argmax's candidates: not for sampling.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -99,14 +105,14 @@ class DecodeGraphs:
         self.host_tokens = torch.zeros(2, size, dtype=torch.int64).pin_memory()
         # each launch's completion, in turn: at most two launches are unread (a step and the one ahead)
         self._launched = [torch.cuda.Event(), torch.cuda.Event()]
-        self._last: tuple[int, int] | None = None  # (size, width) of the last launch
+        self._last: GraphKey | None = None  # the last launch's graph
         self._last_positions: tuple[int, ...] = ()  # its rows' positions
         self._table_blocks: list[int] = []  # each row's blocks in the device table, as last written
         self._table_host = torch.empty(0, 0, dtype=torch.int32)  # the last launch's table [size, width]
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # [size, vocab] f32
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}  # [size, vocab] f32
         # [size] int64: each row's argmax (the host reads it from host_tokens: readback())
-        self.token_ids: dict[tuple[int, int], torch.Tensor] = {}
+        self.token_ids: dict[GraphKey, torch.Tensor] = {}
         self.pool = None
 
     def fits(self, num_seqs: int) -> bool:
@@ -132,12 +138,21 @@ class DecodeGraphs:
             decode_splits=1 if width * self.block_size <= SINGLE_SPLIT_KEYS else None,
         )
 
-    def _step(self, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        size, width, greedy = key
         inputs, table, decoder = self.inputs(size), self.block_table(size, width), self.decoder
         embedded = prepare_decode_step(inputs, table, decoder.embedding, self.block_size)  # [size, hidden]
         hidden = decoder.run_layers(embedded, inputs[POSITIONS], self.kv_caches, self._metadata(size, width))
         feed = StepFeed(inputs, table, self.scratch_block, self.host_tokens[:, :size])
-        return self.decoder.norm_logits_and_argmax(hidden, feed)  # f32 [size, vocab], int64 [size]
+        # f32 [size, vocab], int64 [size]
+        return self.decoder.norm_logits_and_argmax(hidden, feed, greedy=greedy)
+
+    def _keys(self, size: int, width: int) -> list[GraphKey]:
+        """The bucket's graphs: the full one, and a greedy one where the decoder's greedy head fits."""
+        keys = [GraphKey(size, width, False)]
+        if self.decoder.greedy_head_fits(size):
+            keys.append(GraphKey(size, width, True))
+        return keys
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -146,21 +161,23 @@ class DecodeGraphs:
         started = time.perf_counter()
         for size in reversed(self.sizes):
             for width in reversed(self.widths):
-                self._pad(size, width)  # the buckets share memory: this one's padding, harmless rows
-                logits, _ = self._step(size, width)  # eager warm-up: compilation happens outside the capture
-                self._check_vocab(logits.shape[1])
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[size, width], self.token_ids[size, width] = self._step(size, width)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[size, width] = graph
+                for key in self._keys(size, width):
+                    self._pad(size, width)  # the buckets share memory: this one's padding, harmless rows
+                    logits, _ = self._step(key)  # eager warm-up: compilation happens outside the capture
+                    self._check_vocab(logits.shape[1])
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        self.logits[key], self.token_ids[key] = self._step(key)
+                    if self.pool is None:
+                        self.pool = graph.pool()
+                    self.graphs[key] = graph
         torch.cuda.synchronize()
         logger.info(
-            "captured decode CUDA graphs for batch sizes %s x table widths %s in %.1f s",
+            "captured decode CUDA graphs for batch sizes %s x table widths %s (greedy head at %s) in %.1f s",
             self.sizes,
             self.widths,
+            [size for size in self.sizes if self.decoder.greedy_head_fits(size)],
             time.perf_counter() - started,
         )
 
@@ -175,9 +192,11 @@ class DecodeGraphs:
                 hint="run it with --no-cuda-graphs, or fix the file's output / token_embd tensors",
             )
 
-    def run(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def run(self, requests: Sequence[ScheduledRequest], *, greedy: bool = False) -> torch.Tensor:
         """A decode-only step of len(requests) sequences -> logits f32 [len(requests), vocab] (a view of
-        the bucket's static output: read it before the next step)."""
+        the bucket's static output: read it before the next step). greedy=True, for rows that take only
+        the argmax, replays the bucket's greedy graph where it has one: its logits are -inf outside the
+        argmax's candidates (the module docstring)."""
         num = len(requests)
         size = next(s for s in self.sizes if s >= num)
         needed = max(len(request.block_ids) for request in requests)
@@ -193,7 +212,7 @@ class DecodeGraphs:
         self._send_rows(torch.tensor([ids, positions + [pad_position] * padding], dtype=torch.int64), size)
         self._send_table(size, width)
         self._table_blocks = [len(request.block_ids) for request in requests]
-        return self._replay(size, width, positions)
+        return self._replay(GraphKey(size, width, greedy and (size, width, True) in self.graphs), positions)
 
     def replay_next(
         self, requests: Sequence[ScheduledRequest], positions: Sequence[int]
@@ -205,27 +224,30 @@ class DecodeGraphs:
         the row first; None, launching nothing, where a table no longer fits the last launch's width."""
         if self._last is None:
             raise RuntimeError("replay_next needs a launch before it")
-        size, width = self._last
+        size, width, _ = self._last
         if any(len(request.block_ids) > width for request in requests):
             return None
         if list(positions) != [position + 1 for position in self._last_positions]:
             raise RuntimeError("replay_next continues the last launch's rows, each one position on")
         if append_blocks(self._table_host, self._table_blocks, requests):
             self._send_table(size, width)
-        return self._replay(size, width, positions)
+        return self._replay(self._last, positions)
 
-    def held_graph(self, size: int, width: int, context: int) -> torch.cuda.CUDAGraph:
+    def held_graph(
+        self, size: int, width: int, context: int, *, greedy: bool = False
+    ) -> torch.cuda.CUDAGraph:
         """The (size, width) bucket's graph with inputs its replays leave as they are, for timing replays
         back to back (benchmarks/profile_gpu_step.py): every row a padded one at position context - 1, so
         each attends over `context` keys (of the scratch page) and the argmax feeds nothing back. (After
         a real step its rows are real, and each replay would move them one position on, past the
-        bucket's table in a few hundred replays.) The next step must be a run()."""
+        bucket's table in a few hundred replays.) greedy=True: the bucket's greedy graph (KeyError if it
+        has none). The next step must be a run()."""
         if not 1 <= context <= width * self.block_size:
             raise ValueError(f"context {context} is outside the bucket's 1..{width * self.block_size} keys")
         self._pad(size, width)
         self.inputs(size)[POSITIONS].fill_(context - 1)
         self._last = None
-        return self.graphs[size, width]
+        return self.graphs[GraphKey(size, width, greedy)]
 
     def _pad(self, size: int, width: int) -> None:
         """Every row of the bucket the padding row, its table all the scratch block (the graph's first
@@ -253,19 +275,28 @@ class DecodeGraphs:
         self.block_table(size, width).copy_(staged, non_blocking=True)
         copied.record()
 
-    def _replay(self, size: int, width: int, positions: Sequence[int]) -> torch.Tensor:
-        self._last, self._last_positions = (size, width), tuple(positions)
-        self.graphs[size, width].replay()
+    def _replay(self, key: GraphKey, positions: Sequence[int]) -> torch.Tensor:
+        self._last, self._last_positions = key, tuple(positions)
+        self.graphs[key].replay()
         launched = self._launched.pop(0)
         launched.record()
         self._launched.append(launched)
-        return self.logits[size, width][: len(positions)]
+        return self.logits[key][: len(positions)]
 
     def readback(self) -> TokenReadback:
         """The last launch's tokens (each row's argmax), for the host to read when that launch is done."""
         if self._last is None:
             raise RuntimeError("readback needs a launch before it")
         return TokenReadback(self.host_tokens, self._last_positions, self._launched[-1])
+
+
+class GraphKey(NamedTuple):
+    """A captured decode graph: its batch-size bucket, its table width, and whether it ends in the greedy
+    head (the argmax only) rather than the full logits."""
+
+    size: int
+    width: int
+    greedy: bool
 
 
 @dataclass(frozen=True, slots=True)

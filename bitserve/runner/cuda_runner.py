@@ -128,7 +128,7 @@ class CudaModelRunner(ModelRunner):
             self.lookahead_stats.hits += 1
             readback = pending.readback
         elif self._can_look_ahead(requests):
-            self.graphs.run(requests)  # type: ignore[union-attr]
+            self.graphs.run(requests, greedy=True)  # type: ignore[union-attr]  (plain greedy rows only)
             readback = self.graphs.readback()  # type: ignore[union-attr]
         else:
             return super().execute(scheduler_output)

@@ -114,6 +114,26 @@ def lookahead_run(
         llm.close()
 
 
+def test_greedy_head_tokens_equal_the_full_head(b158_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy decode steps launched ahead end in the greedy head (the argmax from an int8 copy of the F16
+    head, kernels/cuda/greedy_head.py): the same tokens as with it off (BITSERVE_CUDA_GREEDY_HEAD=0)."""
+    runs = {}
+    for enabled in (True, False):
+        monkeypatch.setenv("BITSERVE_CUDA_GREEDY_HEAD", "1" if enabled else "0")
+        llm = LLM(config=engine_config(b158_file, "cuda", kv="float32"))
+        try:
+            assert (llm.instance.engine.runner.decoder.greedy_head is not None) is enabled
+            params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            prompts = [[(17 * i + j) % 450 + 25 for j in range(3 + 4 * i)] for i in range(3)]
+            alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
+            together = [output.outputs[0].token_ids for output in llm.generate(prompts[:2], params)]
+            runs[enabled] = (alone, together, llm.instance.engine.runner.lookahead_stats.hits)
+        finally:
+            llm.close()
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][2] > 0  # steps launched ahead (the greedy graphs) were used
+
+
 @pytest.mark.parametrize("slot", [False, True])
 def test_lookahead_tokens_equal_lookahead_off(
     b158_file: Path, monkeypatch: pytest.MonkeyPatch, slot: bool

@@ -39,9 +39,11 @@ def test_the_token_table_and_the_head() -> None:
     head_f16 = _tensor("output.weight", GGMLType.F16, (K, M), nbytes=2 * VALUES)
     # tied Q8_0 table (SmolLM2): an f32 lookup table, and the head's block weight beside it
     assert cuda_weight_bytes([table_q8]) == 4 * VALUES + int(VALUES * 1.125) + 4 * VALUES
-    # tied F16 table (2B-4T): one half-precision copy serves both
-    assert cuda_weight_bytes([table_f16]) == 2 * VALUES
-    assert cuda_weight_bytes([table_f16, head_f16]) == 4 * VALUES
+    # tied F16 table (2B-4T): one half-precision copy serves both, plus the greedy head's int8 copy and
+    # its row scales (ggml shape (K, M): M rows)
+    greedy_head = VALUES + 4 * M
+    assert cuda_weight_bytes([table_f16]) == 2 * VALUES + greedy_head
+    assert cuda_weight_bytes([table_f16, head_f16]) == 4 * VALUES + greedy_head
 
 
 def test_a_q4_file_is_estimated_at_several_times_its_size(smollm2_path: Path) -> None:

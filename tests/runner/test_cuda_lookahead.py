@@ -119,7 +119,7 @@ def test_blocks_appended_since_the_table_was_written_reach_the_device_table() ->
     scheduler appended since (the lookahead slot's) must be written into the row before the replay, and a
     table past the graph's width must launch nothing (the attention kernel would read padding)."""
     pytest.importorskip("triton")  # runner/cuda_graphs.py imports the CUDA decoder's kernels
-    from bitserve.runner.cuda_graphs import DecodeGraphs, append_blocks
+    from bitserve.runner.cuda_graphs import DecodeGraphs, GraphKey, append_blocks
 
     table = torch.full((2, 4), 99, dtype=torch.int32)  # the host's copy of the last launch's table
     table_blocks = [2, 1]
@@ -128,7 +128,7 @@ def test_blocks_appended_since_the_table_was_written_reach_the_device_table() ->
     assert table_blocks == [3, 1]
     assert not append_blocks(table, table_blocks, [decode("a", 1, 8, [3, 9, 5]), decode("b", 1, 3, [4])])
     graphs = object.__new__(DecodeGraphs)  # the unit alone: its width check, no CUDA device
-    graphs._last = (2, 2)
+    graphs._last = GraphKey(size=2, width=2, greedy=True)
     grown = [decode("a", 1, 8, [3, 9, 5]), decode("b", 1, 3, [4])]
     assert graphs.replay_next(grown, [8, 3]) is None
 
@@ -145,3 +145,15 @@ def test_graphs_refuse_a_head_with_more_rows_than_the_token_table() -> None:
     graphs._check_vocab(10)
     with pytest.raises(UnsupportedModel, match="11 rows but the token embedding 10"):
         graphs._check_vocab(11)
+
+
+def test_a_greedy_graph_only_where_the_decoders_greedy_head_fits() -> None:
+    """Buckets the greedy head fits (kernels/cuda/greedy_head.py: the argmax alone, from an int8 copy) get
+    a greedy graph beside the full one; the others keep only the full logits."""
+    pytest.importorskip("triton")
+    from bitserve.runner.cuda_graphs import DecodeGraphs, GraphKey
+
+    graphs = object.__new__(DecodeGraphs)  # the unit alone: no CUDA device
+    graphs.decoder = SimpleNamespace(greedy_head_fits=lambda rows: rows <= 2)
+    assert graphs._keys(2, 16) == [GraphKey(2, 16, False), GraphKey(2, 16, True)]
+    assert graphs._keys(4, 16) == [GraphKey(4, 16, False)]

@@ -72,7 +72,7 @@ class GemmConfig(NamedTuple):
 
 
 @triton.jit
-def _dp4a(a, b, c, USE_ASM: tl.constexpr):
+def dp4a(a, b, c, USE_ASM: tl.constexpr):
     """c + sum over the 4 bytes of a * b (signed bytes; int32 words, same shapes)."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
@@ -117,7 +117,7 @@ def _token_sum(q_row_ptr, QW: tl.constexpr, SUM_BLOCK: tl.constexpr, USE_ASM: tl
     total = tl.zeros([SUM_BLOCK], tl.int32)
     for c in tl.static_range(0, QW, SUM_BLOCK):
         a = tl.load(q_row_ptr + c + offs, mask=c + offs < QW, other=0)
-        total = _dp4a(a, ones, total, USE_ASM)
+        total = dp4a(a, ones, total, USE_ASM)
     return tl.sum(total, axis=0)
 
 
@@ -253,7 +253,7 @@ def _gemv_chunk(
                 a = tl.load(a_ptrs[None, :] + a_rows)
             else:
                 a = tl.load(a_ptrs[None, :] + a_rows, mask=a_mask, other=0)
-            new_accs = new_accs + (_dp4a(codes, a, accs[t], USE_ASM),)
+            new_accs = new_accs + (dp4a(codes, a, accs[t], USE_ASM),)
         accs = new_accs
     return accs
 
