@@ -209,9 +209,11 @@ def _approx_kernel(
     bests = ()
     for b in tl.static_range(B):
         first, second, s1, s2, norm, rest = _activation_planes(x_ptr + b * 4 * HW, HW, CW)
-        # |sum_c (W - s Q) x| + |sum_c s Q xi| <= s (e_factor |x|_1 + 127 |xi|_1); the computed xi's own
-        # rounding (a few ulps of x) is the 2.4e-7 |x|_1 term
-        bound = e_factor * norm + 127.0 * 1.01 * (rest + 2.4e-7 * norm)
+        # |sum_c (W - s Q) x| + |sum_c s Q xi| <= s (e_factor |x|_1 + 127 |xi|_1). xi as computed is off
+        # by the roundings of a * s1, x - a s1, b * s2 and r - b s2: at most 3u (|x_c| + s1) an element
+        # (|a s1| <= |x_c| + s1), which the 2.4e-7 (4u) terms bound over the row
+        xi_bound = rest + 2.4e-7 * (norm + 4 * HW * s1)
+        bound = e_factor * norm + 127.0 * 1.01 * xi_bound
         planes = planes + ((first, second, s1, s2, bound),)
         bests = bests + (tl.full([BLOCK_V], float("-inf"), tl.float32),)
         if pid == 0:
