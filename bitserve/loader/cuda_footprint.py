@@ -12,8 +12,11 @@ models/cuda_decoder.py lay them out:
 - the token table: as stored when F16 / BF16 / F32, else f32; a tied head reuses a float table and adds
   a block weight for a Q4 / Q8 one; a separate F16 / BF16 head stays half;
 - vectors (norms): f32;
-- a float head (separate, or the tied table) adds its greedy-head copy (kernels/cuda/greedy_head.py):
-  one int8 per value and an f32 scale per row.
+- a head the CUDA decoder keeps as a float matrix (any but Q4_0 / Q4_1 / Q8_0 blocks, separate or the
+  tied table) adds its greedy-head copy (kernels/cuda/greedy_head.py) where that takes its width (a
+  multiple of 128 up to 4,096: greedy_head.supports_hidden): one int8 per value and an f32 scale per row.
+  Counted even where the copy is not made (no CUDA graphs, no lookahead, BITSERVE_CUDA_GREEDY_HEAD=0,
+  `--lm-head q8_0`): an estimate errs high.
 No Triton or torch import: the lifecycle calls it before it loads anything. It lives in the loader (it
 reads the tensor table; kernels may not import the loader), and repeats the layouts' byte counts rather
 than importing the CUDA modules, which pull torch.
@@ -29,7 +32,7 @@ from bitserve.loader.gguf_types import GGMLType
 
 TERNARY_TYPES = frozenset({GGMLType.I2_S, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.TL1, GGMLType.TL2})
 HALF_TYPES = frozenset({GGMLType.F16, GGMLType.BF16})
-FLOAT_TYPES = HALF_TYPES | {GGMLType.F32}
+GREEDY_HEAD_MAX_WIDTH = 4096  # kernels/cuda/greedy_head.MAX_HIDDEN
 # packed bytes per value in block_layout.py's form: Q4 codes 0.5 + f32 d and m per 32 values; Q8_0 1 + d
 BLOCK_PACKED_BYTES = {GGMLType.Q4_0: 0.75, GGMLType.Q4_1: 0.75, GGMLType.Q8_0: 1.125}
 F32_BYTES = 4
@@ -45,9 +48,17 @@ def cuda_weight_bytes(tensors: Iterable[TensorInfo]) -> int:
     if table is not None and HEAD not in by_name and table.ggml_type in BLOCK_PACKED_BYTES:
         total += _matrix_bytes(table)  # a tied quantized head: its block weight beside the f32 table
     head = by_name.get(HEAD, table)
-    if head is not None and head.ggml_type in FLOAT_TYPES and len(head.shape) == 2:
+    if head is not None and _has_greedy_copy(head):
         total += prod(head.shape) + head.shape[1] * F32_BYTES  # the greedy head's int8 copy and scales
     return total
+
+
+def _has_greedy_copy(head: TensorInfo) -> bool:
+    """A head kept as a float matrix whose width (ne[0]) the greedy head takes."""
+    if len(head.shape) != 2 or head.ggml_type in BLOCK_PACKED_BYTES:
+        return False
+    width = head.shape[0]
+    return 0 < width <= GREEDY_HEAD_MAX_WIDTH and width % 128 == 0
 
 
 def _tensor_bytes(tensor: TensorInfo) -> int:

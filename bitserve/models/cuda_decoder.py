@@ -33,7 +33,7 @@ from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaDenseLinear, Cuda
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, act_and_mul, rms_norm
 from bitserve.kernels.cuda.greedy_head import MAX_ROWS as GREEDY_HEAD_MAX_ROWS
 from bitserve.kernels.cuda.greedy_head import OUTPUT_STEP as GREEDY_HEAD_DTYPES
-from bitserve.kernels.cuda.greedy_head import GreedyHead
+from bitserve.kernels.cuda.greedy_head import GreedyHead, supports_hidden
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
 from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, gated_row_order
 from bitserve.kernels.cuda.quantize import norm_quantize
@@ -200,7 +200,7 @@ def _run(linear: Linear | LinearGroup, x: torch.Tensor) -> torch.Tensor:
 class CudaDecoder:
     """`DecoderModel`'s forward contract on the device, with DeviceAttentionMetadata."""
 
-    def __init__(self, model: DecoderModel, device: torch.device) -> None:
+    def __init__(self, model: DecoderModel, device: torch.device, *, greedy_head: bool = True) -> None:
         spec = model.spec
         if model.layers[0].attn.ggml_numerics:
             raise UnsupportedModel(
@@ -216,7 +216,7 @@ class CudaDecoder:
         head_matrix = _head_matrix(model, device, self.embedding)
         self.head, self.head_input_dtype = _device_head(head_matrix)
         # greedy rows of small decode steps: the argmax from an int8 copy of a float head
-        self.greedy_head = _greedy_head(head_matrix)
+        self.greedy_head = _greedy_head(head_matrix) if greedy_head else None
         rotary = model.rotary
         self.cos, self.sin = rotary.cos.to(device), rotary.sin.to(device)  # [max_pos, rope_dim / 2]
         self.rope_dim, self.is_neox = rotary.rope_dim, rotary.style is RopeStyle.NEOX
@@ -338,10 +338,11 @@ def _head_matrix(
 
 def _greedy_head(matrix: PreparedLinear | torch.Tensor) -> GreedyHead | None:
     """The greedy head of a float matrix head (an int8 copy: vocab x hidden bytes more device memory),
-    unless BITSERVE_CUDA_GREEDY_HEAD=0; None for a prepared (block-quantized) head."""
+    unless BITSERVE_CUDA_GREEDY_HEAD=0; None for a prepared (block-quantized) head and for a hidden size
+    its kernels do not take (greedy_head.supports_hidden)."""
     if isinstance(matrix, PreparedLinear) or matrix.dtype not in GREEDY_HEAD_DTYPES:
         return None
-    if os.environ.get(GREEDY_HEAD_ENV, "1") == "0" or matrix.shape[1] % 4 != 0:
+    if os.environ.get(GREEDY_HEAD_ENV, "1") == "0" or not supports_hidden(matrix.shape[1]):
         return None
     head = GreedyHead(matrix.contiguous())
     logger.info("greedy decode steps take their argmax from an int8 copy of the %s head", matrix.dtype)

@@ -26,10 +26,10 @@ copied them through a pageable temporary and a scatter kernel, one more kernel a
 alone on an H200 the change is inside the noise, 1.036 / 1.036 -> 1.043 / 1.030 ms a 2B batch-1 step:
 benchmarks/RESULTS.md, 2026-11-29.)
 
-Small buckets of a model with an F16 / BF16 head also get a greedy graph each (`run(..., greedy=True)`,
-for steps whose rows all take the argmax: the launch ahead's): the same step ending in the greedy head
-(kernels/cuda/greedy_head.py), which finds the same argmax from an int8 copy of the head, half the
-head's bytes. Its logits are -inf outside the argmax's candidates: not for sampling.
+Small buckets of a model with a float head also get a greedy graph each (`run(..., greedy=True)`, for
+steps whose rows all take the argmax: the launch ahead's) where the decoder built its greedy head: the
+same step ending in kernels/cuda/greedy_head.py, which finds the argmax from an int8 copy of the head
+(half an F16 head's bytes). Its logits are -inf outside the argmax's candidates: not for sampling.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ class CudaModelRunner(ModelRunner):
     ) -> None:
         self.device = device
         super().__init__(model, layout)
-        self.decoder = CudaDecoder(model, device)
+        # the greedy head serves only the launch ahead's graphs: no int8 copy of the head without them
+        self.decoder = CudaDecoder(model, device, greedy_head=use_cuda_graphs and lookahead_enabled())
         self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
         self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
         self.max_model_len = max_model_len

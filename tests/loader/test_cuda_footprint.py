@@ -39,11 +39,18 @@ def test_the_token_table_and_the_head() -> None:
     head_f16 = _tensor("output.weight", GGMLType.F16, (K, M), nbytes=2 * VALUES)
     # tied Q8_0 table (SmolLM2): an f32 lookup table, and the head's block weight beside it
     assert cuda_weight_bytes([table_q8]) == 4 * VALUES + int(VALUES * 1.125) + 4 * VALUES
-    # tied F16 table (2B-4T): one half-precision copy serves both, plus the greedy head's int8 copy and
-    # its row scales (ggml shape (K, M): M rows)
-    greedy_head = VALUES + 4 * M
-    assert cuda_weight_bytes([table_f16]) == 2 * VALUES + greedy_head
-    assert cuda_weight_bytes([table_f16, head_f16]) == 4 * VALUES + greedy_head
+    # tied F16 table (2B-4T): one half-precision copy serves both; SmolLM2's width (576) is not one the
+    # greedy head takes (a multiple of 128), so no int8 copy of the head
+    assert cuda_weight_bytes([table_f16]) == 2 * VALUES
+    assert cuda_weight_bytes([table_f16, head_f16]) == 4 * VALUES
+    # at a width it takes (ggml shape (256, M): M rows of 256), the greedy head's int8 copy and row scales
+    wide, values = 256, 256 * M
+    greedy_head = values + 4 * M
+    table = _tensor("token_embd.weight", GGMLType.F16, (wide, M), nbytes=2 * values)
+    assert cuda_weight_bytes([table]) == 2 * values + greedy_head
+    # a Q6_K head is dequantized to f32 (dense()) and gets the copy too
+    head_q6k = _tensor("output.weight", GGMLType.Q6_K, (wide, M))
+    assert cuda_weight_bytes([table, head_q6k]) == 2 * values + 4 * values + greedy_head
 
 
 def test_a_q4_file_is_estimated_at_several_times_its_size(smollm2_path: Path) -> None:

@@ -10,25 +10,31 @@ model's F16 table is widened to). A greedy step needs only the argmax of the log
    dots, and each row's error bound E[b, j] = s[j] * (e_factor |x[b]|_1 + 127 |xi[b]|_1). Every program
    keeps the max over its rows of A - E: a lower bound of the row's largest logit.
 2. `_rescore_kernel` reduces those partial maxima to L[b], keeps as candidates the rows that could reach
-   it (A + E >= L minus one rounding step of the output dtype), computes their logits exactly as the
-   head does (the float weight row times x, f32 sums, rounded to the head's dtype), and writes
-   -inf for every other row.
+   it (A + E >= L minus one rounding step of the output dtype), computes their logits (the float weight
+   row times x, f32 sums in one fixed order, rounded to the head's dtype), and writes -inf for every
+   other row.
 
-The argmax of that row (kernels/cuda/argmax.py) is the argmax of the exactly computed logits: a row j
-outside the candidates has R[j] <= A[j] + E[j] < L <= max_k R[k] (R the f32 logit before rounding), less
-than the rounding step, so it can neither be the maximum nor tie with it after rounding. Ties keep
-torch's rule (the first index), since every tied row is a candidate. A NaN anywhere makes rows
-candidates (comparisons with NaN are false), so NaN logits come out as the full head's would.
+The argmax of that row (kernels/cuda/argmax.py) is the argmax of every row's logit as the rescoring
+pass computes it: a row j outside the candidates has R[j] <= A[j] + E[j] < L <= max_k R[k] (R the f32
+logit before rounding), less the rounding step, so it can neither be the maximum nor tie with it after
+rounding. Ties keep torch's rule (the first index), since every tied row is a candidate. A NaN anywhere
+makes rows candidates (comparisons with NaN are false), so NaN logits come out as the full head's would.
+cuBLAS (the full head) sums each logit in another order than the rescoring pass, so where the two top
+logits straddle a rounding boundary of the head's dtype the two can round them apart: the tolerance of
+any two float paths (the CPU reference's included), not a bound violation.
 
 The bound: |W - s Q| <= s / 2 per weight (round to nearest, s = max |W[j]| / 127), so
 |sum_c (W - s Q) x| <= s / 2 * |x|_1, and |sum_c s Q xi| <= 127 s |xi|_1; the f32 sums of A and of
 the exact logit each add at most gamma_H * 127 * s * |x|_1 (gamma_H = H u / (1 - H u), u = 2^-24), which
 `error_factor` adds to the 1/2 with slack. Rows of the copy that are all zero cost nothing (s = 0:
-A = E = 0, exact); a row holding a non-finite value gets s = inf and is always a candidate.
+A = E = 0, exact); a row holding a non-finite value, or so small that its scale would be subnormal in f32
+(where s / 2 no longer bounds the rounding), gets s = inf and is always a candidate. The analysis assumes
+no f32 overflow inside a sum (an overflowing logit is inf on both paths only where each sum overflows).
 
 Only the logits' argmax is exact: every other row is -inf, so these logits are for greedy rows alone
 (no sampling, no logprobs). Up to MAX_ROWS rows a launch (the decode graphs' small batches), where the
-head is a bandwidth-bound GEMV; larger batches keep the F16 GEMM.
+head is a bandwidth-bound GEMV; larger batches keep the F16 GEMM. Hidden sizes: multiples of 128 up to
+MAX_HIDDEN (supports_hidden), where a program's row block and the input's planes fit its registers.
 Imports triton: load only on the CUDA path.
 """
 
@@ -44,20 +50,26 @@ from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 from bitserve.kernels.cuda.ternary_matmul import dp4a
 
 MAX_ROWS = 2  # rows (sequences) of one launch: at 4 the activation planes alone take 160 registers
+# widest head input: at 5120 the approximate pass spills (sm_90 SASS); at 4096 one row takes 221 registers
+# a thread, so two of APPROX_TILES' three programs an SM are resident at once (not tuned on a device)
+MAX_HIDDEN = 4096
+F32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal f32
 QUANT_CHUNK_ROWS = 8192  # head rows quantized at once at load (an f32 temporary of this many rows)
-# rows of a launch -> (head rows a program of the approximate pass takes at once, programs an SM): sm_90
-# SASS of the 2B head (H 2560) has no spills at 168 registers a thread for both (1, 16) and (2, 8), so
-# three 4-warp programs fit an SM, 120 / 60 KB of weights in flight
-APPROX_TILES: dict[int, tuple[int, int, bool]] = {1: (16, 3, False), 2: (8, 3, False)}
+# rows of a launch -> (int8 bytes of a program's row block, programs an SM): at H 2560, (16 rows, 3) and
+# (8, 3): 168 registers a thread, no spills (sm_90 SASS), so three 4-warp programs fit an SM with 120 /
+# 60 KB of weights in flight. On an H200 the tile moved the pass by 1% (RESULTS.md, 2026-11-29); loading
+# each next block ahead of the dot products was no faster at 1 row and 11% slower at 2.
+APPROX_TILES: dict[int, tuple[int, int]] = {1: (16 * 2560, 3), 2: (8 * 2560, 3)}
 RESCORE_ROWS = 128  # head rows a program of the rescoring pass checks
 RESCORE_TILE = 16  # of which it computes this many at once, where any is a candidate
 NUM_WARPS = 4
-# one rounding step of the head's output dtype, relative, doubled: values within it of the maximum may
-# round to the same value (f16: 10 fraction bits, bf16: 7; an f32 head's logits are not rounded again:
-# a margin all the same)
+# margin below L, relative: twice what rounding to the head's dtype can merge (two values that round to
+# one f16 differ by less than 2^-9 of it, one bf16 2^-6; an f32 head's logits are not rounded again: a
+# margin all the same), plus OUTPUT_TINY for values near zero (past the subnormals and the products'
+# underflow, H * 2^-149 at most)
 OUTPUT_STEP = {torch.float16: 2.0**-8, torch.bfloat16: 2.0**-5, torch.float32: 2.0**-20}
 OUTPUT_MAX = {dtype: torch.finfo(dtype).max for dtype in OUTPUT_STEP}  # past it every value is inf
-OUTPUT_TINY = {torch.float16: 2.0**-20, torch.bfloat16: 2.0**-120, torch.float32: 2.0**-140}  # > subnormals
+OUTPUT_TINY = {torch.float16: 2.0**-20, torch.bfloat16: 2.0**-100, torch.float32: 2.0**-100}
 
 
 def error_factor(hidden: int) -> float:
@@ -71,14 +83,18 @@ def error_factor(hidden: int) -> float:
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """F16 / BF16 / F32 [V, H] -> (int8 [V, H], f32 scale [V]): Q = rne(W / s) clamped to +-127,
     s = max |W| / 127 per row; s = 0 for an all-zero row, s = inf (Q = 0) for a row holding a non-finite
-    value."""
+    value or whose scale would be subnormal."""
     rows = weight.shape[0]
     quantized = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
     for start in range(0, rows, QUANT_CHUNK_ROWS):
         chunk = weight[start : start + QUANT_CHUNK_ROWS].to(torch.float32)
-        finite = torch.isfinite(chunk).all(dim=1)
         scale = chunk.abs().amax(dim=1) / 127.0
+        # a subnormal scale breaks |W - s Q| <= s / 2: such rows are scored exactly every step, as
+        # non-finite ones
+        finite = torch.isfinite(chunk).all(dim=1) & (
+            (scale == 0) | (scale >= torch.finfo(torch.float32).tiny)
+        )
         safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
         values = torch.round(chunk / safe[:, None]).clamp_(-127, 127)
         values[~finite | (scale == 0)] = 0
@@ -197,7 +213,6 @@ def _approx_kernel(
     HW: tl.constexpr,  # H / 4
     CW: tl.constexpr,  # words a chunk
     BLOCK_V: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load each next row block before the dot products of the one before
     USE_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -218,28 +233,13 @@ def _approx_kernel(
         bests = bests + (tl.full([BLOCK_V], float("-inf"), tl.float32),)
         if pid == 0:
             tl.store(bound_ptr + b, bound)
-    if PREFETCH:
-        # the next block's loads are issued before this block's dot products: two blocks in flight
-        w = first_rows
-        for i in range(1, ITERATIONS):
-            block = pid + i * programs  # rows past V (the last round's) read 0 and are not stored
-            ahead = _load_rows(q_ptr, block, V, HW, CW, BLOCK_V)
-            bests = _approx_block(
-                w, block - programs, planes, bests, scale_ptr, approx_ptr, V, B, HW, CW, BLOCK_V, USE_ASM
-            )
-            w = ahead
-        last = pid + (ITERATIONS - 1) * programs
-        bests = _approx_block(w, last, planes, bests, scale_ptr, approx_ptr, V, B, HW, CW, BLOCK_V, USE_ASM)
-    else:
-        bests = _approx_block(
-            first_rows, pid, planes, bests, scale_ptr, approx_ptr, V, B, HW, CW, BLOCK_V, USE_ASM
-        )
-        for i in range(1, ITERATIONS):
-            block = pid + i * programs  # rows past V (the last round's) read 0 and are not stored
-            w = _load_rows(q_ptr, block, V, HW, CW, BLOCK_V)
-            bests = _approx_block(
-                w, block, planes, bests, scale_ptr, approx_ptr, V, B, HW, CW, BLOCK_V, USE_ASM
-            )
+    bests = _approx_block(
+        first_rows, pid, planes, bests, scale_ptr, approx_ptr, V, B, HW, CW, BLOCK_V, USE_ASM
+    )
+    for i in range(1, ITERATIONS):
+        block = pid + i * programs  # rows past V (the last round's) read 0 and are not stored
+        w = _load_rows(q_ptr, block, V, HW, CW, BLOCK_V)
+        bests = _approx_block(w, block, planes, bests, scale_ptr, approx_ptr, V, B, HW, CW, BLOCK_V, USE_ASM)
     for b in tl.static_range(B):
         tl.store(partial_ptr + b * programs + pid, tl.max(bests[b], axis=0))
 
@@ -312,6 +312,15 @@ def _exact_logits(x_ptr, w_ptr, rows, candidate, H: tl.constexpr, TILE: tl.const
     return acc
 
 
+def supports_hidden(hidden: int) -> bool:
+    """Whether GreedyHead takes a head of this input width: a multiple of 128 up to MAX_HIDDEN."""
+    return 0 < hidden <= MAX_HIDDEN and hidden % 128 == 0
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
 def _pow2_divisor(n: int, limit: int) -> int:
     """The largest power of two, at most `limit`, that divides n."""
     block = limit
@@ -327,22 +336,22 @@ class GreedyHead:
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype not in OUTPUT_STEP or weight.dim() != 2 or not weight.is_contiguous():
             raise ValueError(f"a greedy head needs a contiguous float [V, H] matrix, got {weight.dtype}")
+        vocab, hidden = weight.shape
+        if not supports_hidden(hidden):
+            raise ValueError(f"a greedy head takes a hidden size of 128, 256, ... {MAX_HIDDEN}, got {hidden}")
         self.weight = weight
         self.quantized, self.scales = quantize_rows(weight)
-        vocab, hidden = weight.shape
-        if hidden % 4:
-            raise ValueError(f"a greedy head needs a hidden size divisible by 4, got {hidden}")
         self.block_h = _pow2_divisor(hidden, 512)
         self.chunk_words = _pow2_divisor(hidden // 4, 128)
         self.e_factor = error_factor(hidden)
         device = weight.device
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        # rows of a launch -> (head rows a program takes at once, programs, prefetch)
-        self.tiles = {
-            rows: (block, max(1, min(triton.cdiv(vocab, block), sms * per_sm)), prefetch)
-            for rows, (block, per_sm, prefetch) in APPROX_TILES.items()
-        }
-        most_programs = max(programs for _, programs, _ in self.tiles.values())
+        # rows of a launch -> (head rows a program takes at once, programs)
+        self.tiles = {}
+        for rows, (block_bytes, per_sm) in APPROX_TILES.items():
+            block = min(16, _pow2_floor(max(1, block_bytes // hidden)))
+            self.tiles[rows] = (block, max(1, min(triton.cdiv(vocab, block), sms * per_sm)))
+        most_programs = max(programs for _, programs in self.tiles.values())
         self._approx = torch.empty(MAX_ROWS * vocab, dtype=torch.float32, device=device)
         self._partials = torch.empty(MAX_ROWS * most_programs, dtype=torch.float32, device=device)
         self._bounds = torch.empty(MAX_ROWS, dtype=torch.float32, device=device)
@@ -359,14 +368,14 @@ class GreedyHead:
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"a greedy head launch takes 1..{MAX_ROWS} rows, got {rows}")
         out = torch.empty(rows, vocab, dtype=self.weight.dtype, device=x.device)
-        block, programs, prefetch = self.tiles[rows]
+        block, programs = self.tiles[rows]
         approx = self._approx[: rows * vocab]
         partials = self._partials[: rows * programs]
         options = launch_options(x.device)
         _approx_kernel[(programs,)](
             x, self.quantized.view(torch.int32), self.scales, approx, partials, self._bounds, vocab, programs,
             self.e_factor, ITERATIONS=triton.cdiv(triton.cdiv(vocab, block), programs),
-            B=rows, HW=hidden // 4, CW=self.chunk_words, BLOCK_V=block, PREFETCH=prefetch, USE_ASM=x.is_cuda,
+            B=rows, HW=hidden // 4, CW=self.chunk_words, BLOCK_V=block, USE_ASM=x.is_cuda,
             num_warps=NUM_WARPS, **options,
         )  # fmt: skip
         dtype = self.weight.dtype
