@@ -92,9 +92,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = chunk.abs().amax(dim=1) / 127.0
         # a subnormal scale breaks |W - s Q| <= s / 2: such rows are scored exactly every step, as
         # non-finite ones
-        finite = torch.isfinite(chunk).all(dim=1) & (
-            (scale == 0) | (scale >= torch.finfo(torch.float32).tiny)
-        )
+        finite = torch.isfinite(chunk).all(dim=1) & ((scale == 0) | (scale >= F32_TINY))
         safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
         values = torch.round(chunk / safe[:, None]).clamp_(-127, 127)
         values[~finite | (scale == 0)] = 0
