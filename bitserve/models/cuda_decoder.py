@@ -304,8 +304,9 @@ class CudaDecoder:
         next step's feed are one kernel (kernels/cuda/argmax.py).
 
         greedy=True (rows that only take the argmax) runs the greedy head where it fits
-        (greedy_head_fits): the same argmax from half the head's bytes, but every logit other than
-        the candidates' is -inf, so these logits are not for sampling (kernels/cuda/greedy_head.py)."""
+        (greedy_head_fits): the argmax from an int8 copy of the head plus the exact logits of the rows
+        that could reach it, every other logit -inf, so these logits are not for sampling
+        (kernels/cuda/greedy_head.py)."""
         normed = self.final_norm(hidden, self.head_input_dtype)
         if greedy and self.greedy_head_fits(normed.shape[0]):
             return cast_argmax_rows(self.greedy_head(normed), feed)  # type: ignore[misc]

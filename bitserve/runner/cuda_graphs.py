@@ -111,7 +111,8 @@ class DecodeGraphs:
         self._table_host = torch.empty(0, 0, dtype=torch.int32)  # the last launch's table [size, width]
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}  # [size, vocab] f32
-        # [size] int64: each row's argmax (the host reads it from host_tokens: readback())
+        # [size] int64: each row's argmax. Nothing reads it (the host reads tokens from host_tokens:
+        # readback()); it is held so the shared pool never hands the graph's output to another allocation
         self.token_ids: dict[GraphKey, torch.Tensor] = {}
         self.pool = None
 

@@ -105,7 +105,8 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _quantize_plane(v, scale):
-    """f32 values, f32 scale -> int32 rne(v / scale) clamped to +-127 (0 where scale is 0)."""
+    """f32 values, f32 scale -> f32 integers round(v / scale) (nearest, or next to it on a rounded add)
+    clamped to +-127, 0 where scale is 0."""
     safe = tl.where(scale > 0, scale, 1.0)
     q = tl.floor(v / safe + 0.5)  # nearest or next to it: the bound uses the residual as computed
     return tl.where(scale > 0, tl.minimum(tl.maximum(q, -127.0), 127.0), 0.0)
@@ -119,8 +120,9 @@ def _pack_words(b0, b1, b2, b3):
 
 @triton.jit
 def _activation_planes(x_ptr, HW: tl.constexpr, CW: tl.constexpr):
-    """x f16 / bf16 [4 * HW] as two int8 planes, x = s1 * q1 + s2 * q2 + xi: (q1 words, q2 words) as tuples
-    of [CW]-word chunks (byte i of word w is column 4w + i), s1, s2, |x|_1 and |xi|_1 (f32 scalars)."""
+    """x [4 * HW] in the head's dtype as two int8 planes, x = s1 * q1 + s2 * q2 + xi: (q1 words, q2 words)
+    as tuples of [CW]-word chunks (byte i of word w is column 4w + i), s1, s2, |x|_1 and |xi|_1 (f32
+    scalars)."""
     words = tl.arange(0, CW)
     amax = tl.zeros([CW], tl.float32)
     for c in tl.static_range(0, HW, CW):
@@ -197,7 +199,7 @@ def _approx_block(
 
 @triton.jit
 def _approx_kernel(
-    x_ptr,  # f16 / bf16 [B, H]: the head's input
+    x_ptr,  # [B, H] in the head's dtype: the head's input
     q_ptr,  # int8 [V, H], read as int32 words [V, H / 4]
     scale_ptr,  # f32 [V]
     approx_ptr,  # f32 [B, V] out: A
@@ -244,13 +246,13 @@ def _approx_kernel(
 
 @triton.jit
 def _rescore_kernel(
-    x_ptr,  # f16 / bf16 [B, H]
-    w_ptr,  # f16 / bf16 [V, H]: the head
+    x_ptr,  # [B, H] in the head's dtype
+    w_ptr,  # [V, H]: the head (f16 / bf16 / f32)
     scale_ptr,  # f32 [V]
     approx_ptr,  # f32 [B, V]
     partial_ptr,  # f32 [B, NUM_PARTIALS]
     bound_ptr,  # f32 [B]: E / s
-    out_ptr,  # f16 / bf16 [B, V] out: exact logits of the candidates, -inf elsewhere
+    out_ptr,  # [B, V] in the head's dtype, out: the candidates' logits, -inf elsewhere
     V,
     out_max,
     out_step,
@@ -316,6 +318,7 @@ def supports_hidden(hidden: int) -> bool:
 
 
 def _pow2_floor(n: int) -> int:
+    """The largest power of two at most n (n >= 1)."""
     return 1 << (n.bit_length() - 1)
 
 
@@ -355,8 +358,9 @@ class GreedyHead:
         self._bounds = torch.empty(MAX_ROWS, dtype=torch.float32, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, H] in the head's dtype, n <= MAX_ROWS -> logits [n, V] in the head's dtype: each row's
-        argmax is the full head's (candidates exact, every other logit -inf). No host sync."""
+        """x [n, H] in the head's dtype, n <= MAX_ROWS -> logits [n, V] in the head's dtype: the
+        candidates' logits (f32 sums in one fixed order), every other logit -inf, so each row's argmax is
+        that of every logit so computed (the module docstring). No host sync."""
         vocab, hidden = self.weight.shape
         if x.dtype != self.weight.dtype or x.dim() != 2 or x.shape[1] != hidden or not x.is_contiguous():
             raise ValueError(
