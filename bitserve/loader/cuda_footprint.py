@@ -14,7 +14,8 @@ models/cuda_decoder.py lay them out:
 - vectors (norms): f32;
 - a head the CUDA decoder keeps as a float matrix (any but Q4_0 / Q4_1 / Q8_0 blocks, separate or the
   tied table) adds its greedy-head copy (kernels/cuda/greedy_head.py) where that takes its width (a
-  multiple of 128 up to 4,096: greedy_head.supports_hidden): one int8 per value and an f32 scale per row.
+  multiple of 128 up to 4,096: greedy_head.supports_hidden): one int8 per value, an f32 scale per row, and
+  the two passes' scratch (an f32 approximate logit and an int32 candidate slot per row and launch row).
   Counted even where the copy is not made (no CUDA graphs, no lookahead, BITSERVE_CUDA_GREEDY_HEAD=0,
   `--lm-head q8_0`): an estimate errs high.
 No Triton or torch import: the lifecycle calls it before it loads anything. It lives in the loader (it
@@ -33,6 +34,9 @@ from bitserve.loader.gguf_types import GGMLType
 TERNARY_TYPES = frozenset({GGMLType.I2_S, GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.TL1, GGMLType.TL2})
 HALF_TYPES = frozenset({GGMLType.F16, GGMLType.BF16})
 GREEDY_HEAD_MAX_WIDTH = 4096  # kernels/cuda/greedy_head.MAX_HIDDEN
+# per head row: its f32 scale, and per launch row (greedy_head.MAX_ROWS, 2) an f32 approximate logit and
+# an int32 slot of the rescoring pass's candidate list
+GREEDY_HEAD_ROW_BYTES = 4 + 2 * (4 + 4)
 # packed bytes per value in block_layout.py's form: Q4 codes 0.5 + f32 d and m per 32 values; Q8_0 1 + d
 BLOCK_PACKED_BYTES = {GGMLType.Q4_0: 0.75, GGMLType.Q4_1: 0.75, GGMLType.Q8_0: 1.125}
 F32_BYTES = 4
@@ -49,7 +53,7 @@ def cuda_weight_bytes(tensors: Iterable[TensorInfo]) -> int:
         total += _matrix_bytes(table)  # a tied quantized head: its block weight beside the f32 table
     head = by_name.get(HEAD, table)
     if head is not None and _has_greedy_copy(head):
-        total += prod(head.shape) + head.shape[1] * F32_BYTES  # the greedy head's int8 copy and scales
+        total += prod(head.shape) + head.shape[1] * GREEDY_HEAD_ROW_BYTES  # the greedy head's int8 copy
     return total
 
 

@@ -115,6 +115,26 @@ def test_zero_input_scores_every_row_and_picks_the_first() -> None:
     assert ids == [0] and bool((logits.float() == 0).all())
 
 
+def test_one_head_rescores_every_launch_afresh() -> None:
+    """Launches of one head share its scratch (the approximate logits, the candidate lists). A launch that
+    scores every row (a zero input: 2,000 candidates, many tiles a program) and launches with few after it
+    each give what a fresh head gives that input, bit for bit, and that input's argmax."""
+    weight = _head(torch.float16)
+    shared = GreedyHead(weight.to(DEVICE))
+    zeros = torch.zeros(2, HIDDEN, dtype=torch.float16)
+    for x in (zeros, _inputs(2, torch.float16), _inputs(1, torch.float16, seed=7), zeros[:1]):
+        logits = shared(x.to(DEVICE)).cpu()
+        fresh = GreedyHead(weight.to(DEVICE))(x.to(DEVICE)).cpu()
+        assert torch.equal(logits.view(torch.int16), fresh.view(torch.int16))
+        rounded = _rounded(_exact(weight, x), torch.float16)
+        assert cast_argmax_rows(logits)[1].tolist() == rounded.argmax(dim=1).tolist()
+        scored = torch.isfinite(logits.float()).sum(dim=1).tolist()
+        if x.any():
+            assert max(scored) < VOCAB // 20
+        else:
+            assert scored == [VOCAB] * x.shape[0]
+
+
 def test_a_row_holding_an_infinity_is_always_scored() -> None:
     weight, x = _head(torch.float16), _inputs(1, torch.float16)
     weight[42, 3] = float("inf")

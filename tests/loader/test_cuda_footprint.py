@@ -43,9 +43,10 @@ def test_the_token_table_and_the_head() -> None:
     # greedy head takes (a multiple of 128), so no int8 copy of the head
     assert cuda_weight_bytes([table_f16]) == 2 * VALUES
     assert cuda_weight_bytes([table_f16, head_f16]) == 4 * VALUES
-    # at a width it takes (ggml shape (256, M): M rows of 256), the greedy head's int8 copy and row scales
+    # at a width it takes (ggml shape (256, M): M rows of 256), the greedy head's int8 copy, row scales and
+    # the scratch of its two passes at up to 2 rows a launch (an f32 logit and an int32 slot per row)
     wide, values = 256, 256 * M
-    greedy_head = values + 4 * M
+    greedy_head = values + 4 * M + 2 * (4 + 4) * M
     table = _tensor("token_embd.weight", GGMLType.F16, (wide, M), nbytes=2 * values)
     assert cuda_weight_bytes([table]) == 2 * values + greedy_head
     # a Q6_K head is dequantized to f32 (dense()) and gets the copy too

@@ -12,7 +12,9 @@ model's F16 table is widened to). A greedy step needs only the argmax of the log
 2. `_rescore_kernel` reduces those partial maxima to L[b], keeps as candidates the rows that could reach
    it (A + E >= L minus one rounding step of the output dtype), computes their logits (the float weight
    row times x, f32 sums in one fixed order, rounded to the head's dtype), and writes -inf for every
-   other row.
+   other row. A program checks its RESCORE_ROWS rows in one vectorized pass (one round trip for A, the
+   partial maxima and the bound), compacts its candidates into a scratch list, and scores them
+   RESCORE_TILE at a time: the dependent loads are the candidates' alone.
 
 The argmax of that row (kernels/cuda/argmax.py) is the argmax of every row's logit as the rescoring
 pass computes it: a row j outside the candidates has R[j] <= A[j] + E[j] < L <= max_k R[k] (R the f32
@@ -60,8 +62,11 @@ QUANT_CHUNK_ROWS = 8192  # head rows quantized at once at load (an f32 temporary
 # 60 KB of weights in flight. On an H200 the tile moved the pass by 1% (RESULTS.md, 2026-11-29); loading
 # each next block ahead of the dot products was no faster at 1 row and 11% slower at 2.
 APPROX_TILES: dict[int, tuple[int, int]] = {1: (16 * 2560, 3), 2: (8 * 2560, 3)}
-RESCORE_ROWS = 128  # head rows a program of the rescoring pass checks
-RESCORE_TILE = 16  # of which it computes this many at once, where any is a candidate
+# head rows a program of the rescoring pass checks at once. The pass had checked 16-row tiles one after
+# another, a dependent L2 round trip and a block reduction each: ~25 µs of a 101 µs head on an H200. Checked
+# at once: 80.3 µs at 512 rows, 82.1 at 1,024, 84.1 at 2,048, 88.9 at 4,096 (RESULTS.md, 2026-11-29)
+RESCORE_ROWS = 512
+RESCORE_TILE = 16  # candidate rows it scores at once
 NUM_WARPS = 4
 # margin below L, relative: twice what rounding to the head's dtype can merge (two values that round to
 # one f16 differ by less than 2^-9 of it, one bf16 2^-6; an f32 head's logits are not rounded again: a
@@ -252,6 +257,7 @@ def _rescore_kernel(
     approx_ptr,  # f32 [B, V]
     partial_ptr,  # f32 [B, NUM_PARTIALS]
     bound_ptr,  # f32 [B]: E / s
+    list_ptr,  # int32 [B, programs * BLOCK_R]: scratch, each program's candidate rows
     out_ptr,  # [B, V] in the head's dtype, out: the candidates' logits, -inf elsewhere
     V,
     out_max,
@@ -266,36 +272,42 @@ def _rescore_kernel(
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    first_row = tl.program_id(0) * BLOCK_R
-    offs = tl.arange(0, TILE)
-    scales = ()
-    for t in tl.static_range(0, BLOCK_R, TILE):  # weights: read before the wait
-        scales = scales + (
-            tl.load(scale_ptr + first_row + t + offs, mask=first_row + t + offs < V, other=0.0),
-        )
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < V
+    scales = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # a weight: read before the wait
     pdl_enter(USE_PDL)
     partial_offs = tl.arange(0, PARTIALS_BLOCK)
     for b in tl.static_range(B):
+        # three independent loads, one round trip: the program's every check is vectorized, and only the
+        # candidates (a few hundred rows of 128,256 at the 2B shape) go through the dependent loop below
         partials = tl.load(
             partial_ptr + b * NUM_PARTIALS + partial_offs,
             mask=partial_offs < NUM_PARTIALS,
             other=float("-inf"),
         )
+        approx = tl.load(approx_ptr + b * V + rows, mask=row_ok, other=0.0)
+        bound = tl.load(bound_ptr + b)
         low = tl.minimum(tl.max(partials, axis=0), out_max)  # L: past the dtype's max every value is inf
         threshold = low - (tl.abs(low) * out_step + out_tiny)
-        bound = tl.load(bound_ptr + b)
-        for t in tl.static_range(0, BLOCK_R, TILE):
-            rows = first_row + t + offs
-            row_ok = rows < V
-            approx = tl.load(approx_ptr + b * V + rows, mask=row_ok, other=0.0)
-            high = approx + scales[t // TILE] * bound
-            # NOTE: "not below" rather than ">=": a NaN bound makes a row a candidate
-            candidate = row_ok & ~(high < threshold)
-            minus_inf = tl.full([TILE], float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + b * V + rows, minus_inf, mask=row_ok & ~candidate)
-            if tl.max(candidate.to(tl.int32), axis=0) > 0:
-                logits = _exact_logits(x_ptr + b * H, w_ptr, rows, candidate, H, TILE, BLOCK_H)
-                tl.store(out_ptr + b * V + rows, logits.to(out_ptr.dtype.element_ty), mask=candidate)
+        # NOTE: "not below" rather than ">=": a NaN bound makes a row a candidate
+        candidate = row_ok & ~(approx + scales * bound < threshold)
+        minus_inf = tl.full([BLOCK_R], float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * V + rows, minus_inf, mask=row_ok & ~candidate)
+        # the candidates' rows, compacted into the program's own scratch list in row order
+        flags = candidate.to(tl.int32)
+        count = tl.sum(flags, axis=0)
+        listed = list_ptr + (b * tl.num_programs(0) + pid) * BLOCK_R
+        tl.store(listed + tl.cumsum(flags, axis=0) - 1, rows, mask=candidate)
+        tl.debug_barrier()  # the list's stores before any thread reads them back
+        done = 0
+        while done < count:
+            slots = done + tl.arange(0, TILE)
+            in_list = slots < count
+            tile_rows = tl.load(listed + slots, mask=in_list, other=0)
+            logits = _exact_logits(x_ptr + b * H, w_ptr, tile_rows, in_list, H, TILE, BLOCK_H)
+            tl.store(out_ptr + b * V + tile_rows, logits.to(out_ptr.dtype.element_ty), mask=in_list)
+            done += TILE
 
 
 @triton.jit
@@ -356,6 +368,10 @@ class GreedyHead:
         self._approx = torch.empty(MAX_ROWS * vocab, dtype=torch.float32, device=device)
         self._partials = torch.empty(MAX_ROWS * most_programs, dtype=torch.float32, device=device)
         self._bounds = torch.empty(MAX_ROWS, dtype=torch.float32, device=device)
+        self.rescore_rows = RESCORE_ROWS
+        self._rescore_programs = triton.cdiv(vocab, RESCORE_ROWS)
+        listed = MAX_ROWS * self._rescore_programs * RESCORE_ROWS
+        self._candidate_rows = torch.empty(listed, dtype=torch.int32, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, H] in the head's dtype, n <= MAX_ROWS -> logits [n, V] in the head's dtype: the
@@ -381,11 +397,11 @@ class GreedyHead:
             num_warps=NUM_WARPS, **options,
         )  # fmt: skip
         dtype = self.weight.dtype
-        _rescore_kernel[(triton.cdiv(vocab, RESCORE_ROWS),)](
-            x, self.weight, self.scales, approx, partials, self._bounds, out, vocab,
+        _rescore_kernel[(self._rescore_programs,)](
+            x, self.weight, self.scales, approx, partials, self._bounds, self._candidate_rows, out, vocab,
             OUTPUT_MAX[dtype], OUTPUT_STEP[dtype], OUTPUT_TINY[dtype],
             B=rows, H=hidden, NUM_PARTIALS=programs, PARTIALS_BLOCK=triton.next_power_of_2(programs),
-            BLOCK_R=RESCORE_ROWS, TILE=RESCORE_TILE, BLOCK_H=self.block_h, num_warps=NUM_WARPS,
+            BLOCK_R=self.rescore_rows, TILE=RESCORE_TILE, BLOCK_H=self.block_h, num_warps=NUM_WARPS,
             enable_fp_fusion=False, **options,
         )  # fmt: skip
         return out
