@@ -15,7 +15,8 @@ models/cuda_decoder.py lay them out:
 - a head the CUDA decoder keeps as a float matrix (any but Q4_0 / Q4_1 / Q8_0 blocks, separate or the
   tied table) adds its greedy-head copy (kernels/cuda/greedy_head.py) where that takes its width (a
   multiple of 128 up to 4,096: greedy_head.supports_hidden): one int8 per value, an f32 scale per row, and
-  the two passes' scratch (an f32 approximate logit and an int32 candidate slot per row and launch row).
+  the two passes' scratch (an f32 approximate logit and an int32 candidate slot per row and launch row;
+  the few KB of per-program maxima and list padding left out).
   Counted even where the copy is not made (no CUDA graphs, no lookahead, BITSERVE_CUDA_GREEDY_HEAD=0,
   `--lm-head q8_0`): an estimate errs high.
 No Triton or torch import: the lifecycle calls it before it loads anything. It lives in the loader (it

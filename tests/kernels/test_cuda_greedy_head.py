@@ -115,24 +115,31 @@ def test_zero_input_scores_every_row_and_picks_the_first() -> None:
     assert ids == [0] and bool((logits.float() == 0).all())
 
 
-def test_one_head_rescores_every_launch_afresh() -> None:
-    """Launches of one head share its scratch (the approximate logits, the candidate lists). A launch that
-    scores every row (a zero input: 2,000 candidates, many tiles a program) and launches with few after it
-    each give what a fresh head gives that input, bit for bit, and that input's argmax."""
-    weight = _head(torch.float16)
-    shared = GreedyHead(weight.to(DEVICE))
+@pytest.mark.parametrize("vocab", [VOCAB, 2001])
+def test_one_head_rescores_every_launch_afresh(vocab: int) -> None:
+    """Launches of one head share its scratch (the approximate logits, the candidate lists). Before each
+    launch the lists are filled with the input's worst row (never a candidate) and the approximate logits
+    with NaN (a NaN row is always a candidate): a launch that read either from an earlier launch would
+    score that row or too many. An all-candidates launch (a zero input: every row, many 16-row tiles a
+    program, a partial last tile at 2,001 rows) and launches with few after it each give their input's
+    argmax, their worst row -inf, and only a handful of rows scored."""
+    weight = _head(torch.float16, vocab=vocab)
+    head = GreedyHead(weight.to(DEVICE))
     zeros = torch.zeros(2, HIDDEN, dtype=torch.float16)
     for x in (zeros, _inputs(2, torch.float16), _inputs(1, torch.float16, seed=7), zeros[:1]):
-        logits = shared(x.to(DEVICE)).cpu()
-        fresh = GreedyHead(weight.to(DEVICE))(x.to(DEVICE)).cpu()
-        assert torch.equal(logits.view(torch.int16), fresh.view(torch.int16))
-        rounded = _rounded(_exact(weight, x), torch.float16)
+        exact = _exact(weight, x)
+        worst = exact.argmin(dim=1)
+        head._candidate_rows.fill_(int(worst[0]))
+        head._approx.fill_(float("nan"))
+        logits = head(x.to(DEVICE)).cpu().float()
+        rounded = _rounded(exact, torch.float16)
         assert cast_argmax_rows(logits)[1].tolist() == rounded.argmax(dim=1).tolist()
-        scored = torch.isfinite(logits.float()).sum(dim=1).tolist()
+        scored = torch.isfinite(logits).sum(dim=1).tolist()
         if x.any():
-            assert max(scored) < VOCAB // 20
+            assert max(scored) < vocab // 20
+            assert logits[0, worst[0]] == float("-inf")
         else:
-            assert scored == [VOCAB] * x.shape[0]
+            assert scored == [vocab] * x.shape[0] and bool((logits == 0).all())
 
 
 def test_a_row_holding_an_infinity_is_always_scored() -> None:

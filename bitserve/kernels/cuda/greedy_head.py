@@ -12,9 +12,10 @@ model's F16 table is widened to). A greedy step needs only the argmax of the log
 2. `_rescore_kernel` reduces those partial maxima to L[b], keeps as candidates the rows that could reach
    it (A + E >= L minus one rounding step of the output dtype), computes their logits (the float weight
    row times x, f32 sums in one fixed order, rounded to the head's dtype), and writes -inf for every
-   other row. A program checks its RESCORE_ROWS rows in one vectorized pass (one round trip for A, the
-   partial maxima and the bound), compacts its candidates into a scratch list, and scores them
-   RESCORE_TILE at a time: the dependent loads are the candidates' alone.
+   other row. A program checks its RESCORE_ROWS rows in one vectorized pass (for each input row, one
+   round trip for A, the partial maxima and the bound), compacts its candidates into a scratch list, and
+   scores them RESCORE_TILE at a time (a read of the list, then the candidates' weight rows): only the
+   candidates cost dependent round trips.
 
 The argmax of that row (kernels/cuda/argmax.py) is the argmax of every row's logit as the rescoring
 pass computes it: a row j outside the candidates has R[j] <= A[j] + E[j] < L <= max_k R[k] (R the f32
@@ -63,8 +64,9 @@ QUANT_CHUNK_ROWS = 8192  # head rows quantized at once at load (an f32 temporary
 # each next block ahead of the dot products was no faster at 1 row and 11% slower at 2.
 APPROX_TILES: dict[int, tuple[int, int]] = {1: (16 * 2560, 3), 2: (8 * 2560, 3)}
 # head rows a program of the rescoring pass checks at once. The pass had checked 16-row tiles one after
-# another, a dependent L2 round trip and a block reduction each: ~25 µs of a 101 µs head on an H200. Checked
-# at once: 80.3 µs at 512 rows, 82.1 at 1,024, 84.1 at 2,048, 88.9 at 4,096 (RESULTS.md, 2026-11-29)
+# another, a dependent L2 round trip and a block reduction each: ~20-30 µs of a 101-106 µs head on an
+# H200. Checked at once: 80.3 µs at 512 rows, 82.1 at 1,024, 84.1 at 2,048, 88.9 at 4,096 (RESULTS.md,
+# 2026-11-29)
 RESCORE_ROWS = 512
 RESCORE_TILE = 16  # candidate rows it scores at once
 NUM_WARPS = 4
@@ -279,7 +281,7 @@ def _rescore_kernel(
     pdl_enter(USE_PDL)
     partial_offs = tl.arange(0, PARTIALS_BLOCK)
     for b in tl.static_range(B):
-        # three independent loads, one round trip: the program's every check is vectorized, and only the
+        # three independent loads, one round trip (per input row): every check is vectorized, and only the
         # candidates (a few hundred rows of 128,256 at the 2B shape) go through the dependent loop below
         partials = tl.load(
             partial_ptr + b * NUM_PARTIALS + partial_offs,
@@ -368,9 +370,10 @@ class GreedyHead:
         self._approx = torch.empty(MAX_ROWS * vocab, dtype=torch.float32, device=device)
         self._partials = torch.empty(MAX_ROWS * most_programs, dtype=torch.float32, device=device)
         self._bounds = torch.empty(MAX_ROWS, dtype=torch.float32, device=device)
-        self.rescore_rows = RESCORE_ROWS
-        self._rescore_programs = triton.cdiv(vocab, RESCORE_ROWS)
-        listed = MAX_ROWS * self._rescore_programs * RESCORE_ROWS
+        # read once: the grid, the list and the kernel's block agree even if the constant changes later
+        self._rescore_rows = RESCORE_ROWS
+        self._rescore_programs = triton.cdiv(vocab, self._rescore_rows)
+        listed = MAX_ROWS * self._rescore_programs * self._rescore_rows
         self._candidate_rows = torch.empty(listed, dtype=torch.int32, device=device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -401,7 +404,7 @@ class GreedyHead:
             x, self.weight, self.scales, approx, partials, self._bounds, self._candidate_rows, out, vocab,
             OUTPUT_MAX[dtype], OUTPUT_STEP[dtype], OUTPUT_TINY[dtype],
             B=rows, H=hidden, NUM_PARTIALS=programs, PARTIALS_BLOCK=triton.next_power_of_2(programs),
-            BLOCK_R=self.rescore_rows, TILE=RESCORE_TILE, BLOCK_H=self.block_h, num_warps=NUM_WARPS,
+            BLOCK_R=self._rescore_rows, TILE=RESCORE_TILE, BLOCK_H=self.block_h, num_warps=NUM_WARPS,
             enable_fp_fusion=False, **options,
         )  # fmt: skip
         return out
