@@ -8,15 +8,15 @@ import torch
 
 
 def kernel_test_device() -> str:
-    """ "cuda" where a CUDA device is, "cpu" under Triton's interpreter (TRITON_INTERPRET=1, small shapes);
-    otherwise, or where triton does not import, the calling test module is skipped. Call it at a test
-    module's top level, before importing the kernels."""
+    """ "cpu" under Triton's interpreter (TRITON_INTERPRET=1, small shapes), else "cuda" where a CUDA
+    device is; otherwise, or where triton does not import, the calling test module is skipped. Call it at
+    a test module's top level, before importing the kernels."""
     import pytest  # NOTE: deferred: a test dependency, and only test modules call this
 
-    if torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        device = "cpu"  # the interpreter runs the kernels on the host, on CPU tensors, GPU or not
+    elif torch.cuda.is_available():
         device = "cuda"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        device = "cpu"
     else:
         pytest.skip(
             "needs a CUDA device, or TRITON_INTERPRET=1 for Triton's CPU interpreter", allow_module_level=True
