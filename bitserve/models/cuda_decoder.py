@@ -339,13 +339,24 @@ def _head_matrix(
 
 def _greedy_head(matrix: PreparedLinear | torch.Tensor) -> GreedyHead | None:
     """The greedy head of a float matrix head (an int8 copy: vocab x hidden bytes more device memory),
-    unless BITSERVE_CUDA_GREEDY_HEAD=0; None for a prepared (block-quantized) head and for a hidden size
-    its kernels do not take (greedy_head.supports_hidden)."""
+    unless BITSERVE_CUDA_GREEDY_HEAD=0; None for a prepared (block-quantized) head, for a hidden size its
+    kernels do not take (greedy_head.supports_hidden), and where the device has no memory left for the
+    copy: it only speeds greedy steps up, so a model that fits without it still loads (with a warning)."""
     if isinstance(matrix, PreparedLinear) or matrix.dtype not in GREEDY_HEAD_DTYPES:
         return None
     if os.environ.get(GREEDY_HEAD_ENV, "1") == "0" or not supports_hidden(matrix.shape[1]):
         return None
-    head = GreedyHead(matrix.contiguous())
+    try:
+        head = GreedyHead(matrix.contiguous())
+    except torch.OutOfMemoryError:
+        copy_mb = matrix.numel() / 1e6
+        logger.warning(
+            "no device memory for the greedy head's int8 copy of the LM head (%.0f MB): greedy steps run "
+            "the full head (set %s=0 to skip the attempt)",
+            copy_mb,
+            GREEDY_HEAD_ENV,
+        )
+        return None
     logger.info("greedy decode steps take their argmax from an int8 copy of the %s head", matrix.dtype)
     return head
 
