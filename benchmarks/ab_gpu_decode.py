@@ -75,9 +75,8 @@ def measure(path: str, kv_bytes: int) -> dict:
     try:
         rate = bench_gpu.decode_rate(llm, 1, 128)
         graphs = llm.engine.runner.graphs
-        greedy = graphs.decoder.greedy_head_fits(1)  # as a greedy decode step runs
-        # replays that repeat one step
-        graph = graphs.held_graph(1, graphs.widths[0], REPLAY_CONTEXT, greedy=greedy)
+        # replays that repeat one step, of the graph a greedy decode step runs
+        graph = graphs.held_graph(1, graphs.widths[0], REPLAY_CONTEXT, greedy=True)
         replay = replay_us(graph, count=200, rounds=3)
         return {**rate, "replay_ms": round(replay / 1000, 3)}
     finally:

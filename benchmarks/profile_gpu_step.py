@@ -182,8 +182,8 @@ def main() -> None:
         graphs = llm.engine.runner.graphs
         batch = int(os.environ.get("BITSERVE_PROFILE_BATCH", "1"))
         # the shortest-context bucket, every row at the context the steps above left (16 + 66 keys)
-        greedy = graphs.decoder.greedy_head_fits(batch)  # as a greedy decode step runs
-        graph = graphs.held_graph(batch, graphs.widths[0], REPLAY_CONTEXT, greedy=greedy)
+        # the graph a greedy decode step runs
+        graph = graphs.held_graph(batch, graphs.widths[0], REPLAY_CONTEXT, greedy=True)
         row = {
             "model": Path(path).name,
             "card": torch.cuda.get_device_name(0),

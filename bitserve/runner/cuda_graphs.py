@@ -213,7 +213,7 @@ class DecodeGraphs:
         self._send_rows(torch.tensor([ids, positions + [pad_position] * padding], dtype=torch.int64), size)
         self._send_table(size, width)
         self._table_blocks = [len(request.block_ids) for request in requests]
-        return self._replay(GraphKey(size, width, greedy and (size, width, True) in self.graphs), positions)
+        return self._replay(self._key(size, width, greedy), positions)
 
     def replay_next(
         self, requests: Sequence[ScheduledRequest], positions: Sequence[int]
@@ -241,14 +241,18 @@ class DecodeGraphs:
         back to back (benchmarks/profile_gpu_step.py): every row a padded one at position context - 1, so
         each attends over `context` keys (of the scratch page) and the argmax feeds nothing back. (After
         a real step its rows are real, and each replay would move them one position on, past the
-        bucket's table in a few hundred replays.) greedy=True: the bucket's greedy graph (KeyError if it
-        has none). The next step must be a run()."""
+        bucket's table in a few hundred replays.) greedy=True: the graph a greedy step of the bucket
+        replays, as in run(). The next step must be a run()."""
         if not 1 <= context <= width * self.block_size:
             raise ValueError(f"context {context} is outside the bucket's 1..{width * self.block_size} keys")
         self._pad(size, width)
         self.inputs(size)[POSITIONS].fill_(context - 1)
         self._last = None
-        return self.graphs[GraphKey(size, width, greedy)]
+        return self.graphs[self._key(size, width, greedy)]
+
+    def _key(self, size: int, width: int, greedy: bool) -> GraphKey:
+        """The bucket's greedy graph where greedy is asked and it has one, else its full graph."""
+        return GraphKey(size, width, greedy and GraphKey(size, width, True) in self.graphs)
 
     def _pad(self, size: int, width: int) -> None:
         """Every row of the bucket the padding row, its table all the scratch block (the graph's first

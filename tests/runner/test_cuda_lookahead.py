@@ -157,3 +157,8 @@ def test_a_greedy_graph_only_where_the_decoders_greedy_head_fits() -> None:
     graphs.decoder = SimpleNamespace(greedy_head_fits=lambda rows: rows <= 2)
     assert graphs._keys(2, 16) == [GraphKey(2, 16, False), GraphKey(2, 16, True)]
     assert graphs._keys(4, 16) == [GraphKey(4, 16, False)]
+    # a greedy step (run, held_graph) replays the bucket's greedy graph where it has one, else its full one
+    graphs.graphs = {key: None for size in (2, 4) for key in graphs._keys(size, 16)}
+    assert graphs._key(2, 16, greedy=True) == GraphKey(2, 16, True)
+    assert graphs._key(2, 16, greedy=False) == GraphKey(2, 16, False)
+    assert graphs._key(4, 16, greedy=True) == GraphKey(4, 16, False)
