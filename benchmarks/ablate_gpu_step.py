@@ -11,7 +11,12 @@ replaced by `_trivial`: one program that waits for its predecessor, reads one va
 and lets the next kernel launch, the cheapest link a chain can have. `saved_us` is what the class costs
 beyond such links; `all` swaps every class (the chain of trivial links alone, plus the embedding and the
 final norm). Outputs of an ablated step are garbage (buffers are zeros, written once): only time counts.
-One JSON line per variant, then a summary table.
+`norm_free` and `rope_free` remove norm_quantize / RoPE + KV write with no link at all (their outputs are
+zeros buffers): the most a fusion of that class into a neighbour could save. One JSON line per variant.
+
+The greedy head's time depends on its input (an ablated step's garbage hidden state can make every head
+row a candidate for exact scoring: ~190 µs more on an H200), so every class but `head` is measured with
+the head already trivial, against that step (`base: head`); `head` itself against the full step.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from bitserve.kernels.cuda.pdl import launch_options, pdl_enter  # noqa: E402
 from bitserve.models import cuda_decoder  # noqa: E402
 
 CLASSES = ("norm", "rope", "attention", "ternary", "block", "head")
+FREE_CLASSES = ("norm_free", "rope_free")  # removed without a stand-in link (not part of "all")
 _BUFFERS: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
 
@@ -66,8 +72,17 @@ def _fake_norm_quantize(x, norm_weight, eps, *, activation=None, out_q=None, out
     return q, _trivial(x, _buffer((x.shape[0],), torch.float32, x.device))
 
 
+def _no_norm_quantize(x, norm_weight, eps, *, activation=None, out_q=None, out_scale=None):  # noqa: ANN001, ANN202
+    width = x.shape[1] // 2 if activation is not None else x.shape[1]
+    return _buffer((x.shape[0], width), torch.int8, x.device), _buffer((x.shape[0],), torch.float32, x.device)
+
+
 def _fake_rotary(q, k, v, *args, **kwargs) -> None:  # noqa: ANN001
     _trivial(q, q)
+
+
+def _no_rotary(q, k, v, *args, **kwargs) -> None:  # noqa: ANN001
+    return None
 
 
 def _fake_attention(q, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -96,8 +111,12 @@ def ablated(classes: set[str]) -> Iterator[None]:
 
     if "norm" in classes:
         swap(cuda_decoder, "norm_quantize", _fake_norm_quantize)
+    if "norm_free" in classes:
+        swap(cuda_decoder, "norm_quantize", _no_norm_quantize)
     if "rope" in classes:
         swap(cuda_decoder, "rotary_and_cache_", _fake_rotary)
+    if "rope_free" in classes:
+        swap(cuda_decoder, "rotary_and_cache_", _no_rotary)
     if "attention" in classes:
         swap(cuda_decoder, "paged_decode_attention", _fake_attention)
     if "ternary" in classes:
@@ -139,30 +158,45 @@ def main() -> None:
     )
     parser.add_argument("model")
     parser.add_argument(
-        "--classes", default=",".join(CLASSES), help="comma-separated, of " + ", ".join(CLASSES)
+        "--classes",
+        default=",".join(CLASSES),
+        help="comma-separated, of " + ", ".join(CLASSES + FREE_CLASSES),
     )
     parser.add_argument("--rounds", type=int, default=2, help="passes over the variants (alternating)")
     args = parser.parse_args()
     variants = [name for name in args.classes.split(",") if name] + ["all"]
-    unknown = set(variants) - set(CLASSES) - {"all"}
+    unknown = set(variants) - set(CLASSES) - set(FREE_CLASSES) - {"all"}
     if unknown:
         parser.error(f"unknown classes {sorted(unknown)}")
     card = torch.cuda.get_device_name(0)
-    results: dict[str, list[float]] = {"full": [], **{name: [] for name in variants}}
+    # variant -> (classes swapped, the variant it is measured against)
+    plan: dict[str, tuple[set[str], str]] = {"full": (set(), "full"), "base: head": ({"head"}, "full")}
+    for name in variants:
+        if name == "all":
+            plan[name] = (set(CLASSES), "full")
+        elif name == "head":
+            plan[name] = ({"head"}, "full")
+        else:
+            plan[name] = ({name, "head"}, "base: head")
+    results: dict[str, list[float]] = {name: [] for name in plan}
     for _ in range(args.rounds):
-        results["full"].append(measure(args.model, set()))
-        for name in variants:
-            results[name].append(measure(args.model, set(CLASSES) if name == "all" else {name}))
-    full = min(results["full"])
-    for name, times in results.items():
+        for name, (classes, _) in plan.items():
+            if name != "head":  # the same step as "base: head"
+                results[name].append(measure(args.model, classes))
+    if "head" in plan:
+        results["head"] = results["base: head"]
+    for name, (_classes, against) in plan.items():
+        if name == "base: head" and "head" in variants:
+            continue
         row = {
             "model": Path(args.model).name,
             "card": card,
             "ablated": name,
-            "replay_us": [round(t, 1) for t in times],
+            "replay_us": [round(t, 1) for t in results[name]],
         }
         if name != "full":
-            row["saved_us"] = round(full - min(times), 1)
+            row["against"] = against
+            row["saved_us"] = round(min(results[against]) - min(results[name]), 1)
         sys.stdout.write(json.dumps(row) + "\n")
 
 

@@ -3,9 +3,8 @@
 At batch 1 a 2B ternary decode step is ~300 short kernels; launched from Python they cost more than
 the whole memory traffic of the step. A graph replays them with one launch. Batch buckets are powers of
 two (1, 2, 4, ..., 256, capped by max_num_seqs); context buckets are block-table widths of 256 and 1024
-keys and the full max_model_len. A short-context bucket runs decode attention in one split (the
-flash-decoding split rule reads the table width, not the lengths, which a graph cannot see), saving the
-split reduction; longer ones keep the kernel's own rule.
+keys and the full max_model_len. Decode attention's flash-decoding split count follows from the batch
+and the bucket's table width (a graph cannot see the lengths), SINGLE_SPLIT_KEYS below.
 
 Each graph reads static input buffers and writes static logits (f32) and each row's argmax (greedy
 sampling's token, kernels/cuda/argmax.py, in the same kernel that widens an F16 head's logits). A step
@@ -53,7 +52,11 @@ logger = logging.getLogger(__name__)
 
 MAX_BUCKET = 256
 CONTEXT_BUCKETS = (256, 1024)  # keys; the last bucket is always max_model_len
-SINGLE_SPLIT_KEYS = 256  # contexts this short attend in one split
+# contexts this short attend in one split (no reduce kernel). 0: every bucket takes decode_num_splits'
+# count, which is 1 once a batch's programs fill the GPU. The one-split rule (256 keys, set before PDL and
+# the old keys' reads before the PDL wait) made the H200's 2B batch-1 step 1.5% slower than splits
+# (RESULTS.md, 2026-11-29 10:50)
+SINGLE_SPLIT_KEYS = 0
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -37,6 +37,9 @@ MIN_KEYS_PER_SPLIT = 64  # flash-decoding: at least one tile of keys per split
 # the contract it relies on: the kernel launched just before writes only each sequence's newest slot)
 PREFETCH_OLD_KEYS = True
 MAX_SPLITS = 32
+# (BLOCK_N, num_warps, num_stages) for every f16 / bf16 decode launch instead of _decode_config's choice:
+# a tuning switch for benchmarks/ab_gpu_decode.py, None in use
+DECODE_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 
 
 # ------------------------------------------------------------------ attention building blocks
@@ -281,6 +284,8 @@ def _decode_config(
     tf32x3 holds each operand twice)."""
     if dtype == torch.float32:
         return (32, 4, 3) if head_dim > 64 else (64, 4, 2)
+    if DECODE_CONFIG_OVERRIDE is not None:
+        return DECODE_CONFIG_OVERRIDE
     if head_dim <= 64 or programs >= 8 * _sm_count(device):
         return 128, 4, 3
     return 64, 4, 2

@@ -28,6 +28,8 @@ AMAX_FLOOR = 1e-5  # as kernels/reference/ternary.AMAX_FLOOR (docs/formats.md §
 MAX_SINGLE_BLOCK = 8192  # widest post-activation row kept in registers (BitNet 2B-4T: 6912)
 CHUNK = 2048  # chunk width of the three-pass path
 ACTIVATIONS = {None: 0, "relu2": 1, "relu_sqr": 1, "silu": 2}
+# a row block's width -> warps of its one program (narrower blocks: 4). Not tuned on a device yet
+NORM_QUANTIZE_WARPS: dict[int, int] = {8192: 16, 4096: 8, 2048: 8}
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fl32(v + M) - M is rne(v) for |v| < 2^22
 
 
@@ -202,7 +204,7 @@ def norm_quantize(
         ACT=ACTIVATIONS[activation],
         HAS_NORM=norm_weight is not None,
         USE_LIBDEVICE=x.device.type == "cuda",  # the CPU interpreter has no libdevice
-        num_warps=16 if block >= 8192 else (8 if block >= 2048 else 4),
+        num_warps=NORM_QUANTIZE_WARPS.get(block, 4),
         enable_fp_fusion=False,
         **launch_options(x.device),
     )
