@@ -219,6 +219,46 @@ def test_decode_replays_in_a_cuda_graph() -> None:
         torch.testing.assert_close(out.cpu(), expected, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_decode_merge_in_kernel_matches_the_reduce_kernel(
+    monkeypatch: pytest.MonkeyPatch, num_splits: int
+) -> None:
+    """DECODE_MERGE_IN_KERNEL (the last split of each sequence and KV head merges the partials) against the
+    reduce kernel and the eager path: lengths with empty splits and a zero row (seq_len 0), two launches
+    in a row (the second counts from the zeros the first left), and the counters zero after each."""
+    from bitserve.kernels.cuda import paged_attention
+
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    lens = [300, 1, 64, 129]
+    gen = torch.Generator().manual_seed(num_splits)
+    width = -(-300 // block_size)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache = _random_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float16, gen)
+    table = _page_table(lens, block_size, width, num_blocks, gen)
+    expected = []
+    queries = [torch.randn(len(lens) + 1, num_heads, head_dim, generator=gen) for _ in range(2)]
+    for q in queries:
+        expected.append(_eager(q[:-1], cache, table, lens, [1] * len(lens), num_kv_heads, decode=True))
+    table = torch.cat([table, torch.full((1, width), -1, dtype=torch.int64)]).to(DEVICE)
+    seq_lens = torch.tensor([*lens, 0], device=DEVICE)
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return paged_decode_attention(
+            q.to(DEVICE), cache, table, seq_lens, head_dim**-0.5, num_splits=num_splits
+        ).cpu()
+
+    reduced = [attend(q) for q in queries]
+    monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", True)
+    for q, eager, by_reduce in zip(queries, expected, reduced, strict=True):
+        merged = attend(q)
+        # the same merge arithmetic; on a GPU its sums may run in another order (another warp count)
+        torch.testing.assert_close(merged, by_reduce, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(merged[:-1], eager, rtol=RTOL, atol=ATOL)
+        assert torch.equal(merged[-1], torch.zeros(num_heads, head_dim))
+        counters = paged_attention._MERGE_COUNTERS[seq_lens.device]
+        assert int(counters.count_nonzero()) == 0
+
+
 # ------------------------------------------------------------------ prefill
 
 

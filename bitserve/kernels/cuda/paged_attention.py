@@ -40,6 +40,12 @@ MAX_SPLITS = 32
 # (BLOCK_N, num_warps, num_stages) for every f16 / bf16 decode launch instead of _decode_config's choice:
 # a tuning switch for benchmarks/ab_gpu_decode.py, None in use
 DECODE_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
+# flash-decoding: the last split of each (sequence, KV head) to finish merges the splits' partials in the
+# decode kernel (an arrival counter), instead of a second kernel. Off until measured in the decode chain
+# (benchmarks/ab_gpu_decode.py): at batch 1 the reduce kernel is one of each layer's ~11 links
+DECODE_MERGE_IN_KERNEL = False
+MERGE_COUNTERS_MIN = 8192  # arrival counters allocated at once (sequences x KV heads), int32
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 # ------------------------------------------------------------------ attention building blocks
@@ -159,17 +165,20 @@ def _accumulate(acc, alpha, p, v, TERMS: tl.constexpr, P_SCALE: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, final_ptr, count_ptr,
     q_stride_b, q_stride_h, kv_stride_blk, kv_stride_pos, kv_stride_head, table_stride,
-    out_stride_b, out_stride_h, out_stride_s, qk_scale,
+    out_stride_b, out_stride_h, out_stride_s, final_stride_b, final_stride_h, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TERMS: tl.constexpr,
-    P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, kv_head, split): the GROUP query heads of one KV head (rows padded to BLOCK_G, so
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
-    NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp.
+    NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp to
+    out / lse, and with MERGE the last split of the (seq, kv_head) to arrive (count_ptr: one int32
+    counter each, zero before the launch and left zero) merges the group's partials into final.
     PREFETCH: the first tile's keys older than the newest (seq_len - 1) are read before the PDL wait."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # seq_lens and the block table are the step's inputs: the split's bounds and its first tile's pages
@@ -231,6 +240,46 @@ def _decode_kernel(
         lse_rows = lse_ptr + (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # -inf: empty split
         tl.store(lse_rows, lse, mask=rows < GROUP)
+        if MERGE:
+            tl.debug_barrier()  # every thread's partial and lse stores before the release below
+            counter = count_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:
+                for g in tl.static_range(GROUP):
+                    row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + kv_head * GROUP + g
+                    final_row = (
+                        final_ptr + seq.to(tl.int64) * final_stride_b + (kv_head * GROUP + g) * final_stride_h
+                    )
+                    _merge_splits(out_ptr, lse_ptr, row, final_row, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
+                tl.store(counter, 0)  # the next launch (a later kernel) counts from zero
+
+
+@triton.jit
+def _merge_splits(
+    part_ptr, lse_ptr, row, out_row, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One head's NUM_SPLITS partials [S, D] (contiguous rows of part_ptr from row * S) merged by their
+    weights 2^(lse_s - max lse), the log-sum-exp merge of flash-decoding, stored at out_row [D]. Reads
+    bypass L1 (.cg): in the decode kernel's merge other programs wrote them."""
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(
+        lse_ptr + row * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"), cache_modifier=".cg"
+    )
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)  # [S]: 0 for empty splits
+    mask = split_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    parts = tl.load(
+        part_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=mask,
+        cache_modifier=".cg",
+    )
+    total = tl.maximum(tl.sum(weight, axis=0), 1e-30)
+    merged = tl.sum(parts * weight[:, None], axis=0) / total
+    tl.store(out_row + dims, merged, mask=dims < HEAD_DIM)
 
 
 @triton.jit
@@ -244,19 +293,21 @@ def _decode_reduce_kernel(
     pdl_enter(USE_PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    split_ok = splits < NUM_SPLITS
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp2(lse - top)  # [S]: 0 for empty splits
-    mask = split_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    parts = tl.load(part_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :], mask=mask)
-    total = tl.maximum(tl.sum(weight, axis=0), 1e-30)
-    merged = tl.sum(parts * weight[:, None], axis=0) / total
     out_row = out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h
-    tl.store(out_row + dims, merged, mask=dims < HEAD_DIM)
+    _merge_splits(part_ptr, lse_ptr, row, out_row, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
+
+
+def _merge_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed int32 arrival counters of the in-kernel merge, at least `needed` of them. Each
+    launch leaves them zero and kernels on one stream run one after another, so every launch shares them.
+    Made (or grown) outside a CUDA graph capture: the eager warm-up before each capture runs first."""
+    counters = _MERGE_COUNTERS.get(device)
+    if counters is None or counters.numel() < needed:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode merge counters must be made before a CUDA graph capture")
+        counters = torch.zeros(max(needed, MERGE_COUNTERS_MIN), dtype=torch.int32, device=device)
+        _MERGE_COUNTERS[device] = counters
+    return counters
 
 
 @functools.cache
@@ -327,6 +378,8 @@ def paged_decode_attention(
     programs = num_seqs * num_kv_heads * num_splits
     block_n, num_warps, num_stages = _decode_config(head_dim, kv_cache.dtype, programs, q.device)
     block_d = triton.next_power_of_2(head_dim)
+    merge = num_splits > 1 and DECODE_MERGE_IN_KERNEL
+    counters = _merge_counters(q.device, num_seqs * num_kv_heads) if merge else seq_lens  # placeholder
     if num_splits > 1:
         partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -335,15 +388,16 @@ def paged_decode_attention(
         lse, target, target_strides = out, out, (out.stride(0), out.stride(1), 0)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, block_table, seq_lens, target, lse,
+        q, key_cache, value_cache, block_table, seq_lens, target, lse, out, counters,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_table.stride(0), *target_strides, scale * LOG2E,
+        block_table.stride(0), *target_strides, out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         TERMS=_split_terms(kv_cache), P_SCALE=_weight_scale(kv_cache.dtype), PREFETCH=PREFETCH_OLD_KEYS,
+        MERGE=merge, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial, lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),

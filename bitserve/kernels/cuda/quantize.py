@@ -28,7 +28,8 @@ AMAX_FLOOR = 1e-5  # as kernels/reference/ternary.AMAX_FLOOR (docs/formats.md §
 MAX_SINGLE_BLOCK = 8192  # widest post-activation row kept in registers (BitNet 2B-4T: 6912)
 CHUNK = 2048  # chunk width of the three-pass path
 ACTIVATIONS = {None: 0, "relu2": 1, "relu_sqr": 1, "silu": 2}
-# a row block's width -> warps of its one program (narrower blocks: 4). Not tuned on a device yet
+# a row block's width -> warps of a row's program (narrower blocks: 4). At T = 1 on an H200 half or twice
+# these warps moved the 2B decode step within its noise (RESULTS.md, 2026-11-29 10:25)
 NORM_QUANTIZE_WARPS: dict[int, int] = {8192: 16, 4096: 8, 2048: 8}
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fl32(v + M) - M is rne(v) for |v| < 2^22
 
