@@ -299,8 +299,10 @@ def _decode_reduce_kernel(
 
 def _merge_counters(device: torch.device, needed: int) -> torch.Tensor:
     """The device's zeroed int32 arrival counters of the in-kernel merge, at least `needed` of them. Each
-    launch leaves them zero and kernels on one stream run one after another, so every launch shares them.
-    Made (or grown) outside a CUDA graph capture: the eager warm-up before each capture runs first."""
+    launch leaves them zero and kernels on one stream run one after another, so every launch shares them
+    (decode attention on two streams at once would need counters of its own: bitserve's steps, graph
+    replays included, run on the current stream, one at a time). Made (or grown) outside a CUDA graph
+    capture: the eager warm-up before each capture runs first."""
     counters = _MERGE_COUNTERS.get(device)
     if counters is None or counters.numel() < needed:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
