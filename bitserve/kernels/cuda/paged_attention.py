@@ -177,8 +177,7 @@ def _decode_kernel(
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
     NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp to
-    out / lse, and with MERGE the last split of the (seq, kv_head) to arrive (count_ptr: one int32
-    counter each, zero before the launch and left zero) merges the group's partials into final.
+    out / lse, and with MERGE the last of them to arrive merges them into final (_merge_if_last).
     PREFETCH: the first tile's keys older than the newest (seq_len - 1) are read before the PDL wait."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # seq_lens and the block table are the step's inputs: the split's bounds and its first tile's pages
@@ -241,17 +240,30 @@ def _decode_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # -inf: empty split
         tl.store(lse_rows, lse, mask=rows < GROUP)
         if MERGE:
-            tl.debug_barrier()  # every thread's partial and lse stores before the release below
-            counter = count_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == NUM_SPLITS - 1:
-                for g in tl.static_range(GROUP):
-                    row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + kv_head * GROUP + g
-                    final_row = (
-                        final_ptr + seq.to(tl.int64) * final_stride_b + (kv_head * GROUP + g) * final_stride_h
-                    )
-                    _merge_splits(out_ptr, lse_ptr, row, final_row, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
-                tl.store(counter, 0)  # the next launch (a later kernel) counts from zero
+            _merge_if_last(
+                out_ptr, lse_ptr, final_ptr, count_ptr, seq, kv_head, final_stride_b, final_stride_h,
+                GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge_if_last(
+    part_ptr, lse_ptr, final_ptr, count_ptr, seq, kv_head, final_stride_b, final_stride_h,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """After a split's partial and lse stores: count its arrival; the last of the (seq, kv_head)'s
+    NUM_SPLITS splits merges the GROUP heads' partials into final and sets the counter back to zero."""
+    tl.debug_barrier()  # every thread's partial and lse stores before the release below
+    counter = count_ptr + seq * tl.num_programs(1) + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == NUM_SPLITS - 1:
+        for g in tl.static_range(GROUP):
+            head = kv_head * GROUP + g
+            row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + head
+            final_row = final_ptr + seq.to(tl.int64) * final_stride_b + head * final_stride_h
+            _merge_splits(part_ptr, lse_ptr, row, final_row, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
+        tl.store(counter, 0)  # the next launch (a later kernel) counts from zero
 
 
 @triton.jit
