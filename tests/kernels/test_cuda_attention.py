@@ -195,9 +195,14 @@ def test_decode_block_sizes_and_out(block_size: int) -> None:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
-def test_decode_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
+def test_decode_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, merge_in_kernel: bool) -> None:
     """Captured once, replayed after seq_lens and the table change on the device: no host sync inside,
-    and the grid does not depend on the lengths."""
+    and the grid does not depend on the lengths; with the splits' in-kernel merge too (its counters
+    reset by each replay for the next)."""
+    from bitserve.kernels.cuda import paged_attention
+
+    monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", merge_in_kernel)
     num_heads, num_kv_heads, head_dim, block_size, width = 20, 5, 128, 16, 32
     gen = torch.Generator().manual_seed(5)
     cache = _random_cache(256, block_size, num_kv_heads, head_dim, torch.float16, gen)
@@ -249,6 +254,7 @@ def test_decode_merge_in_kernel_matches_the_reduce_kernel(
 
     reduced = [attend(q) for q in queries]
     monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", True)
+    monkeypatch.setattr(paged_attention, "_decode_reduce_kernel", None)  # launching it would raise
     for q, eager, by_reduce in zip(queries, expected, reduced, strict=True):
         merged = attend(q)
         # the same merge arithmetic; on a GPU its sums may run in another order (another warp count)
@@ -257,6 +263,28 @@ def test_decode_merge_in_kernel_matches_the_reduce_kernel(
         assert torch.equal(merged[-1], torch.zeros(num_heads, head_dim))
         counters = paged_attention._MERGE_COUNTERS[seq_lens.device]
         assert int(counters.count_nonzero()) == 0
+
+
+def test_decode_merge_in_kernel_under_many_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many programs arriving at once, launch after launch (on a GPU: 64 sequences x 5 KV heads x 8
+    splits, 20 launches, the lengths redrawn each time) give the reduce kernel's outputs: a race in the
+    arrival count or a reset missed would show as a stale or unmerged row."""
+    from bitserve.kernels.cuda import paged_attention
+
+    num_seqs, launches = (64, 20) if ON_GPU else (3, 2)
+    num_heads, num_kv_heads, head_dim, block_size, width = 20, 5, 64, 16, 40
+    gen = torch.Generator().manual_seed(11)
+    cache = _random_cache(num_seqs * width, block_size, num_kv_heads, head_dim, torch.float16, gen)
+    table = torch.randperm(num_seqs * width, generator=gen).view(num_seqs, width).to(DEVICE)
+    for _ in range(launches):
+        lens = torch.randint(0, width * block_size + 1, (num_seqs,), generator=gen).to(DEVICE)
+        q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(DEVICE)
+        monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", False)
+        reduced = paged_decode_attention(q, cache, table, lens, head_dim**-0.5, num_splits=8)
+        monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", True)
+        merged = paged_decode_attention(q, cache, table, lens, head_dim**-0.5, num_splits=8)
+        torch.testing.assert_close(merged.cpu(), reduced.cpu(), rtol=1e-6, atol=1e-6)
+    assert int(paged_attention._MERGE_COUNTERS[table.device].count_nonzero()) == 0
 
 
 # ------------------------------------------------------------------ prefill

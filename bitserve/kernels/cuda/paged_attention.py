@@ -46,6 +46,7 @@ DECODE_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 DECODE_MERGE_IN_KERNEL = False
 MERGE_COUNTERS_MIN = 8192  # arrival counters allocated at once (sequences x KV heads), int32
 _MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # replaced by larger ones: captured graphs may still use them
 
 
 # ------------------------------------------------------------------ attention building blocks
@@ -170,8 +171,8 @@ def _decode_kernel(
     out_stride_b, out_stride_h, out_stride_s, final_stride_b, final_stride_h, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TERMS: tl.constexpr,
-    P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, MERGE: tl.constexpr, MERGE_G: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, kv_head, split): the GROUP query heads of one KV head (rows padded to BLOCK_G, so
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
@@ -242,15 +243,15 @@ def _decode_kernel(
         if MERGE:
             _merge_if_last(
                 out_ptr, lse_ptr, final_ptr, count_ptr, seq, kv_head, final_stride_b, final_stride_h,
-                GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
+                GROUP, MERGE_G, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
             )  # fmt: skip
 
 
 @triton.jit
 def _merge_if_last(
     part_ptr, lse_ptr, final_ptr, count_ptr, seq, kv_head, final_stride_b, final_stride_h,
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, MERGE_G: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """After a split's partial and lse stores: count its arrival; the last of the (seq, kv_head)'s
     NUM_SPLITS splits merges the GROUP heads' partials into final and sets the counter back to zero."""
@@ -258,40 +259,44 @@ def _merge_if_last(
     counter = count_ptr + seq * tl.num_programs(1) + kv_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived == NUM_SPLITS - 1:
-        for g in tl.static_range(GROUP):
-            head = kv_head * GROUP + g
-            row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + head
-            final_row = final_ptr + seq.to(tl.int64) * final_stride_b + head * final_stride_h
-            _merge_splits(part_ptr, lse_ptr, row, final_row, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
+        first_head = kv_head * GROUP
+        first_row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + first_head
+        final_row = final_ptr + seq.to(tl.int64) * final_stride_b + first_head * final_stride_h
+        _merge_splits(
+            part_ptr, lse_ptr, first_row, final_row, final_stride_h, GROUP, MERGE_G, NUM_SPLITS, HEAD_DIM,
+            BLOCK_S, BLOCK_D,
+        )  # fmt: skip
         tl.store(counter, 0)  # the next launch (a later kernel) counts from zero
 
 
 @triton.jit
 def _merge_splits(
-    part_ptr, lse_ptr, row, out_row, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    part_ptr, lse_ptr, first_row, out_row, out_stride_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """One head's NUM_SPLITS partials [S, D] (contiguous rows of part_ptr from row * S) merged by their
-    weights 2^(lse_s - max lse), the log-sum-exp merge of flash-decoding, stored at out_row [D]. Reads
-    bypass L1 (.cg): in the decode kernel's merge other programs wrote them."""
+    """GROUP heads' NUM_SPLITS partials each (part_ptr [rows, S, D] and lse_ptr [rows, S], contiguous, from
+    row first_row) merged by their weights 2^(lse_s - max lse), the log-sum-exp merge of flash-decoding,
+    stored at out_row + g * out_stride_h [D]. One load of all heads' partials: the merge is one L2 round
+    trip however large the group. Reads bypass L1 (.cg): in the decode kernel's merge other programs wrote
+    them."""
+    heads = tl.arange(0, BLOCK_G)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_ok = splits < NUM_SPLITS
-    lse = tl.load(
-        lse_ptr + row * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"), cache_modifier=".cg"
-    )
-    top = tl.max(lse, axis=0)
+    head_ok = heads < GROUP
+    dim_ok = dims < HEAD_DIM
+    lse_offs = (first_row + heads)[:, None] * NUM_SPLITS + splits[None, :]  # [G, S]
+    lse_ok = head_ok[:, None] & (splits < NUM_SPLITS)[None, :]
+    lse = tl.load(lse_ptr + lse_offs, mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
+    part_ok = lse_ok[:, :, None] & dim_ok[None, None, :]
+    parts_ptrs = part_ptr + lse_offs[:, :, None] * HEAD_DIM + dims[None, None, :]
+    parts = tl.load(parts_ptrs, mask=part_ok, other=0.0, cache_modifier=".cg")  # [G, S, D]
+    top = tl.max(lse, axis=1)
     top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp2(lse - top)  # [S]: 0 for empty splits
-    mask = split_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    parts = tl.load(
-        part_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=mask,
-        cache_modifier=".cg",
-    )
-    total = tl.maximum(tl.sum(weight, axis=0), 1e-30)
-    merged = tl.sum(parts * weight[:, None], axis=0) / total
-    tl.store(out_row + dims, merged, mask=dims < HEAD_DIM)
+    weight = tl.exp2(lse - top[:, None])  # [G, S]: 0 for empty splits
+    total = tl.maximum(tl.sum(weight, axis=1), 1e-30)
+    merged = tl.sum(parts * weight[:, :, None], axis=1) / total[:, None]  # [G, D]
+    out_ptrs = out_row + heads[:, None] * out_stride_h + dims[None, :]
+    tl.store(out_ptrs, merged, mask=head_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -306,7 +311,7 @@ def _decode_reduce_kernel(
     seq, head = tl.program_id(0), tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head
     out_row = out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h
-    _merge_splits(part_ptr, lse_ptr, row, out_row, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
+    _merge_splits(part_ptr, lse_ptr, row, out_row, out_stride_h, 1, 1, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
 
 
 def _merge_counters(device: torch.device, needed: int) -> torch.Tensor:
@@ -319,6 +324,8 @@ def _merge_counters(device: torch.device, needed: int) -> torch.Tensor:
     if counters is None or counters.numel() < needed:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the decode merge counters must be made before a CUDA graph capture")
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
         counters = torch.zeros(max(needed, MERGE_COUNTERS_MIN), dtype=torch.int32, device=device)
         _MERGE_COUNTERS[device] = counters
     return counters
@@ -408,7 +415,7 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         TERMS=_split_terms(kv_cache), P_SCALE=_weight_scale(kv_cache.dtype), PREFETCH=PREFETCH_OLD_KEYS,
-        MERGE=merge, BLOCK_S=triton.next_power_of_2(num_splits),
+        MERGE=merge, MERGE_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1 and not merge:
