@@ -231,7 +231,7 @@ def test_decode_merge_in_kernel_matches_the_reduce_kernel(
     """DECODE_MERGE_IN_KERNEL (the last split of each sequence and KV head merges the partials) against the
     reduce kernel and the eager path: lengths with empty splits and a zero row (seq_len 0), two launches
     in a row (the second counts from the zeros the first left), and the counters zero after each."""
-    from bitserve.kernels.cuda import paged_attention
+    from bitserve.kernels.cuda import paged_attention, split_merge
 
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
     lens = [300, 1, 64, 129]
@@ -261,7 +261,7 @@ def test_decode_merge_in_kernel_matches_the_reduce_kernel(
         torch.testing.assert_close(merged, by_reduce, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(merged[:-1], eager, rtol=RTOL, atol=ATOL)
         assert torch.equal(merged[-1], torch.zeros(num_heads, head_dim))
-        counters = paged_attention._MERGE_COUNTERS[seq_lens.device]
+        counters = split_merge._MERGE_COUNTERS[seq_lens.device]
         assert int(counters.count_nonzero()) == 0
 
 
@@ -269,7 +269,7 @@ def test_decode_merge_in_kernel_under_many_launches(monkeypatch: pytest.MonkeyPa
     """Many programs arriving at once, launch after launch (on a GPU: 64 sequences x 5 KV heads x 8
     splits, 20 launches, the lengths redrawn each time) give the reduce kernel's outputs: a race in the
     arrival count or a reset missed would show as a stale or unmerged row."""
-    from bitserve.kernels.cuda import paged_attention
+    from bitserve.kernels.cuda import paged_attention, split_merge
 
     num_seqs, launches = (64, 20) if ON_GPU else (3, 2)
     num_heads, num_kv_heads, head_dim, block_size, width = 20, 5, 64, 16, 40
@@ -284,7 +284,7 @@ def test_decode_merge_in_kernel_under_many_launches(monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", True)
         merged = paged_decode_attention(q, cache, table, lens, head_dim**-0.5, num_splits=8)
         torch.testing.assert_close(merged.cpu(), reduced.cpu(), rtol=1e-6, atol=1e-6)
-    assert int(paged_attention._MERGE_COUNTERS[table.device].count_nonzero()) == 0
+    assert int(split_merge._MERGE_COUNTERS[table.device].count_nonzero()) == 0
 
 
 # ------------------------------------------------------------------ prefill

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
+from bitserve.kernels.cuda.split_merge import merge_counters, merge_if_last
 
 LOG2E = 1.4426950408889634
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -44,9 +45,6 @@ DECODE_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 # decode kernel (an arrival counter), instead of a second kernel. Off until measured in the decode chain
 # (benchmarks/ab_gpu_decode.py): at batch 1 the reduce kernel is one of each layer's ~11 links
 DECODE_MERGE_IN_KERNEL = False
-MERGE_COUNTERS_MIN = 8192  # arrival counters allocated at once (sequences x KV heads), int32
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []  # replaced by larger ones: captured graphs may still use them
 
 
 # ------------------------------------------------------------------ attention building blocks
@@ -178,7 +176,7 @@ def _decode_kernel(
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
     NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp to
-    out / lse, and with MERGE the last of them to arrive merges them into final (_merge_if_last).
+    out / lse, and with MERGE the last of them to arrive merges them into final (split_merge.py).
     PREFETCH: the first tile's keys older than the newest (seq_len - 1) are read before the PDL wait."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # seq_lens and the block table are the step's inputs: the split's bounds and its first tile's pages
@@ -241,62 +239,10 @@ def _decode_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # -inf: empty split
         tl.store(lse_rows, lse, mask=rows < GROUP)
         if MERGE:
-            _merge_if_last(
+            merge_if_last(
                 out_ptr, lse_ptr, final_ptr, count_ptr, seq, kv_head, final_stride_b, final_stride_h,
                 GROUP, MERGE_G, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
             )  # fmt: skip
-
-
-@triton.jit
-def _merge_if_last(
-    part_ptr, lse_ptr, final_ptr, count_ptr, seq, kv_head, final_stride_b, final_stride_h,
-    GROUP: tl.constexpr, MERGE_G: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """After a split's partial and lse stores: count its arrival; the last of the (seq, kv_head)'s
-    NUM_SPLITS splits merges the GROUP heads' partials into final and sets the counter back to zero."""
-    tl.debug_barrier()  # every thread's partial and lse stores before the release below
-    counter = count_ptr + seq * tl.num_programs(1) + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == NUM_SPLITS - 1:
-        first_head = kv_head * GROUP
-        first_row = seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + first_head
-        final_row = final_ptr + seq.to(tl.int64) * final_stride_b + first_head * final_stride_h
-        _merge_splits(
-            part_ptr, lse_ptr, first_row, final_row, final_stride_h, GROUP, MERGE_G, NUM_SPLITS, HEAD_DIM,
-            BLOCK_S, BLOCK_D,
-        )  # fmt: skip
-        tl.store(counter, 0)  # the next launch (a later kernel) counts from zero
-
-
-@triton.jit
-def _merge_splits(
-    part_ptr, lse_ptr, first_row, out_row, out_stride_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """GROUP heads' NUM_SPLITS partials each (part_ptr [rows, S, D] and lse_ptr [rows, S], contiguous, from
-    row first_row) merged by their weights 2^(lse_s - max lse), the log-sum-exp merge of flash-decoding,
-    stored at out_row + g * out_stride_h [D]. One load of all heads' partials: the merge is one L2 round
-    trip however large the group. Reads bypass L1 (.cg): in the decode kernel's merge other programs wrote
-    them."""
-    heads = tl.arange(0, BLOCK_G)
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    head_ok = heads < GROUP
-    dim_ok = dims < HEAD_DIM
-    lse_offs = (first_row + heads)[:, None] * NUM_SPLITS + splits[None, :]  # [G, S]
-    lse_ok = head_ok[:, None] & (splits < NUM_SPLITS)[None, :]
-    lse = tl.load(lse_ptr + lse_offs, mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
-    part_ok = lse_ok[:, :, None] & dim_ok[None, None, :]
-    parts_ptrs = part_ptr + lse_offs[:, :, None] * HEAD_DIM + dims[None, None, :]
-    parts = tl.load(parts_ptrs, mask=part_ok, other=0.0, cache_modifier=".cg")  # [G, S, D]
-    top = tl.max(lse, axis=1)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp2(lse - top[:, None])  # [G, S]: 0 for empty splits
-    total = tl.maximum(tl.sum(weight, axis=1), 1e-30)
-    merged = tl.sum(parts * weight[:, :, None], axis=1) / total[:, None]  # [G, D]
-    out_ptrs = out_row + heads[:, None] * out_stride_h + dims[None, :]
-    tl.store(out_ptrs, merged, mask=head_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -310,25 +256,19 @@ def _decode_reduce_kernel(
     pdl_enter(USE_PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp2(lse - top)  # [S]: 0 for empty splits
+    mask = split_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    parts = tl.load(part_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :], mask=mask)
+    total = tl.maximum(tl.sum(weight, axis=0), 1e-30)
+    merged = tl.sum(parts * weight[:, None], axis=0) / total
     out_row = out_ptr + seq.to(tl.int64) * out_stride_b + head * out_stride_h
-    _merge_splits(part_ptr, lse_ptr, row, out_row, out_stride_h, 1, 1, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D)
-
-
-def _merge_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The device's zeroed int32 arrival counters of the in-kernel merge, at least `needed` of them. Each
-    launch leaves them zero and kernels on one stream run one after another, so every launch shares them
-    (decode attention on two streams at once would need counters of its own: bitserve's steps, graph
-    replays included, run on the current stream, one at a time). Made (or grown) outside a CUDA graph
-    capture: the eager warm-up before each capture runs first."""
-    counters = _MERGE_COUNTERS.get(device)
-    if counters is None or counters.numel() < needed:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the decode merge counters must be made before a CUDA graph capture")
-        if counters is not None:
-            _RETIRED_COUNTERS.append(counters)
-        counters = torch.zeros(max(needed, MERGE_COUNTERS_MIN), dtype=torch.int32, device=device)
-        _MERGE_COUNTERS[device] = counters
-    return counters
+    tl.store(out_row + dims, merged, mask=dims < HEAD_DIM)
 
 
 @functools.cache
@@ -400,7 +340,7 @@ def paged_decode_attention(
     block_n, num_warps, num_stages = _decode_config(head_dim, kv_cache.dtype, programs, q.device)
     block_d = triton.next_power_of_2(head_dim)
     merge = num_splits > 1 and DECODE_MERGE_IN_KERNEL
-    counters = _merge_counters(q.device, num_seqs * num_kv_heads) if merge else seq_lens  # placeholder
+    counters = merge_counters(q.device, num_seqs * num_kv_heads) if merge else seq_lens  # placeholder
     if num_splits > 1:
         partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
