@@ -1,0 +1,118 @@
+"""The 2B-4T decode step's newest Triton kernels compile for sm_90 (H100 / H200) on a machine without a GPU.
+
+Triton lowers a kernel for a named target without a device, and its wheel carries ptxas: this catches what
+the CPU interpreter cannot (a construct the GPU backend does not lower, an operand it rejects) before a
+device session spends its time on it. Decode attention with the in-kernel split merge on and off, its
+reduce kernel, the ternary GEMV of each projection and the greedy head's two passes, at the 2B-4T shapes.
+No timing and no numerics: tests/kernels' other files check those (interpreter, GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+    pytest.skip("this Triton wheel carries no ptxas", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from bitserve.kernels.cuda import greedy_head, paged_attention, ternary_matmul  # noqa: E402
+from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, PAIR_NONE  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+# (M, K, gated pair epilogue) of the 2B-4T step's ternary projections
+PROJECTIONS = [(3840, 2560, False), (2560, 2560, False), (13824, 2560, True), (2560, 6912, False)]
+
+
+@pytest.fixture(autouse=True)
+def _compiled_not_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.environ.get("TRITON_INTERPRET"):
+        monkeypatch.delenv("TRITON_INTERPRET")
+
+
+def _compile(kernel, types: dict[str, str], constexprs: dict, **options):  # noqa: ANN001, ANN003, ANN202
+    """kernel compiled for sm_90: every argument not in constexprs needs its type in `types`."""
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=SM90, options=options)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_decode_attention_compiles(merge: bool) -> None:
+    pointers = dict.fromkeys(("q_ptr", "out_ptr", "lse_ptr", "final_ptr"), "*fp32")
+    pointers |= {
+        "k_ptr": "*fp16",
+        "v_ptr": "*fp16",
+        "table_ptr": "*i32",
+        "lens_ptr": "*i32",
+        "count_ptr": "*i32",
+    }
+    strides = [name for name in paged_attention._decode_kernel.arg_names if "stride" in name]
+    types = pointers | dict.fromkeys(strides, "i32") | {"qk_scale": "fp32"}
+    constexprs = {
+        "GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_SPLITS": 4, "BLOCK_G": 16, "BLOCK_D": 128,
+        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "PREFETCH": True, "MERGE": merge, "MERGE_G": 4,
+        "BLOCK_S": 4, "USE_PDL": True,
+    }  # fmt: skip
+    ptx = _compile(paged_attention._decode_kernel, types, constexprs, num_warps=4, num_stages=2).asm["ptx"]
+    # the merge's arrival count: one acquire-release atomic; its reads bypass L1
+    assert ("atom.global.gpu.acq_rel" in ptx) == merge
+    assert ("ld.global.cg" in ptx) == merge
+
+
+def test_decode_reduce_compiles() -> None:
+    types = {
+        "part_ptr": "*fp32",
+        "lse_ptr": "*fp32",
+        "out_ptr": "*fp32",
+        "out_stride_b": "i32",
+        "out_stride_h": "i32",
+    }
+    constexprs = {"NUM_SPLITS": 4, "HEAD_DIM": 128, "BLOCK_S": 4, "BLOCK_D": 128, "USE_PDL": True}
+    _compile(paged_attention._decode_reduce_kernel, types, constexprs, num_warps=2)
+
+
+@pytest.mark.parametrize(("m", "k", "pair"), PROJECTIONS)
+def test_ternary_gemv_compiles(m: int, k: int, pair: bool) -> None:
+    cfg = ternary_matmul.gemv_config(m, k, 1)
+    pair_code = GATED_PAIRS["relu2"] if pair else PAIR_NONE
+    constexprs = ternary_matmul.gemv_constexprs(m, k, 1, cfg, pair_code, not pair, True) | {"USE_PDL": True}
+    types = {"q_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "scale_ptr": "*fp32", "res_ptr": "*fp32"}
+    types |= {"out_ptr": "*fp32", "M": "i32"}
+    ptx = _compile(
+        ternary_matmul._gemv_kernel, types, constexprs, num_warps=cfg.num_warps, enable_fp_fusion=False
+    ).asm["ptx"]
+    assert "dp4a.s32.s32" in ptx
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_greedy_head_compiles(rows: int) -> None:
+    hidden = 2560
+    block_bytes, _ = greedy_head.APPROX_TILES[rows]
+    block = min(16, block_bytes // hidden)
+    approx_types = dict.fromkeys(("scale_ptr", "approx_ptr", "partial_ptr", "bound_ptr"), "*fp32")
+    approx_types |= {"x_ptr": "*fp16", "q_ptr": "*i32", "V": "i32", "programs": "i32", "e_factor": "fp32"}
+    approx = {
+        "ITERATIONS": 20, "B": rows, "HW": hidden // 4, "CW": 128, "BLOCK_V": block, "USE_ASM": True,
+        "USE_PDL": True,
+    }  # fmt: skip
+    _compile(greedy_head._approx_kernel, approx_types, approx, num_warps=greedy_head.NUM_WARPS)
+    rescore_types = dict.fromkeys(("scale_ptr", "approx_ptr", "partial_ptr", "bound_ptr"), "*fp32")
+    rescore_types |= {"x_ptr": "*fp16", "w_ptr": "*fp16", "list_ptr": "*i32", "out_ptr": "*fp16", "V": "i32"}
+    rescore_types |= dict.fromkeys(("out_max", "out_step", "out_tiny"), "fp32")
+    rescore = {
+        "B": rows, "H": hidden, "NUM_PARTIALS": 396, "PARTIALS_BLOCK": 512, "BLOCK_H": 512, "USE_PDL": True,
+        "BLOCK_R": greedy_head.RESCORE_ROWS, "TILE": greedy_head.RESCORE_TILE,
+    }  # fmt: skip
+    _compile(
+        greedy_head._rescore_kernel,
+        rescore_types,
+        rescore,
+        num_warps=greedy_head.NUM_WARPS,
+        enable_fp_fusion=False,
+    )
