@@ -21,12 +21,10 @@ if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from bitserve.kernels.cuda import greedy_head, paged_attention, ternary_matmul  # noqa: E402
-from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, PAIR_NONE  # noqa: E402
+from benchmarks.sass_count_gemv import PROJECTIONS, compile_projection  # noqa: E402
+from bitserve.kernels.cuda import greedy_head, paged_attention  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
-# (M, K, gated pair epilogue) of the 2B-4T step's ternary projections
-PROJECTIONS = [(3840, 2560, False), (2560, 2560, False), (13824, 2560, True), (2560, 6912, False)]
 
 
 @pytest.fixture(autouse=True)
@@ -79,15 +77,8 @@ def test_decode_reduce_compiles() -> None:
 
 @pytest.mark.parametrize(("m", "k", "pair"), PROJECTIONS)
 def test_ternary_gemv_compiles(m: int, k: int, pair: bool) -> None:
-    cfg = ternary_matmul.gemv_config(m, k, 1)
-    pair_code = GATED_PAIRS["relu2"] if pair else PAIR_NONE
-    constexprs = ternary_matmul.gemv_constexprs(m, k, 1, cfg, pair_code, not pair, True) | {"USE_PDL": True}
-    types = {"q_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp32", "scale_ptr": "*fp32", "res_ptr": "*fp32"}
-    types |= {"out_ptr": "*fp32", "M": "i32"}
-    ptx = _compile(
-        ternary_matmul._gemv_kernel, types, constexprs, num_warps=cfg.num_warps, enable_fp_fusion=False
-    ).asm["ptx"]
-    assert "dp4a.s32.s32" in ptx
+    compiled, _ = compile_projection(m, k, 1, pair)  # as launch_gemv launches it at T = 1
+    assert "dp4a.s32.s32" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("rows", [1, 2])
