@@ -17,9 +17,9 @@ from bitserve.kernels.cuda.paged_attention import check_cache, check_rows
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter, pdl_trigger_then_wait
 
 # trigger the next kernel (decode attention, whose early reads are the step's inputs and earlier steps'
-# keys) before this one's wait, so attention launches while the q|k|v GEMV still runs (pdl.py). 2B-4T
-# batch-1 decode on an H200, ab_gpu_decode.py, 3 rounds: 0.855 -> 0.848 ms a step (RESULTS.md, 2026-11-29)
-ROTARY_TRIGGER_FIRST = True
+# keys) before this one's wait, so attention launches while the q|k|v GEMV still runs (pdl.py). Off until
+# measured in the decode chain (benchmarks/ab_gpu_decode.py)
+ROTARY_TRIGGER_FIRST = False
 
 
 @triton.jit
