@@ -3,8 +3,7 @@
 Triton lowers a kernel for a named target without a device, and its wheel carries ptxas: this catches what
 the CPU interpreter cannot (a construct the GPU backend does not lower, an operand it rejects) before a
 device session spends its time on it. Decode attention with the in-kernel split merge on and off, its
-reduce kernel, the ternary GEMV of each projection, the greedy head's two passes, and norm_quantize and RoPE +
-KV write with their PDL trigger before or after their wait, at the 2B-4T shapes.
+reduce kernel, the ternary GEMV of each projection and the greedy head's two passes, at the 2B-4T shapes.
 No timing and no numerics: tests/kernels' other files check those (interpreter, GPU).
 """
 
@@ -23,7 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.sass_count_gemv import PROJECTIONS, compile_projection  # noqa: E402
-from bitserve.kernels.cuda import greedy_head, paged_attention, quantize, rotary_cache  # noqa: E402
+from bitserve.kernels.cuda import greedy_head, paged_attention  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -108,35 +107,3 @@ def test_greedy_head_compiles(rows: int) -> None:
         num_warps=greedy_head.NUM_WARPS,
         enable_fp_fusion=False,
     )
-
-
-def _trigger_precedes_wait(ptx: str) -> bool:
-    trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    return trigger < wait
-
-
-@pytest.mark.parametrize("trigger_first", [False, True])
-def test_norm_quantize_triggers_where_its_switch_says(trigger_first: bool) -> None:
-    types = {"x_ptr": "*fp32", "w_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "eps": "fp32"}
-    constexprs = {
-        "K": 6912, "BLOCK": 8192, "ACT": 0, "HAS_NORM": True, "USE_LIBDEVICE": True, "USE_PDL": True,
-        "TRIGGER_FIRST": trigger_first,
-    }  # fmt: skip
-    kernel = quantize._norm_quantize_kernel
-    ptx = _compile(kernel, types, constexprs, num_warps=16, enable_fp_fusion=False).asm["ptx"]
-    assert _trigger_precedes_wait(ptx) == trigger_first
-
-
-@pytest.mark.parametrize("trigger_first", [False, True])
-def test_rotary_cache_triggers_where_its_switch_says(trigger_first: bool) -> None:
-    kernel = rotary_cache._rotary_cache_kernel
-    pointers = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr"), "*fp32")
-    pointers |= {"positions_ptr": "*i64", "slots_ptr": "*i64", "k_cache_ptr": "*fp16", "v_cache_ptr": "*fp16"}
-    strides = [name for name in kernel.arg_names if "stride" in name]
-    constexprs = {
-        "NUM_HEADS": 20, "NUM_KV_HEADS": 5, "HEAD_DIM": 128, "HALF": 64, "IS_NEOX": False, "BLOCK_SIZE": 16,
-        "BLOCK_H": 32, "BLOCK_KVH": 8, "BLOCK_HALF": 64, "BLOCK_D": 128, "SOFT_BF16": False, "USE_PDL": True,
-        "TRIGGER_FIRST": trigger_first,
-    }  # fmt: skip
-    ptx = _compile(kernel, pointers | dict.fromkeys(strides, "i32"), constexprs, num_warps=4).asm["ptx"]
-    assert _trigger_precedes_wait(ptx) == trigger_first

@@ -26,15 +26,6 @@ keys there (the kernel before it writes only this step's slots). Such reads then
 previous kernel: a norm weight read after the wait came from DRAM on the critical path (2B batch-1 graph
 replay 1.186 -> 1.116 ms on an H100 once it moved before the wait).
 
-Exception, for short kernels (`pdl_trigger_then_wait`): a kernel whose only successor reads
-nothing before its wait but weights may trigger first, so that successor launches while the kernel two
-back still runs and its weight loads travel under both (norm_quantize before a ternary GEMV, behind the
-module switch quantize.NORM_QUANTIZE_TRIGGER_FIRST; RoPE + KV write before decode attention, behind
-rotary_cache.ROTARY_TRIGGER_FIRST, where attention's early reads are the step's inputs written by the
-chain's first kernel and earlier steps' keys, complete by then). Completion stays transitive: the
-trigger-first kernel still waits before its stores, so it completes only after its predecessor. What
-this breaks is the "two kernels back has completed" guarantee, for its successor alone.
-
 BITSERVE_CUDA_PDL=0 turns it off (the kernels then compile without the grid-dependency instructions).
 Imports triton: load only on the CUDA path.
 """
@@ -73,12 +64,3 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_trigger_then_wait(USE_PDL: tl.constexpr):
-    """Let the next kernel launch now, then block until the previous kernel has completed: only where
-    the next kernel reads nothing before its own wait that a running kernel writes (module docstring)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from bitserve.kernels.cuda.elementwise import inv_rms
-from bitserve.kernels.cuda.pdl import launch_options, pdl_enter, pdl_trigger_then_wait
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 AMAX_FLOOR = 1e-5  # as kernels/reference/ternary.AMAX_FLOOR (docs/formats.md §3.1)
 MAX_SINGLE_BLOCK = 8192  # widest post-activation row kept in registers (BitNet 2B-4T: 6912)
@@ -31,10 +31,6 @@ ACTIVATIONS = {None: 0, "relu2": 1, "relu_sqr": 1, "silu": 2}
 # a row block's width -> warps of a row's program (narrower blocks: 4). At T = 1 on an H200 half or twice
 # these warps moved the 2B decode step within its noise (RESULTS.md, 2026-11-29 10:25)
 NORM_QUANTIZE_WARPS: dict[int, int] = {8192: 16, 4096: 8, 2048: 8}
-# trigger the next kernel (a ternary GEMV, which reads only its weights before its wait) before this one's
-# wait, so the GEMV's weight loads start while the GEMV before this kernel still runs (pdl.py). Off until
-# measured in the decode chain (benchmarks/ab_gpu_decode.py)
-NORM_QUANTIZE_TRIGGER_FIRST = False
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fl32(v + M) - M is rne(v) for |v| < 2^22
 
 
@@ -95,7 +91,6 @@ def _norm_quantize_kernel(
     HAS_NORM: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    TRIGGER_FIRST: tl.constexpr,  # NORM_QUANTIZE_TRIGGER_FIRST
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * (2 * K if ACT != 0 else K)
@@ -107,10 +102,7 @@ def _norm_quantize_kernel(
         w = tl.load(w_ptr + offs, mask=offs < K, other=0.0)
     else:
         w = offs  # a placeholder, never read
-    if TRIGGER_FIRST:
-        pdl_trigger_then_wait(USE_PDL)
-    else:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     if BLOCK >= K:
         # the whole row in registers: one read of x
         mask = offs < K
@@ -215,7 +207,6 @@ def norm_quantize(
         USE_LIBDEVICE=x.device.type == "cuda",  # the CPU interpreter has no libdevice
         num_warps=NORM_QUANTIZE_WARPS.get(block, 4),
         enable_fp_fusion=False,
-        TRIGGER_FIRST=NORM_QUANTIZE_TRIGGER_FIRST,
         **launch_options(x.device),
     )
     return q, s_act

@@ -14,12 +14,7 @@ import triton
 import triton.language as tl
 
 from bitserve.kernels.cuda.paged_attention import check_cache, check_rows
-from bitserve.kernels.cuda.pdl import launch_options, pdl_enter, pdl_trigger_then_wait
-
-# trigger the next kernel (decode attention, whose early reads are the step's inputs and earlier steps'
-# keys) before this one's wait, so attention launches while the q|k|v GEMV still runs (pdl.py). Off until
-# measured in the decode chain (benchmarks/ab_gpu_decode.py)
-ROTARY_TRIGGER_FIRST = False
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 
 @triton.jit
@@ -87,7 +82,6 @@ def _rotary_cache_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     IS_NEOX: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, SOFT_BF16: tl.constexpr, USE_PDL: tl.constexpr,
-    TRIGGER_FIRST: tl.constexpr,  # ROTARY_TRIGGER_FIRST
 ):  # fmt: skip
     """One program per token: q rotated in place; k rotated in place and into its cache slot (rest
     of the head copied); v copied into its slot."""
@@ -102,10 +96,7 @@ def _rotary_cache_kernel(
     half_ok = pairs < HALF
     cos = tl.load(cos_ptr + position * cs_stride + pairs, mask=half_ok, other=0.0)
     sin = tl.load(sin_ptr + position * cs_stride + pairs, mask=half_ok, other=0.0)
-    if TRIGGER_FIRST:
-        pdl_trigger_then_wait(USE_PDL)
-    else:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     q_row = q_ptr + token * q_stride_t
     k_row = k_ptr + token * k_stride_t
     cache_offset = (slot // BLOCK_SIZE) * cache_stride_blk + (slot % BLOCK_SIZE) * cache_stride_pos
@@ -169,5 +160,5 @@ def rotary_and_cache_(
         IS_NEOX=is_neox, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_KVH=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
         BLOCK_D=triton.next_power_of_2(head_dim), SOFT_BF16=q.device.type != "cuda", num_warps=4,
-        enable_fp_fusion=False, TRIGGER_FIRST=ROTARY_TRIGGER_FIRST, **launch_options(q.device),
+        enable_fp_fusion=False, **launch_options(q.device),
     )  # fmt: skip
