@@ -49,10 +49,6 @@ logger = logging.getLogger(__name__)
 GREEDY_HEAD_ENV = "BITSERVE_CUDA_GREEDY_HEAD"  # "0": greedy decode steps run the full head
 # GATED_ACTIVATIONS names that norm_quantize computes in its prologue
 _FUSED_ACTIVATIONS = {"relu2": "relu2", "relu_sqr": "relu2", "silu": "silu"}
-# decode attention, its split reduction and Wo's norm_quantize trigger the next kernel before their PDL wait
-# (pdl.py's exception), so the o-projection GEMV launches, and issues its weight loads, as attention
-# starts instead of after it. Off until measured in the chain (benchmarks/ab_gpu_decode.py)
-EARLY_O_PROJECTION = False
 _FLOAT_LAYOUTS = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout.F32: torch.float32}
 
 
@@ -130,22 +126,13 @@ class _CudaLayer:
         return x if norm is None else rms_norm(x, norm.weight, self.eps)
 
     def _project(
-        self,
-        name: str,
-        x: torch.Tensor,
-        norm: torch.nn.Module | None,
-        residual: torch.Tensor | None = None,
-        *,
-        trigger_first: bool = False,
+        self, name: str, x: torch.Tensor, norm: torch.nn.Module | None, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """norm(x) through projection `name` (+ residual): f32 [T, M] (a group's outputs side by side).
-        trigger_first: a ternary projection's norm_quantize lets the GEMV launch before its PDL wait."""
+        """norm(x) through projection `name` (+ residual): f32 [T, M] (a group's outputs side by side)."""
         ternary, dense, block = self.ternary[name], self.dense[name], self.block[name]
         norm_weight = None if norm is None else norm.weight
         if ternary is not None:
-            return _norm_linear(
-                ternary, x, norm_weight, self.eps, residual=residual, trigger_first=trigger_first
-            )
+            return _norm_linear(ternary, x, norm_weight, self.eps, residual=residual)
         if block is not None:
             return block.run_fused(x, norm_weight, self.eps, residual=residual)
         x = self._norm(x, norm)
@@ -162,15 +149,9 @@ class _CudaLayer:
         """hidden f32 [T, hidden] -> q|k|v f32 [T, (H + 2 KVH) * D] (columns in that order)."""
         return self._project("qkv", hidden, self.layer.attn_norm)
 
-    @property
-    def early_o_projection(self) -> bool:
-        """EARLY_O_PROJECTION, where Wo is ternary (its norm_quantize reads nothing early but a weight)."""
-        return EARLY_O_PROJECTION and self.ternary["o"] is not None
-
     def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn f32 [T, H * D] -> residual + Wo(sub_norm(attn))."""
-        early = self.early_o_projection
-        return self._project("o", attn, self.layer.attn_sub_norm, residual, trigger_first=early)
+        return self._project("o", attn, self.layer.attn_sub_norm, residual)
 
     def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden f32 [T, hidden] -> hidden + Wdown(sub_norm(act(gate) * up))."""
@@ -202,11 +183,10 @@ def _norm_linear(
     residual: torch.Tensor | None = None,
     activation: str | None = None,
     pair: int | None = None,
-    trigger_first: bool = False,
 ) -> torch.Tensor:
     """Two launches: act/norm + int8 quantization of x, then the W2A8 kernel (+ residual), or with a
     gated `pair` the kernel's pair epilogue (a permuted gate/up weight -> act(gate) * up)."""
-    q, s_act = norm_quantize(x, norm_weight, eps, activation=activation, trigger_first=trigger_first)
+    q, s_act = norm_quantize(x, norm_weight, eps, activation=activation)
     if pair is not None:
         return weight.run_paired(q, s_act, pair)
     return weight.run_quantized(q, s_act, residual)
@@ -276,8 +256,7 @@ class CudaDecoder:
                 q, k, v, positions, self.cos, self.sin, self.rope_dim, self.is_neox, kv_cache,
                 metadata.slot_mapping,
             )  # fmt: skip
-            early = cuda_layer.early_o_projection
-            attn = self._attend(q, kv_cache, metadata, early).view(num_tokens, -1)  # [T, H * D]
+            attn = self._attend(q, kv_cache, metadata).view(num_tokens, -1)  # [T, H * D]
             hidden = cuda_layer.attn_out(attn, hidden)
             hidden = cuda_layer.ffn(hidden)
         return hidden
@@ -287,11 +266,7 @@ class CudaDecoder:
         return rms_norm(hidden, self.model.norm.weight, self.spec.rms_norm_eps, out_dtype)
 
     def _attend(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: DeviceAttentionMetadata,
-        trigger_first: bool = False,
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: DeviceAttentionMetadata
     ) -> torch.Tensor:
         if metadata.decode_only:
             return paged_decode_attention(
@@ -301,7 +276,6 @@ class CudaDecoder:
                 metadata.seq_lens,
                 self.scale,
                 num_splits=metadata.decode_splits,
-                trigger_first=trigger_first,
             )
         return paged_prefill_attention(
             q,

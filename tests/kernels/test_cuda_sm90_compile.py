@@ -3,8 +3,7 @@
 Triton lowers a kernel for a named target without a device, and its wheel carries ptxas: this catches what
 the CPU interpreter cannot (a construct the GPU backend does not lower, an operand it rejects) before a
 device session spends its time on it. Decode attention with the in-kernel split merge on and off, its
-reduce kernel (each with its PDL trigger before or after its wait, as the PTX shows), the ternary GEMV of
-each projection, the greedy head's two passes and norm_quantize, at the 2B-4T shapes.
+reduce kernel, the ternary GEMV of each projection and the greedy head's two passes, at the 2B-4T shapes.
 No timing and no numerics: tests/kernels' other files check those (interpreter, GPU).
 """
 
@@ -23,7 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.sass_count_gemv import PROJECTIONS, compile_projection  # noqa: E402
-from bitserve.kernels.cuda import greedy_head, paged_attention, quantize  # noqa: E402
+from bitserve.kernels.cuda import greedy_head, paged_attention  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -41,12 +40,8 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, **options):  # noq
     return triton.compile(source, target=SM90, options=options)
 
 
-def _trigger_precedes_wait(ptx: str) -> bool:
-    return ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
-
-
-@pytest.mark.parametrize(("merge", "trigger_first"), [(False, False), (True, False), (False, True)])
-def test_decode_attention_compiles(merge: bool, trigger_first: bool) -> None:
+@pytest.mark.parametrize("merge", [False, True])
+def test_decode_attention_compiles(merge: bool) -> None:
     pointers = dict.fromkeys(("q_ptr", "out_ptr", "lse_ptr", "final_ptr"), "*fp32")
     pointers |= {
         "k_ptr": "*fp16",
@@ -60,17 +55,15 @@ def test_decode_attention_compiles(merge: bool, trigger_first: bool) -> None:
     constexprs = {
         "GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_SPLITS": 4, "BLOCK_G": 16, "BLOCK_D": 128,
         "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "PREFETCH": True, "MERGE": merge, "MERGE_G": 4,
-        "BLOCK_S": 4, "USE_PDL": True, "TRIGGER_FIRST": trigger_first,
+        "BLOCK_S": 4, "USE_PDL": True,
     }  # fmt: skip
     ptx = _compile(paged_attention._decode_kernel, types, constexprs, num_warps=4, num_stages=2).asm["ptx"]
-    assert _trigger_precedes_wait(ptx) == trigger_first
     # the merge's arrival count: one acquire-release atomic; its reads bypass L1
     assert ("atom.global.gpu.acq_rel" in ptx) == merge
     assert ("ld.global.cg" in ptx) == merge
 
 
-@pytest.mark.parametrize("trigger_first", [False, True])
-def test_decode_reduce_compiles(trigger_first: bool) -> None:
+def test_decode_reduce_compiles() -> None:
     types = {
         "part_ptr": "*fp32",
         "lse_ptr": "*fp32",
@@ -78,12 +71,8 @@ def test_decode_reduce_compiles(trigger_first: bool) -> None:
         "out_stride_b": "i32",
         "out_stride_h": "i32",
     }
-    constexprs = {
-        "NUM_SPLITS": 4, "HEAD_DIM": 128, "BLOCK_S": 4, "BLOCK_D": 128, "USE_PDL": True,
-        "TRIGGER_FIRST": trigger_first,
-    }  # fmt: skip
-    ptx = _compile(paged_attention._decode_reduce_kernel, types, constexprs, num_warps=2).asm["ptx"]
-    assert _trigger_precedes_wait(ptx) == trigger_first
+    constexprs = {"NUM_SPLITS": 4, "HEAD_DIM": 128, "BLOCK_S": 4, "BLOCK_D": 128, "USE_PDL": True}
+    _compile(paged_attention._decode_reduce_kernel, types, constexprs, num_warps=2)
 
 
 @pytest.mark.parametrize(("m", "k", "pair"), PROJECTIONS)
@@ -118,15 +107,3 @@ def test_greedy_head_compiles(rows: int) -> None:
         num_warps=greedy_head.NUM_WARPS,
         enable_fp_fusion=False,
     )
-
-
-@pytest.mark.parametrize("trigger_first", [False, True])
-def test_norm_quantize_triggers_where_asked(trigger_first: bool) -> None:
-    types = {"x_ptr": "*fp32", "w_ptr": "*fp32", "q_ptr": "*i8", "s_ptr": "*fp32", "eps": "fp32"}
-    constexprs = {
-        "K": 2560, "BLOCK": 4096, "ACT": 0, "HAS_NORM": True, "USE_LIBDEVICE": True, "USE_PDL": True,
-        "TRIGGER_FIRST": trigger_first,
-    }  # fmt: skip
-    kernel = quantize._norm_quantize_kernel
-    ptx = _compile(kernel, types, constexprs, num_warps=8, enable_fp_fusion=False).asm["ptx"]
-    assert _trigger_precedes_wait(ptx) == trigger_first

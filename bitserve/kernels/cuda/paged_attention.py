@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitserve.kernels.cuda.pdl import launch_options, pdl_enter_ordered
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 from bitserve.kernels.cuda.split_merge import merge_counters, merge_if_last
 
 LOG2E = 1.4426950408889634
@@ -170,7 +170,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TERMS: tl.constexpr,
     P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, MERGE: tl.constexpr, MERGE_G: tl.constexpr,
-    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, kv_head, split): the GROUP query heads of one KV head (rows padded to BLOCK_G, so
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
@@ -202,7 +202,7 @@ def _decode_kernel(
         older = (first_keys < end)[:, None] & dim_ok & ~newest
         k_first = tl.load(k_head + first_offs, mask=older, other=0.0)
         v_first = tl.load(v_head + first_offs, mask=older, other=0.0)
-    pdl_enter_ordered(USE_PDL, TRIGGER_FIRST)
+    pdl_enter(USE_PDL)
     rows = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + rows
     mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
@@ -249,11 +249,11 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_ptr, lse_ptr, out_ptr, out_stride_b, out_stride_h,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, head): merge the NUM_SPLITS partials [S, D] of one head by their weights
     2^(lse_s - max lse) (the log-sum-exp merge of flash-decoding)."""
-    pdl_enter_ordered(USE_PDL, TRIGGER_FIRST)
+    pdl_enter(USE_PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + head
     splits = tl.arange(0, BLOCK_S)
@@ -312,7 +312,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
-    trigger_first: bool = False,
 ) -> torch.Tensor:
     """One query per sequence over the paged cache -> f32 [B, H, D] (`out` when given).
 
@@ -324,7 +323,6 @@ def paged_decode_attention(
     Under PDL the first tile's keys other than each sequence's newest (position seq_len - 1) are read
     before the kernel waits for the one launched before it, which may write those newest slots only (as
     rotary_and_cache_ does); cache entries written otherwise must come from a kernel further back.
-    trigger_first: the kernels let the next one launch before their PDL wait (pdl.py's exception).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -358,14 +356,13 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         TERMS=_split_terms(kv_cache), P_SCALE=_weight_scale(kv_cache.dtype), PREFETCH=PREFETCH_OLD_KEYS,
         MERGE=merge, MERGE_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(num_splits),
-        TRIGGER_FIRST=trigger_first, num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
+        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1 and not merge:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial, lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, TRIGGER_FIRST=trigger_first, num_warps=1 if block_d <= 64 else 2,
-            **launch_options(q.device),
+            BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2, **launch_options(q.device),
         )  # fmt: skip
     return out
 

@@ -28,14 +28,6 @@ keys there (the kernel before it writes only this step's slots). Such reads then
 previous kernel: a norm weight read after the wait came from DRAM on the critical path (2B batch-1 graph
 replay 1.186 -> 1.116 ms on an H100 once it moved before the wait).
 
-The exception (`pdl_trigger_then_wait`): a short kernel may trigger before its wait, so its successor
-launches at once; a run of such kernels lets the kernel after the run launch as soon as the kernel before
-the run has passed its wait. Every kernel of the run, and the one after it, must then read before its
-wait only what no kernel of the step still running writes (weights; the step's inputs, written by the
-chain's first kernel; earlier steps' keys). Completion stays transitive, since each still waits before
-its stores. Used for decode attention, its split reduction and the o-projection's norm_quantize
-(cuda_decoder.EARLY_O_PROJECTION), so Wo's weight loads travel under attention.
-
 BITSERVE_CUDA_PDL=0 turns it off (the kernels then compile without the grid-dependency instructions).
 Imports triton: load only on the CUDA path.
 """
@@ -74,21 +66,3 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_trigger_then_wait(USE_PDL: tl.constexpr):
-    """Let the next kernel launch now, then block until the previous kernel has completed: only where
-    the kernels launched early by it read nothing early that a running kernel writes (module docstring)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
-def pdl_enter_ordered(USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr):
-    """pdl_enter, or pdl_trigger_then_wait where TRIGGER_FIRST."""
-    if TRIGGER_FIRST:
-        pdl_trigger_then_wait(USE_PDL)
-    else:
-        pdl_enter(USE_PDL)

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from bitserve.kernels.cuda.elementwise import inv_rms
-from bitserve.kernels.cuda.pdl import launch_options, pdl_enter_ordered
+from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 AMAX_FLOOR = 1e-5  # as kernels/reference/ternary.AMAX_FLOOR (docs/formats.md §3.1)
 MAX_SINGLE_BLOCK = 8192  # widest post-activation row kept in registers (BitNet 2B-4T: 6912)
@@ -91,7 +91,6 @@ def _norm_quantize_kernel(
     HAS_NORM: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    TRIGGER_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * (2 * K if ACT != 0 else K)
@@ -103,7 +102,7 @@ def _norm_quantize_kernel(
         w = tl.load(w_ptr + offs, mask=offs < K, other=0.0)
     else:
         w = offs  # a placeholder, never read
-    pdl_enter_ordered(USE_PDL, TRIGGER_FIRST)
+    pdl_enter(USE_PDL)
     if BLOCK >= K:
         # the whole row in registers: one read of x
         mask = offs < K
@@ -174,14 +173,12 @@ def norm_quantize(
     activation: str | None = None,
     out_q: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
-    trigger_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x f32 [T, K] (or [T, 2K] = [gate | up] with "relu2" / "silu") -> (q int8 [T, K], s_act f32 [T]).
 
     Applies the gated activation, then RMSNorm with norm_weight f32 [K] and eps when norm_weight is given,
     then per-token absmax int8 quantization. Bit-identical with the torch reference (silu: up to the exp).
     CUDA-graph capturable: no host sync; out_q / out_scale, when given, are written in place.
-    trigger_first: let the next kernel launch before this one's PDL wait (pdl.py's exception).
     """
     num_tokens, k = _check_inputs(x, norm_weight, activation)
     q = out_q if out_q is not None else torch.empty(num_tokens, k, dtype=torch.int8, device=x.device)
@@ -210,7 +207,6 @@ def norm_quantize(
         USE_LIBDEVICE=x.device.type == "cuda",  # the CPU interpreter has no libdevice
         num_warps=NORM_QUANTIZE_WARPS.get(block, 4),
         enable_fp_fusion=False,
-        TRIGGER_FIRST=trigger_first,
         **launch_options(x.device),
     )
     return q, s_act
