@@ -12,7 +12,8 @@ ahead, each one's programs resident and parked in their wait, taking the SM slot
 needed (measured on an H100: a 2B batch-1 step went from 1.69 to 2.03 ms). Wait-then-trigger keeps
 exactly one kernel launched ahead. Triggering first in the short kernels alone (norm_quantize, so a
 GEMV launches while the GEMV two back still runs) was 8% slower still; in RoPE + KV write, within the
-noise (H200, RESULTS.md 2026-11-29 13:30).
+noise; in decode attention, its reduction and Wo's norm_quantize (Wo launched as attention starts),
+within the noise (H200, RESULTS.md 2026-11-29 13:30).
 
 Contract of a kernel launched with `launch_options(...)`: it calls `pdl_enter(USE_PDL)` before any store
 and before it reads anything the kernel launched just before it may write, so ordering is as strict as
