@@ -195,14 +195,9 @@ def test_decode_block_sizes_and_out(block_size: int) -> None:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
-def test_decode_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, merge_in_kernel: bool) -> None:
+def test_decode_replays_in_a_cuda_graph() -> None:
     """Captured once, replayed after seq_lens and the table change on the device: no host sync inside,
-    and the grid does not depend on the lengths; with the splits' in-kernel merge too (its counters
-    reset by each replay for the next)."""
-    from bitserve.kernels.cuda import paged_attention
-
-    monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", merge_in_kernel)
+    and the grid does not depend on the lengths."""
     num_heads, num_kv_heads, head_dim, block_size, width = 20, 5, 128, 16, 32
     gen = torch.Generator().manual_seed(5)
     cache = _random_cache(256, block_size, num_kv_heads, head_dim, torch.float16, gen)
@@ -222,69 +217,6 @@ def test_decode_replays_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, merge_i
         graph.replay()
         expected = _eager(q.cpu(), cache, host_table, lens, [1] * 4, num_kv_heads, decode=True)
         torch.testing.assert_close(out.cpu(), expected, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("num_splits", [2, 4])
-def test_decode_merge_in_kernel_matches_the_reduce_kernel(
-    monkeypatch: pytest.MonkeyPatch, num_splits: int
-) -> None:
-    """DECODE_MERGE_IN_KERNEL (the last split of each sequence and KV head merges the partials) against the
-    reduce kernel and the eager path: lengths with empty splits and a zero row (seq_len 0), two launches
-    in a row (the second counts from the zeros the first left), and the counters zero after each."""
-    from bitserve.kernels.cuda import paged_attention, split_merge
-
-    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
-    lens = [300, 1, 64, 129]
-    gen = torch.Generator().manual_seed(num_splits)
-    width = -(-300 // block_size)
-    num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    cache = _random_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float16, gen)
-    table = _page_table(lens, block_size, width, num_blocks, gen)
-    expected = []
-    queries = [torch.randn(len(lens) + 1, num_heads, head_dim, generator=gen) for _ in range(2)]
-    for q in queries:
-        expected.append(_eager(q[:-1], cache, table, lens, [1] * len(lens), num_kv_heads, decode=True))
-    table = torch.cat([table, torch.full((1, width), -1, dtype=torch.int64)]).to(DEVICE)
-    seq_lens = torch.tensor([*lens, 0], device=DEVICE)
-
-    def attend(q: torch.Tensor) -> torch.Tensor:
-        return paged_decode_attention(
-            q.to(DEVICE), cache, table, seq_lens, head_dim**-0.5, num_splits=num_splits
-        ).cpu()
-
-    reduced = [attend(q) for q in queries]
-    monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", True)
-    monkeypatch.setattr(paged_attention, "_decode_reduce_kernel", None)  # launching it would raise
-    for q, eager, by_reduce in zip(queries, expected, reduced, strict=True):
-        merged = attend(q)
-        # the same merge arithmetic; on a GPU its sums may run in another order (another warp count)
-        torch.testing.assert_close(merged, by_reduce, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(merged[:-1], eager, rtol=RTOL, atol=ATOL)
-        assert torch.equal(merged[-1], torch.zeros(num_heads, head_dim))
-        counters = split_merge._MERGE_COUNTERS[seq_lens.device]
-        assert int(counters.count_nonzero()) == 0
-
-
-def test_decode_merge_in_kernel_under_many_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many programs arriving at once, launch after launch (on a GPU: 64 sequences x 5 KV heads x 8
-    splits, 20 launches, the lengths redrawn each time) give the reduce kernel's outputs: a race in the
-    arrival count or a reset missed would show as a stale or unmerged row."""
-    from bitserve.kernels.cuda import paged_attention, split_merge
-
-    num_seqs, launches = (64, 20) if ON_GPU else (3, 2)
-    num_heads, num_kv_heads, head_dim, block_size, width = 20, 5, 64, 16, 40
-    gen = torch.Generator().manual_seed(11)
-    cache = _random_cache(num_seqs * width, block_size, num_kv_heads, head_dim, torch.float16, gen)
-    table = torch.randperm(num_seqs * width, generator=gen).view(num_seqs, width).to(DEVICE)
-    for _ in range(launches):
-        lens = torch.randint(0, width * block_size + 1, (num_seqs,), generator=gen).to(DEVICE)
-        q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(DEVICE)
-        monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", False)
-        reduced = paged_decode_attention(q, cache, table, lens, head_dim**-0.5, num_splits=8)
-        monkeypatch.setattr(paged_attention, "DECODE_MERGE_IN_KERNEL", True)
-        merged = paged_decode_attention(q, cache, table, lens, head_dim**-0.5, num_splits=8)
-        torch.testing.assert_close(merged.cpu(), reduced.cpu(), rtol=1e-6, atol=1e-6)
-    assert int(split_merge._MERGE_COUNTERS[table.device].count_nonzero()) == 0
 
 
 # ------------------------------------------------------------------ prefill

@@ -2,7 +2,7 @@
 
 Triton lowers a kernel for a named target without a device, and its wheel carries ptxas: this catches what
 the CPU interpreter cannot (a construct the GPU backend does not lower, an operand it rejects) before a
-device session spends its time on it. Decode attention with the in-kernel split merge on and off, its
+device session spends its time on it. Decode attention (split, its early reads before the PDL wait), its
 reduce kernel, the ternary GEMV of each projection and the greedy head's two passes, at the 2B-4T shapes.
 No timing and no numerics: tests/kernels' other files check those (interpreter, GPU).
 """
@@ -40,27 +40,17 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, **options):  # noq
     return triton.compile(source, target=SM90, options=options)
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_decode_attention_compiles(merge: bool) -> None:
-    pointers = dict.fromkeys(("q_ptr", "out_ptr", "lse_ptr", "final_ptr"), "*fp32")
-    pointers |= {
-        "k_ptr": "*fp16",
-        "v_ptr": "*fp16",
-        "table_ptr": "*i32",
-        "lens_ptr": "*i32",
-        "count_ptr": "*i32",
-    }
+def test_decode_attention_compiles() -> None:
+    pointers = dict.fromkeys(("q_ptr", "out_ptr", "lse_ptr"), "*fp32")
+    pointers |= {"k_ptr": "*fp16", "v_ptr": "*fp16", "table_ptr": "*i32", "lens_ptr": "*i32"}
     strides = [name for name in paged_attention._decode_kernel.arg_names if "stride" in name]
     types = pointers | dict.fromkeys(strides, "i32") | {"qk_scale": "fp32"}
     constexprs = {
         "GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_SPLITS": 4, "BLOCK_G": 16, "BLOCK_D": 128,
-        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "PREFETCH": True, "MERGE": merge, "MERGE_G": 4,
-        "BLOCK_S": 4, "USE_PDL": True,
+        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "PREFETCH": True, "USE_PDL": True,
     }  # fmt: skip
     ptx = _compile(paged_attention._decode_kernel, types, constexprs, num_warps=4, num_stages=2).asm["ptx"]
-    # the merge's arrival count: one acquire-release atomic; its reads bypass L1
-    assert ("atom.global.gpu.acq_rel" in ptx) == merge
-    assert ("ld.global.cg" in ptx) == merge
+    assert "griddepcontrol.wait" in ptx
 
 
 def test_decode_reduce_compiles() -> None:

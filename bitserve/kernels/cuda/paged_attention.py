@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
-from bitserve.kernels.cuda.split_merge import merge_counters, merge_if_last
 
 LOG2E = 1.4426950408889634
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,10 +40,6 @@ MAX_SPLITS = 32
 # (BLOCK_N, num_warps, num_stages) for every f16 / bf16 decode launch instead of _decode_config's choice:
 # a tuning switch for benchmarks/ab_gpu_decode.py, None in use
 DECODE_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
-# flash-decoding: the last split of each (sequence, KV head) to finish merges the splits' partials in the
-# decode kernel (an arrival counter), instead of a second kernel. Off until measured in the decode chain
-# (benchmarks/ab_gpu_decode.py): at batch 1 the reduce kernel is one of each layer's ~11 links
-DECODE_MERGE_IN_KERNEL = False
 
 
 # ------------------------------------------------------------------ attention building blocks
@@ -164,19 +159,17 @@ def _accumulate(acc, alpha, p, v, TERMS: tl.constexpr, P_SCALE: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, final_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr,
     q_stride_b, q_stride_h, kv_stride_blk, kv_stride_pos, kv_stride_head, table_stride,
-    out_stride_b, out_stride_h, out_stride_s, final_stride_b, final_stride_h, qk_scale,
+    out_stride_b, out_stride_h, out_stride_s, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TERMS: tl.constexpr,
-    P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, MERGE: tl.constexpr, MERGE_G: tl.constexpr,
-    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    P_SCALE: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, kv_head, split): the GROUP query heads of one KV head (rows padded to BLOCK_G, so
     each K / V tile is read once for the group) over split `split` of the sequence's keys. Splits divide
     the sequence's own length (read here), so work follows seq_lens while the grid does not. With
-    NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp to
-    out / lse, and with MERGE the last of them to arrive merges them into final (split_merge.py).
+    NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp.
     PREFETCH: the first tile's keys older than the newest (seq_len - 1) are read before the PDL wait."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # seq_lens and the block table are the step's inputs: the split's bounds and its first tile's pages
@@ -238,11 +231,6 @@ def _decode_kernel(
         lse_rows = lse_ptr + (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))  # -inf: empty split
         tl.store(lse_rows, lse, mask=rows < GROUP)
-        if MERGE:
-            merge_if_last(
-                out_ptr, lse_ptr, final_ptr, count_ptr, seq, kv_head, final_stride_b, final_stride_h,
-                GROUP, MERGE_G, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
-            )  # fmt: skip
 
 
 @triton.jit
@@ -339,8 +327,6 @@ def paged_decode_attention(
     programs = num_seqs * num_kv_heads * num_splits
     block_n, num_warps, num_stages = _decode_config(head_dim, kv_cache.dtype, programs, q.device)
     block_d = triton.next_power_of_2(head_dim)
-    merge = num_splits > 1 and DECODE_MERGE_IN_KERNEL
-    counters = merge_counters(q.device, num_seqs * num_kv_heads) if merge else seq_lens  # placeholder
     if num_splits > 1:
         partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -349,16 +335,15 @@ def paged_decode_attention(
         lse, target, target_strides = out, out, (out.stride(0), out.stride(1), 0)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, block_table, seq_lens, target, lse, out, counters,
+        q, key_cache, value_cache, block_table, seq_lens, target, lse,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_table.stride(0), *target_strides, out.stride(0), out.stride(1), scale * LOG2E,
+        block_table.stride(0), *target_strides, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         TERMS=_split_terms(kv_cache), P_SCALE=_weight_scale(kv_cache.dtype), PREFETCH=PREFETCH_OLD_KEYS,
-        MERGE=merge, MERGE_G=triton.next_power_of_2(group), BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )  # fmt: skip
-    if num_splits > 1 and not merge:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             partial, lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
