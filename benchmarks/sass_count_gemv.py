@@ -37,6 +37,7 @@ from bitserve.kernels.cuda import ternary_matmul  # noqa: E402
 from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, PAIR_NONE  # noqa: E402
 
 SM_COUNT = 132  # an H100 / H200 SXM
+SM90 = GPUTarget("cuda", 90, 32)
 # the 2B-4T step's projections: (M, K, gated pair epilogue)
 PROJECTIONS = [(3840, 2560, False), (2560, 2560, False), (13824, 2560, True), (2560, 6912, False)]
 POINTERS = ("q_ptr", "w_ptr", "s_ptr", "scale_ptr", "res_ptr", "out_ptr")
@@ -56,9 +57,15 @@ def compile_projection(
     signature |= {name: "constexpr" for name in constexprs}
     aligned = [*POINTERS, "M"] if m % 16 == 0 else list(POINTERS)
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "enable_fp_fusion": False}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), cfg
+    return compile_for_sm90(kernel, signature, constexprs, attrs, **options), cfg
+
+
+def compile_for_sm90(kernel, signature: dict, constexprs: dict, attrs: dict | None = None, **options):  # noqa: ANN001, ANN003, ANN201
+    """A Triton kernel compiled for sm_90 without a device (Triton's bundled ptxas); `options` are the
+    launch's (num_warps, enable_fp_fusion, ...)."""
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=SM90, options=options)
 
 
 def sass_opcodes(compiled: object) -> collections.Counter:

@@ -55,7 +55,7 @@ CONTEXT_BUCKETS = (256, 1024)  # keys; the last bucket is always max_model_len
 # contexts this short attend in one split (no reduce kernel). 0: every bucket takes decode_num_splits'
 # count, which is 1 once a batch's programs fill the GPU. The one-split rule (256 keys, set before PDL and
 # the old keys' reads before the PDL wait) made the H200's 2B batch-1 step 1.5% slower than splits
-# (RESULTS.md, 2026-11-29 10:50)
+# (RESULTS.md, 2026-11-29 10:50). Kept as an A/B switch (ab_gpu_decode.py can set 256 back)
 SINGLE_SPLIT_KEYS = 0
 
 

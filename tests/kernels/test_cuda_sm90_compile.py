@@ -18,13 +18,8 @@ triton = pytest.importorskip("triton")
 if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
     pytest.skip("this Triton wheel carries no ptxas", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from benchmarks.sass_count_gemv import PROJECTIONS, compile_projection  # noqa: E402
+from benchmarks.sass_count_gemv import PROJECTIONS, compile_for_sm90, compile_projection  # noqa: E402
 from bitserve.kernels.cuda import greedy_head, paged_attention  # noqa: E402
-
-SM90 = GPUTarget("cuda", 90, 32)
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +31,7 @@ def _compiled_not_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
 def _compile(kernel, types: dict[str, str], constexprs: dict, **options):  # noqa: ANN001, ANN003, ANN202
     """kernel compiled for sm_90: every argument not in constexprs needs its type in `types`."""
     signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=SM90, options=options)
+    return compile_for_sm90(kernel, signature, constexprs, **options)
 
 
 def test_decode_attention_compiles() -> None:
