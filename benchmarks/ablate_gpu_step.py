@@ -37,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks.profile_gpu_step import replay_us  # noqa: E402
 from bitserve import LLM  # noqa: E402
-from bitserve.kernels.cuda.backend import CudaBlockLinear, CudaTernaryLinear  # noqa: E402
+from bitserve.kernels.cuda import decoder as cuda_decoder  # noqa: E402
+from bitserve.kernels.cuda import decoder_layer  # noqa: E402
+from bitserve.kernels.cuda.linears import CudaBlockLinear, CudaTernaryLinear  # noqa: E402
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter  # noqa: E402
-from bitserve.models import cuda_decoder  # noqa: E402
 
 CLASSES = ("norm", "rope", "attention", "ternary", "block", "head")
 FREE_CLASSES = ("norm_free", "rope_free")  # removed without a stand-in link (not part of "all")
@@ -110,9 +111,9 @@ def ablated(classes: set[str]) -> Iterator[None]:
         setattr(owner, name, value)
 
     if "norm" in classes:
-        swap(cuda_decoder, "norm_quantize", _fake_norm_quantize)
+        swap(decoder_layer, "norm_quantize", _fake_norm_quantize)
     if "norm_free" in classes:
-        swap(cuda_decoder, "norm_quantize", _no_norm_quantize)
+        swap(decoder_layer, "norm_quantize", _no_norm_quantize)
     if "rope" in classes:
         swap(cuda_decoder, "rotary_and_cache_", _fake_rotary)
     if "rope_free" in classes:

@@ -28,9 +28,8 @@ from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bitserve.kernels.cpu import decode_glue, prepared  # noqa: E402
+from bitserve.kernels.cpu import decode_glue, fast_decode, prepared  # noqa: E402
 from bitserve.llm import LLM  # noqa: E402
-from bitserve.models import cpu_fast_decode  # noqa: E402
 from bitserve.sampling_params import SamplingParams  # noqa: E402
 
 WORDS = "The history of computing is a story of machines that learned to do more with less".split()
@@ -72,13 +71,13 @@ def is_decode_step(scheduler: Any) -> bool:
 
 def install_split(llm: LLM, split: StepSplit) -> None:
     for name in GLUE:  # the fast step calls them through its module's `decode_glue`
-        setattr(cpu_fast_decode.decode_glue, name, split.wrap(f"glue {name}", getattr(decode_glue, name)))
+        setattr(fast_decode.decode_glue, name, split.wrap(f"glue {name}", getattr(decode_glue, name)))
     linear = prepared.Int8BlockLinear
     linear.run_quantized = split.wrap("int8 GEMM (layers + head)", linear.run_quantized)
     model = llm.instance.loaded.model
     model.compute_logits = split.wrap("LM head (compute_logits)", model.compute_logits)
-    if model.fast_decode is not None:
-        model.fast_decode.forward = split.wrap("lean step (fast_decode.forward)", model.fast_decode.forward)
+    if model.compiled is not None:
+        model.compiled.run_layers = split.wrap("lean step (compiled.run_layers)", model.compiled.run_layers)
     sampler = type(llm.engine.runner.sampler)
     sampler.__call__ = split.wrap("sampler", sampler.__call__)
     engine = llm.engine

@@ -296,8 +296,8 @@ def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None
     from bitserve.kernels.cpu import decode_step, int8dot
     from bitserve.kernels.cpu.isa import ISA_ENV_VAR, Isa
     from bitserve.kernels.cpu.prepared import Int8BitnetLinear
+    from bitserve.kernels.cpu.ternary_step import TernaryStep
     from bitserve.llm import LLM
-    from bitserve.models.cpu_ternary_step import TernaryStep
 
     isa = Isa(isa_name)
     baseline = load_int8dot(args.kernel_baseline)

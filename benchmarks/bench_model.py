@@ -16,7 +16,7 @@ and shares it):
 - --tq2: the same 2B weights as TQ2_0 (arch `bitnet`) through llama.cpp, beside bitserve's I2_S, and
   beside bitserve loading that same TQ2_0 file.
 - --fast-decode-ab: the 2B I2_S file on the cpu backend with its lean decode step
-  (models/cpu_fast_decode.py) on and off, alternating, and a cProfile of decode steps each way.
+  (kernels/cpu/fast_decode.py) on and off, alternating, and a cProfile of decode steps each way.
 - --dense-ab: SmolLM2 in bitserve with a 1 GiB f32 copy budget (`max_dense_weight_bytes`, the default
   before 53b7e63) beside none (0, today's default: packed Q4_1 blocks only), alternating; load time and RSS
   growth of each load.
@@ -178,7 +178,7 @@ class FastStepRunner(BitserveRunner):
         self.fast_decode = fast_decode
 
     def switch(self) -> None:
-        self.llm.instance.loaded.model.fast_decode = self.fast_decode
+        self.llm.instance.loaded.model.compiled = self.fast_decode
 
     def prefill(self, ids: Sequence[int]) -> float:
         self.switch()
@@ -313,6 +313,7 @@ def profile_categories() -> list[tuple[str, Any]]:
     from bitserve.engine.engine import Engine
     from bitserve.kernels.cpu import decode_glue, int8dot, ternary
     from bitserve.kernels.cpu.backend import CpuBackend
+    from bitserve.kernels.cpu.fast_decode import FastCpuDecode
     from bitserve.layers.activation import relu2_and_mul
     from bitserve.layers.attention import PagedAttention
     from bitserve.layers.embedding import LMHead, TokenEmbedding
@@ -320,7 +321,6 @@ def profile_categories() -> list[tuple[str, Any]]:
     from bitserve.layers.norm import RMSNorm
     from bitserve.layers.rotary import RotaryEmbedding
     from bitserve.layers.sampler import Sampler
-    from bitserve.models.cpu_fast_decode import FastCpuDecode
     from bitserve.runner.input_batch import build_batch_inputs
 
     return [
@@ -341,7 +341,7 @@ def profile_categories() -> list[tuple[str, Any]]:
         ("RoPE (RotaryEmbedding.forward)", RotaryEmbedding.forward),
         ("relu2 * up (torch)", relu2_and_mul),
         ("relu2 * up (cpu backend, numba)", CpuBackend.relu2_and_mul),
-        ("fast decode step (FastCpuDecode.forward)", FastCpuDecode.forward),
+        ("fast decode step (FastCpuDecode.run_layers)", FastCpuDecode.run_layers),
         ("  glue: norm + quantize (first layer)", decode_glue.norm_quantize),
         ("  glue: residual + norm + quantize", decode_glue.residual_norm_quantize),
         ("  glue: RoPE + KV write + attention + sub-norm + quantize", decode_glue.rope_attend_quantize),
@@ -547,9 +547,9 @@ def bench_fast_decode_ab(args: argparse.Namespace, report: dict[str, Any]) -> No
     path = ensure_model(args.model_2b, "I2_S", args.layers)
     llm = LLM(str(path), backend="cpu")
     model = llm.instance.loaded.model
-    fast = model.fast_decode
+    fast = model.compiled
     if fast is None:
-        raise SystemExit(f"{path}: no fast decode step on the cpu backend (see models/cpu_fast_decode.py)")
+        raise SystemExit(f"{path}: no fast decode step on the cpu backend (see kernels/cpu/fast_decode.py)")
     on, off = (FastStepRunner(llm, name, step) for name, step in zip(FAST_NAMES, (fast, None), strict=True))
     base_ids = llm.tokenizer.encode(TEXT, add_special=False)
     results = compare([(on, off)], base_ids, args)
@@ -559,7 +559,7 @@ def bench_fast_decode_ab(args: argparse.Namespace, report: dict[str, Any]) -> No
             runner.switch()
             ids = prompt_ids(base_ids, args.decode_prompt_tokens, 77)
             results[runner.name]["profile"] = profile_decode(llm, ids, args.profile_steps)
-    model.fast_decode = fast
+    model.compiled = fast
     report["2b_fast_decode"] = results
     llm.close()
 

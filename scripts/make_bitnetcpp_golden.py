@@ -212,7 +212,7 @@ def incremental_logits(
     """
     import torch
 
-    from bitserve.layers.attention import AttentionMetadata
+    from bitserve.kernels.attention_metadata import AttentionMetadata
 
     spec = model.spec
     total = len(prompt_ids) + len(continuation)

@@ -171,8 +171,123 @@ def test_no_print_calls_in_the_package() -> None:
     assert not offenders
 
 
-def test_every_registered_architecture_has_traits() -> None:
-    from bitserve.loader.model_spec import ARCHITECTURE_TRAITS
+def test_every_registered_architecture_is_a_recipe() -> None:
+    from bitserve.loader.model_spec import SUPPORTED_ARCHITECTURES
     from bitserve.models.architectures import ARCHITECTURES
+    from bitserve.models.recipe import ArchitectureRecipe
 
-    assert set(ARCHITECTURES) == set(ARCHITECTURE_TRAITS)
+    assert set(SUPPORTED_ARCHITECTURES) == set(ARCHITECTURES)
+    assert all(isinstance(recipe, ArchitectureRecipe) for recipe in ARCHITECTURES.values())
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the bitserve modules it imports anywhere in its file (deferred and TYPE_CHECKING imports
+    included); `from package import name` counts as importing package.name where that is a module, else
+    as importing package."""
+    modules = {module_name(path): path for path in python_files()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    targets.add(submodule if submodule in modules else node.module)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph (a list of modules, first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+BACKEND_NAMES = {"reference", "cpu", "cuda"}
+BACKEND_PACKAGES = tuple(f"bitserve.kernels.{name}" for name in BACKEND_NAMES)
+
+
+def backend_branches(path: Path) -> list[str]:
+    """Where a file tests a backend's name (`x.name == "cpu"`) or a weight's class (isinstance / type()
+    against a class of a backend's package: kernels/reference, cpu, cuda; the protocol's own types in
+    kernels/backend.py and prepared_linear.py are the seam, not a backend)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kernel_classes = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith(BACKEND_PACKAGES)
+        for alias in node.names
+        if alias.name[:1].isupper()
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            names = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+            if any(name in BACKEND_NAMES for name in names) and "name" in ast.unparse(node):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+        is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        if is_call and node.func.id in {"isinstance", "type"}:
+            if any(isinstance(a, ast.Name) and a.id in kernel_classes for a in ast.walk(node)):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_models_and_layers_never_branch_on_a_backend_or_weight_class() -> None:
+    offences = [
+        line
+        for package in ("models", "layers")
+        for path in sorted((PACKAGE / package).rglob("*.py"))
+        for line in backend_branches(path)
+    ]
+    assert not offences, "model code branching on a backend:\n" + "\n".join(offences)
+
+
+def test_the_backend_branch_check_sees_one(tmp_path: Path) -> None:
+    global PACKAGE
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from bitserve.kernels.cpu.prepared import Int8BlockLinear\n"
+        "def f(backend, w):\n"
+        "    return backend.name == 'cpu' or isinstance(w, Int8BlockLinear)\n",
+        encoding="utf-8",
+    )
+    saved, PACKAGE = PACKAGE, tmp_path
+    try:
+        assert len(backend_branches(sample)) == 2
+    finally:
+        PACKAGE = saved

@@ -8,67 +8,14 @@ sequence's tokens live in the blocks its block table lists, token p at slot
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from bitserve.kernels.attention_metadata import AttentionMetadata, DecodeBatch
 from bitserve.kernels.backend import FusedOps
 from bitserve.layers import ggml_ops
 from bitserve.layers.causal_attention import causal_attention
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionMetadata:
-    """Where this step's tokens go in the cache, and which cached tokens each sequence attends to.
-
-    Tokens of sequence s are rows query_start_loc[s]:query_start_loc[s+1] of the flat batch and sit
-    at the last positions of its context, which is seq_lens[s] tokens long after this step.
-    Host-side lists mirror the small tensors so the attention loop needs no device sync.
-    """
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    block_table: torch.Tensor  # [num_seqs, max_num_blocks] int64
-    seq_lens: list[int]  # [num_seqs]
-    query_start_loc: list[int]  # [num_seqs + 1]
-    block_size: int
-    # Sequences with one query token (decodes) attend together in one padded batch:
-    decode: DecodeBatch | None = None
-    other_seq_ids: tuple[int, ...] | None = None  # the remaining sequences (prefill chunks); None = all
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeBatch:
-    """Decode rows gathered once per step, reused by every layer."""
-
-    token_rows: torch.Tensor  # [num_decodes] int64: rows of the flat batch
-    block_table: torch.Tensor  # [num_decodes, max_num_blocks] int64
-    key_mask: torch.Tensor  # [num_decodes, max_num_blocks * block_size] bool: True where a key exists
-    seq_lens: torch.Tensor  # [num_decodes] int64: keys of each sequence (this step's included)
-
-
-def make_decode_batch(
-    seq_ids: list[int],
-    metadata_block_table: torch.Tensor,
-    seq_lens: list[int],
-    query_start_loc: list[int],
-    block_size: int,
-) -> DecodeBatch:
-    """Precompute the padded gather indices and key mask of the decode sequences `seq_ids`."""
-    max_len = max(seq_lens[i] for i in seq_ids)
-    num_blocks = -(-max_len // block_size)
-    positions = torch.arange(num_blocks * block_size).unsqueeze(0)  # [1, max_keys]
-    lengths = torch.tensor([seq_lens[i] for i in seq_ids]).unsqueeze(1)  # [num_decodes, 1]
-    return DecodeBatch(
-        token_rows=torch.tensor([query_start_loc[i] for i in seq_ids], dtype=torch.int64),
-        block_table=metadata_block_table[seq_ids, :num_blocks],
-        key_mask=positions < lengths,
-        seq_lens=lengths.reshape(-1).to(torch.int64),
-    )
 
 
 class PagedAttention(nn.Module):

@@ -2,8 +2,9 @@
 
 `LinearGroup` runs several weights on one input, bound once at construction (`backend.bind_group`):
 the backend may stack them into one weight, and activations are quantized once per kind (q/k/v share
-the attention input, gate/up the FFN input). An optional per-output scalar multiplier is the upstream
-`bitnet` arch's `blk.N.<name>.scale` tensor, applied after the matmul as ggml does.
+the attention input, gate/up the FFN input). Both wrap a `Projection` (kernels/plan.py): the weights
+that run plus the upstream `bitnet` arch's optional per-output scalar (`blk.N.<name>.scale`), which is
+also what a backend's compiled forward reads.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from bitserve.kernels.backend import KernelBackend, PreparedLinear
+from bitserve.kernels.backend import KernelBackend, LinearKernelGroup, PreparedLinear
+from bitserve.kernels.plan import Projection
 
 
 class LinearGroup(nn.Module):
@@ -26,18 +28,15 @@ class LinearGroup(nn.Module):
         output_scales: Sequence[float | None] | None = None,
     ) -> None:
         super().__init__()
-        self.kernel = backend.bind_group(weights)
-        self.weights = self.kernel.weights  # the weights that run: one when the backend stacked them
-        self.row_offsets = self.kernel.row_offsets
-        self.out_features = [weight.out_features for weight in weights]
-        self.output_scales = list(output_scales) if output_scales is not None else [None] * len(weights)
+        scales = list(output_scales) if output_scales is not None else [None] * len(weights)
+        self.projection = Projection(backend.bind_group(weights), scales)
+        self.weights = self.projection.weights  # the weights that run: one when the backend stacked them
+        self.row_offsets = self.projection.row_offsets
+        self.out_features = self.projection.out_features
+        self.output_scales = self.projection.output_scales
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        outputs = self.kernel(x)
-        return [
-            out if scale is None else out * scale
-            for out, scale in zip(outputs, self.output_scales, strict=True)
-        ]
+        return self.projection(x)
 
 
 class Linear(nn.Module):
@@ -52,7 +51,8 @@ class Linear(nn.Module):
         self.weights = [weight]
         self.out_features = weight.out_features
         self.output_scale = output_scale
+        self.projection = Projection(LinearKernelGroup([weight], [weight.out_features]), [output_scale])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.weight(x)  # [num_tokens, out_features]
+        out = self.weight(x)  # [num_tokens, out_features]: the weight's own call, no group bookkeeping
         return out if self.output_scale is None else out * self.output_scale

@@ -4,7 +4,7 @@
 is a poor estimate there: ternary weights shrink to 2-bit planes (I2_S stays ~ its size), but Q4/Q8
 projections grow ~6x (the packed blocks plus the f32 copy cuBLAS runs for long steps) and float
 projections become f32. Per tensor (n values, M rows), as kernels/cuda/backend.py and
-models/cuda_decoder.py lay them out:
+kernels/cuda/decoder.py lay them out:
 - ternary (I2_S, TQ1_0, TQ2_0, TL1, TL2): n / 4 bytes of planes + an f32 scale per row;
 - Q4_0 / Q4_1 / Q8_0 matrices: kernels/cuda/block_layout.py's packed form (codes, f32 d and m per 32
   values) + the f32 copy;

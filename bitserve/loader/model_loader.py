@@ -217,7 +217,7 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadResult:
         )
         source = GGUFWeightSource(gguf, options.backend, options.linear_mode, decode_options, options.lm_head)
         with torch.inference_mode():
-            model = ARCHITECTURES[spec.architecture](spec, source)
+            model = DecoderModel(spec, ARCHITECTURES[spec.architecture], source)
         model.eval()
     except BaseException:
         gguf.close()

@@ -10,17 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
-from bitserve.layers.rotary import RopeStyle
+from bitserve.models.architectures import ARCHITECTURES
 from bitserve.models.spec import ModelSpec
 
-# Per architecture: rope style, whether sub-norms exist, default FFN activation (docs/formats.md §4.1).
-ARCHITECTURE_TRAITS: dict[str, tuple[RopeStyle, bool, str]] = {
-    "llama": (RopeStyle.NORM, False, "silu"),
-    "bitnet-b1.58": (RopeStyle.NEOX, True, "relu2"),
-    "bitnet-25": (RopeStyle.NEOX, True, "relu2"),
-    "bitnet": (RopeStyle.NEOX, True, "silu"),
-}
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_TRAITS)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 def _require(metadata: Mapping[str, Any], key: str, path: str | None) -> Any:
@@ -67,20 +60,20 @@ def spec_from_metadata(
 ) -> ModelSpec:
     """Build a ModelSpec from GGUF metadata. `tensor_names` decides tied embeddings (no output.weight)."""
     arch = _require(metadata, "general.architecture", path)
-    if arch not in ARCHITECTURE_TRAITS:
+    if arch not in ARCHITECTURES:
         raise UnsupportedModel(
             f"unsupported architecture {arch!r}",
             path=path,
             hint=f"bitserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
-    rope_style, has_sub_norms, default_activation = ARCHITECTURE_TRAITS[arch]
+    recipe = ARCHITECTURES[arch]
     hidden_size = _positive_int(metadata, f"{arch}.embedding_length", path)
     num_heads = _positive_int(metadata, f"{arch}.attention.head_count", path)
     num_kv_heads = _positive_int(metadata, f"{arch}.attention.head_count_kv", path, default=num_heads)
     head_dim = _positive_int(metadata, f"{arch}.attention.key_length", path, default=hidden_size // num_heads)
     tokens = metadata.get("tokenizer.ggml.tokens")
     vocab_default = len(tokens) if tokens is not None else None
-    activation = _activation(metadata, arch, default_activation)
+    activation = _activation(metadata, arch, recipe.default_activation)
     if num_heads % num_kv_heads:
         raise InvalidModelFile(
             f"head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}", path=path
@@ -98,10 +91,10 @@ def spec_from_metadata(
         max_model_len=_positive_int(metadata, f"{arch}.context_length", path, default=4096),
         rope_dim=_positive_int(metadata, f"{arch}.rope.dimension_count", path, default=head_dim),
         rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_style=rope_style,
+        rope_style=recipe.rope_style,
         rope_position_scale=_rope_position_scale(metadata, arch, path),
         rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         activation=activation,
-        has_sub_norms=has_sub_norms,
+        has_sub_norms=recipe.sub_norms,
         tie_word_embeddings="output.weight" not in tensor_names,
     )

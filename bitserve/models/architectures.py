@@ -1,14 +1,15 @@
-"""`general.architecture` -> model class. A dict, not an if-chain; model_spec.py knows each arch's traits."""
+"""`general.architecture` -> its recipe (models/recipe.py). A dict, not an if-chain: the only list of
+supported architectures (loader/model_spec.py reads each one's traits from it)."""
 
 from __future__ import annotations
 
-from bitserve.models.bitnet import BitNetForCausalLM
-from bitserve.models.decoder import DecoderModel
-from bitserve.models.llama import LlamaForCausalLM
+from bitserve.models.bitnet import BITNET, BITNET_B158
+from bitserve.models.llama import LLAMA
+from bitserve.models.recipe import ArchitectureRecipe
 
-ARCHITECTURES: dict[str, type[DecoderModel]] = {
-    "llama": LlamaForCausalLM,
-    "bitnet": BitNetForCausalLM,
-    "bitnet-b1.58": BitNetForCausalLM,
-    "bitnet-25": BitNetForCausalLM,
+ARCHITECTURES: dict[str, ArchitectureRecipe] = {
+    "llama": LLAMA,
+    "bitnet": BITNET,
+    "bitnet-b1.58": BITNET_B158,
+    "bitnet-25": BITNET_B158,
 }

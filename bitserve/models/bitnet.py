@@ -1,20 +1,25 @@
-"""BitNet b1.58 (`bitnet-b1.58`, `bitnet-25`: official 2B-4T) and upstream `bitnet` (1bitLLM).
+"""BitNet b1.58: Microsoft's `bitnet-b1.58` / `bitnet-25` (the official 2B-4T, ReLU²) and upstream
+llama.cpp's `bitnet` (1bitLLM, SiLU unless the file says otherwise).
 
-Ternary projections with attn/ffn sub-norms before Wo / Wdown, NEOX RoPE, tied head. `bitnet` files
-may carry a scalar `blk.N.<name>.scale` per projection, multiplied into its output (ggml's order).
+Ternary projections with attn/ffn sub-norms before Wo / Wdown, NEOX RoPE, tied head. `bitnet` files may
+carry a scalar `blk.N.<name>.scale` per projection, multiplied into its output (ggml's order).
 """
 
 from __future__ import annotations
 
-from bitserve.models.decoder import DecoderModel
-from bitserve.models.weights import WeightSource
+import dataclasses
 
+from bitserve.layers.rotary import RopeStyle
+from bitserve.models.recipe import ArchitectureRecipe
 
-class BitNetForCausalLM(DecoderModel):
-    projections_may_be_ternary = True
+BITNET_B158 = ArchitectureRecipe(
+    rope_style=RopeStyle.NEOX,
+    default_activation="relu2",
+    sub_norms=True,
+    ternary_projections=True,
+    output_scales=True,
+    rope_freq_factors=False,
+)
 
-    def output_scale(self, weights: WeightSource, prefix: str) -> float | None:
-        name = f"{prefix}.scale"
-        if not weights.has(name):
-            return None
-        return float(weights.vector(name)[0])
+# upstream llama.cpp's `bitnet` converter writes the same layer; its default activation is SiLU
+BITNET = dataclasses.replace(BITNET_B158, default_activation="silu")

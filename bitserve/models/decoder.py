@@ -1,84 +1,93 @@
-"""A pre-norm decoder-only transformer over a flat token batch and a paged KV cache.
+"""The pre-norm decoder-only transformer every architecture is, built from its recipe (models/recipe.py).
 
-Shared by every supported architecture; the differences (sub-norms, activation, RoPE style, tied
-head, per-matmul scales) come from ModelSpec and the subclass's weight names. Forward contract, the
-one the engine calls: input_ids [num_tokens], positions [num_tokens], one KV tensor per layer and
-AttentionMetadata -> hidden_states [num_tokens, hidden_size]; compute_logits picks sampled rows.
+`DecoderModel(spec, recipe, weights)` builds the module forward (the oracle on every backend) from the
+recipe's parts and the loader's prepared weights, then lowers both to a DecoderPlan (kernels/plan.py)
+that the backend compiles once into its fast forward (`KernelBackend.compile_decoder`; None: the module
+forward runs every step). Forward contract, the one the engine calls: input_ids [num_tokens], positions
+[num_tokens], one KV tensor per layer and AttentionMetadata -> hidden_states [num_tokens, hidden_size];
+compute_logits picks sampled rows. Never names a backend or a weight class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.backend import FusedOps, LinearMode
+from bitserve.kernels.attention_metadata import AttentionMetadata
+from bitserve.kernels.backend import FusedOps, LinearMode, PreparedLinear
 from bitserve.kernels.packed import Layout
-from bitserve.layers.activation import GATED_ACTIVATIONS, relu2_and_mul
-from bitserve.layers.attention import AttentionMetadata, PagedAttention
+from bitserve.kernels.plan import CompiledDecoder, DecoderPlan, LayerPlan, RopeTables
+from bitserve.layers.activation import GATED_ACTIVATIONS
+from bitserve.layers.attention import PagedAttention
 from bitserve.layers.embedding import LMHead, TokenEmbedding
 from bitserve.layers.linear import Linear, LinearGroup
 from bitserve.layers.norm import RMSNorm
-from bitserve.layers.rotary import RotaryEmbedding
+from bitserve.layers.rotary import RopeStyle, RotaryEmbedding
+from bitserve.models.recipe import ArchitectureRecipe, TensorNames
 from bitserve.models.spec import ModelSpec
 from bitserve.models.weights import WeightSource
 
-if TYPE_CHECKING:
-    from bitserve.models.cpu_fast_decode import FastCpuDecode
+GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _LayerBuilder:
+    """What every layer of one model is built with: the recipe's names, the backend's fused ops."""
+
+    def __init__(self, spec: ModelSpec, recipe: ArchitectureRecipe, weights: WeightSource) -> None:
+        self.spec, self.recipe, self.weights = spec, recipe, weights
+        self.names: TensorNames = recipe.names
+        self.fused: FusedOps | None = weights.backend.fused_ops()  # None: eager torch layers
+        self.ggml = weights.linear_mode.ggml_numerics  # bitnet.cpp's f32 arithmetic (layers/ggml_ops.py)
+
+    def norm(self, name: str) -> RMSNorm:
+        return RMSNorm(self.weights.vector(name), self.spec.rms_norm_eps, self.fused, self.ggml)
+
+    def layer_norm(self, template: str, layer: int) -> RMSNorm:
+        return self.norm(TensorNames.of_layer(template, layer))
+
+    def sub_norm(self, template: str, layer: int) -> RMSNorm | None:
+        """A BitNet sub-norm, None for a recipe without them."""
+        return self.layer_norm(template, layer) if self.recipe.sub_norms else None
+
+    def _scale(self, weight_name: str) -> float | None:
+        name = TensorNames.scale_of(weight_name)
+        if not self.recipe.output_scales or not self.weights.has(name):
+            return None
+        return float(self.weights.vector(name)[0])
+
+    def _weight(self, name: str) -> PreparedLinear:
+        return self.weights.linear(name, may_be_ternary=self.recipe.ternary_projections)
+
+    def group(self, templates: tuple[str, ...], layer: int) -> LinearGroup:
+        names = [TensorNames.of_layer(t, layer) for t in templates]
+        weights = [self._weight(n) for n in names]
+        return LinearGroup(self.weights.backend, weights, [self._scale(n) for n in names])
+
+    def linear(self, template: str, layer: int) -> Linear:
+        name = TensorNames.of_layer(template, layer)
+        return Linear(self.weights.backend, self._weight(name), self._scale(name))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, weights: WeightSource, layer_id: int, model: DecoderModel) -> None:
+    def __init__(self, build: _LayerBuilder, layer_id: int, act_and_mul: GatedActivation) -> None:
         super().__init__()
-        prefix = f"blk.{layer_id}"
-        ternary = model.projections_may_be_ternary
-        eps = spec.rms_norm_eps
-        fused = model.fused  # the backend's fused ops, looked up once per model
-        ggml = weights.linear_mode.ggml_numerics  # bitnet.cpp's f32 arithmetic (layers/ggml_ops.py)
+        spec, names = build.spec, build.names
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.attn_norm = RMSNorm(weights.vector(f"{prefix}.attn_norm.weight"), eps, fused, ggml)
-        self.qkv = LinearGroup(
-            weights.backend,
-            [weights.linear(f"{prefix}.attn_{n}.weight", may_be_ternary=ternary) for n in ("q", "k", "v")],
-            [model.output_scale(weights, f"{prefix}.attn_{n}") for n in ("q", "k", "v")],
-        )
+        self.attn_norm = build.layer_norm(names.attn_norm, layer_id)
+        self.qkv = build.group(names.qkv, layer_id)
         self.attn = PagedAttention(
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            fused,
-            ggml_numerics=weights.linear_mode.ggml_numerics,
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, build.fused, ggml_numerics=build.ggml
         )
-        self.attn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.attn_sub_norm.weight", fused)
-        self.o_proj = Linear(
-            weights.backend,
-            weights.linear(f"{prefix}.attn_output.weight", may_be_ternary=ternary),
-            model.output_scale(weights, f"{prefix}.attn_output"),
-        )
-        self.ffn_norm = RMSNorm(weights.vector(f"{prefix}.ffn_norm.weight"), eps, fused, ggml)
-        self.gate_up = LinearGroup(
-            weights.backend,
-            [weights.linear(f"{prefix}.ffn_{n}.weight", may_be_ternary=ternary) for n in ("gate", "up")],
-            [model.output_scale(weights, f"{prefix}.ffn_{n}") for n in ("gate", "up")],
-        )
-        self.act_and_mul = model.gated_activation(weights, spec.activation)
-        self.ffn_sub_norm = self._sub_norm(spec, weights, f"{prefix}.ffn_sub_norm.weight", fused)
-        self.down_proj = Linear(
-            weights.backend,
-            weights.linear(f"{prefix}.ffn_down.weight", may_be_ternary=ternary),
-            model.output_scale(weights, f"{prefix}.ffn_down"),
-        )
-
-    @staticmethod
-    def _sub_norm(
-        spec: ModelSpec, weights: WeightSource, name: str, fused: FusedOps | None
-    ) -> RMSNorm | None:
-        if not spec.has_sub_norms:
-            return None
-        return RMSNorm(weights.vector(name), spec.rms_norm_eps, fused, weights.linear_mode.ggml_numerics)
+        self.attn_sub_norm = build.sub_norm(names.attn_sub_norm, layer_id)
+        self.o_proj = build.linear(names.attn_output, layer_id)
+        self.ffn_norm = build.layer_norm(names.ffn_norm, layer_id)
+        self.gate_up = build.group(names.gate_up, layer_id)
+        self.act_and_mul = act_and_mul
+        self.ffn_sub_norm = build.sub_norm(names.ffn_sub_norm, layer_id)
+        self.down_proj = build.linear(names.ffn_down, layer_id)
 
     def forward(
         self,
@@ -105,76 +114,92 @@ class DecoderLayer(nn.Module):
             ffn_out = self.ffn_sub_norm(ffn_out)
         return hidden_states + self.down_proj(ffn_out)
 
+    def plan(self) -> LayerPlan:
+        def weight_of(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight.detach()
+
+        return LayerPlan(
+            attn_norm=self.attn_norm.weight.detach(),
+            qkv=self.qkv.projection,
+            attn_sub_norm=weight_of(self.attn_sub_norm),
+            o_proj=self.o_proj.projection,
+            ffn_norm=self.ffn_norm.weight.detach(),
+            gate_up=self.gate_up.projection,
+            ffn_sub_norm=weight_of(self.ffn_sub_norm),
+            down=self.down_proj.projection,
+        )
+
+
+def gated_activation(spec: ModelSpec, recipe: ArchitectureRecipe, weights: WeightSource) -> GatedActivation:
+    """The FFN's act(gate) * up: the backend's own where its compiled forward computes it its own way
+    (KernelBackend.gated_activation), else the layers' torch function."""
+    if spec.activation not in GATED_ACTIVATIONS:
+        raise UnsupportedModel(
+            f"FFN activation {spec.activation!r} is not supported",
+            hint=f"supported: {', '.join(GATED_ACTIVATIONS)}",
+        )
+    backend = weights.backend
+    ternary_int8 = recipe.ternary_projections and weights.linear_mode is LinearMode.BITNET
+    int8_projections = ternary_int8 or backend.block_activations == "q8"
+    own = backend.gated_activation(spec.activation, int8_projections=int8_projections)
+    return own if own is not None else GATED_ACTIVATIONS[spec.activation]
+
 
 class DecoderModel(nn.Module):
-    """Base class; subclasses set the class attributes and may override the hooks."""
+    """One model of any architecture: the recipe's layers, its module forward and its compiled one."""
 
-    # float-stored projections whose values are {-s,0,+s} run as BitLinear (bitnet family only)
-    projections_may_be_ternary: bool = False
-
-    def __init__(self, spec: ModelSpec, weights: WeightSource) -> None:
+    def __init__(self, spec: ModelSpec, recipe: ArchitectureRecipe, weights: WeightSource) -> None:
         super().__init__()
-        if spec.activation not in GATED_ACTIVATIONS:
-            raise UnsupportedModel(
-                f"FFN activation {spec.activation!r} is not supported",
-                hint=f"supported: {', '.join(GATED_ACTIVATIONS)}",
-            )
-        self.spec = spec
-        self.fused = fused = weights.backend.fused_ops()  # once per model; None: eager torch layers
-        # the cpu backend's int8 block-weight numerics (kernels/cpu/blockdot.py): the fast step's SiLU
-        self.q8_blocks = weights.backend.name == "cpu" and weights.backend.block_activations == "q8"
-        self.embed_tokens = TokenEmbedding(weights.packed("token_embd.weight"))
-        self.rotary = RotaryEmbedding(
+        self.spec, self.recipe = spec, recipe
+        build = _LayerBuilder(spec, recipe, weights)
+        names = recipe.names
+        act_and_mul = gated_activation(spec, recipe, weights)
+        self.embed_tokens = TokenEmbedding(weights.packed(names.token_embedding))
+        self.rotary = self._rotary(build)
+        self.layers = nn.ModuleList(DecoderLayer(build, i, act_and_mul) for i in range(spec.num_layers))
+        self.norm = build.norm(names.output_norm)
+        head_name = names.token_embedding if spec.tie_word_embeddings else names.output
+        ggml_f16_head = build.ggml and weights.packed(head_name).layout is Layout.F16
+        self.lm_head = LMHead(weights.head(head_name), weights.backend, ggml_f16_head)
+        read_rows = weights.file_rows(names.token_embedding)  # set when head() released a tied table's pages
+        if read_rows is not None:
+            self.embed_tokens.read_from_file(read_rows)
+        # the backend's fast forward of the layers, compiled once (None: the module forward runs)
+        self.compiled: CompiledDecoder | None = weights.backend.compile_decoder(self.plan())
+
+    def _rotary(self, build: _LayerBuilder) -> RotaryEmbedding:
+        spec, names = self.spec, self.recipe.names
+        has_factors = self.recipe.rope_freq_factors and build.weights.has(names.rope_freqs)
+        return RotaryEmbedding(
             spec.rope_dim,
             spec.rope_theta,
             spec.max_model_len,
             spec.rope_style,
-            freq_factors=self.rope_freq_factors(weights),
+            freq_factors=build.weights.vector(names.rope_freqs) if has_factors else None,
             position_scale=spec.rope_position_scale,
-            fused=fused,
-            ggml_numerics=weights.linear_mode.ggml_numerics,
+            fused=build.fused,
+            ggml_numerics=build.ggml,
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, weights, i, self) for i in range(spec.num_layers))
-        self.norm = RMSNorm(
-            weights.vector("output_norm.weight"), spec.rms_norm_eps, fused, weights.linear_mode.ggml_numerics
+
+    def plan(self) -> DecoderPlan:
+        """This model lowered to data for the backend to compile (kernels/plan.py)."""
+        spec, rotary = self.spec, self.rotary
+        return DecoderPlan(
+            layers=tuple(layer.plan() for layer in self.layers),
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            rms_norm_eps=spec.rms_norm_eps,
+            activation=spec.activation,
+            act_and_mul=self.layers[0].act_and_mul,
+            attn_scale=self.layers[0].attn.scale,
+            rope=RopeTables(rotary.cos, rotary.sin, rotary.rope_dim, rotary.style is RopeStyle.NEOX),
+            ggml_numerics=self.layers[0].attn.ggml_numerics,
+            embedding=self.embed_tokens.table,
+            final_norm=self.norm.weight.detach(),
+            head=self.lm_head.weight,
+            tie_word_embeddings=spec.tie_word_embeddings,
         )
-        head_name = "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
-        ggml_f16_head = weights.linear_mode.ggml_numerics and weights.packed(head_name).layout is Layout.F16
-        self.lm_head = LMHead(weights.head(head_name), weights.backend, ggml_f16_head)
-        read_rows = weights.file_rows("token_embd.weight")  # set when head() released a tied table's pages
-        if read_rows is not None:
-            self.embed_tokens.read_from_file(read_rows)
-        self.fast_decode = self._fast_decode(weights)
-
-    def _fast_decode(self, weights: WeightSource) -> FastCpuDecode | None:
-        """The cpu backend's lean decode step (models/cpu_fast_decode.py) where this model qualifies."""
-        if weights.backend.name != "cpu":
-            return None
-        from bitserve.models.cpu_fast_decode import FastCpuDecode  # NOTE: deferred, imports numba kernels
-
-        return FastCpuDecode.build(self, weights.backend)  # type: ignore[arg-type]
-
-    def gated_activation(
-        self, weights: WeightSource, name: str
-    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The FFN's act(gate) * up. On the cpu backend the fast decode step's numba functions where it may
-        run (cpu_fast_decode.py), so both forwards agree to the bit: SiLU in the q8 block mode and for
-        ternary models in bitnet mode (the `bitnet` arch; rounded unlike torch's, so such a model's SiLU
-        differs from the reference backend's in last bits), relu2 always (rounded as torch's, so the
-        reference backend agrees too)."""
-        backend = weights.backend
-        ternary_int8 = self.projections_may_be_ternary and weights.linear_mode is LinearMode.BITNET
-        if backend.name == "cpu" and name == "silu" and (self.q8_blocks or ternary_int8):
-            return backend.silu_and_mul  # type: ignore[attr-defined]
-        if backend.name == "cpu" and GATED_ACTIVATIONS[name] is relu2_and_mul:
-            return backend.relu2_and_mul  # type: ignore[attr-defined]
-        return GATED_ACTIVATIONS[name]
-
-    def rope_freq_factors(self, weights: WeightSource) -> torch.Tensor | None:
-        return None
-
-    def output_scale(self, weights: WeightSource, prefix: str) -> float | None:
-        return None
 
     def forward(
         self,
@@ -187,10 +212,11 @@ class DecoderModel(nn.Module):
 
         Without kv_caches / attn_metadata the batch is one sequence from position 0 (golden path).
         """
-        fast = self.fast_decode
-        if fast is not None and fast.applies(input_ids.shape[0], kv_caches, attn_metadata):
-            return fast.forward(input_ids, positions, kv_caches, attn_metadata)  # type: ignore[arg-type]
         hidden_states = self.embed_tokens(input_ids)
+        compiled = self.compiled
+        if compiled is not None and compiled.applies(input_ids.shape[0], kv_caches, attn_metadata):
+            assert kv_caches is not None  # invariant: applies() holds only with caches and metadata
+            return self.norm(compiled.run_layers(hidden_states, positions, kv_caches, attn_metadata))
         for layer_id, layer in enumerate(self.layers):
             kv_cache = kv_caches[layer_id] if kv_caches is not None else None
             hidden_states = layer(hidden_states, positions, self.rotary, kv_cache, attn_metadata)

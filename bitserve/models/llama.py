@@ -3,14 +3,14 @@ SiLU-gated FFN, no sub-norms, separate `output.weight` when present, optional Ll
 
 from __future__ import annotations
 
-import torch
+from bitserve.layers.rotary import RopeStyle
+from bitserve.models.recipe import ArchitectureRecipe
 
-from bitserve.models.decoder import DecoderModel
-from bitserve.models.weights import WeightSource
-
-
-class LlamaForCausalLM(DecoderModel):
-    projections_may_be_ternary = False
-
-    def rope_freq_factors(self, weights: WeightSource) -> torch.Tensor | None:
-        return weights.vector("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
+LLAMA = ArchitectureRecipe(
+    rope_style=RopeStyle.NORM,
+    default_activation="silu",
+    sub_norms=False,
+    ternary_projections=False,
+    output_scales=False,
+    rope_freq_factors=True,
+)

@@ -43,9 +43,10 @@ import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
 from bitserve.errors import UnsupportedModel
+from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
 from bitserve.kernels.cuda.argmax import StepFeed
 from bitserve.kernels.cuda.decode_inputs import INPUT_IDS, POSITIONS, SEQ_LENS, SLOTS, prepare_decode_step
-from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
+from bitserve.kernels.cuda.decoder import CudaDecoder
 from bitserve.runner.pinned_pair import PinnedPair
 
 logger = logging.getLogger(__name__)

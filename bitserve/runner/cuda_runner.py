@@ -2,7 +2,8 @@
 
 Differences from the CPU runner: the KV pages live on the device (one extra scratch block that the
 padded rows of a CUDA-graph bucket write to), the batch's small tensors are built on the host and sent
-in one pinned, non-blocking copy, the forward is `CudaDecoder`'s, and decode-only steps replay a CUDA
+in one pinned, non-blocking copy, the forward is the CUDA backend's compiled one (`CudaDecoder`,
+built at load: `model.compiled`), embeddings included, and decode-only steps replay a CUDA
 graph captured per batch-size bucket (runner/cuda_graphs.py). Sampling runs on the device on the logits
 the step produced; the sampled ids are the step's one host sync. Plain greedy decode steps launch the
 step after them before that sync (runner/cuda_lookahead.py).
@@ -16,10 +17,12 @@ from collections.abc import Sequence
 import torch
 
 from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
-from bitserve.errors import InvalidRequest
+from bitserve.errors import UnsupportedModel
+from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
+from bitserve.kernels.cuda.decoder import CudaDecoder
 from bitserve.kernels.cuda.ternary_matmul import GEMV_MAX_T
-from bitserve.models.cuda_decoder import CudaDecoder, DeviceAttentionMetadata
 from bitserve.models.decoder import DecoderModel
+from bitserve.runner import embeddings
 from bitserve.runner.cuda_graphs import DecodeGraphs
 from bitserve.runner.cuda_lookahead import (
     Lookahead,
@@ -50,8 +53,10 @@ class CudaModelRunner(ModelRunner):
     ) -> None:
         self.device = device
         super().__init__(model, layout)
+        self.decoder = _compiled_decoder(model)
         # the greedy head serves only the launch ahead's graphs: no int8 copy of the head without them
-        self.decoder = CudaDecoder(model, device, greedy_head=use_cuda_graphs and lookahead_enabled())
+        if use_cuda_graphs and lookahead_enabled():
+            self.decoder.enable_greedy_head()
         self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
         self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
         self.max_model_len = max_model_len
@@ -86,13 +91,10 @@ class CudaModelRunner(ModelRunner):
             if num_tokens > longest:
                 break
             pages = -(-num_tokens // block_size)
-            metadata = DeviceAttentionMetadata(
-                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-                block_table=torch.full((1, pages), self.scratch_block, dtype=torch.int32, device=self.device),
-                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-                max_query_len=num_tokens,
-                decode_only=False,
+            metadata = DeviceAttentionMetadata.one_sequence(
+                torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+                torch.full((1, pages), self.scratch_block, dtype=torch.int32, device=self.device),
+                num_tokens,
             )
             ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
@@ -103,13 +105,14 @@ class CudaModelRunner(ModelRunner):
     def embed(
         self, inputs: Sequence[Sequence[int]], pooling: str, dimensions: int | None
     ) -> list[list[float]]:
-        # the CUDA decoder runs only over the paged cache with device metadata; a plain forward for
-        # embeddings there is not written yet
-        raise InvalidRequest(
-            "embeddings are computed on CPU replicas only",
-            param="model",
-            hint="load the model on a CPU replica (--device cpu, or cuda:0,cpu) to serve /v1/embeddings",
-        )
+        """As ModelRunner.embed, on the compiled forward (CudaDecoder.forward_sequence: a temporary cache,
+        so the served KV cache is not touched)."""
+        layout, device = self.layout, self.device
+
+        def forward(input_ids: torch.Tensor) -> torch.Tensor:
+            return self.decoder.forward_sequence(input_ids.to(device), layout.dtype, layout.block_size)
+
+        return embeddings.embed(forward, inputs, pooling, dimensions)
 
     def allocate_kv_caches(self, layout: CacheLayout) -> list[torch.Tensor]:
         """[2, num_blocks + 1, block_size, kv_heads, head_dim] per layer, zeroed (padded key slots are
@@ -197,3 +200,13 @@ class CudaModelRunner(ModelRunner):
 
     def _send(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu.pin_memory().to(self.device, non_blocking=True)
+
+
+def _compiled_decoder(model: DecoderModel) -> CudaDecoder:
+    """The CUDA backend's compiled forward of `model` (built at load, DecoderModel.compiled)."""
+    if not isinstance(model.compiled, CudaDecoder):
+        raise UnsupportedModel(
+            "a CUDA replica needs a model loaded on the cuda backend",
+            hint="load it with --device cuda:N (the backend follows the device)",
+        )
+    return model.compiled

@@ -1,7 +1,8 @@
-"""Sentence embeddings from the loaded model: a plain forward of each input (no sampling, no KV
-cache: the decoder's full-sequence path from position 0, which the engine tests hold equal to the
-paged path), pooled and L2-normalised. Called on the engine thread, between steps, so it never races
-a step for the model; the paged KV cache is not touched, so running requests are unaffected.
+"""Sentence embeddings from the loaded model: a plain forward of each input (no sampling, not the served KV
+cache: the module forward's full-sequence path from position 0, which the engine tests hold equal to the
+paged path, or on CUDA the compiled forward over a temporary cache), pooled and L2-normalised. Called on
+the engine thread, between steps, so it never races a step for the model; the paged KV cache is not
+touched, so running requests are unaffected.
 
 Pooling: the GGUF's `{arch}.pooling_type` (llama.cpp's enum) when it names mean, CLS (first token)
 or last-token pooling; otherwise (none, rank, absent) mean pooling.
@@ -9,7 +10,7 @@ or last-token pooling; otherwise (none, rank, absent) mean pooling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,15 +41,21 @@ def normalize(vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:
     return torch.nn.functional.normalize(vector, dim=0)
 
 
+SequenceForward = Callable[[torch.Tensor], torch.Tensor]  # input_ids int64 [T] -> hidden [T, hidden]
+
+
+def module_forward(model: DecoderModel) -> SequenceForward:
+    """The module forward of one sequence from position 0, no KV cache."""
+    return lambda input_ids: model(input_ids, torch.arange(input_ids.shape[0], dtype=torch.long))
+
+
 @torch.inference_mode()
 def embed(
-    model: DecoderModel, inputs: Sequence[Sequence[int]], pooling: str, dimensions: int | None
+    forward: SequenceForward, inputs: Sequence[Sequence[int]], pooling: str, dimensions: int | None
 ) -> list[list[float]]:
     """One normalised vector per input (token ids, each within the served context)."""
     vectors = []
     for token_ids in inputs:
-        input_ids = torch.tensor(list(token_ids), dtype=torch.long)
-        positions = torch.arange(len(token_ids), dtype=torch.long)
-        hidden_states = model(input_ids, positions)  # one sequence from position 0, no KV cache
+        hidden_states = forward(torch.tensor(list(token_ids), dtype=torch.long)).cpu()
         vectors.append(normalize(pool(hidden_states, pooling), dimensions).tolist())
     return vectors

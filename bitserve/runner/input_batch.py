@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
-from bitserve.layers.attention import AttentionMetadata, make_decode_batch
+from bitserve.kernels.attention_metadata import AttentionMetadata, make_decode_batch
 
 
 @dataclass(frozen=True, slots=True)

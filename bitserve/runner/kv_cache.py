@@ -115,7 +115,7 @@ def allocate_kv_caches(layout: CacheLayout) -> list[torch.Tensor]:
     """
     shape = (2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     # one mapping, viewed per layer: the cpu backend's ternary decode step passes the whole pool in one
-    # argument (models/cpu_ternary_step.pooled_layers)
+    # argument (kernels/cpu/step_layers.pooled_layers)
     return list(_zeroed_pages((layout.num_layers, *shape), layout.dtype).unbind(0))
 
 

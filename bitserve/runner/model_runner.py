@@ -104,7 +104,7 @@ class ModelRunner:
         self, inputs: Sequence[Sequence[int]], pooling: str, dimensions: int | None
     ) -> list[list[float]]:
         """Pooled, normalised final hidden states of each input (runner/embeddings.py)."""
-        return embeddings.embed(self.model, inputs, pooling, dimensions)
+        return embeddings.embed(embeddings.module_forward(self.model), inputs, pooling, dimensions)
 
     def _sampling_rows(self, requests: Sequence[ScheduledRequest]) -> list[SamplingRequestState]:
         rows = []

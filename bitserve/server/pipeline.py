@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response
 from bitserve.frontend.batch_stream import BatchStream
 from bitserve.frontend.device_router import RoutedStream
 from bitserve.lifecycle.slot import Lease
-from bitserve.outputs import RequestOutput
 from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.deadlines import TIMEOUT_HEADER, request_deadline
 from bitserve.server.prompts import encode_prompt
@@ -30,6 +29,7 @@ from bitserve.server.protocol import GenerationRequest, PromptInput, new_request
 from bitserve.server.request_log import log_if_slow
 from bitserve.server.response_cache.cache import CACHE_HEADER, look_up
 from bitserve.server.response_cache.streams import RecordingStream, ReplayStream
+from bitserve.server.response_format import ResponseFormat
 from bitserve.server.security.guard import RequestSecurity
 from bitserve.server.security.request_context import charge_tokens, request_security, token_cost
 from bitserve.server.state import AppState, get_state
@@ -72,18 +72,6 @@ class Generation:
     @property
     def version(self) -> str:
         return self.lease.info.version
-
-
-class ResponseFormat(Protocol):
-    """An endpoint's wire shapes: SSE chunks while streaming, or the whole JSON body."""
-
-    def prologue(self) -> list[dict[str, Any]]: ...
-
-    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]: ...
-
-    def epilogue(self, usage: dict[str, Any]) -> list[dict[str, Any]]: ...
-
-    def body(self, result: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)

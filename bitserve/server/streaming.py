@@ -28,7 +28,7 @@ from bitserve.server.protocol import usage_payload
 from bitserve.server.response_cache.streams import RecordingStream, ReplayStream
 
 if TYPE_CHECKING:
-    from bitserve.server.pipeline import ResponseFormat
+    from bitserve.server.response_format import ResponseFormat
 
 logger = logging.getLogger(__name__)
 

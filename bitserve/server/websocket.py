@@ -43,13 +43,14 @@ from bitserve.errors import (
 from bitserve.log import REQUEST_ID
 from bitserve.server.body import parse_json_object, validate_request
 from bitserve.server.errors import lookup, socket_error_message
-from bitserve.server.pipeline import Caller, Generation, ResponseFormat, admit
+from bitserve.server.pipeline import Caller, Generation, admit
 from bitserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     valid_request_id,
 )
+from bitserve.server.response_format import ResponseFormat
 from bitserve.server.security.guard import RequestSecurity
 from bitserve.server.security.middleware import POLICY_VIOLATION, SECURITY_STATE
 from bitserve.server.security.principal import CURRENT_PRINCIPAL, NOBODY, Principal

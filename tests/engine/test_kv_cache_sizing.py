@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bitserve.kernels.cpu.step_layers import pooled_layers
 
 from bitserve.config import (
     KV_CACHE_DEFAULT_MAX_BYTES,
@@ -21,7 +22,6 @@ from bitserve.config import (
 from bitserve.engine.instance import plan_kv_cache, serving_limits
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
-from bitserve.models.cpu_ternary_step import pooled_layers
 from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
 
 CPU = torch.device("cpu")

@@ -1,4 +1,5 @@
-"""CudaDecoder (the fused CUDA forward) against the reference backend's full-sequence forward.
+"""CudaDecoder (the CUDA backend's compiled forward, kernels/cuda/decoder.py) against the reference
+backend's full-sequence forward.
 
 Runs on a CUDA device, or on the CPU in Triton's interpreter (`TRITON_INTERPRET=1`, triton importable):
 the same kernels, slowly, so the integration is checked on machines without a GPU.
@@ -25,7 +26,7 @@ def kernel_device() -> torch.device:
 
 def metadata_for(start: int, num_new: int, block_size: int, device: torch.device):  # noqa: ANN201
     """One sequence whose blocks are 0, 1, 2, ... in order; tokens start..start+num_new-1 this step."""
-    from bitserve.models.cuda_decoder import DeviceAttentionMetadata
+    from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
 
     seq_len = start + num_new
     num_blocks = -(-seq_len // block_size)
@@ -43,11 +44,12 @@ def metadata_for(start: int, num_new: int, block_size: int, device: torch.device
 def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: torch.dtype) -> None:
     device = kernel_device()  # first: skips where neither CUDA nor the interpreter can run Triton
     from bitserve.kernels.cuda.backend import CudaBackend
-    from bitserve.models.cuda_decoder import CudaDecoder
+    from bitserve.kernels.cuda.decoder import CudaDecoder
 
     reference = load_model(b158_file, LoadOptions(backend=ReferenceBackend(), linear_mode=LinearMode.BITNET))
     loaded = load_model(b158_file, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
-    decoder = CudaDecoder(loaded.model, device)
+    decoder = loaded.model.compiled  # compiled at load by the cuda backend
+    assert isinstance(decoder, CudaDecoder)
     # the ternary gate/up projections write relu2(gate) * up from their epilogue (pair_epilogue.py)
     assert all(layer.gate_pair is not None for layer in decoder.layers)
     spec = loaded.spec
@@ -74,5 +76,29 @@ def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: tor
     tolerance = 1e-4 if kv_dtype == torch.float32 else 0.1
     torch.testing.assert_close(torch.cat(got), expected, rtol=tolerance, atol=tolerance)
     assert torch.equal(torch.cat(got).argmax(dim=1), expected.argmax(dim=1))
+    reference.close()
+    loaded.close()
+
+
+def test_embeddings_on_the_compiled_forward_equal_the_reference(b158_file: Path) -> None:
+    """CUDA replicas serve /v1/embeddings from the compiled forward (CudaDecoder.forward_sequence, a
+    temporary cache of its own): the pooled vectors equal the reference backend's module forward within
+    f32 summation-order tolerance, for a length that fills several blocks and one that is a single token."""
+    device = kernel_device()
+    from bitserve.kernels.cuda.backend import CudaBackend
+    from bitserve.runner.embeddings import CLS, MEAN, embed, module_forward
+
+    reference = load_model(b158_file, LoadOptions(backend=ReferenceBackend(), linear_mode=LinearMode.BITNET))
+    loaded = load_model(b158_file, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
+    decoder = loaded.model.compiled
+
+    def on_device(input_ids: torch.Tensor) -> torch.Tensor:
+        return decoder.forward_sequence(input_ids.to(device), torch.float32, 4)
+
+    inputs = [[5, 900, 17, 4242, 31, 77, 1000, 3, 9, 12], [42]]
+    for pooling in (MEAN, CLS):
+        got = embed(on_device, inputs, pooling, None)
+        expected = embed(module_forward(reference.model), inputs, pooling, None)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
     reference.close()
     loaded.close()

@@ -10,7 +10,8 @@ import torch
 from bitserve.config import CUDA_BATCH_LIMITS, SchedulerConfig, resolve_batch_limits
 from bitserve.errors import InvalidRequest
 from bitserve.kernels.backend import LinearMode
-from bitserve.kernels.cuda.backend import CudaBackend, CudaDenseLinear, CudaTernaryLinear
+from bitserve.kernels.cuda.backend import CudaBackend
+from bitserve.kernels.cuda.linears import CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.ternary_pack import unpack_ternary_planes
 from bitserve.kernels.packed import Layout, TernaryCodes
 from bitserve.kernels.reference.ternary import bitnet_linear

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.gpu
 DEVICE = kernel_test_device()
 gguf = pytest.importorskip("gguf", reason="the gguf package's quantizers are the reference")
 
-from bitserve.kernels.cuda.backend import CudaBackend, CudaBlockLinear  # noqa: E402
+from bitserve.kernels.cuda.backend import CudaBackend  # noqa: E402
 from bitserve.kernels.cuda.block_gemv import block_gemv  # noqa: E402
+from bitserve.kernels.cuda.linears import CudaBlockLinear  # noqa: E402
 from bitserve.kernels.packed import PackedWeight  # noqa: E402
 from bitserve.layers.activation import GATED_ACTIVATIONS  # noqa: E402
 

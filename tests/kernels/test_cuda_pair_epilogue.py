@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 DEVICE = kernel_test_device()
 
-from bitserve.kernels.cuda.backend import CudaTernaryLinear  # noqa: E402
+from bitserve.kernels.cuda.linears import CudaTernaryLinear  # noqa: E402
 from bitserve.kernels.cuda.pair_epilogue import (  # noqa: E402
     GATED_PAIRS,
     PAIR_NONE,

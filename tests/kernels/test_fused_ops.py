@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bitserve.kernels.attention_metadata import AttentionMetadata, make_decode_batch
 from bitserve.kernels.cpu.backend import CpuBackend
 from bitserve.kernels.reference.backend import ReferenceBackend
-from bitserve.layers.attention import AttentionMetadata, PagedAttention, make_decode_batch
+from bitserve.layers.attention import PagedAttention
 from bitserve.layers.norm import RMSNorm
 from bitserve.layers.rotary import RopeStyle, RotaryEmbedding
 

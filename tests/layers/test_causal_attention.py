@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from bitserve.kernels.attention_metadata import AttentionMetadata
 from bitserve.layers import causal_attention as blocked
-from bitserve.layers.attention import AttentionMetadata, PagedAttention
+from bitserve.layers.attention import PagedAttention
 
 
 def naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

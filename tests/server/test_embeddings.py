@@ -16,7 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 from http_testing import ServerProcess
 
-from bitserve.runner.embeddings import CLS, LAST, MEAN, embed, pooling_from_metadata
+from bitserve.runner.embeddings import CLS, LAST, MEAN, embed, module_forward, pooling_from_metadata
 
 MODEL = "smollm2-135m-instruct"
 SMOLLM2_HIDDEN = 576
@@ -126,7 +126,8 @@ def test_pooling_types(synthetic_instance: object) -> None:
     ids = [4, 8, 15, 16]
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(len(ids))).float()
-    first, last = embed(model, [ids], CLS, None)[0], embed(model, [ids], LAST, None)[0]
+    forward = module_forward(model)
+    first, last = embed(forward, [ids], CLS, None)[0], embed(forward, [ids], LAST, None)[0]
     assert close(first, (hidden[0] / hidden[0].norm()).tolist())
     assert close(last, (hidden[-1] / hidden[-1].norm()).tolist())
 

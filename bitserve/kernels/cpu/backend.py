@@ -48,6 +48,7 @@ from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.cpu import blockquant, decode_glue, f16head, fused, interleaved, mapped
 from bitserve.kernels.cpu import ternary as kernels
+from bitserve.kernels.cpu.fast_decode import FastCpuDecode
 from bitserve.kernels.cpu.isa import Isa, resolve_block_activations, resolve_isa, supported_isas
 from bitserve.kernels.cpu.prepared import (
     BitnetBlockLinear,
@@ -66,6 +67,7 @@ from bitserve.kernels.cpu.prepared import (
     row_scales,
 )
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
+from bitserve.kernels.plan import CompiledDecoder, DecoderPlan
 from bitserve.kernels.reference import ternary as reference
 from bitserve.kernels.reference.dense import check_dense_weight
 
@@ -76,6 +78,8 @@ DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the c
 # kernels lose from 8 tokens, the int8 ones (q8 activations) win up to 64 and lose from 128
 BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block
+# GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
+RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
 
 
 @functools.cache
@@ -397,6 +401,30 @@ class CpuBackend(KernelBackend):
         out = torch.empty_like(x)
         fused.rms_norm_kernel(x.numpy(), weight.detach().numpy(), eps, out.numpy())
         return out
+
+    def gated_activation(
+        self, name: str, *, int8_projections: bool
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """The compiled decode step's numba activations (decode_glue), so that both forwards agree to the
+        bit: relu2 always (rounded as torch's, so the reference backend agrees too); SiLU where the step
+        may run, i.e. on int8 projections (rounded unlike torch's, so such a model's SiLU differs from the
+        reference backend's in last bits); None otherwise (torch's SiLU, GELU)."""
+        if name in RELU2_NAMES:
+            return self.relu2_and_mul
+        if name == "silu" and int8_projections:
+            return self.silu_and_mul
+        return None
+
+    def compile_decoder(self, plan: DecoderPlan) -> CompiledDecoder | None:
+        """The one-call numba decode step (kernels/cpu/fast_decode.py) where the model qualifies: its
+        activation one of the glue's (gated_activation gave it), int8 projections, no ggml numerics."""
+        if plan.act_and_mul == self.relu2_and_mul:
+            relu2 = True
+        elif plan.act_and_mul == self.silu_and_mul:
+            relu2 = False
+        else:
+            return None  # the module forward's activation is torch's: the step's glue would differ
+        return FastCpuDecode.build(plan, relu2)
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """f32 [T, I] each -> silu(gate) * up, with the fast decode step's arithmetic (decode_glue.silu_mul):

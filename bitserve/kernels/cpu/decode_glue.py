@@ -1,4 +1,4 @@
-"""numba glue between the int8 GEMVs of a fused decode step (models/cpu_fast_decode.py).
+"""numba glue between the int8 GEMVs of a fused decode step (kernels/cpu/fast_decode.py).
 
 Each function does, in one call, the small per-layer work between two matmuls and hands the next matmul
 its int8 activations. A decode step of a 30-layer model then makes 8 calls per layer from Python instead

@@ -1,4 +1,4 @@
-"""The lean decode step's layer loop as one numba call (models/cpu_fast_decode.py), for ternary and for
+"""The lean decode step's layer loop as one numba call (kernels/cpu/fast_decode.py), for ternary and for
 Q4_0 / Q4_1 / Q8_0 block weights.
 
 Run from Python, the loop made 8 calls a layer (4 GEMVs, 4 glue calls: kernels/cpu/decode_glue.py), each
@@ -8,9 +8,9 @@ call (~4 ms of glue left a 2B step), which calls the same glue functions and the
 (kernels/cpu/int8dot.py, blockdot.py) in the same order as the layers' own run_quantized, so its output
 is the Python loop's to the bit.
 
-Ternary weights are reached from one uint8 `base` array (models/cpu_ternary_step.address_span: the file
+Ternary weights are reached from one uint8 `base` array (kernels/cpu/ternary_step.address_span: the file
 mapping for I2_S, else the span of the repacked arrays' addresses) through per-layer row-offset tables
-stacked as [L, M]; block weights as a tuple of each layer's record array (models/cpu_block_step.py).
+stacked as [L, M]; block weights as a tuple of each layer's record array (kernels/cpu/block_step.py).
 Row scales, norms and the KV caches are stacked [L, ...] (the engine allocates the caches as views of one
 pool: runner/kv_cache.py), so a step passes a few arrays, not a few per layer.
 """
@@ -121,7 +121,7 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
     last layer's output (before the final norm). _project runs a projection (_project_ternary or
     _project_blocks, by the model's weight kind) with the variant's kernel entry points gemv / gemm.
 
-    model (once per model, cpu_ternary_step.TernaryStep, cpu_block_step.BlockStep): ternary: base uint8
+    model (once per model, ternary_step.TernaryStep, block_step.BlockStep): ternary: base uint8
     [n]; offsets: row_off int64 [L, M] of qkv, o_proj, gate_up, down (byte offsets in base); row_scales:
     their f32 [L, M]; out_scales: their `.scale` products f32 [L, M], or None. Blocks: the records of
     each projection, one array a layer; the projections' row counts; None, None. Both then: norms: attn,

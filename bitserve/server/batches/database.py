@@ -10,16 +10,11 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from bitserve.server.batches.config import DatabaseLocation
+from bitserve.server.batches.db_errors import DatabaseInUse, DatabaseUnavailable
+
+__all__ = ["DatabaseInUse", "DatabaseUnavailable", "Database", "Session", "open_database"]
 
 POSTGRES_EXTRA_HINT = "PostgreSQL batch storage needs psycopg 3: pip install 'bitserve[postgres]'"
-
-
-class DatabaseUnavailable(RuntimeError):
-    """The batch database cannot be opened (the reason is the message); the Batch API stays off."""
-
-
-class DatabaseInUse(DatabaseUnavailable):
-    """Another process holds the SQLite batch database's lock."""
 
 
 class Cursor(Protocol):

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from bitserve.server.batches.database import DatabaseUnavailable
+from bitserve.server.batches.db_errors import DatabaseUnavailable
 from bitserve.server.batches.migrations import POSTGRES_TYPES, pending_migrations
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bitserve.server.batches.database import DatabaseInUse
+from bitserve.server.batches.db_errors import DatabaseInUse
 from bitserve.server.batches.migrations import SQLITE_TYPES, pending_migrations
 
 logger = logging.getLogger(__name__)

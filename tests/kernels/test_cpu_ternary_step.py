@@ -1,12 +1,12 @@
-"""cpu_ternary_step.address_span: one view over the weights' address range, refused when far apart."""
+"""ternary_step.address_span: one view over the weights' address range, refused when far apart."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bitserve.models import cpu_ternary_step
-from bitserve.models.cpu_ternary_step import address_span
+from bitserve.kernels.cpu import ternary_step
+from bitserve.kernels.cpu.ternary_step import address_span
 
 
 def test_span_over_slices_of_one_buffer_reaches_each_array() -> None:
@@ -21,7 +21,7 @@ def test_span_over_slices_of_one_buffer_reaches_each_array() -> None:
 
 
 def test_span_refuses_arrays_far_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_ternary_step, "MAX_SPAN_SLACK", 0)
+    monkeypatch.setattr(ternary_step, "MAX_SPAN_SLACK", 0)
     buffer = np.zeros(1 << 20, dtype=np.uint8)
     near = [buffer[:1024], buffer[2048:3072]]
     far = [buffer[:1024], buffer[-1024:]]  # a gap of ~1 MiB between 2 KiB of arrays

@@ -1,6 +1,6 @@
 """The tables of the lean decode step for Q4_0 / Q4_1 / Q8_0 block weights (kernels/cpu/decode_step.py).
 
-FastCpuDecode (cpu_fast_decode.py) hands such a model's decode steps to `BlockStep.run`: one numba call
+FastCpuDecode (fast_decode.py) hands such a model's decode steps to `BlockStep.run`: one numba call
 for every layer, as the ternary models' TernaryStep. Each projection's weights are passed as the tuple of
 its layers' record arrays (Int8BlockLinear.kernel_records, no copy): one array type, so the compiled loop
 indexes them by layer. One block format for every projection of every layer (as llama.cpp's Q4_0 / Q4_1
@@ -15,28 +15,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bitserve.kernels.cpu.decode_step import BLOCK_DECODE_LAYERS
-from bitserve.models.cpu_ternary_step import stacked_norms
+from bitserve.kernels.cpu.step_layers import StepLayer, projection_columns, stacked_norms
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from bitserve.kernels.cpu.prepared import Int8BlockLinear
-    from bitserve.models.cpu_fast_decode import _FastLayer
 
 
 class BlockStep:
     """Every layer of a Q4_0 / Q4_1 / Q8_0 model's decode step in one numba call of the backend's ISA."""
 
     @classmethod
-    def build(cls, layers: list[_FastLayer]) -> BlockStep | None:
+    def build(cls, layers: list[StepLayer]) -> BlockStep | None:
         """The step, or None when the projections mix block formats (or a projection's shape changes
         from layer to layer)."""
-        weights: list[list[Int8BlockLinear]] = [
-            [layer.qkv for layer in layers],
-            [layer.o_proj for layer in layers],
-            [layer.gate_up for layer in layers],
-            [layer.down for layer in layers],
-        ]
+        weights: list[list[Int8BlockLinear]] = projection_columns(layers)  # type: ignore[assignment]
         formats = {weight.kernel_format for column in weights for weight in column}
         same_shapes = all(len({(w.out_features, w.kernel_records.shape) for w in c}) == 1 for c in weights)
         if len(formats) != 1 or not same_shapes:
@@ -45,7 +39,7 @@ class BlockStep:
         return cls(layers, weights, formats.pop())
 
     def __init__(
-        self, layers: list[_FastLayer], weights: list[list[Int8BlockLinear]], block_format: str
+        self, layers: list[StepLayer], weights: list[list[Int8BlockLinear]], block_format: str
     ) -> None:
         records = tuple(tuple(w.kernel_records for w in column) for column in weights)
         rows = tuple(column[0].out_features for column in weights)

@@ -1,5 +1,5 @@
 """The CUDA decoder's greedy head is an optional speed-up: where the device has no memory left for its
-int8 copy, the model still loads and greedy steps run the full head (models/cuda_decoder._greedy_head).
+int8 copy, the model still loads and greedy steps run the full head (kernels/cuda/decoder._greedy_head).
 CPU only: the copy is built on CPU tensors here, and an allocation failure is raised by a stand-in."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton", reason="the CUDA decoder imports the Triton kernels")
 
-from bitserve.models import cuda_decoder  # noqa: E402
+from bitserve.kernels.cuda import decoder as cuda_decoder  # noqa: E402
 
 
 def _f16_head(rows: int = 1024, hidden: int = 256) -> torch.Tensor:

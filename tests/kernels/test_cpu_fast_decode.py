@@ -1,4 +1,5 @@
-"""models/cpu_fast_decode.py: the lean decode step against the module forward it stands in for.
+"""kernels/cpu/fast_decode.py: the cpu backend's compiled decode step against the module forward it stands
+in for.
 
 Each decode step runs both ways from the same KV cache (snapshotted and restored) and their logits must be
 equal to the bit: the two forwards make the same operations with the same kernels (the q8 mode's module
@@ -21,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
+from bitserve.kernels.cpu.block_step import BlockStep
 from bitserve.kernels.cpu.isa import BLOCK_ACTIVATIONS_ENV_VAR, ISA_ENV_VAR, Isa, supported_isas
 from bitserve.llm import LLM
-from bitserve.models.cpu_block_step import BlockStep
 from bitserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(supported_isas()[0] is Isa.GENERIC, reason="needs the avx2 or vnni kernels")
@@ -48,33 +49,33 @@ def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ..
     runs both ways from the same KV cache."""
     model = llm.instance.loaded.model
     runner = llm.engine.runner
-    fast = model.fast_decode
+    fast = model.compiled
     assert fast is not None
-    forward_logits, fast_forward = runner.forward_logits, fast.forward
+    forward_logits, fast_forward = runner.forward_logits, fast.run_layers
     compared: list[int] = []
 
     def both_ways(requests):  # noqa: ANN001, ANN202 - the runner's own signature
         snapshot = [cache.clone() for cache in runner.kv_caches]
-        model.fast_decode = None
+        model.compiled = None
         module_logits = forward_logits(requests)
         for cache, saved in zip(runner.kv_caches, snapshot, strict=True):
             cache.copy_(saved)
-        model.fast_decode = fast
+        model.compiled = fast
         fast_logits = forward_logits(requests)
         assert torch.equal(fast_logits, module_logits)  # prefill steps run the module forward either way
         return fast_logits
 
-    def counted(input_ids, *args):  # noqa: ANN001, ANN002, ANN202
-        compared.append(input_ids.shape[0])
-        return fast_forward(input_ids, *args)
+    def counted(hidden, *args):  # noqa: ANN001, ANN002, ANN202
+        compared.append(hidden.shape[0])
+        return fast_forward(hidden, *args)
 
-    runner.forward_logits, fast.forward = both_ways, counted
+    runner.forward_logits, fast.run_layers = both_ways, counted
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         for size in batch_sizes:
             llm.generate([f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(size)], params)
     finally:
-        runner.forward_logits, fast.forward = forward_logits, fast_forward
+        runner.forward_logits, fast.run_layers = forward_logits, fast_forward
     assert set(batch_sizes) <= set(compared)  # every batch size's decode steps took the fast path
 
 
@@ -82,13 +83,13 @@ def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ..
 def test_fast_step_logits_match_the_module_forward(
     smollm2_path: Path, isa: Isa, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SmolLM2's Q4_1 layers in one numba call (cpu_block_step.BlockStep) give the module forward's logits,
-    on each kernel variant the CPU runs (kernels/cpu/decode_step.BLOCK_DECODE_LAYERS)."""
+    """SmolLM2's Q4_1 layers in one numba call (kernels/cpu/block_step.BlockStep) give the module forward's
+    logits, on each kernel variant the CPU runs (kernels/cpu/decode_step.BLOCK_DECODE_LAYERS)."""
     monkeypatch.setenv(ISA_ENV_VAR, isa.value)
     monkeypatch.setenv(BLOCK_ACTIVATIONS_ENV_VAR, "q8")
     llm = LLM(str(smollm2_path), backend="cpu")
     try:
-        step = llm.instance.loaded.model.fast_decode.step
+        step = llm.instance.loaded.model.compiled.step
         assert isinstance(step, BlockStep) and step.model[1][0] == 960  # q | k | v rows of SmolLM2-135M
         assert_fast_step_matches_module_forward(llm)
     finally:
@@ -101,7 +102,7 @@ from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
 llm = LLM(sys.argv[1], backend="cpu")
 llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0))
-stats = llm.instance.loaded.model.fast_decode.step.decode_layers.stats
+stats = llm.instance.loaded.model.compiled.step.decode_layers.stats
 print(json.dumps({"hits": sum(stats.cache_hits.values()), "misses": sum(stats.cache_misses.values())}))
 llm.close()
 """
@@ -160,7 +161,7 @@ def test_fast_step_is_built_only_for_the_q8_mode(smollm2_path: Path) -> None:
         patch.setenv(BLOCK_ACTIVATIONS_ENV_VAR, "f32")
         llm = LLM(str(smollm2_path), backend="cpu")
     try:
-        assert llm.instance.loaded.model.fast_decode is None
+        assert llm.instance.loaded.model.compiled is None
     finally:
         llm.close()
 
@@ -208,7 +209,7 @@ def test_ternary_fast_step_logits_match_the_module_forward(
 def test_ternary_fast_step_tokens_equal_the_reference_backend(b158_cpu: LLM, b158_file: Path) -> None:
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert b158_cpu.instance.loaded.model.fast_decode is not None
+    assert b158_cpu.instance.loaded.model.compiled is not None
     fast = [out.outputs[0].token_ids for out in b158_cpu.generate(prompts, params)]
     reference = LLM(str(b158_file), backend="reference")
     try:
@@ -227,7 +228,7 @@ def test_ternary_fast_step_not_built_for_bitnetcpp_or_generic(
         monkeypatch.setenv(ISA_ENV_VAR, isa)
         llm = LLM(str(b158_file), backend="cpu", **options)
         try:
-            assert llm.instance.loaded.model.fast_decode is None
+            assert llm.instance.loaded.model.compiled is None
         finally:
             llm.close()
 
@@ -250,7 +251,7 @@ def scaled_b158_file(tmp_path_factory: pytest.TempPathFactory, synthetic_weights
 def test_ternary_fast_step_with_output_scales_matches_the_module_forward(scaled_b158_file: Path) -> None:
     llm = LLM(str(scaled_b158_file), backend="cpu")
     try:
-        assert llm.instance.loaded.model.fast_decode.step.out_scales is not None
+        assert llm.instance.loaded.model.compiled.step.out_scales is not None
         assert_fast_step_matches_module_forward(llm, batch_sizes=(1, 2))
     finally:
         llm.close()
@@ -261,7 +262,7 @@ def test_bitnet_arch_tq2_fast_step_matches_the_module_forward(synthetic_models: 
     repacked at load into separate arrays; batches of 1, 3 and 16 (the GEMM tiles, 16 paged sequences)."""
     llm = LLM(str(synthetic_models["TQ2_0"]), backend="cpu")
     try:
-        assert llm.instance.loaded.model.fast_decode.step is not None
+        assert llm.instance.loaded.model.compiled.step is not None
         assert_fast_step_matches_module_forward(llm, batch_sizes=(3, 1, 16))
     finally:
         llm.close()
@@ -274,25 +275,25 @@ def test_ternary_weights_far_apart_are_consolidated_for_the_one_call_step(
     (a full test run once put a TQ2_0 model's arrays terabytes apart, and the model fell back to the layer
     loop). Here every span wider than the weights' own bytes counts as far apart: the step copies them into
     one buffer, moves each linear onto its slice, and decodes exactly as the module forward."""
-    from bitserve.models import cpu_ternary_step
-    from bitserve.models.cpu_fast_decode import _fast_layer
+    from bitserve.kernels.cpu import ternary_step
+    from bitserve.kernels.cpu.step_layers import step_layer
 
     llm = LLM(str(synthetic_models["TQ2_0"]), backend="cpu")
     try:
         model = llm.instance.loaded.model
-        layers = [_fast_layer(layer) for layer in model.layers]
+        layers = [step_layer(layer.plan()) for layer in model.layers]
         linears = [w for lay in layers for w in (lay.qkv, lay.o_proj, lay.gate_up, lay.down)]
         total = sum(linear.data.nbytes for linear in linears)
         # whole cache lines each, so the consolidated buffer is exactly their bytes
-        assert all(linear.data.nbytes % cpu_ternary_step.ARENA_ALIGN == 0 for linear in linears)
-        monkeypatch.setattr(cpu_ternary_step, "MAX_SPAN_SLACK", -total)  # a span may not pass the bytes
+        assert all(linear.data.nbytes % ternary_step.ARENA_ALIGN == 0 for linear in linears)
+        monkeypatch.setattr(ternary_step, "MAX_SPAN_SLACK", -total)  # a span may not pass the bytes
         # each weight on an array of its own, whatever the load did: it consolidates the weights itself when
         # the allocator happened to put them far apart (then this test once found one buffer already)
         for linear in linears:
             linear.move_data(linear.data.clone())
         assert len({linear.data.untyped_storage().data_ptr() for linear in linears}) == len(linears)
-        model.fast_decode.step = cpu_ternary_step.TernaryStep.build(layers)
-        assert model.fast_decode.step is not None
+        model.compiled.step = ternary_step.TernaryStep.build(layers)
+        assert model.compiled.step is not None
         assert len({linear.data.untyped_storage().data_ptr() for linear in linears}) == 1  # one buffer
         assert_fast_step_matches_module_forward(llm, batch_sizes=(3, 1))
     finally:

@@ -1,0 +1,117 @@
+"""One layer of the compiled cpu decode step as the step reads it, and the helpers both weight kinds'
+tables share (kernels/cpu/ternary_step.py, block_step.py). Built from a `LayerPlan` (kernels/plan.py).
+
+fast_decode.py imports this module and the two table modules; they import this one only (no circle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bitserve.kernels.cpu.prepared import Int8BitnetLinear, Int8BlockLinear
+from bitserve.kernels.plan import LayerPlan, Projection
+
+Int8Weight = Int8BlockLinear | Int8BitnetLinear
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayer:
+    attn_norm: np.ndarray  # f32 [hidden]
+    qkv: Int8Weight  # stacked q, k, v rows
+    attn_sub_norm: np.ndarray | None  # f32 [heads * head_dim] (BitNet), before o_proj
+    o_proj: Int8Weight
+    ffn_norm: np.ndarray  # f32 [hidden]
+    gate_up: Int8Weight  # stacked gate, up rows
+    ffn_sub_norm: np.ndarray | None  # f32 [intermediate] (BitNet), before down
+    down: Int8Weight
+    # the `bitnet` arch's `.scale` multipliers as f32 [M] per output row of qkv, o_proj, gate_up, down
+    # (1.0 for a weight without one, a product that changes nothing)
+    output_scales: tuple[np.ndarray, ...]
+
+
+def _single_int8(projection: Projection) -> Int8Weight | None:
+    weight = projection.stacked_weight()
+    return weight if type(weight) in (Int8BlockLinear, Int8BitnetLinear) else None
+
+
+def _norm_weight(norm: torch.Tensor | None) -> np.ndarray | None:
+    return None if norm is None else norm.detach().numpy()
+
+
+def _row_output_scales(projection: Projection) -> np.ndarray:
+    """A projection's `.scale` multipliers (None: 1.0) per output row, f32 [M]."""
+    rows = [
+        np.full(size, 1.0 if s is None else s, dtype=np.float32)
+        for s, size in zip(projection.output_scales, projection.out_features, strict=True)
+    ]
+    return np.concatenate(rows)
+
+
+def step_layer(layer: LayerPlan) -> StepLayer | None:
+    """One layer's weights, or None where it does not qualify: each projection one stacked int8 weight
+    of one kind, output scales only on ternary weights, gate/up two equal halves."""
+    plans = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    weights = [_single_int8(plan) for plan in plans]
+    if None in weights or len({type(w) for w in weights}) != 1:
+        return None
+    qkv, o_proj, gate_up, down = weights
+    output_scales = tuple(_row_output_scales(plan) for plan in plans)
+    if type(qkv) is Int8BlockLinear and any((s != 1.0).any() for s in output_scales):
+        return None  # only the ternary step (kernels/cpu/decode_step.py) applies output scales
+    if layer.gate_up.row_offsets != [0, gate_up.out_features // 2]:  # type: ignore[union-attr]
+        return None
+    return StepLayer(
+        _norm_weight(layer.attn_norm),  # type: ignore[arg-type]
+        qkv,  # type: ignore[arg-type]
+        _norm_weight(layer.attn_sub_norm),
+        o_proj,  # type: ignore[arg-type]
+        _norm_weight(layer.ffn_norm),  # type: ignore[arg-type]
+        gate_up,  # type: ignore[arg-type]
+        _norm_weight(layer.ffn_sub_norm),
+        down,  # type: ignore[arg-type]
+        output_scales,
+    )
+
+
+def projection_columns(layers: list[StepLayer]) -> list[list[Int8Weight]]:
+    """The layers' weights, one list [L] per projection, in the step's order: qkv, o, gate/up, down."""
+    return [
+        [layer.qkv for layer in layers],
+        [layer.o_proj for layer in layers],
+        [layer.gate_up for layer in layers],
+        [layer.down for layer in layers],
+    ]
+
+
+def stack(vectors: list[np.ndarray], dtype: type = np.float32) -> np.ndarray:
+    """Per-layer vectors of one length -> C-contiguous [L, n] of `dtype`."""
+    return np.ascontiguousarray(np.stack(vectors), dtype=dtype)
+
+
+def stacked_norms(layers: list[StepLayer]) -> tuple[tuple, tuple | None]:
+    """The layers' norm weights as the step reads them: (attn, ffn) f32 [L, hidden], and the sub-norms
+    (attn f32 [L, H D], ffn f32 [L, I]) or None for a model without them."""
+    norms = (stack([lay.attn_norm for lay in layers]), stack([lay.ffn_norm for lay in layers]))
+    if layers[0].attn_sub_norm is None:
+        return norms, None
+    return norms, (
+        stack([lay.attn_sub_norm for lay in layers]),  # type: ignore[misc]
+        stack([lay.ffn_sub_norm for lay in layers]),  # type: ignore[misc]
+    )
+
+
+def pooled_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The per-layer caches as one [L, ...] tensor when they are consecutive views of one storage (as
+    runner/kv_cache.allocate_kv_caches makes them), without a copy; None otherwise."""
+    first = kv_caches[0]
+    layer_elements = first.numel()
+    storage = first.untyped_storage().data_ptr()
+    for index, cache in enumerate(kv_caches):
+        same_storage = cache.untyped_storage().data_ptr() == storage and cache.is_contiguous()
+        if not same_storage or cache.storage_offset() != first.storage_offset() + index * layer_elements:
+            return None
+    shape = (len(kv_caches), *first.shape)
+    return torch.as_strided(first, shape, (layer_elements, *first.stride()), first.storage_offset())

@@ -1,0 +1,69 @@
+"""The vocabulary of an architecture's declaration: a layer recipe (data) and its tensor-name map.
+
+Every supported architecture is declared once, as an `ArchitectureRecipe` in its family's file
+(models/llama.py, models/bitnet.py) and listed in models/architectures.py. The recipe says what the
+shared pre-norm decoder layer holds: which norms and where, the projections and how they group (q|k|v
+and gate|up run on one input each, so a backend may stack them), sub-norms, the activation's default,
+per-projection output scales, RoPE style and frequency factors. models/decoder.py builds the module
+forward (the oracle) from it, and lowers it with the loaded weights to a DecoderPlan that each backend
+compiles into its fast forward (kernels/plan.py). Adding an architecture is a recipe, a name map and
+tests; kernel code only for an op no backend has yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bitserve.layers.rotary import RopeStyle
+
+
+@dataclass(frozen=True, slots=True)
+class TensorNames:
+    """Tensor names in the file; per-layer names hold `{layer}`. A projection's optional output scalar
+    is its weight's name with `.weight` replaced by `.scale` (the upstream `bitnet` converter's)."""
+
+    token_embedding: str = "token_embd.weight"
+    output_norm: str = "output_norm.weight"
+    output: str = "output.weight"  # absent: the head is tied to token_embedding
+    rope_freqs: str = "rope_freqs.weight"
+    attn_norm: str = "blk.{layer}.attn_norm.weight"
+    qkv: tuple[str, ...] = (
+        "blk.{layer}.attn_q.weight",
+        "blk.{layer}.attn_k.weight",
+        "blk.{layer}.attn_v.weight",
+    )
+    attn_sub_norm: str = "blk.{layer}.attn_sub_norm.weight"
+    attn_output: str = "blk.{layer}.attn_output.weight"
+    ffn_norm: str = "blk.{layer}.ffn_norm.weight"
+    gate_up: tuple[str, ...] = ("blk.{layer}.ffn_gate.weight", "blk.{layer}.ffn_up.weight")
+    ffn_sub_norm: str = "blk.{layer}.ffn_sub_norm.weight"
+    ffn_down: str = "blk.{layer}.ffn_down.weight"
+
+    @staticmethod
+    def of_layer(template: str, layer: int) -> str:
+        return template.format(layer=layer)
+
+    @staticmethod
+    def scale_of(weight_name: str) -> str:
+        """blk.N.attn_q.weight -> blk.N.attn_q.scale."""
+        return weight_name.removesuffix(".weight") + ".scale"
+
+
+GGUF_NAMES = TensorNames()  # llama.cpp's (and bitnet.cpp's) names, shared by every GGUF architecture
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureRecipe:
+    """One architecture's decoder: the layer is norm -> q|k|v -> RoPE + KV cache -> attention ->
+    [attn sub-norm] -> Wo + residual -> norm -> gate|up -> act(gate) * up -> [ffn sub-norm] -> Wdown +
+    residual; a final norm and the LM head after the last layer. The fields say which optional parts
+    the architecture has."""
+
+    rope_style: RopeStyle  # NEOX halves, or NORM interleaved pairs (llama.cpp's permuted q/k)
+    default_activation: str  # the FFN's gated activation when the file names none (GATED_ACTIVATIONS)
+    sub_norms: bool  # BitNet's RMSNorm before Wo and before Wdown
+    # float-stored projections whose values are {-s, 0, +s} run as BitLinear (int8 activations)
+    ternary_projections: bool
+    output_scales: bool  # optional per-projection scalars multiplied into its output (ggml's order)
+    rope_freq_factors: bool  # an optional rope_freqs tensor divides each RoPE frequency (Llama 3)
+    names: TensorNames = field(default=GGUF_NAMES)
