@@ -1,28 +1,28 @@
 """A/B of batch-1 decode on CUDA by the bench row's own metric, variants alternating in one process.
 
     python benchmarks/ab_gpu_decode.py /tmp/bitserve-gpu/2b4t-i2s.gguf --rounds 2 \
-        --variant base: --variant noslot:env:BITSERVE_CUDA_LOOKAHEAD_SLOT=0 \
+        --variant base: --variant noslot:config:cuda_lookahead_slot=False \
         --variant "notail:bitserve.kernels.cuda.ternary_matmul:GEMV_EXACT_TAIL=False"
 
-Each variant is `name:` followed by settings joined by `;` ('both:env:X=1;module:ATTR=2'), each
-`module:ATTR=literal` (a module-level switch, set before the model loads:
-profile_gpu_step.apply_settings) or `env:NAME=value`; settings not named by a variant keep the values
-they had when this script started, so `base:` is the code as it is. Per variant and round: load the
+Each variant is `name:` followed by settings joined by `;` ('both:config:cuda_lookahead=False;module:ATTR=2'),
+each `config:FIELD=literal` (a ModelConfig field, the kernel knobs among them: kernels/tuning.py, passed at
+the load) or `module:ATTR=literal` (a kernel module's sweep switch, set before the model loads:
+profile_gpu_step.apply_settings); settings not named by a variant keep the values they had when this
+script started, so `base:` is the code as it is. Per variant and round: load the
 model, `bench_gpu.decode_rate` (ms a step over 128 tokens from a 16-token prompt, the median of three;
 the bench's decode row, with its `lookahead_hits`) and the batch-1 graph's replay time (shortest-context
 bucket, best of 3 x 200). A graph replay alone misses what grows with the context and what the engine
 does between replays; this measures both (on the H200, 2026-11-28: a change that cost 1.4% in replay
-cost 5-7% here). One JSON line per measurement. An env switch that the code reads once per process
-(BITSERVE_CUDA_PDL) cannot be varied here; the lookahead ones (BITSERVE_CUDA_LOOKAHEAD,
-BITSERVE_CUDA_LOOKAHEAD_SLOT) are read at each load and can.
+cost 5-7% here). One JSON line per measurement. PDL (config:cuda_pdl) is one choice per device for the
+process (kernels/cuda/pdl.py), so it cannot be varied here; the other knobs are read at each load and can.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,34 +44,32 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def snapshot(settings: list[str]) -> list[str]:
-    """The current values of every setting some variant changes, as settings that restore them."""
+    """The current values of every module switch some variant changes, as settings that restore them."""
     restore = []
     for setting in settings:
         target = setting.partition("=")[0]
         kind, _, attr = target.partition(":")
-        if kind == "env":
-            restore.append(f"{target}={os.environ.get(attr, '')}")
-        else:
+        if kind != "config":
             restore.append(f"{target}={getattr(importlib.import_module(kind), attr)!r}")
     return restore
 
 
-def apply(settings: list[str]) -> None:
-    module_settings = []
+def apply(settings: list[str]) -> dict[str, object]:
+    """Set the module switches; return the ModelConfig fields (config:FIELD=literal) for the load."""
+    module_settings, options = [], {}
     for setting in settings:
         target, _, value = setting.partition("=")
         kind, _, name = target.partition(":")
-        if kind != "env":
-            module_settings.append(setting)
-        elif value:
-            os.environ[name] = value
+        if kind == "config":
+            options[name] = ast.literal_eval(value)
         else:
-            os.environ.pop(name, None)
+            module_settings.append(setting)
     apply_settings(module_settings)
+    return options
 
 
-def measure(path: str, kv_bytes: int) -> dict:
-    llm = bench_gpu.load_on_cuda(path, kv_bytes)
+def measure(path: str, kv_bytes: int, options: dict[str, object]) -> dict:
+    llm = bench_gpu.load_on_cuda(path, kv_bytes, **options)
     try:
         rate = bench_gpu.decode_rate(llm, 1, 128)
         graphs = llm.engine.runner.graphs
@@ -98,9 +96,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, settings in variants:
             apply(baseline)
-            apply(settings)
+            options = apply(settings)
             start = time.perf_counter()
-            row = {"variant": name, "round": round_, **measure(args.model, args.kv_bytes)}
+            row = {"variant": name, "round": round_, **measure(args.model, args.kv_bytes, options)}
             row |= {"card": torch.cuda.get_device_name(0), "s": round(time.perf_counter() - start)}
             sys.stdout.write(json.dumps(row) + "\n")
             sys.stdout.flush()

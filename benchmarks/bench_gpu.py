@@ -345,13 +345,13 @@ def _load_2b(kv_bytes: int) -> LLM:
     return load_on_cuda(MODEL_2B, kv_bytes)
 
 
-def load_on_cuda(path: Path | str, kv_bytes: int) -> LLM:
-    """An LLM on the model file with a KV cache of kv_bytes on the CUDA device."""
+def load_on_cuda(path: Path | str, kv_bytes: int, **model_options: Any) -> LLM:
+    """An LLM on the model file with a KV cache of kv_bytes on the CUDA device; model_options: further
+    ModelConfig fields (the kernel knobs: cuda_lookahead, cuda_greedy_head, ...)."""
     from bitserve.config import EngineConfig, ModelConfig
 
-    return LLM(
-        config=EngineConfig(model=ModelConfig(model=str(path), device="cuda"), kv_cache_memory_bytes=kv_bytes)
-    )
+    model = ModelConfig(model=str(path), device="cuda", **model_options)
+    return LLM(config=EngineConfig(model=model, kv_cache_memory_bytes=kv_bytes))
 
 
 if __name__ == "__main__":

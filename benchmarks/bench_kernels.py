@@ -294,7 +294,7 @@ def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None
     from bench_model import TEXT, BitserveRunner, prompt_ids
 
     from bitserve.kernels.cpu import decode_step, int8dot
-    from bitserve.kernels.cpu.isa import ISA_ENV_VAR, Isa
+    from bitserve.kernels.cpu.isa import Isa
     from bitserve.kernels.cpu.prepared import Int8BitnetLinear
     from bitserve.kernels.cpu.ternary_step import TernaryStep
     from bitserve.llm import LLM
@@ -312,9 +312,7 @@ def model_kernel_ab(path: Path, isa_name: str, args: argparse.Namespace) -> None
 
     decode_layers = {"baseline": baseline_decode_layers, "this": decode_step.DECODE_LAYERS[isa]}
     set_threads(args.threads)
-    os.environ[ISA_ENV_VAR] = isa_name
-    runner = BitserveRunner(LLM(str(path), backend="cpu"))
-    os.environ.pop(ISA_ENV_VAR)
+    runner = BitserveRunner(LLM(str(path), backend="cpu", cpu_isa=isa_name))
     linears, steps = live_objects(Int8BitnetLinear), live_objects(TernaryStep)
 
     def use(name: str) -> None:
@@ -378,17 +376,14 @@ def model_decode(path: Path, isas: Sequence[str], args: argparse.Namespace) -> N
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_model import TEXT, BitserveRunner, prompt_ids
 
-    from bitserve.kernels.cpu.isa import ISA_ENV_VAR
     from bitserve.llm import LLM
 
     set_threads(args.threads)
     runners = {}
     for name in isas:
-        os.environ[ISA_ENV_VAR] = name  # read when the backend is made, at load
         t0 = time.perf_counter()
-        runners[name] = BitserveRunner(LLM(str(path), backend="cpu"))
+        runners[name] = BitserveRunner(LLM(str(path), backend="cpu", cpu_isa=name))
         print(f"{name}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    os.environ.pop(ISA_ENV_VAR)
     base = next(iter(runners.values())).llm.tokenizer.encode(TEXT, add_special=False)
     for runner in runners.values():
         runner.decode(prompt_ids(base, 8, 999), 2)  # compile / load kernels, touch the weights

@@ -21,6 +21,8 @@ def _help(text: str) -> dict[str, str]:
 
 
 LM_HEAD_CHOICES = ("auto", "q8_0")  # --lm-head: keep the file's head, or quantize a float one to Q8_0
+CPU_ISA_CHOICES = ("auto", "vnni", "avx2", "generic")  # kernels/cpu/isa.py's variants
+BLOCK_ACTIVATION_CHOICES = ("auto", "q8", "f32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +84,50 @@ class ModelConfig:
         ),
     )
 
+    # kernel tuning (kernels/tuning.py: one KernelTuning built from these at load; defaults measured best)
+    cpu_isa: str = field(
+        default="auto",
+        metadata=_help(
+            "cpu backend ternary kernel variant: auto (the best this CPU runs), vnni, avx2 or generic"
+        ),
+    )
+    block_activations: str = field(
+        default="auto",
+        metadata=_help(
+            "cpu backend: how Q4_0/Q4_1/Q8_0 weights meet activations: auto (q8 on avx2/vnni, else f32), "
+            "q8 (llama.cpp's int8 blocks) or f32 (exact)"
+        ),
+    )
+    cuda_pdl: bool = field(
+        default=True,
+        metadata=_help("cuda: programmatic dependent launch between the decode kernels (sm_90 and newer)"),
+    )
+    cuda_greedy_head: bool = field(
+        default=True,
+        metadata=_help(
+            "cuda: greedy decode steps take the argmax from an int8 copy of a float LM head "
+            "(vocab x hidden bytes of device memory)"
+        ),
+    )
+    cuda_lookahead: bool = field(
+        default=True,
+        metadata=_help("cuda: launch the next plain greedy decode step before this one's tokens are read"),
+    )
+    cuda_lookahead_slot: bool = field(
+        default=True,
+        metadata=_help(
+            "cuda: the scheduler reserves each decode's next KV slot for the step launched ahead"
+        ),
+    )
+
     def __post_init__(self) -> None:
         if self.lm_head not in LM_HEAD_CHOICES:
             raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, got {self.lm_head!r}")
+        if self.cpu_isa not in CPU_ISA_CHOICES:
+            raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISA_CHOICES)}, got {self.cpu_isa!r}")
+        if self.block_activations not in BLOCK_ACTIVATION_CHOICES:
+            choices = ", ".join(BLOCK_ACTIVATION_CHOICES)
+            raise ValueError(f"block_activations must be one of {choices}, got {self.block_activations!r}")
 
 
 # ---------------------------------------------------------------- default KV pool size (issue 10)

@@ -291,3 +291,56 @@ def test_the_backend_branch_check_sees_one(tmp_path: Path) -> None:
         assert len(backend_branches(sample)) == 2
     finally:
         PACKAGE = saved
+
+
+# Where bitserve may read the environment: settings (every BITSERVE_* knob), the package's import-time
+# OpenMP default (it must be set before torch loads, and yields to an OMP_* / GOMP_* the user set), and
+# the test helper that asks whether Triton's interpreter is on.
+ENVIRONMENT_READERS = {"server/settings.py", "__init__.py", "testing/kernel_device.py"}
+
+
+def environment_reads(path: Path) -> list[str]:
+    """os.environ.get / os.getenv / os.environ[...] / `in os.environ` / os.environ.setdefault in a file
+    (building a child's environment from {**os.environ} is not a read of a knob)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        text = None
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in {
+            "os.environ.get",
+            "os.getenv",
+            "os.environ.setdefault",
+        }:
+            text = ast.unparse(node)
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+            text = ast.unparse(node)
+        elif isinstance(node, ast.Compare) and any(ast.unparse(c) == "os.environ" for c in node.comparators):
+            text = ast.unparse(node)
+        if text is not None:
+            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {text}")
+    return found
+
+
+def test_only_settings_reads_the_environment() -> None:
+    offences = [
+        line
+        for path in python_files()
+        if str(path.relative_to(PACKAGE)) not in ENVIRONMENT_READERS
+        for line in environment_reads(path)
+    ]
+    assert not offences, "environment read outside server/settings.py:\n" + "\n".join(offences)
+
+
+def test_the_environment_check_sees_reads(tmp_path: Path) -> None:
+    global PACKAGE
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import os\n"
+        "a = os.environ.get('X')\nb = os.environ['Y']\nc = 'Z' in os.environ\nd = os.getenv('W')\n"
+        "child = {**os.environ, 'V': '1'}\n",
+        encoding="utf-8",
+    )
+    saved, PACKAGE = PACKAGE, tmp_path
+    try:
+        assert len(environment_reads(sample)) == 4
+    finally:
+        PACKAGE = saved

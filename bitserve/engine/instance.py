@@ -14,12 +14,19 @@ from typing import Any
 
 import torch
 
-from bitserve.config import EngineConfig, SchedulerConfig, kv_cache_default_tokens, resolve_batch_limits
+from bitserve.config import (
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    kv_cache_default_tokens,
+    resolve_batch_limits,
+)
 from bitserve.engine.devices import AUTO, parse_device
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidModelFile, InvalidRequest
 from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.select import select_backend
+from bitserve.kernels.tuning import KernelTuning
 from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model, release_freed_heap
@@ -63,6 +70,18 @@ def load_device(name: str) -> torch.device:
     return torch.device(device)
 
 
+def kernel_tuning(model_config: ModelConfig) -> KernelTuning:
+    """The model's kernel knobs (kernels/tuning.py), from its ModelConfig: the one place they meet."""
+    return KernelTuning(
+        cpu_isa=model_config.cpu_isa,
+        block_activations=model_config.block_activations,
+        cuda_pdl=model_config.cuda_pdl,
+        cuda_greedy_head=model_config.cuda_greedy_head,
+        cuda_lookahead=model_config.cuda_lookahead,
+        cuda_lookahead_slot=model_config.cuda_lookahead_slot,
+    )
+
+
 def make_runner(
     loaded: LoadResult,
     layout: CacheLayout,
@@ -70,7 +89,7 @@ def make_runner(
     scheduler_config: SchedulerConfig,
     max_model_len: int,
     *,
-    cuda_graphs: bool = True,
+    model_config: ModelConfig,
 ) -> ModelRunner:
     """The CPU runner, or the CUDA runner (device KV pages, decode CUDA graphs) for a CUDA device."""
     if device.type != "cuda":
@@ -83,7 +102,8 @@ def make_runner(
         device,
         max_num_seqs=scheduler_config.max_num_seqs,
         max_model_len=max_model_len,
-        use_cuda_graphs=cuda_graphs,
+        use_cuda_graphs=model_config.cuda_graphs,
+        tuning=kernel_tuning(model_config),
     )
 
 
@@ -236,6 +256,7 @@ class ModelInstance(ServedModelParts):
                 model_config.backend,
                 max_dense_weight_bytes=model_config.max_dense_weight_bytes,
                 device=str(device),
+                tuning=kernel_tuning(model_config),
             ),
             linear_mode=parse_linear_mode(model_config.linear_mode),
             lm_head=model_config.lm_head,
@@ -260,7 +281,7 @@ class ModelInstance(ServedModelParts):
         max_model_len = scheduler_config.max_model_len
         layout = plan_kv_cache(config, loaded.spec, scheduler_config, device)
         runner = make_runner(
-            loaded, layout, device, scheduler_config, max_model_len, cuda_graphs=config.model.cuda_graphs
+            loaded, layout, device, scheduler_config, max_model_len, model_config=config.model
         )
         grammars = GrammarCompiler(tokenizer, loaded.spec.vocab_size)
         runner.guided = GuidedRows(grammars)

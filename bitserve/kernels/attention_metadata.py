@@ -81,9 +81,6 @@ class DeviceAttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     max_query_len: int
     decode_only: bool
-    # flash-decoding splits of the decode kernel (None: its rule, from the table width); a CUDA-graph
-    # bucket of short contexts asks for 1, since the table is as wide as the longest context it serves
-    decode_splits: int | None = None
 
     @classmethod
     def one_sequence(

@@ -10,6 +10,7 @@ import logging
 
 from bitserve.kernels.backend import KernelBackend
 from bitserve.kernels.reference.backend import ReferenceBackend
+from bitserve.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,17 @@ def available_backends() -> list[str]:
 
 
 def select_backend(
-    name: str = "auto", *, max_dense_weight_bytes: int = 0, device: str = "cpu"
+    name: str = "auto",
+    *,
+    max_dense_weight_bytes: int = 0,
+    device: str = "cpu",
+    tuning: KernelTuning = DEFAULT_TUNING,
 ) -> KernelBackend:
     """Pick a backend once, at load, for a model placed on `device` ("cpu", "cuda", "cuda:N").
 
     On CPU "auto" is "cpu" when numba works, else "reference"; on a CUDA device it is "cuda" (the
     reference backend also runs there, for parity checks). max_dense_weight_bytes: the cpu backend's
-    budget of f32 copies of block weights (batched GEMMs)."""
+    budget of f32 copies of block weights (batched GEMMs). tuning: the kernel knobs (kernels/tuning.py)."""
     on_cuda = device.startswith("cuda")
     if name == "auto":
         name = "cuda" if on_cuda else ("cpu" if _numba_works() else "reference")
@@ -64,21 +69,25 @@ def select_backend(
     if on_cuda != (name == "cuda"):
         raise ValueError(f"kernel backend {name!r} does not run on device {device!r}")
     if name == "cuda":
-        return _cuda_backend(device)
+        return _cuda_backend(device, tuning)
     if name == "cpu":
         if not _numba_works():
             raise ValueError("kernel backend 'cpu' needs numba, which is not importable or not working")
         from bitserve.kernels.cpu.backend import CpuBackend
 
-        return CpuBackend(max_dense_weight_bytes=max_dense_weight_bytes)
+        return CpuBackend(
+            max_dense_weight_bytes=max_dense_weight_bytes,
+            isa=tuning.cpu_isa,
+            block_activations=tuning.requested_block_activations(),
+        )
     raise ValueError(f"unknown kernel backend {name!r}; choose one of: auto, {', '.join(BACKEND_NAMES)}")
 
 
-def _cuda_backend(device: str) -> KernelBackend:
+def _cuda_backend(device: str, tuning: KernelTuning) -> KernelBackend:
     from bitserve.kernels.cuda.backend import CudaBackend, cuda_available
 
     if not cuda_available():
         raise ValueError(
             f"device {device!r} needs CUDA and Triton: install a CUDA build of torch (Triton comes with it)"
         )
-    return CudaBackend(device)
+    return CudaBackend(device, tuning)

@@ -4,7 +4,9 @@ At batch 1 a 2B ternary decode step is ~300 short kernels; launched from Python 
 the whole memory traffic of the step. A graph replays them with one launch. Batch buckets are powers of
 two (1, 2, 4, ..., 256, capped by max_num_seqs); context buckets are block-table widths of 256 and 1024
 keys and the full max_model_len. Decode attention's flash-decoding split count follows from the batch
-and the bucket's table width (a graph cannot see the lengths), SINGLE_SPLIT_KEYS below.
+and the bucket's table width (a graph cannot see the lengths): every bucket takes decode_num_splits'
+count, which is 1 once a batch's programs fill the GPU (a one-split rule for short contexts made the
+H200's 2B batch-1 step 1.5% slower, RESULTS.md 2026-11-29 10:50, and was removed).
 
 Each graph reads static input buffers and writes static logits (f32) and each row's argmax (greedy
 sampling's token, kernels/cuda/argmax.py, in the same kernel that widens an F16 head's logits). A step
@@ -53,11 +55,6 @@ logger = logging.getLogger(__name__)
 
 MAX_BUCKET = 256
 CONTEXT_BUCKETS = (256, 1024)  # keys; the last bucket is always max_model_len
-# contexts this short attend in one split (no reduce kernel). 0: every bucket takes decode_num_splits'
-# count, which is 1 once a batch's programs fill the GPU. The one-split rule (256 keys, set before PDL and
-# the old keys' reads before the PDL wait) made the H200's 2B batch-1 step 1.5% slower than splits
-# (RESULTS.md, 2026-11-29 10:50). Kept as an A/B switch (ab_gpu_decode.py can set 256 back)
-SINGLE_SPLIT_KEYS = 0
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -140,7 +137,6 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: size + 1],
             max_query_len=1,
             decode_only=True,
-            decode_splits=1 if width * self.block_size <= SINGLE_SPLIT_KEYS else None,
         )
 
     def _step(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,9 @@ that one (same sequences in the same order, each fed the token it sampled, at th
 blocks it was launched with, perhaps more appended), its tokens are already computed (or in flight);
 otherwise the guess is dropped and the step runs as usual. A guess needs the next position's block: the
 scheduler reserves one slot ahead for every decode (CudaRunner.num_lookahead_tokens; not with
-BITSERVE_CUDA_LOOKAHEAD_SLOT=0), where it can without preempting anyone; without it every 16th step (a
-block's worth) cannot be guessed and the GPU idles through that step's host work (2B on an H200: 508 of
-512 launches ahead used with the reservation, 480 of 480 without).
+KernelTuning.cuda_lookahead_slot off: BITSERVE_CUDA_LOOKAHEAD_SLOT=0), where it can without preempting
+anyone; without it every 16th step (a block's worth) cannot be guessed and the GPU idles through that
+step's host work (2B on an H200: 508 of 512 launches ahead used with the reservation, 480 of 480 without).
 
 No step is launched after one whose token is a sequence's last by max_tokens (it would be dropped: one
 whole wasted step a request, ~1 ms of GPU time at batch 1 on the 2B model).
@@ -27,12 +27,12 @@ slot before it reads it, in stream order after the guess. Only plain greedy rows
 penalties, logit bias, min_tokens, grammar): their token is the argmax of the step's logits, which is what
 the sampler computes for them, so the tokens are the same to the bit with lookahead on or off.
 
-BITSERVE_CUDA_LOOKAHEAD=0 turns it off.
+KernelTuning.cuda_lookahead off (BITSERVE_CUDA_LOOKAHEAD=0, or ModelConfig(cuda_lookahead=False)) turns it
+off; measured on (2B on an H200, 2026-11-28: 1.040 -> 1.027 ms a step with the reserved slot too).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,20 +42,6 @@ from bitserve.core.scheduler_output import ScheduledRequest
 if TYPE_CHECKING:
     from bitserve.runner.cuda_graphs import TokenReadback
 
-LOOKAHEAD_ENV = "BITSERVE_CUDA_LOOKAHEAD"
-# On by default (2B on an H200, 2026-11-28: 1.040 -> 1.027 ms a step with it, ab_gpu_decode.py); =0 turns
-# it off: no block is then appended between a launch ahead and its match, and every block's worth of steps
-# one step is not guessed.
-LOOKAHEAD_SLOT_ENV = "BITSERVE_CUDA_LOOKAHEAD_SLOT"
-
-
-def lookahead_enabled() -> bool:
-    return os.environ.get(LOOKAHEAD_ENV, "1") != "0"
-
-
-def lookahead_slot_enabled() -> bool:
-    """The scheduler reserves each decode's next KV slot for the launch ahead (LOOKAHEAD_SLOT_ENV=0: not)."""
-    return os.environ.get(LOOKAHEAD_SLOT_ENV, "1") != "0"
 
 
 def is_plain_greedy(request: ScheduledRequest) -> bool:

@@ -21,6 +21,7 @@ from bitserve.errors import UnsupportedModel
 from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
 from bitserve.kernels.cuda.decoder import CudaDecoder
 from bitserve.kernels.cuda.ternary_matmul import GEMV_MAX_T
+from bitserve.kernels.tuning import DEFAULT_TUNING, KernelTuning
 from bitserve.models.decoder import DecoderModel
 from bitserve.runner import embeddings
 from bitserve.runner.cuda_graphs import DecodeGraphs
@@ -29,8 +30,6 @@ from bitserve.runner.cuda_lookahead import (
     LookaheadStats,
     ends_with_this_step,
     is_plain_greedy,
-    lookahead_enabled,
-    lookahead_slot_enabled,
     next_positions,
 )
 from bitserve.runner.input_batch import build_batch_inputs
@@ -50,12 +49,14 @@ class CudaModelRunner(ModelRunner):
         max_num_seqs: int,
         max_model_len: int,
         use_cuda_graphs: bool = True,
+        tuning: KernelTuning = DEFAULT_TUNING,
     ) -> None:
         self.device = device
         super().__init__(model, layout)
         self.decoder = _compiled_decoder(model)
+        self.lookahead = use_cuda_graphs and tuning.cuda_lookahead
         # the greedy head serves only the launch ahead's graphs: no int8 copy of the head without them
-        if use_cuda_graphs and lookahead_enabled():
+        if self.lookahead and tuning.cuda_greedy_head:
             self.decoder.enable_greedy_head()
         self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
         self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
@@ -72,9 +73,8 @@ class CudaModelRunner(ModelRunner):
                 device=device,
             )
             self.graphs.capture_all()
-        self.lookahead = use_cuda_graphs and lookahead_enabled()
-        # the guessed step's KV slot, reserved by the scheduler (opt-in: see cuda_lookahead.py)
-        self.num_lookahead_tokens = 1 if self.lookahead and lookahead_slot_enabled() else 0
+        # the guessed step's KV slot, reserved by the scheduler (see cuda_lookahead.py)
+        self.num_lookahead_tokens = 1 if self.lookahead and tuning.cuda_lookahead_slot else 0
         self.lookahead_stats = LookaheadStats()
         self._pending: Lookahead | None = None  # the step launched ahead, if any
 

@@ -33,7 +33,7 @@ from bitserve.server.routes import batch_endpoints, register_routes
 from bitserve.server.security.config import SecurityConfig
 from bitserve.server.security.install import install_security
 from bitserve.server.state import AppState, read_build_info
-from bitserve.server.tracing import TRACER_NAME, TracingMiddleware, build_tracer_provider, otlp_endpoint
+from bitserve.server.tracing import TRACER_NAME, TracingMiddleware, build_tracer_provider
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def build_app(
     answer 503; `bitserve serve` always passes one)."""
     server_config = server_config or ServerConfig()
     state = build_state(server_config, engine_config or EngineConfig())
-    endpoint = otlp_endpoint(server_config.otel_endpoint)
+    endpoint = server_config.otel_endpoint
     if tracer_provider is None and endpoint is not None:
         tracer_provider = build_tracer_provider(endpoint)
         logger.info("OpenTelemetry tracing to %s", endpoint)

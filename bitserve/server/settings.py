@@ -16,6 +16,7 @@ reach the constructors, so each default lives in config.py alone. A TOML file lo
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import types
 import typing
@@ -39,6 +40,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 ENV_PREFIX = "BITSERVE_"
+OTEL_STANDARD_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # OpenTelemetry's own variable: tracing's endpoint too
 PROFILES = ("dev", "staging", "prod")
 # Config sections: (name, dataclass). EngineConfig contributes only its scalar fields.
 SECTIONS: tuple[tuple[str, type[Any]], ...] = (
@@ -137,10 +139,13 @@ def read_env() -> dict[str, Any]:
         **_field_definitions(),
     )
     try:
-        values = env_model()
+        values = env_model().model_dump(exclude_none=True)
     except ValidationError as exc:
         raise _error_text(exc, ENV_PREFIX + "{NAME}") from None
-    return values.model_dump(exclude_none=True)
+    standard_otlp = os.environ.get(OTEL_STANDARD_ENV)
+    if standard_otlp and "otel_endpoint" not in values:  # BITSERVE_OTEL_ENDPOINT wins over the standard one
+        values["otel_endpoint"] = standard_otlp
+    return values
 
 
 def read_toml(path: str, profile: str | None) -> dict[str, Any]:

@@ -1,14 +1,13 @@
-"""OpenTelemetry tracing, off unless `--otel-endpoint` (BITSERVE_OTEL_ENDPOINT) or the standard
-OTEL_EXPORTER_OTLP_ENDPOINT is set: one SERVER span per HTTP request (a W3C `traceparent` from the client
-is its parent; a WebSocket request gets one of its own), with child spans for a generation's queue wait,
-prefill and decode. The
-span's trace id is on every JSON log line of the request (`trace_id`). Spans go to an OTLP/HTTP
-collector in batches. The SDK is an optional dependency: `pip install 'bitserve[otel]'`."""
+"""OpenTelemetry tracing, off unless ServerConfig.otel_endpoint is set (`--otel-endpoint`,
+BITSERVE_OTEL_ENDPOINT, or the standard OTEL_EXPORTER_OTLP_ENDPOINT: server/settings.py reads both): one
+SERVER span per HTTP request (a W3C `traceparent` from the client is its parent; a WebSocket request gets
+one of its own), with child spans for a generation's queue wait, prefill and decode. The span's trace id
+is on every JSON log line of the request (`trace_id`). Spans go to an OTLP/HTTP collector in batches. The
+SDK is an optional dependency: `pip install 'bitserve[otel]'`."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,11 +18,6 @@ from bitserve.frontend.generation_stream import StreamTiming
 from bitserve.log import TRACE_ID
 
 TRACER_NAME = "bitserve"
-
-
-def otlp_endpoint(configured: str | None) -> str | None:
-    """Where spans go: the flag, else OTEL_EXPORTER_OTLP_ENDPOINT, else None (tracing off)."""
-    return configured or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
 
 
 def build_tracer_provider(endpoint: str) -> Any:

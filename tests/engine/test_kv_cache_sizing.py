@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from bitserve.kernels.cpu.step_layers import pooled_layers
 
 from bitserve.config import (
     KV_CACHE_DEFAULT_MAX_BYTES,
@@ -20,6 +19,7 @@ from bitserve.config import (
     kv_cache_default_tokens,
 )
 from bitserve.engine.instance import plan_kv_cache, serving_limits
+from bitserve.kernels.cpu.step_layers import pooled_layers
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.model_spec import spec_from_metadata
 from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches

@@ -37,11 +37,12 @@ def _golden_helpers():  # noqa: ANN202 - the CPU golden test's prompt set and st
 
 
 def engine_config(
-    path: Path, device: str, *, kv: str, graphs: bool = True, backend: str = "auto"
+    path: Path, device: str, *, kv: str, graphs: bool = True, backend: str = "auto", **tuning: bool
 ) -> EngineConfig:
+    """tuning: ModelConfig's kernel knobs (cuda_lookahead, cuda_greedy_head, ...)."""
     return EngineConfig(
         model=ModelConfig(
-            model=str(path), device=device, backend=backend, kv_cache_dtype=kv, cuda_graphs=graphs
+            model=str(path), device=device, backend=backend, kv_cache_dtype=kv, cuda_graphs=graphs, **tuning
         ),
         cache=CacheConfig(block_size=4, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
@@ -98,9 +99,8 @@ def lookahead_run(
     """Greedy tokens of sequences that end at different steps (a batch that shrinks, blocks of 4 so
     guesses stop at every fourth position unless the scheduler reserves the next slot), with a seeded
     sampled one among them for half of the run, and the runner's lookahead counts."""
-    monkeypatch.setenv("BITSERVE_CUDA_LOOKAHEAD", "1" if enabled else "0")
-    monkeypatch.setenv("BITSERVE_CUDA_LOOKAHEAD_SLOT", "1" if slot else "0")
-    llm = LLM(config=engine_config(path, "cuda", kv="float32"))
+    config = engine_config(path, "cuda", kv="float32", cuda_lookahead=enabled, cuda_lookahead_slot=slot)
+    llm = LLM(config=config)
     try:
         prompts = [[(13 * i + j) % 400 + 30 for j in range(2 + 3 * i)] for i in range(4)]
         greedy = [SamplingParams(max_tokens=12 + 9 * i, temperature=0, ignore_eos=True) for i in range(4)]
@@ -119,8 +119,7 @@ def test_greedy_head_tokens_equal_the_full_head(b158_file: Path, monkeypatch: py
     head, kernels/cuda/greedy_head.py): the same tokens as with it off (BITSERVE_CUDA_GREEDY_HEAD=0)."""
     runs = {}
     for enabled in (True, False):
-        monkeypatch.setenv("BITSERVE_CUDA_GREEDY_HEAD", "1" if enabled else "0")
-        llm = LLM(config=engine_config(b158_file, "cuda", kv="float32"))
+        llm = LLM(config=engine_config(b158_file, "cuda", kv="float32", cuda_greedy_head=enabled))
         try:
             assert (llm.instance.engine.runner.decoder.greedy_head is not None) is enabled
             params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from bitserve.kernels.cpu import blockdot
 from bitserve.kernels.cpu.backend import CpuBackend
-from bitserve.kernels.cpu.isa import BLOCK_ACTIVATIONS_ENV_VAR, Isa, supported_isas
+from bitserve.kernels.cpu.isa import Isa, supported_isas
 from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.kernels.reference.dequant import dequantize
@@ -168,9 +168,7 @@ def test_unsupported_layouts_and_switches_fall_back_to_dense() -> None:
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_path: Path):  # noqa: ANN201 - yields (reference LLM, cpu LLM)
     reference = LLM(str(smollm2_path), backend="reference")
-    with pytest.MonkeyPatch.context() as patch:  # the exact-f32 numerics: equal to the reference
-        patch.setenv(BLOCK_ACTIVATIONS_ENV_VAR, "f32")
-        cpu = LLM(str(smollm2_path), backend="cpu")
+    cpu = LLM(str(smollm2_path), backend="cpu", block_activations="f32")  # exact f32: equal to the reference
     yield reference, cpu
     reference.close()
     cpu.close()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from bitserve.kernels.cpu.block_step import BlockStep
-from bitserve.kernels.cpu.isa import BLOCK_ACTIVATIONS_ENV_VAR, ISA_ENV_VAR, Isa, supported_isas
+from bitserve.kernels.cpu.isa import Isa, supported_isas
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
 
@@ -34,9 +34,7 @@ NATIVE_NEAR_TIE = 1.5  # as tests/models/test_llamacpp_golden.py: llama.cpp's ow
 
 @pytest.fixture(scope="module")
 def smollm2_q8(smollm2_path: Path) -> LLM:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(BLOCK_ACTIVATIONS_ENV_VAR, "q8")
-        llm = LLM(str(smollm2_path), backend="cpu")
+    llm = LLM(str(smollm2_path), backend="cpu", block_activations="q8")
     yield llm
     llm.close()
 
@@ -85,9 +83,7 @@ def test_fast_step_logits_match_the_module_forward(
 ) -> None:
     """SmolLM2's Q4_1 layers in one numba call (kernels/cpu/block_step.BlockStep) give the module forward's
     logits, on each kernel variant the CPU runs (kernels/cpu/decode_step.BLOCK_DECODE_LAYERS)."""
-    monkeypatch.setenv(ISA_ENV_VAR, isa.value)
-    monkeypatch.setenv(BLOCK_ACTIVATIONS_ENV_VAR, "q8")
-    llm = LLM(str(smollm2_path), backend="cpu")
+    llm = LLM(str(smollm2_path), backend="cpu", cpu_isa=isa.value, block_activations="q8")
     try:
         step = llm.instance.loaded.model.compiled.step
         assert isinstance(step, BlockStep) and step.model[1][0] == 960  # q | k | v rows of SmolLM2-135M
@@ -157,9 +153,7 @@ def test_batched_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> N
 
 
 def test_fast_step_is_built_only_for_the_q8_mode(smollm2_path: Path) -> None:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(BLOCK_ACTIVATIONS_ENV_VAR, "f32")
-        llm = LLM(str(smollm2_path), backend="cpu")
+    llm = LLM(str(smollm2_path), backend="cpu", block_activations="f32")
     try:
         assert llm.instance.loaded.model.compiled is None
     finally:
@@ -198,8 +192,7 @@ def b158_cpu(b158_file: Path) -> LLM:
 def test_ternary_fast_step_logits_match_the_module_forward(
     b158_file: Path, isa: Isa, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(ISA_ENV_VAR, isa.value)
-    llm = LLM(str(b158_file), backend="cpu")
+    llm = LLM(str(b158_file), backend="cpu", cpu_isa=isa.value)
     try:
         assert_fast_step_matches_module_forward(llm)
     finally:
@@ -225,8 +218,7 @@ def test_ternary_fast_step_not_built_for_bitnetcpp_or_generic(
         ({"linear_mode": "bitnetcpp"}, "auto"),
         ({}, "generic"),  # the int16 kernels (BitnetLinear): no int8 activations to hand on
     ):
-        monkeypatch.setenv(ISA_ENV_VAR, isa)
-        llm = LLM(str(b158_file), backend="cpu", **options)
+        llm = LLM(str(b158_file), backend="cpu", cpu_isa=isa, **options)
         try:
             assert llm.instance.loaded.model.compiled is None
         finally:

@@ -27,7 +27,7 @@ if "cpu" in available_backends():
     from bitserve.kernels.cpu import int8dot
     from bitserve.kernels.cpu import ternary as cpu_ternary
     from bitserve.kernels.cpu.backend import CpuBackend
-    from bitserve.kernels.cpu.isa import ISA_ENV_VAR, Isa, resolve_isa, supported_isas
+    from bitserve.kernels.cpu.isa import Isa, resolve_isa, supported_isas
 
     ISAS = list(Isa)
     SUPPORTED = supported_isas()
@@ -171,9 +171,9 @@ def test_dispatch_picks_the_best_supported_variant() -> None:
 
 def test_dispatch_can_be_forced_and_refuses_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert CpuBackend(isa="generic").isa is Isa.GENERIC
-    monkeypatch.setenv(ISA_ENV_VAR, "generic")
-    assert CpuBackend().isa is Isa.GENERIC
-    assert CpuBackend(isa="auto").isa is SUPPORTED[0]  # an argument wins over the environment
+    monkeypatch.setenv("BITSERVE_CPU_ISA", "generic")  # kernels never read the environment (settings does)
+    assert CpuBackend().isa is SUPPORTED[0]
+    assert CpuBackend(isa="auto").isa is SUPPORTED[0]
     with pytest.raises(ValueError, match="unknown cpu ISA"):
         CpuBackend(isa="sse9")
     unsupported = [isa for isa in Isa if isa not in SUPPORTED]

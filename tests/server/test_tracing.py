@@ -107,11 +107,16 @@ def test_without_traceparent_a_new_trace_starts(traced) -> None:  # noqa: ANN001
     assert format(span.context.trace_id, "032x") != TRACE_ID
 
 
-def test_tracing_is_off_without_an_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bitserve.server.tracing import otlp_endpoint
+def test_the_endpoint_comes_from_settings_and_the_standard_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tracing is off without an endpoint; settings take OTEL_EXPORTER_OTLP_ENDPOINT, below
+    BITSERVE_OTEL_ENDPOINT and the flag."""
+    from bitserve.server.settings import load_settings
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    assert otlp_endpoint(None) is None
+    monkeypatch.delenv("BITSERVE_OTEL_ENDPOINT", raising=False)
+    assert load_settings({}).server.otel_endpoint is None
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
-    assert otlp_endpoint(None) == "http://collector:4318"
-    assert otlp_endpoint("http://other:4318") == "http://other:4318"
+    assert load_settings({}).server.otel_endpoint == "http://collector:4318"
+    monkeypatch.setenv("BITSERVE_OTEL_ENDPOINT", "http://mine:4318")
+    assert load_settings({}).server.otel_endpoint == "http://mine:4318"
+    assert load_settings({"otel_endpoint": "http://other:4318"}).server.otel_endpoint == "http://other:4318"

@@ -116,12 +116,13 @@ class CpuBackend(KernelBackend):
         block_gemm_min_tokens: batch size from which packed block weights use chunked dequantize + sgemm
         (None: BLOCK_GEMM_MIN_TOKENS of the block activations).
         max_dense_weight_bytes: budget of f32 copies of block weights for those batches (0: none).
-        isa: the bitnet-mode ternary kernel variant (an Isa or its name; kernels/cpu/isa.py): None reads
-        $BITSERVE_CPU_ISA, default "auto", the best this CPU supports. ValueError if it cannot run here.
+        isa: the bitnet-mode ternary kernel variant (an Isa or its name; kernels/cpu/isa.py; the engine
+        passes KernelTuning.cpu_isa): None or "auto", the best this CPU supports. ValueError if it cannot
+        run here.
         block_activations: how Q4_0 / Q4_1 / Q8_0 weights meet activations below block_gemm_min_tokens:
         "q8" (int8 per 32-value block, llama.cpp's numerics, kernels/cpu/blockdot.py; needs the avx2 or
-        vnni variant) or "f32" (exact f32 activations, kernels/cpu/blockquant.py). None reads
-        $BITSERVE_BLOCK_ACTIVATIONS, default "q8" where the ISA allows it, else "f32"."""
+        vnni variant) or "f32" (exact f32 activations, kernels/cpu/blockquant.py). None: "q8" where the
+        ISA allows it, else "f32"."""
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in 1..{numba.config.NUMBA_NUM_THREADS}, got {num_threads}")
         self.gemm_min_tokens = gemm_min_tokens

@@ -17,14 +17,11 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
 
 import numba
 
 logger = logging.getLogger(__name__)
 
-ISA_ENV_VAR = "BITSERVE_CPU_ISA"  # read only here (resolve_isa): auto, vnni, avx2 or generic
-BLOCK_ACTIVATIONS_ENV_VAR = "BITSERVE_BLOCK_ACTIVATIONS"  # read only here: q8 or f32
 BLOCK_ACTIVATIONS = ("q8", "f32")
 
 
@@ -72,10 +69,13 @@ def supported_isas(features: frozenset[str] | None = None) -> list[Isa]:
 
 
 def resolve_isa(requested: Isa | str | None = None) -> Isa:
-    """The variant to use: `requested` (an Isa or its name), else $BITSERVE_CPU_ISA, else "auto" (the best
-    supported). Raises ValueError for an unknown name or a variant this CPU cannot run."""
+    """The variant to use: `requested` (an Isa or its name; None or "auto": the best supported; the
+    engine passes KernelTuning.cpu_isa). Raises ValueError for an unknown name or a variant this CPU
+    cannot run."""
     if requested is None:
-        requested = os.environ.get(ISA_ENV_VAR, "auto").strip().lower() or "auto"
+        requested = "auto"
+    if isinstance(requested, str):
+        requested = requested.strip().lower() or "auto"
     supported = supported_isas()
     if requested == "auto":
         return supported[0]
@@ -93,11 +93,9 @@ def resolve_isa(requested: Isa | str | None = None) -> Isa:
 
 
 def resolve_block_activations(requested: str | None, isa: Isa) -> str:
-    """How Q4_* / Q8_0 weights meet activations (CpuBackend): `requested`, else $BITSERVE_BLOCK_ACTIVATIONS,
-    else "q8" where the ISA variant has integer dots (avx2, vnni), "f32" on generic. ValueError for an
-    unknown name or "q8" on the generic variant."""
-    if requested is None:
-        requested = os.environ.get(BLOCK_ACTIVATIONS_ENV_VAR, "").strip().lower() or None
+    """How Q4_* / Q8_0 weights meet activations (CpuBackend): `requested`, else (None) "q8" where the ISA
+    variant has integer dots (avx2, vnni), "f32" on generic. ValueError for an unknown name or "q8" on
+    the generic variant."""
     if requested is None:
         return "f32" if isa is Isa.GENERIC else "q8"
     if requested not in BLOCK_ACTIVATIONS:

@@ -35,6 +35,7 @@ from bitserve.kernels.reference import ternary
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.kernels.reference.dense import check_dense_weight
 from bitserve.kernels.reference.dequant import dequantize, row_bytes_of
+from bitserve.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,16 @@ class CudaBackend(KernelBackend):
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(
+        self, device: torch.device | str = "cuda", tuning: KernelTuning = DEFAULT_TUNING
+    ) -> None:
         self.device = torch.device(device)
+        self.tuning = tuning
         if self.device.type == "cuda":
             configure_numerics()
+            from bitserve.kernels.cuda.pdl import configure_pdl  # NOTE: deferred: imports Triton
+
+            configure_pdl(self.device, tuning.cuda_pdl)
         self._reference = ReferenceBackend()
 
     def prepare_ternary(self, codes: TernaryCodes, *, mode: LinearMode) -> PreparedLinear:

@@ -22,7 +22,6 @@ decode step in a CUDA graph (runner/cuda_graphs.py).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -43,7 +42,6 @@ from bitserve.kernels.reference.dequant import dense_rows
 
 logger = logging.getLogger(__name__)
 
-GREEDY_HEAD_ENV = "BITSERVE_CUDA_GREEDY_HEAD"  # "0": greedy decode steps run the full head
 _FLOAT_LAYOUTS = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout.F32: torch.float32}
 
 
@@ -153,7 +151,6 @@ class CudaDecoder:
                 metadata.block_table,
                 metadata.seq_lens,
                 self.scale,
-                num_splits=metadata.decode_splits,
             )
         return paged_prefill_attention(
             q,
@@ -221,7 +218,7 @@ def _greedy_head(matrix: PreparedLinear | torch.Tensor) -> GreedyHead | None:
     copy: it only speeds greedy steps up, so a model that fits without it still loads (with a warning)."""
     if isinstance(matrix, PreparedLinear) or matrix.dtype not in GREEDY_HEAD_DTYPES:
         return None
-    if os.environ.get(GREEDY_HEAD_ENV, "1") == "0" or not supports_hidden(matrix.shape[1]):
+    if not supports_hidden(matrix.shape[1]):
         return None
     try:
         head = GreedyHead(matrix.contiguous())
@@ -229,9 +226,8 @@ def _greedy_head(matrix: PreparedLinear | torch.Tensor) -> GreedyHead | None:
         copy_mb = matrix.numel() / 1e6
         logger.warning(
             "no device memory for the greedy head's int8 copy of the LM head (%.0f MB): greedy steps run "
-            "the full head (set %s=0 to skip the attempt)",
+            "the full head (set cuda_greedy_head off, BITSERVE_CUDA_GREEDY_HEAD=0, to skip the attempt)",
             copy_mb,
-            GREEDY_HEAD_ENV,
         )
         return None
     logger.info("greedy decode steps take their argmax from an int8 copy of the %s head", matrix.dtype)

@@ -29,28 +29,48 @@ keys there (the kernel before it writes only this step's slots). Such reads then
 previous kernel: a norm weight read after the wait came from DRAM on the critical path (2B batch-1 graph
 replay 1.186 -> 1.116 ms on an H100 once it moved before the wait).
 
-BITSERVE_CUDA_PDL=0 turns it off (the kernels then compile without the grid-dependency instructions).
-Imports triton: load only on the CUDA path.
+KernelTuning.cuda_pdl=False (`--no-cuda-pdl`, BITSERVE_CUDA_PDL=0) turns it off: the kernels then compile
+without the grid-dependency instructions. Imports triton: load only on the CUDA path.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-PDL_ENV = "BITSERVE_CUDA_PDL"
+# NOTE: PDL is compiled into every kernel as a constexpr, so it is one choice per device for the process:
+# CudaBackend sets it from its KernelTuning at construction (configure_pdl), once, before any kernel of
+# that device compiles; a later backend asking for the other value is refused. Devices never configured
+# take the default (on).
+_PDL_BY_DEVICE: dict[torch.device, bool] = {}
+
+
+def configure_pdl(device: torch.device, enabled: bool) -> None:
+    """PDL on or off for `device`'s kernels (KernelTuning.cuda_pdl), at load. ValueError if the process
+    already chose the other value for it."""
+    chosen = _PDL_BY_DEVICE.setdefault(_key(device), enabled)
+    if chosen != enabled:
+        raise ValueError(f"PDL is already {'on' if chosen else 'off'} for {device} in this process")
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL on `device`: a CUDA device of compute capability 9.0 or newer, unless configured off."""
+    if device.type != "cuda" or not _PDL_BY_DEVICE.get(_key(device), True):
+        return False
+    return _is_hopper_or_newer(device)
+
+
+def _key(device: torch.device) -> int:
+    """cuda and cuda:N name the same card when N is the current device: key by index."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
-def pdl_enabled(device: torch.device) -> bool:
-    """PDL on `device`: a CUDA device of compute capability 9.0 or newer, unless BITSERVE_CUDA_PDL=0."""
-    if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
-        return False
+def _is_hopper_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
