@@ -2,7 +2,7 @@
 
     python benchmarks/ab_gpu_decode.py /tmp/bitserve-gpu/2b4t-i2s.gguf --rounds 2 \
         --variant base: --variant noslot:config:cuda_lookahead_slot=False \
-        --variant "notail:bitserve.kernels.cuda.ternary_matmul:GEMV_EXACT_TAIL=False"
+        --variant "tile:bitserve.kernels.cuda.paged_attention:DECODE_CONFIG_OVERRIDE=(64, 4, 2)"
 
 Each variant is `name:` followed by settings joined by `;` ('both:config:cuda_lookahead=False;module:ATTR=2'),
 each `config:FIELD=literal` (a ModelConfig field, the kernel knobs among them: kernels/tuning.py, passed at

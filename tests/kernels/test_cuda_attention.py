@@ -17,7 +17,8 @@ pytestmark = pytest.mark.gpu
 DEVICE = kernel_test_device()
 
 from bitserve.kernels.attention_metadata import AttentionMetadata, make_decode_batch  # noqa: E402
-from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from bitserve.kernels.cuda.paged_attention import paged_decode_attention  # noqa: E402
+from bitserve.kernels.cuda.paged_prefill import paged_prefill_attention  # noqa: E402
 from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_  # noqa: E402
 from bitserve.layers.attention import PagedAttention  # noqa: E402
 from bitserve.layers.rotary import RopeStyle, RotaryEmbedding  # noqa: E402

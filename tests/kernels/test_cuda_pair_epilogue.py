@@ -28,11 +28,10 @@ from bitserve.kernels.cuda.pair_epilogue import (  # noqa: E402
     gated_row_order,
     out_width,
 )
+from bitserve.kernels.cuda.ternary_gemm import GemmConfig, launch_gemm  # noqa: E402
 from bitserve.kernels.cuda.ternary_matmul import (  # noqa: E402
     GEMV_MAX_T,
-    GemmConfig,
     GemvConfig,
-    launch_gemm,
     launch_gemv,
     ternary_linear,
 )

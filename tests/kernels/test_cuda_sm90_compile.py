@@ -41,7 +41,7 @@ def test_decode_attention_compiles() -> None:
     types = pointers | dict.fromkeys(strides, "i32") | {"qk_scale": "fp32"}
     constexprs = {
         "GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_SPLITS": 4, "BLOCK_G": 16, "BLOCK_D": 128,
-        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "PREFETCH": True, "USE_PDL": True,
+        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "USE_PDL": True,
     }  # fmt: skip
     ptx = _compile(paged_attention._decode_kernel, types, constexprs, num_warps=4, num_stages=2).asm["ptx"]
     assert "griddepcontrol.wait" in ptx

@@ -21,11 +21,10 @@ DEVICE = kernel_test_device()
 HAS_CUDA = DEVICE == "cuda"
 
 from bitserve.kernels.cuda.quantize import norm_quantize  # noqa: E402
+from bitserve.kernels.cuda.ternary_gemm import GemmConfig, launch_gemm  # noqa: E402
 from bitserve.kernels.cuda.ternary_matmul import (  # noqa: E402
     GEMV_MAX_T,
-    GemmConfig,
     GemvConfig,
-    launch_gemm,
     launch_gemv,
     ternary_linear,
 )
@@ -192,18 +191,15 @@ def test_gemv_config_overrides_come_first(monkeypatch: pytest.MonkeyPatch) -> No
     ],
 )
 @pytest.mark.parametrize("pair", [False, True])
-@pytest.mark.parametrize("exact_tail", [True, False])
 def test_gemv_tail_is_exact(
-    m: int, k: int, num_tokens: int, cfg: GemvConfig, pair: bool, exact_tail: bool,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """GEMV_EXACT_TAIL (the default): the last KW % BLOCK_W words as a narrower chunk of their own; off,
-    a whole masked BLOCK_W chunk. With and without the residual, and through the gated pair epilogue."""
+    m: int, k: int, num_tokens: int, cfg: GemvConfig, pair: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last KW % BLOCK_W words as a narrower chunk of their own (gemv_tail), with and without the
+    residual, and through the gated pair epilogue."""
     from bitserve.kernels.cuda import ternary_matmul
     from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, PAIR_NONE
 
-    monkeypatch.setattr(ternary_matmul, "GEMV_EXACT_TAIL", exact_tail)
-    expected_tails = [ternary_matmul.gemv_tail(k // 16, cfg.block_w) if exact_tail else 0]
+    expected_tails = [ternary_matmul.gemv_tail(k // 16, cfg.block_w)]
     tails: list[int] = []  # the tail width each launch asked for: the path under test did run
     kernel = ternary_matmul._gemv_kernel
 
@@ -226,13 +222,13 @@ def test_gemv_tail_is_exact(
         launch_gemv(*d, None, out, cfg, GATED_PAIRS["relu2"])
         gate, up = expected[:, 0::2], expected[:, 1::2]
         assert torch.equal(out.cpu(), (torch.relu(gate) * torch.relu(gate)) * up)
-        assert tails == expected_tails and (tails[0] > 0) == (exact_tail and k != 512)
+        assert tails == expected_tails and (tails[0] > 0) == (k != 512)
         return
     residual = torch.randn(num_tokens, m, generator=gen)
     out = torch.full((num_tokens, m), float("nan"), device=DEVICE)
     launch_gemv(*d, residual.to(DEVICE), out, cfg, PAIR_NONE)
     assert torch.equal(out.cpu(), expected + residual)
-    assert tails == expected_tails and (tails[0] > 0) == (exact_tail and k != 512)
+    assert tails == expected_tails and (tails[0] > 0) == (k != 512)
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,8 @@ from bitserve.kernels.cuda.elementwise import rms_norm
 from bitserve.kernels.cuda.greedy_head import MAX_ROWS as GREEDY_HEAD_MAX_ROWS
 from bitserve.kernels.cuda.greedy_head import OUTPUT_STEP as GREEDY_HEAD_DTYPES
 from bitserve.kernels.cuda.greedy_head import GreedyHead, supports_hidden
-from bitserve.kernels.cuda.paged_attention import paged_decode_attention, paged_prefill_attention
+from bitserve.kernels.cuda.paged_attention import paged_decode_attention
+from bitserve.kernels.cuda.paged_prefill import paged_prefill_attention
 from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_
 from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.kernels.plan import DecoderPlan

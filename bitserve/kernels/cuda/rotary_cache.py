@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitserve.kernels.cuda.paged_attention import check_cache, check_rows
+from bitserve.kernels.cuda.attention_blocks import check_cache, check_rows
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 

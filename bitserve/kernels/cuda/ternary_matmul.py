@@ -38,15 +38,14 @@ import triton.language as tl
 
 from bitserve.kernels.cuda.pair_epilogue import PAIR_NONE, out_width, pair_store
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
+from bitserve.kernels.cuda.ternary_gemm import gemm_config, launch_gemm
 from bitserve.kernels.cuda.ternary_pack import GROUP
 
 GEMV_MAX_T = 8  # largest T served by the dp4a GEMV path
-# The GEMV's last KW % BLOCK_W words as a chunk of their own (next power of two wide) instead of a whole
-# masked BLOCK_W chunk: at the 2B's K = 2560 (KW 160) a 128-word chunk pair spends 96 of its 256 words'
-# instructions on masked zeros, 29% of the step's GEMV work over its four projections (sm_90 SASS,
-# compiled offline: RESULTS.md). On: 2B batch-1 decode on an H200 1.040 -> 1.025 ms a step (2026-11-28,
-# ab_gpu_decode.py); kept as a switch for A/B runs.
-GEMV_EXACT_TAIL = True
+# NOTE: the GEMV's last KW % BLOCK_W words run as a chunk of their own (next power of two wide: gemv_tail)
+# instead of a whole masked BLOCK_W chunk: at the 2B's K = 2560 (KW 160) a 128-word chunk pair spent 96 of
+# its 256 words' instructions on masked zeros, 29% of the step's GEMV work over its four projections (sm_90
+# SASS, compiled offline: RESULTS.md); 2B batch-1 decode on an H200 1.040 -> 1.025 ms a step (2026-11-28).
 # (M, K, T) -> (block_m, block_w, num_warps) replacing gemv_config's choice: for sweeps inside the decode
 # chain (benchmarks/ab_gpu_decode.py sets it before a load), where a GEMV's weights arrive under the kernel
 # before it and its instruction count, not its standalone latency, is what the step pays
@@ -63,14 +62,6 @@ class GemvConfig(NamedTuple):
 INTERPRETER_GEMV = GemvConfig(block_m=64, block_w=128, num_warps=1)  # few, large programs: CPU time
 
 
-class GemmConfig(NamedTuple):
-    block_t: int  # tokens per program
-    block_n: int  # output rows per program
-    num_warps: int
-    num_stages: int
-    split_k: int = 0  # programs along K per output tile; 0: chosen to fill the SMs
-
-
 @triton.jit
 def dp4a(a, b, c, USE_ASM: tl.constexpr):
     """c + sum over the 4 bytes of a * b (signed bytes; int32 words, same shapes)."""
@@ -84,19 +75,6 @@ def dp4a(a, b, c, USE_ASM: tl.constexpr):
         for i in tl.static_range(4):
             acc += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
         return acc
-
-
-@triton.jit
-def _epilogue(d, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES: tl.constexpr):
-    """d int32 [BT, BM] -> out[toks, rows] = fl32(fl32(fl32(d) / s_act) * scale) (+ residual)."""
-    s_act = tl.load(s_ptr + toks, mask=tok_ok, other=1.0)  # [BT]
-    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BM]
-    y = tl.div_rn(d.to(tl.float32), s_act[:, None]) * scale[None, :]
-    offs = toks[:, None].to(tl.int64) * M + rows[None, :]
-    mask = tok_ok[:, None] & row_ok[None, :]
-    if HAS_RES:
-        y = y + tl.load(res_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, y, mask=mask)
 
 
 @triton.jit
@@ -159,6 +137,30 @@ def _gemv_kernel(
     pdl_enter(USE_PDL)
     # the epilogue's inputs are asked for now, so their L2 round trips run under the weights' DRAM
     # latency instead of after the dot products (each was a serial ~0.5 µs at the kernel's tail)
+    q_sums, s_acts, residuals = _epilogue_inputs(
+        q_ptr, s_ptr, res_ptr, rows, row_ok, scale, M, QW, NUM_T, SUM_BLOCK, HAS_RES, USE_ASM
+    )
+    accs = _zero_accumulators(NUM_T, BLOCK_M, BLOCK_W)
+    tail_accs = ()
+    if TAIL_W > 0:
+        tail_accs = _zero_accumulators(NUM_T, BLOCK_M, TAIL_W)
+    for c in tl.static_range(0, MAIN_END, BLOCK_W):
+        accs = _gemv_chunk(chunks[c // BLOCK_W], c, accs, q_ptr, rows, KW, NUM_T, BLOCK_W, A_1D, USE_ASM)
+    if TAIL_W > 0:
+        tail_accs = _gemv_chunk(
+            tail[0], MAIN_END, tail_accs, q_ptr, rows, KW, NUM_T, TAIL_W, TAIL_A_1D, USE_ASM
+        )
+    _gemv_store(accs, tail_accs, q_sums, s_acts, residuals, scale, rows, row_ok, out_ptr, M, NUM_T, BLOCK_M,
+                TAIL_W, PAIR, HAS_RES, USE_ASM)  # fmt: skip
+
+
+@triton.jit
+def _epilogue_inputs(
+    q_ptr, s_ptr, res_ptr, rows, row_ok, scale, M, QW: tl.constexpr, NUM_T: tl.constexpr,
+    SUM_BLOCK: tl.constexpr, HAS_RES: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """Per token: sum(q) (int32), s_act (f32) and the residual row [BM] (the scale as a placeholder when
+    there is none, never read): three NUM_T-tuples."""
     q_sums = ()
     s_acts = ()
     residuals = ()
@@ -168,23 +170,30 @@ def _gemv_kernel(
         if HAS_RES:
             residuals = residuals + (tl.load(res_ptr + t * M + rows, mask=row_ok, other=0.0),)
         else:
-            residuals = residuals + (scale,)  # a placeholder, never read
-    # NOTE: a tuple of 2-D accumulators (one per token), not a 3-D tensor: Triton gives a loop-carried
-    # 3-D accumulator a layout of its own and converts every weight tile to it through shared memory
+            residuals = residuals + (scale,)
+    return q_sums, s_acts, residuals
+
+
+@triton.jit
+def _zero_accumulators(NUM_T: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """NUM_T int32 [BM, WIDTH] zero accumulators, one per token.
+
+    NOTE: a tuple of 2-D accumulators, not a 3-D tensor: Triton gives a loop-carried 3-D accumulator a
+    layout of its own and converts every weight tile to it through shared memory."""
     accs = ()
-    tail_accs = ()
     for _ in tl.static_range(NUM_T):
-        accs = accs + (tl.zeros([BLOCK_M, BLOCK_W], tl.int32),)
-        if TAIL_W > 0:
-            tail_accs = tail_accs + (tl.zeros([BLOCK_M, TAIL_W], tl.int32),)
-    for c in tl.static_range(0, MAIN_END, BLOCK_W):
-        accs = _gemv_chunk(chunks[c // BLOCK_W], c, accs, q_ptr, rows, KW, NUM_T, BLOCK_W, A_1D, USE_ASM)
-    if TAIL_W > 0:
-        tail_accs = _gemv_chunk(
-            tail[0], MAIN_END, tail_accs, q_ptr, rows, KW, NUM_T, TAIL_W, TAIL_A_1D, USE_ASM
-        )
+        accs = accs + (tl.zeros([BLOCK_M, WIDTH], tl.int32),)
+    return accs
+
+
+@triton.jit
+def _gemv_store(
+    accs, tail_accs, q_sums, s_acts, residuals, scale, rows, row_ok, out_ptr, M, NUM_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, TAIL_W: tl.constexpr, PAIR: tl.constexpr, HAS_RES: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """Each token's D = sum(code * q) - sum(q) (code = w + 1), through the row epilogue or the pair one."""
     for t in tl.static_range(NUM_T):
-        # D = sum(code * q) - sum(q), since code = w + 1
         d = tl.sum(accs[t], axis=1) - q_sums[t]  # [BM]
         if TAIL_W > 0:
             d += tl.sum(tail_accs[t], axis=1)
@@ -258,117 +267,6 @@ def _gemv_chunk(
     return accs
 
 
-# plane J of 4 packed bytes in a register, 4 instructions for 4 weights: code = (b >> 2J) & 3 per byte (the
-# shift moves bits across bytes, the mask drops them), then w = code - 1 per byte with no borrow between
-# bytes: ((code | 0x80) - 1) ^ 0x80
-_PLANE_DECODE = (
-    "and.b32 t, t, 0x03030303; or.b32 t, t, 0x80808080; "
-    "sub.u32 t, t, 0x01010101; xor.b32 $0, t, 0x80808080; }"
-)
-_PLANE0_ASM = tl.constexpr("{ .reg .b32 t; mov.b32 t, $1; " + _PLANE_DECODE)
-_PLANE1_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 2; " + _PLANE_DECODE)
-_PLANE2_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 4; " + _PLANE_DECODE)
-_PLANE3_ASM = tl.constexpr("{ .reg .b32 t; shr.b32 t, $1, 6; " + _PLANE_DECODE)
-
-
-@triton.jit
-def _swar_decode(packed, ASM: tl.constexpr):
-    """uint8 [BN, 32] -> int8 [BN, 32] through one inline-asm instance per 4 bytes (pack=4)."""
-    return tl.inline_asm_elementwise(ASM, "=r,r", [packed], dtype=tl.int8, is_pure=True, pack=4)
-
-
-@triton.jit
-def _decode_plane(packed, J: tl.constexpr, USE_ASM: tl.constexpr):
-    """uint8 [BN, 32] packed bytes -> int8 [BN, 32]: plane J, values w = code - 1 in {-1, 0, 1}."""
-    if not USE_ASM:
-        return ((packed >> (2 * J)) & 3).to(tl.int8) - 1
-    elif J == 0:
-        return _swar_decode(packed, _PLANE0_ASM)
-    elif J == 1:
-        return _swar_decode(packed, _PLANE1_ASM)
-    elif J == 2:
-        return _swar_decode(packed, _PLANE2_ASM)
-    else:
-        return _swar_decode(packed, _PLANE3_ASM)
-
-
-# T and the split are run-time values, not specializations: a prefill of a new length must not compile a
-# kernel variant of its own in the serving path (each first-seen split cost a ~1.7 s Triton compile,
-# seen as a TTFT stall of a third of a 100-request wave on an H100)
-@triton.jit(do_not_specialize=["T", "SPLIT_K", "GROUPS_PER_SPLIT"])
-def _gemm_kernel(
-    q_ptr,  # int8 [T, K]
-    w_ptr,  # uint8 [M, K // 4]
-    s_ptr,  # f32 [T]
-    scale_ptr,  # f32 [M]
-    res_ptr,  # f32 [T, M] (read only if HAS_RES)
-    out_ptr,  # f32 [T, M]
-    ws_ptr,  # int32 [T * M + tiles], zeroed: split-K partial sums, then per-tile arrival counters
-    T,
-    M,
-    K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT_K,  # programs along K (run time)
-    GROUPS_PER_SPLIT,  # 128-column groups per split (run time), divides K // 128
-    HAS_RES: tl.constexpr,
-    USE_ASM: tl.constexpr,
-    PAIR: tl.constexpr,  # the pair epilogue, as _gemv_kernel's
-):
-    # axis 0 (fastest) walks token tiles: programs running together share one weight tile in L2
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tok_ok = toks < T
-    row_ok = rows < M
-    lanes = tl.arange(0, 32)
-    q_rows = q_ptr + toks[:, None].to(tl.int64) * K + lanes[None, :]  # [BT, 32]
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * (K // 4) + lanes[None, :]  # [BN, 32]
-    g_begin = tl.program_id(2) * GROUPS_PER_SPLIT
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.int32)
-    for i in range(GROUPS_PER_SPLIT):
-        g = g_begin + i
-        packed = tl.load(w_rows + g * 32, mask=row_ok[:, None], other=0)  # uint8 [BN, 32]
-        for j in tl.static_range(4):
-            a = tl.load(q_rows + (g * 128 + 32 * j), mask=tok_ok[:, None], other=0)  # int8 [BT, 32]
-            w = _decode_plane(packed, j, USE_ASM)  # int8 [BN, 32]: plane j, 32 contiguous columns
-            acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
-    pairs = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    if SPLIT_K == 1:
-        _gemm_finish(
-            acc, toks, rows, pairs, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES, PAIR,
-            USE_ASM,
-        )  # fmt: skip
-    else:
-        # exact int32 partial sums meet in ws (order-free); the last split to arrive runs the epilogue
-        offs = toks[:, None] * M + rows[None, :]
-        mask = tok_ok[:, None] & row_ok[None, :]
-        tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-        tl.debug_barrier()  # every thread's adds are issued before the release below
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        arrived = tl.atomic_add(ws_ptr + T * M + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            d = tl.load(ws_ptr + offs, mask=mask, other=0, cache_modifier=".cg")
-            _gemm_finish(
-                d, toks, rows, pairs, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES, PAIR,
-                USE_ASM,
-            )  # fmt: skip
-
-
-@triton.jit
-def _gemm_finish(
-    d, toks, rows, pairs, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES: tl.constexpr,
-    PAIR: tl.constexpr, USE_ASM: tl.constexpr,
-):  # fmt: skip
-    """int32 D [BT, BN] of a finished tile -> the plain epilogue, or the pair epilogue (no residual)."""
-    if PAIR == 0:
-        _epilogue(d, toks, rows, tok_ok, row_ok, s_ptr, scale_ptr, res_ptr, out_ptr, M, HAS_RES)
-    else:
-        s_act = tl.load(s_ptr + toks, mask=tok_ok, other=1.0)  # [BT]
-        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)  # [BN]
-        y = tl.div_rn(d.to(tl.float32), s_act[:, None]) * scale[None, :]
-        pair_store(y, toks, tok_ok, pairs, pairs < M // 2, out_ptr, M, PAIR, USE_ASM)
-
-
 def use_gemv(m: int, k: int, num_tokens: int) -> bool:
     """The dp4a GEMV path up to T = 4, and up to T = GEMV_MAX_T for matrices of at most 4096 rows; the
     tensor-core path beyond (H100: GEMV T = 8 vs GEMM T = 16 is 7.1 vs 7.4 µs at 2560x2560, 23 vs 13 µs
@@ -395,19 +293,6 @@ def gemv_config(m: int, k: int, num_tokens: int) -> GemvConfig:
     if k > 4096 and num_tokens <= 4:
         return GemvConfig(block_m=4, block_w=256, num_warps=2)
     return GemvConfig(block_m=2 if num_tokens == 2 else 4, block_w=128, num_warps=1)
-
-
-def gemm_config(m: int, k: int, num_tokens: int) -> GemmConfig:
-    """Tile choice of the GEMM path keyed on a bucketed T (fastest of the H100 sweep; split-K chosen to
-    fill the SMs). Small token tiles win: they keep mma.sync (no shared-memory round trip of the decoded
-    weights, which wgmma would need) and give many programs."""
-    if num_tokens <= 16:
-        return GemmConfig(block_t=16, block_n=64, num_warps=4, num_stages=3)
-    if num_tokens <= 128:
-        wide = k > 4096 or m > 4096
-    else:
-        wide = m > 8192
-    return GemmConfig(block_t=32, block_n=128 if wide else 64, num_warps=4, num_stages=3)
 
 
 def _check_operands(
@@ -480,7 +365,7 @@ def gemv_constexprs(
     """The GEMV kernel's compile-time arguments (all but USE_PDL) for an M x K weight at T tokens: what
     launch_gemv passes, and what benchmarks/sass_count_gemv.py compiles offline."""
     kw = k // 16
-    tail_w = gemv_tail(kw, cfg.block_w) if GEMV_EXACT_TAIL else 0
+    tail_w = gemv_tail(kw, cfg.block_w)
     return {
         "KW": kw, "NUM_T": num_tokens, "BLOCK_M": cfg.block_m, "BLOCK_W": cfg.block_w,
         "SUM_BLOCK": min(256, triton.next_power_of_2(k // 4)), "EVEN_M": m % cfg.block_m == 0,
@@ -500,55 +385,6 @@ def gemv_tail(kw: int, block_w: int) -> int:
     remainder, 0 when the chunks divide KW."""
     rest = kw % block_w
     return triton.next_power_of_2(rest) if rest else 0
-
-
-def split_k_for(num_tiles: int, num_groups: int, target_programs: int = 264) -> int:
-    """Splits along K (a divisor of num_groups, each split at least 4 groups of 128 columns) that bring
-    num_tiles output tiles closest to target_programs (2 per H100 SM) without passing it."""
-    best = 1
-    for split in range(2, num_groups // 4 + 1):
-        if num_groups % split == 0 and num_tiles * split <= target_programs:
-            best = split
-    return best
-
-
-def launch_gemm(q, s_act, packed, scale, residual, out, cfg: GemmConfig, pair: int = PAIR_NONE) -> None:  # noqa: ANN001
-    """The tensor-core path with an explicit tile config. Operands as ternary_linear's."""
-    num_tokens, k = q.shape
-    m = packed.shape[0]
-    num_groups = k // GROUP
-    tiles = (triton.cdiv(num_tokens, cfg.block_t), triton.cdiv(m, cfg.block_n))
-    split = cfg.split_k or split_k_for(tiles[0] * tiles[1], num_groups)
-    if num_groups % split != 0:
-        raise ValueError(f"split_k {split} does not divide the {num_groups} column groups")
-    per_split = num_groups // split
-    # split-K workspace: int32 partial sums [T * M] and one arrival counter per tile, zeroed (one memset)
-    if split > 1:
-        workspace = torch.zeros(num_tokens * m + tiles[0] * tiles[1], dtype=torch.int32, device=q.device)
-    else:
-        workspace = out  # never read
-    _gemm_kernel[(tiles[0], tiles[1], split)](
-        q,
-        packed,
-        s_act,
-        scale,
-        residual if residual is not None else out,
-        out,
-        workspace,
-        num_tokens,
-        m,
-        K=k,
-        BLOCK_T=cfg.block_t,
-        BLOCK_N=cfg.block_n,
-        SPLIT_K=split,
-        GROUPS_PER_SPLIT=per_split,
-        HAS_RES=residual is not None,
-        USE_ASM=q.device.type == "cuda",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,
-        PAIR=pair,
-    )
 
 
 def ternary_linear(
