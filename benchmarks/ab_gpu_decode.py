@@ -2,19 +2,20 @@
 
     python benchmarks/ab_gpu_decode.py /tmp/bitserve-gpu/2b4t-i2s.gguf --rounds 2 \
         --variant base: --variant noslot:config:cuda_lookahead_slot=False \
-        --variant "tile:bitserve.kernels.cuda.paged_attention:DECODE_CONFIG_OVERRIDE=(64, 4, 2)"
+        --variant "tile:config:cuda_decode_tile='64,4,2'"
 
-Each variant is `name:` followed by settings joined by `;` ('both:config:cuda_lookahead=False;module:ATTR=2'),
-each `config:FIELD=literal` (a ModelConfig field, the kernel knobs among them: kernels/tuning.py, passed at
-the load) or `module:ATTR=literal` (a kernel module's sweep switch, set before the model loads:
+Each variant is `name:` followed by settings joined by `;`
+('both:config:cuda_lookahead=False;module:ATTR=2'), each `config:FIELD=literal` (a ModelConfig field, the
+kernel knobs among them, tile sweeps included: cuda_gemv_tiles, cuda_decode_tile; kernels/tuning.py,
+passed at the load) or `module:ATTR=literal` (a module attribute set before the model loads:
 profile_gpu_step.apply_settings); settings not named by a variant keep the values they had when this
-script started, so `base:` is the code as it is. Per variant and round: load the
-model, `bench_gpu.decode_rate` (ms a step over 128 tokens from a 16-token prompt, the median of three;
-the bench's decode row, with its `lookahead_hits`) and the batch-1 graph's replay time (shortest-context
-bucket, best of 3 x 200). A graph replay alone misses what grows with the context and what the engine
-does between replays; this measures both (on the H200, 2026-11-28: a change that cost 1.4% in replay
-cost 5-7% here). One JSON line per measurement. PDL (config:cuda_pdl) is one choice per device for the
-process (kernels/cuda/pdl.py), so it cannot be varied here; the other knobs are read at each load and can.
+script started, so `base:` is the code as it is. Per variant and round: load the model,
+`bench_gpu.decode_rate` (ms a step over 128 tokens from a 16-token prompt, the median of three; the
+bench's decode row, with its `lookahead_hits`) and the batch-1 graph's replay time (shortest-context
+bucket, best of 3 x 200). A graph replay alone misses what grows with the context and what the engine does
+between replays; this measures both (on the H200, 2026-11-28: a change that cost 1.4% in replay cost 5-7%
+here). One JSON line per measurement. PDL (config:cuda_pdl) is one choice per device for the process
+(kernels/cuda/pdl.py), so it cannot be varied here; the other knobs are read at each load and can.
 """
 
 from __future__ import annotations

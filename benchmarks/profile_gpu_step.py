@@ -2,7 +2,7 @@
 graph's kernels by GPU time (torch.profiler over replays). One JSON line per model, then the table.
 
     python benchmarks/profile_gpu_step.py /tmp/bitserve-gpu/2b4t-i2s.gguf [more.gguf ...]
-        [--set bitserve.kernels.cuda.paged_attention:DECODE_CONFIG_OVERRIDE=(64,4,2)]
+        [--set bitserve.runner.cuda_graphs:MAX_BUCKET=64]
 
 BITSERVE_PROFILE_BATCH=N profiles the graph of the N-sequence bucket instead of batch 1 (the kernel
 table; the step times stay batch 1). BITSERVE_PROFILE_HOST=1 adds the host side's cProfile (engine
@@ -158,7 +158,8 @@ def timeline(llm: LLM, new_tokens: int = 65) -> dict[str, object]:
 
 def apply_settings(settings: list[str]) -> None:
     """`module:ATTR=literal` pairs set before any model loads: a module-level switch of the kernels
-    (e.g. bitserve.kernels.cuda.paged_attention:DECODE_CONFIG_OVERRIDE=(64,4,2)) for an A/B in one command."""
+    (e.g. bitserve.runner.cuda_graphs:MAX_BUCKET=64) for an A/B in one command; kernel tiles are
+    ModelConfig fields (cuda_gemv_tiles, cuda_decode_tile: ab_gpu_decode.py's config: settings)."""
     for setting in settings:
         target, _, literal = setting.partition("=")
         module_name, _, attr = target.partition(":")

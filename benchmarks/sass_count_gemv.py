@@ -45,10 +45,12 @@ POINTER_TYPES = ("*i32", "*i32", "*fp32", "*fp32", "*fp32", "*fp32")
 
 
 def compile_projection(
-    m: int, k: int, num_tokens: int, pair: bool
+    m: int, k: int, num_tokens: int, pair: bool, tile: tuple[int, int, int] | None = None
 ) -> tuple[object, ternary_matmul.GemvConfig]:
-    """The GEMV of an M x K projection at T tokens, as launch_gemv would launch it, compiled for sm_90."""
-    cfg = ternary_matmul.gemv_config(m, k, num_tokens)
+    """The GEMV of an M x K projection at T tokens, as launch_gemv would launch it (with `tile`, a
+    KernelTuning.cuda_gemv_tiles override: (block_m, block_w, num_warps)), compiled for sm_90."""
+    overrides = None if tile is None else {(m, k, num_tokens): tile}
+    cfg = ternary_matmul.gemv_config(m, k, num_tokens, overrides)
     pair_code = GATED_PAIRS["relu2"] if pair else PAIR_NONE
     constexprs = ternary_matmul.gemv_constexprs(m, k, num_tokens, cfg, pair_code, not pair, True)
     constexprs["USE_PDL"] = True
@@ -95,18 +97,10 @@ def scheduler_cycles(per_warp: int, m: int, cfg: ternary_matmul.GemvConfig) -> i
 def sweep(m: int, k: int, num_tokens: int, pair: bool, best: int = 5) -> list[dict]:
     """Tiles (rows 2-16, chunk words 32-256, warps 1-4) of one projection, fewest cycles first."""
     rows = []
-    key = (m, k, num_tokens)
-    saved = ternary_matmul.GEMV_CONFIG_OVERRIDES.get(key)
-    try:
-        for tile in itertools.product((2, 4, 8, 16), (32, 64, 128, 256), (1, 2, 4)):
-            ternary_matmul.GEMV_CONFIG_OVERRIDES[key] = tile
-            compiled, cfg = compile_projection(m, k, num_tokens, pair)
-            per_warp = sum(sass_opcodes(compiled).values())
-            rows.append({"tile": tile, "per_program": per_warp, "cycles": scheduler_cycles(per_warp, m, cfg)})
-    finally:
-        ternary_matmul.GEMV_CONFIG_OVERRIDES.pop(key, None)
-        if saved is not None:
-            ternary_matmul.GEMV_CONFIG_OVERRIDES[key] = saved
+    for tile in itertools.product((2, 4, 8, 16), (32, 64, 128, 256), (1, 2, 4)):
+        compiled, cfg = compile_projection(m, k, num_tokens, pair, tile)
+        per_warp = sum(sass_opcodes(compiled).values())
+        rows.append({"tile": tile, "per_program": per_warp, "cycles": scheduler_cycles(per_warp, m, cfg)})
     return sorted(rows, key=lambda row: row["cycles"])[:best]
 
 

@@ -8,7 +8,7 @@ adjacent neighbours); they are re-exported here so callers have one place to loo
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from bitserve.core.scheduling_config import CacheConfig, SchedulerConfig
 from bitserve.loader.catalog import DEFAULT_MODEL
@@ -117,6 +117,20 @@ class ModelConfig:
         default=True,
         metadata=_help(
             "cuda: the scheduler reserves each decode's next KV slot for the step launched ahead"
+        ),
+    )
+    cuda_gemv_tiles: str = field(
+        default="",
+        metadata=_help(
+            "cuda, for tile sweeps: ternary GEMV tiles by shape, 'MxKxT=block_m,block_w,num_warps;...' "
+            "(empty: the measured table)"
+        ),
+    )
+    cuda_decode_tile: str = field(
+        default="",
+        metadata=_help(
+            "cuda, for tile sweeps: the f16/bf16 decode-attention tile 'BLOCK_N,num_warps,num_stages' "
+            "(empty: the measured choice)"
         ),
     )
 
@@ -398,6 +412,11 @@ class ServerConfig:
             raise ValueError(f"response_cache_ttl_s must be > 0, got {self.response_cache_ttl_s}")
         if self.response_cache_dir is not None and not self.response_cache:
             raise ValueError("response_cache_dir needs response_cache on (--response-cache)")
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        """ValueError for an engine-process mode, HTTP parser, event loop or log format bitserve does not
+        know, or one that is not installed."""
         if self.engine_process not in ENGINE_PROCESS_MODES:
             choices = ", ".join(ENGINE_PROCESS_MODES)
             raise ValueError(f"engine_process must be one of {choices}, got {self.engine_process!r}")
@@ -409,63 +428,6 @@ class ServerConfig:
                 raise ValueError(f"{name} {value} is not installed (pip install {value})")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
-
-
-# ---------------------------------------------------------------- format-aware batch limits (issue 4)
-# Defaults of SchedulerConfig.max_num_seqs / max_num_batched_tokens by the projections' GGUF type, used
-# at load when the operator set neither (None). Measured with `bitserve bench --curve` and picked by
-# bench.curve.KneeRule; curves and commands in benchmarks/RESULTS.md ("Format-aware batch limits").
-@dataclass(frozen=True, slots=True)
-class BatchLimits:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-
-
-GENERIC_BATCH_LIMITS = BatchLimits(max_num_seqs=256, max_num_batched_tokens=2048)  # formats not measured
-# 2026-11-26, 2-vCPU AMD EPYC, 2 threads (RESULTS.md has the curves). The rule: max_num_seqs is the largest
-# concurrency whose tok/s beat the fastest smaller level by >= 10% per doubling, median step <= 1 s;
-# max_num_batched_tokens the largest power of two of prefill that runs in <= 1 s. I2_S, TQ1_0, TQ2_0, TL1
-# and TL2 are repacked at load into one runtime ternary layout, so they run the same kernels: one row,
-# from the three measured curves pooled (TL1 / TL2 share it unmeasured). F16 means float (non-ternary)
-# F16 projections on the dense path; Q4_1 is SmolLM2-135M's.
-_TERNARY_LIMITS = BatchLimits(max_num_seqs=128, max_num_batched_tokens=1024)
-FORMAT_BATCH_LIMITS: dict[str, BatchLimits] = {
-    **dict.fromkeys(("I2_S", "TQ1_0", "TQ2_0", "TL1", "TL2"), _TERNARY_LIMITS),
-    "Q4_1": BatchLimits(max_num_seqs=128, max_num_batched_tokens=512),
-    "F16": BatchLimits(max_num_seqs=32, max_num_batched_tokens=512),
-}
-
-
-# On a GPU a step of 256 decodes costs little more than one (the weights are read once per step), and
-# prefill chunks of a few thousand tokens keep the tensor cores busy: one row for every format.
-CUDA_BATCH_LIMITS = BatchLimits(max_num_seqs=256, max_num_batched_tokens=4096)
-
-
-def batch_limits_for(weight_format: str, device_type: str = "cpu") -> BatchLimits:
-    """The measured limits of a projection format ("I2_S", "Q4_1", ...) on CPU, else
-    GENERIC_BATCH_LIMITS; CUDA_BATCH_LIMITS on a CUDA device."""
-    if device_type == "cuda":
-        return CUDA_BATCH_LIMITS
-    return FORMAT_BATCH_LIMITS.get(weight_format.upper(), GENERIC_BATCH_LIMITS)
-
-
-def resolve_batch_limits(
-    scheduler: SchedulerConfig, weight_format: str, device_type: str = "cpu"
-) -> SchedulerConfig:
-    """`scheduler` with unset (None) limits filled from the format's table row; set values always win.
-
-    When only one limit is set, the other is adjusted so the pair stays valid (the budget must cover
-    max_num_seqs decodes; without chunked prefill it must hold a whole max_model_len sequence).
-    """
-    limits = batch_limits_for(weight_format, device_type)
-    max_num_seqs, budget = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
-    if max_num_seqs is None:
-        max_num_seqs = limits.max_num_seqs if budget is None else min(limits.max_num_seqs, budget)
-    if budget is None:
-        budget = max(limits.max_num_batched_tokens, max_num_seqs)
-        if not scheduler.enable_chunked_prefill:
-            budget = max(budget, scheduler.max_model_len)
-    return replace(scheduler, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
 
 
 def kv_cache_default_tokens(max_num_seqs: int, max_model_len: int, kv_bytes_per_token: int) -> int:

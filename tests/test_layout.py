@@ -6,8 +6,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "bitserve"
-MAX_FILE_LINES = 600
-MAX_FUNCTION_LINES = 80
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
 
 
 def python_files() -> list[Path]:

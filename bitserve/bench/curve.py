@@ -3,7 +3,7 @@
 Drives one Engine directly (no HTTP, no detokenization): for each concurrency level c, c greedy
 `ignore_eos` requests with short distinct prompts start together; the decode steps (every request
 past its prompt) are timed. `pick_batch_limits` turns a curve into max_num_seqs /
-max_num_batched_tokens by an explicit rule (KneeRule); config.FORMAT_BATCH_LIMITS holds its results.
+max_num_batched_tokens by an explicit rule (KneeRule); batch_limits.FORMAT_BATCH_LIMITS holds its results.
 """
 
 from __future__ import annotations
@@ -199,33 +199,9 @@ def run_curve(
         # warm-up: numba compilation / cache load of the GEMV (1 token) and GEMM (many tokens) paths
         run_level(llm, base_ids, min(2, max(levels)), num_prompt_tokens, 3, "warm-a")
         measure_prefill(llm, base_ids, prefill_tokens, "warm-b")
-        best: dict[int, CurvePoint] = {}
-        prefill_tok_s = 0.0
-        for repeat in range(num_repeats):
-            for concurrency in levels:
-                point = run_level(
-                    llm,
-                    base_ids,
-                    concurrency,
-                    num_prompt_tokens,
-                    num_output_tokens,
-                    f"r{repeat}c{concurrency}",
-                )
-                logger.info(
-                    "concurrency %d: %.1f tok/s, %.1f ms/step",
-                    concurrency,
-                    point.output_tokens_per_s,
-                    point.median_step_ms,
-                )
-                if (
-                    concurrency not in best
-                    or point.output_tokens_per_s > best[concurrency].output_tokens_per_s
-                ):
-                    best[concurrency] = point
-            prefill_tok_s = max(
-                prefill_tok_s, measure_prefill(llm, base_ids, prefill_tokens, f"prefill-{repeat}")
-            )
-        points = [best[concurrency] for concurrency in sorted(best)]
+        points, prefill_tok_s = _measure_repeats(
+            llm, base_ids, levels, num_prompt_tokens, num_output_tokens, prefill_tokens, num_repeats
+        )
         weight_format = projection_format(llm.instance.loaded.gguf)
     finally:
         llm.close()
@@ -239,6 +215,42 @@ def run_curve(
         max_num_seqs,
         pick_max_num_batched_tokens(prefill_tok_s, max_num_seqs, rule),
     )
+
+
+def _measure_repeats(
+    llm: Any,
+    base_ids: Sequence[int],
+    levels: Sequence[int],
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    prefill_tokens: int,
+    num_repeats: int,
+) -> tuple[list[CurvePoint], float]:
+    """Every level `num_repeats` times, all levels in turn: the fastest run of each level (by
+    concurrency), and the fastest prefill rate measured after each round."""
+    best: dict[int, CurvePoint] = {}
+    prefill_tok_s = 0.0
+    for repeat in range(num_repeats):
+        for concurrency in levels:
+            point = run_level(
+                llm,
+                base_ids,
+                concurrency,
+                num_prompt_tokens,
+                num_output_tokens,
+                f"r{repeat}c{concurrency}",
+            )
+            logger.info(
+                "concurrency %d: %.1f tok/s, %.1f ms/step",
+                concurrency,
+                point.output_tokens_per_s,
+                point.median_step_ms,
+            )
+            if concurrency not in best or point.output_tokens_per_s > best[concurrency].output_tokens_per_s:
+                best[concurrency] = point
+        prefill_rate = measure_prefill(llm, base_ids, prefill_tokens, f"prefill-{repeat}")
+        prefill_tok_s = max(prefill_tok_s, prefill_rate)
+    return [best[concurrency] for concurrency in sorted(best)], prefill_tok_s
 
 
 def format_curve(result: CurveResult, rule: KneeRule | None = None) -> list[str]:

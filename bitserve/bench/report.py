@@ -107,69 +107,76 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+TABLE_HEADER = (
+    "conc",
+    "reqs",
+    "ok",
+    "err",
+    "tok/s",
+    "req/s",
+    "good/s",
+    "ttft50",
+    "ttft99",
+    "itl50",
+    "itl99",
+    "tpot50",
+    "e2e50",
+    "e2e90",
+    "e2e99",
+)
+
+
 def format_table(summary: dict[str, Any]) -> list[str]:
     """Text lines: a header, one row per level, then error details and caveats."""
     lines = [
         f"bench {summary['url']} {summary['endpoint']} model={summary['model']} "
         f"max_tokens={summary['max_tokens']} prompt={summary['prompt']}"
     ]
-    header = (
-        "conc",
-        "reqs",
-        "ok",
-        "err",
-        "tok/s",
-        "req/s",
-        "good/s",
-        "ttft50",
-        "ttft99",
-        "itl50",
-        "itl99",
-        "tpot50",
-        "e2e50",
-        "e2e90",
-        "e2e99",
-    )
-    rows = [header]
-    for level in summary["levels"]:
-        rows.append(
-            (
-                str(level["concurrency"]),
-                str(level["num_requests"]),
-                str(level["num_ok"]),
-                str(level["num_errors"]),
-                _num(level["output_tokens_per_s"], 1),
-                _num(level["requests_per_s"]),
-                _num(level["goodput_requests_per_s"]),
-                _ms(level["ttft_s"]["p50"]),
-                _ms(level["ttft_s"]["p99"]),
-                _ms(level["itl_s"]["p50"]),
-                _ms(level["itl_s"]["p99"]),
-                _ms(level["tpot_s"]["p50"]),
-                _ms(level["e2e_s"]["p50"]),
-                _ms(level["e2e_s"]["p90"]),
-                _ms(level["e2e_s"]["p99"]),
-            )
-        )
-    lines += render_rows(rows)
+    lines += render_rows([TABLE_HEADER, *(_table_row(level) for level in summary["levels"])])
     lines.append("latencies in ms; tok/s and req/s over each level's wall time; good/s meets the SLOs")
     for level in summary["levels"]:
-        notes = []
-        if level["errors"]:
-            notes.append("errors " + ", ".join(f"{kind}={count}" for kind, count in level["errors"].items()))
-        if level["token_count_source"] not in (None, "usage"):
-            notes.append(
-                f"tokens counted from {level['token_count_source']} (no usage chunk from the server)"
-            )
-        if level["num_short"]:
-            notes.append(f"{level['num_short']} requests ended before max_tokens")
-        if level["is_cut_by_duration"]:
-            notes.append("stopped by --duration-s")
-        if notes:
-            lines.append(f"  conc {level['concurrency']}: " + "; ".join(notes))
-        for kind, detail in level["error_samples"].items():
-            if detail:
-                lines.append(f"    {kind}: {detail[:160]}")
+        lines += _level_notes(level)
+    return lines
+
+
+def _table_row(level: dict[str, Any]) -> tuple[str, ...]:
+    """One level's cells, in TABLE_HEADER's order."""
+    return (
+        str(level["concurrency"]),
+        str(level["num_requests"]),
+        str(level["num_ok"]),
+        str(level["num_errors"]),
+        _num(level["output_tokens_per_s"], 1),
+        _num(level["requests_per_s"]),
+        _num(level["goodput_requests_per_s"]),
+        _ms(level["ttft_s"]["p50"]),
+        _ms(level["ttft_s"]["p99"]),
+        _ms(level["itl_s"]["p50"]),
+        _ms(level["itl_s"]["p99"]),
+        _ms(level["tpot_s"]["p50"]),
+        _ms(level["e2e_s"]["p50"]),
+        _ms(level["e2e_s"]["p90"]),
+        _ms(level["e2e_s"]["p99"]),
+    )
+
+
+def _level_notes(level: dict[str, Any]) -> list[str]:
+    """The lines under the table for one level: its errors and caveats, then a sample of each error."""
+    lines = []
+    notes = []
+    if level["errors"]:
+        notes.append("errors " + ", ".join(f"{kind}={count}" for kind, count in level["errors"].items()))
+    if level["token_count_source"] not in (None, "usage"):
+        notes.append(f"tokens counted from {level['token_count_source']} (no usage chunk from the server)")
+    if level["num_short"]:
+        notes.append(f"{level['num_short']} requests ended before max_tokens")
+    if level["is_cut_by_duration"]:
+        notes.append("stopped by --duration-s")
+    if notes:
+        lines.append(f"  conc {level['concurrency']}: " + "; ".join(notes))
+    for kind, detail in level["error_samples"].items():
+        if detail:
+            lines.append(f"    {kind}: {detail[:160]}")
     return lines
 
 

@@ -41,6 +41,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, has_url: bool = True
         )
     parser.add_argument("--endpoint", choices=["completions", "chat"], default=_default("endpoint"))
     parser.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    _add_request_arguments(parser)
+    _add_run_arguments(parser)
+
+
+def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the load test sends: concurrency levels, request counts, prompts and sampling."""
     parser.add_argument(
         "--concurrency",
         type=parse_levels,
@@ -74,6 +80,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser, *, has_url: bool = True
     parser.add_argument(
         "--no-usage", action="store_true", help="do not send stream_options.include_usage (count chunks)"
     )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a level runs and is judged: timeouts, duration, warm-up, SLOs; credentials and output."""
     parser.add_argument(
         "--timeout", type=float, default=_default("timeout_s"), help="seconds per request, start to [DONE]"
     )

@@ -64,11 +64,11 @@ def _kernel_check(llm: LLM) -> tuple[bool, str]:
         fast: PreparedLinear = layer.qkv.weights[0]  # q alone, or q/k/v stacked by the backend
         ref = source.linear(
             f"blk.{layer_id}.attn_q.weight",
-            may_be_ternary=type(instance.loaded.model).projections_may_be_ternary,
+            may_be_ternary=instance.loaded.model.recipe.ternary_projections,
         )
         x = torch.randn(3, fast.in_features, generator=generator)
         expected = reference.linear(x, ref)
-        actual = layer.qkv.kernel(x)[0]  # q's output [3, M_q], split from a stacked group's
+        actual = layer.qkv.projection.kernel(x)[0]  # q's output [3, M_q], split from a stacked group's
         exact = fast.is_ternary and instance.loaded.linear_mode.kernel_mode is LinearMode.BITNET
         if exact and not torch.equal(expected, actual):
             return (

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 class SchedulerConfig:
     """How one engine replica batches requests. Invalid combinations raise ValueError."""
 
-    # None = unset: the model's weight format picks it at load (config.FORMAT_BATCH_LIMITS); the
-    # scheduler only ever sees a resolved config (config.resolve_batch_limits).
+    # None = unset: the model's weight format picks it at load (batch_limits.FORMAT_BATCH_LIMITS); the
+    # scheduler only ever sees a resolved config (batch_limits.resolve_batch_limits).
     max_num_seqs: int | None = field(
         default=None,
         metadata={"help": "Most requests running (holding KV blocks) at once (default: per weight format)."},

@@ -14,19 +14,14 @@ from typing import Any
 
 import torch
 
-from bitserve.config import (
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    kv_cache_default_tokens,
-    resolve_batch_limits,
-)
+from bitserve.batch_limits import resolve_batch_limits
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig, kv_cache_default_tokens
 from bitserve.engine.devices import AUTO, parse_device
 from bitserve.engine.engine import Engine
 from bitserve.errors import InvalidModelFile, InvalidRequest
 from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.select import select_backend
-from bitserve.kernels.tuning import KernelTuning
+from bitserve.kernels.tuning import KernelTuning, parse_decode_tile, parse_gemv_tiles
 from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model, release_freed_heap
@@ -79,6 +74,8 @@ def kernel_tuning(model_config: ModelConfig) -> KernelTuning:
         cuda_greedy_head=model_config.cuda_greedy_head,
         cuda_lookahead=model_config.cuda_lookahead,
         cuda_lookahead_slot=model_config.cuda_lookahead_slot,
+        cuda_gemv_tiles=parse_gemv_tiles(model_config.cuda_gemv_tiles),
+        cuda_decode_tile=parse_decode_tile(model_config.cuda_decode_tile),
     )
 
 
@@ -120,7 +117,7 @@ def serving_limits(
     config: EngineConfig, spec: ModelSpec, gguf: GGUFFile, device: torch.device
 ) -> SchedulerConfig:
     """The scheduler config a replica runs with: max_model_len capped at the model's, and the batch
-    limits the operator left unset filled from the projections' format (config.resolve_batch_limits)."""
+    limits the operator left unset filled from the projections' format (batch_limits.resolve_batch_limits)."""
     max_model_len = min(spec.max_model_len, config.scheduler.max_model_len)
     return resolve_batch_limits(
         dataclasses.replace(config.scheduler, max_model_len=max_model_len),

@@ -10,6 +10,8 @@ alias are serialized: a second one gets Conflict (409) at once.
 A version runs on one or more devices (`device` / `devices`; `auto` resolved here, before any
 EngineConfig is built): one replica each, all loaded, validated, flipped and drained together, so a
 swap replaces every replica of an alias at once. The slot's DeviceRouter picks a replica per request.
+The alias record and its flips live in lifecycle/aliases.py, the memory budget's sums in
+lifecycle/memory_budget.py.
 """
 
 from __future__ import annotations
@@ -18,23 +20,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from bitserve.config import EngineConfig, ServerConfig, kv_cache_budget_estimate
+from bitserve.config import EngineConfig, ServerConfig
 from bitserve.engine.devices import CPU, DeviceProbe
 from bitserve.engine.instance import ModelInstance
 from bitserve.errors import (
     BitserveError,
     Conflict,
     EngineDead,
-    InvalidRequest,
     ModelLoadError,
     ModelNotFound,
     ModelUnavailable,
     ServerShuttingDown,
 )
 from bitserve.frontend.async_engine import AsyncEngine
+from bitserve.lifecycle.aliases import Alias, check_alias
+from bitserve.lifecycle.memory_budget import (
+    least_recently_used_idle,
+    load_bytes,
+    not_enough_memory,
+    resident_bytes,
+)
 from bitserve.lifecycle.model_files import ModelFile, ModelFiles
 from bitserve.lifecycle.operations import Operation, OperationLog
 from bitserve.lifecycle.probation import ProbationPolicy, watch_probation
@@ -43,25 +50,6 @@ from bitserve.lifecycle.slot import Lease, ModelSlot, SlotState, model_info
 from bitserve.metrics.stats import LifecycleEvent, SlotLabels, StatsSink
 
 logger = logging.getLogger(__name__)
-
-MAX_ALIAS_CHARS = 128
-
-
-@dataclass(eq=False)
-class Alias:
-    """What an alias serves now, and the version before it (for rollback)."""
-
-    current: ModelSlot
-    previous: ModelSlot | None = None  # still resident: during probation, or while it drains
-    previous_source: ModelFile | None = None  # the version a later rollback reloads
-    previous_devices: tuple[str, ...] = ()  # and the devices it asked for
-
-
-def check_alias(alias: str) -> str:
-    if not 0 < len(alias) <= MAX_ALIAS_CHARS or not alias.isprintable() or alias != alias.strip():
-        raise InvalidRequest(f"alias must be 1..{MAX_ALIAS_CHARS} printable characters", param="alias")
-    return alias
-
 
 class ModelManager:
     """`probe` discovers devices (torch.cuda unless given: tests pass a fake); `load_instance` builds one
@@ -245,7 +233,7 @@ class ModelManager:
         entry = self.aliases[operation.alias]
         previous = entry.previous
         if previous is not None and previous.state is SlotState.DRAINING and previous.has_live_replica:
-            current = self._flip_back(entry)
+            current = entry.flip_back()
             self._record("rollback", operation.alias, previous.version, "success")
             self._spawn(self._retire(current))
             return {"version": previous.version, "rolled_back_from": current.version, "reloaded": False}
@@ -272,22 +260,9 @@ class ModelManager:
 
     def _flip(self, entry: Alias, new: ModelSlot) -> ModelSlot:
         """Point the alias at `new` (one assignment on the loop); the old slot starts draining."""
-        old = entry.current
-        if entry.previous is not None and entry.previous is not old:
+        if entry.previous is not None and entry.previous is not entry.current:
             self._spawn(self._retire(entry.previous))  # a third version: the oldest goes now
-        old.state = SlotState.DRAINING
-        entry.previous, entry.previous_source, entry.current = old, old.source, new
-        entry.previous_devices = old.device_request
-        return old
-
-    def _flip_back(self, entry: Alias) -> ModelSlot:
-        assert entry.previous is not None
-        current, previous = entry.current, entry.previous
-        previous.state = SlotState.READY
-        current.state = SlotState.DRAINING
-        entry.current, entry.previous, entry.previous_source = previous, None, current.source
-        entry.previous_devices = current.device_request
-        return current
+        return entry.flip_to(new)
 
     async def _probation_then_retire(self, entry: Alias, new: ModelSlot, old: ModelSlot) -> None:
         """Watch `new`; on failure flip back to `old` (still resident) and retire `new`; else retire `old`."""
@@ -306,7 +281,7 @@ class ModelManager:
                 reason,
                 old.version,
             )
-            self._flip_back(entry)
+            entry.flip_back()
             self._record("auto_rollback", new.alias, old.version, "success")
             self._publish()
             await self._retire(new)
@@ -413,23 +388,11 @@ class ModelManager:
         budget = self.config.max_models_memory_bytes
         if budget is None:
             return
-        needed = self._load_bytes(source) * devices.count(CPU)
-        while self._resident_bytes() + needed > budget:
-            idle = [
-                (entry.current.last_used, name)
-                for name, entry in self.aliases.items()
-                if name != alias
-                and name not in self._busy_aliases
-                and entry.current.num_leases == 0
-                and (entry.previous is None or entry.previous.num_leases == 0)
-            ]
-            if not idle:
-                raise ModelUnavailable(
-                    f"not enough model memory: {needed / 1e6:.0f} MB needed, "
-                    f"{self._resident_bytes() / 1e6:.0f} of {budget / 1e6:.0f} MB in use by busy models",
-                    hint="unload a model, raise max_models_memory_bytes, or retry when traffic is lower",
-                )
-            _, victim = min(idle)
+        needed = load_bytes(source, self.engine_config) * devices.count(CPU)
+        while resident_bytes(self._slots, self.engine_config) + needed > budget:
+            victim = least_recently_used_idle(self.aliases, alias, self._busy_aliases)
+            if victim is None:
+                raise not_enough_memory(needed, resident_bytes(self._slots, self.engine_config), budget)
             entry = self._remove_alias(victim)
             logger.info(
                 "evicting idle model %r (least recently used) to make room for %s", victim, source.path.name
@@ -438,10 +401,6 @@ class ModelManager:
                 if slot is not None:
                     await self._free(slot)
             self._record("evict", victim, entry.current.version, "success")
-
-    def _load_bytes(self, source: ModelFile) -> int:
-        """What loading `source` will take before its real size is known: file bytes + the KV cache budget."""
-        return source.path.stat().st_size + kv_cache_budget_estimate(self.engine_config)
 
     def _new_slot(
         self, alias: str, source: ModelFile, version: str, *, owns_instance: bool = True
@@ -458,15 +417,6 @@ class ModelManager:
         if self.default_alias == alias:
             self.default_alias = next(iter(self.aliases), None)
         return entry
-
-    def _resident_bytes(self) -> int:
-        total = 0
-        for slot in self._slots:
-            if slot.info is not None:
-                total += slot.info.host_memory_bytes
-            elif slot.state is SlotState.LOADING:
-                total += self._load_bytes(slot.source) * slot.placement.count(CPU)  # placed, not yet loaded
-        return total
 
     # ----------------------------------------------------------------- lifecycle of the manager
 

@@ -187,6 +187,14 @@ def _read_alignment(cur: Cursor, meta: _Metadata) -> int:
 
 def _read_header(cur: Cursor) -> tuple[int, int, int]:
     """Magic, version, tensor and kv counts; counts are bounded against the bytes left."""
+    _read_magic(cur)
+    version = _read_version(cur)
+    num_tensors, num_kv = _read_counts(cur)
+    return version, num_tensors, num_kv
+
+
+def _read_magic(cur: Cursor) -> None:
+    """The 4-byte magic at offset 0; InvalidModelFile when it is not b'GGUF'."""
     cur.need(4, "magic")
     magic = cur.buf[0:4]
     if magic != GGUF_MAGIC:
@@ -197,6 +205,10 @@ def _read_header(cur: Cursor) -> tuple[int, int, int]:
             hint="this is not a GGUF file (or it is damaged)",
         )
     cur.pos = 4
+
+
+def _read_version(cur: Cursor) -> int:
+    """The format version (2 or 3); a big-endian file, version 1 and newer versions are refused."""
     version = cur.unpack(U32, "version")
     if version and not version & 0xFFFF:
         raise cur.fail(
@@ -228,6 +240,11 @@ def _read_header(cur: Cursor) -> tuple[int, int, int]:
             expected="version 2 or 3",
             hint="the file is corrupt",
         )
+    return version
+
+
+def _read_counts(cur: Cursor) -> tuple[int, int]:
+    """The tensor and key-value counts, each capped, and together bounded against the bytes left."""
     counts = []
     for what, cap in (("tensor count", MAX_TENSORS), ("key-value count", MAX_KV_PAIRS)):
         start = cur.pos
@@ -253,7 +270,7 @@ def _read_header(cur: Cursor) -> tuple[int, int, int]:
             offset=8,
             expected="counts that fit the file",
         )
-    return version, num_tensors, num_kv
+    return num_tensors, num_kv
 
 
 class GGUFFile:

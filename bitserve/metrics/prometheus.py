@@ -1,5 +1,7 @@
 """PrometheusStatsSink: the production StatsSink, rendered on GET /metrics. The only module in bitserve
 that imports prometheus_client; each sink owns its CollectorRegistry, so apps and tests never collide.
+Its histograms' bucket bounds (metrics/buckets.py) and the cgroup memory-limit reader
+(metrics/memory_limit.py) are plain modules beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from bitserve.core.step_outputs import StepStats
+from bitserve.metrics.buckets import (
+    BATCHED_TOKENS_BUCKETS,
+    E2E_BUCKETS_S,
+    ITL_BUCKETS_S,
+    LOAD_BUCKETS_S,
+    QUEUE_BUCKETS_S,
+    STEP_BUCKETS_S,
+    TTFT_BUCKETS_S,
+)
 from bitserve.metrics.energy import EnergyCollector
+from bitserve.metrics.memory_limit import CGROUP_MEMORY_LIMIT_FILES, read_memory_limit_bytes
 from bitserve.metrics.stats import (
     BatchStats,
     CacheTierStats,
@@ -29,102 +41,13 @@ logger = logging.getLogger(__name__)
 
 FamilyT = TypeVar("FamilyT", CounterMetricFamily, GaugeMetricFamily)
 
-# Buckets are sized for CPU serving of small models: a cold prefill of a long prompt on 2 cores can
-# take tens of seconds, while a decode step of a 135M model is a few milliseconds.
-TTFT_BUCKETS_S = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    45.0,
-    60.0,
-)
-ITL_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
-E2E_BUCKETS_S = (
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    45.0,
-    60.0,
-    90.0,
-    120.0,
-    180.0,
-    300.0,
-    600.0,
-)
-QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
-STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-LOAD_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-BATCHED_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
 # HTTP error reasons come from the server's error table (a bounded set); past this many distinct
 # values, new ones are folded into "other" so a bug upstream cannot explode the series count.
 MAX_NUM_HTTP_ERROR_REASONS = 64
-# Where the container's memory limit is readable: cgroup v2, then v1 (which reports "no limit" as a huge
-# number: anything past 2**60 is taken as none).
-CGROUP_MEMORY_LIMIT_FILES = (
-    Path("/sys/fs/cgroup/memory.max"),
-    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-)
-NO_CGROUP_LIMIT = 2**60
 # The labels of every per-replica series. NOTE: quant_format is the projections' GGUF type, a small fixed
 # vocabulary, and a replica has one, so it adds no series; the version (a new value on every swap) is not a
 # label here but on bitserve_model_info, joined in PromQL where a panel needs it.
 REPLICA_LABELS = ["model", "device", "quant_format"]
-
-
-def read_memory_limit_bytes(files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> int | None:
-    """The cgroup memory limit of this process (the pod's limit), or None when unlimited or unreadable."""
-    for path in files:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text == "max" or not text.isdigit():
-            return None
-        value = int(text)
-        return value if value < NO_CGROUP_LIMIT else None
-    return None
 
 
 class MemoryLimitCollector(Collector):

@@ -27,10 +27,11 @@ from bitserve.server.batches.config import BatchConfig
 from bitserve.server.batches.service import BatchService
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
-from bitserve.server.protocol import valid_request_id
 from bitserve.server.response_cache.cache import ResponseCache
+from bitserve.server.response_fields import valid_request_id
 from bitserve.server.routes import batch_endpoints, register_routes
 from bitserve.server.security.config import SecurityConfig
+from bitserve.server.security.guard import Guard
 from bitserve.server.security.install import install_security
 from bitserve.server.state import AppState, read_build_info
 from bitserve.server.tracing import TRACER_NAME, TracingMiddleware, build_tracer_provider
@@ -150,12 +151,7 @@ def build_app(
     answer 503; `bitserve serve` always passes one)."""
     server_config = server_config or ServerConfig()
     state = build_state(server_config, engine_config or EngineConfig())
-    endpoint = server_config.otel_endpoint
-    if tracer_provider is None and endpoint is not None:
-        tracer_provider = build_tracer_provider(endpoint)
-        logger.info("OpenTelemetry tracing to %s", endpoint)
-    if tracer_provider is not None:
-        state.tracer = tracer_provider.get_tracer(TRACER_NAME)
+    tracer_provider = _start_tracing(state, tracer_provider)
     state.batches = _batch_service(state, batch)
 
     @contextlib.asynccontextmanager
@@ -188,6 +184,28 @@ def build_app(
     app.state.bitserve = state
     register_routes(app)
     install_error_handlers(app, state.retry_after_s, state.stats.record_http_error)
+    guard = _install_middleware(app, state, security, batch)
+    return app
+
+
+def _start_tracing(state: AppState, tracer_provider: Any | None) -> Any | None:
+    """The app's TracerProvider: the one given, else one built when an OTLP endpoint is configured
+    (None: tracing is off); its tracer goes on `state`."""
+    endpoint = state.server_config.otel_endpoint
+    if tracer_provider is None and endpoint is not None:
+        tracer_provider = build_tracer_provider(endpoint)
+        logger.info("OpenTelemetry tracing to %s", endpoint)
+    if tracer_provider is not None:
+        state.tracer = tracer_provider.get_tracer(TRACER_NAME)
+    return tracer_provider
+
+
+def _install_middleware(
+    app: FastAPI, state: AppState, security: SecurityConfig | None, batch: BatchConfig | None
+) -> Guard:
+    """Body limits, security, tracing and the request context around the routes; the security guard
+    (closed by the lifespan)."""
+    server_config = state.server_config
     # add_middleware wraps: the last added is outermost.
     app.add_middleware(
         BodyLimitMiddleware,
@@ -207,4 +225,4 @@ def build_app(
     if state.tracer is not None:  # inside the request context: the request id is known to the span
         app.add_middleware(TracingMiddleware, tracer=state.tracer)
     app.add_middleware(RequestContextMiddleware, on_error=state.stats.record_http_error)
-    return app
+    return guard

@@ -1,14 +1,13 @@
 """Pydantic models of the request bodies (OpenAI chat / completions, native inference, tokenize):
 every field bounded, unknown fields tolerated with a warning, known-but-unimplemented fields
 refused with 400. `to_sampling_params()` is the only road from a request to the engine; no pydantic
-object goes past the serving modules.
+object goes past the serving modules. The values responses carry (token text, usage, request ids) are
+server/response_fields.py's, re-exported here.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -35,11 +34,19 @@ from bitserve.sampling_params import (
 )
 from bitserve.server.deadlines import MAX_REQUEST_TIMEOUT_S
 from bitserve.server.errors import UnsupportedParameter
+from bitserve.server.response_fields import (  # noqa: F401 - re-exported for the serving modules
+    LOGPROB_FLOOR,
+    MAX_REQUEST_ID_CHARS,
+    finite_logprob,
+    new_request_id,
+    token_text,
+    usage_payload,
+    valid_request_id,
+)
 from bitserve.structured.guide import MAX_CHOICES, MAX_GUIDE_CHARS, Guide
 from bitserve.structured.request_fields import extension_guides, one_guide, response_format_guide
 from bitserve.structured.tool_formats import JSON_CONVENTION, ToolFormat, ToolRequest
 from bitserve.structured.tools import assistant_tool_calls, parse_tool_choice, parse_tools
-from bitserve.tokenizer.base import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +60,6 @@ MAX_PROMPT_CHARS = 4 * 1024 * 1024
 MAX_PROMPT_TOKEN_IDS = 1_048_576
 MAX_BATCH_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_BATCH_CHOICES = 64  # prompts x n in one request (each choice is one engine sequence)
-LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
-MAX_REQUEST_ID_CHARS = 128  # a client-chosen request id (X-Request-Id, a WebSocket request's id)
 
 PRIORITIES = {"high": Priority.HIGH, "normal": Priority.NORMAL, "low": Priority.LOW}
 
@@ -485,39 +490,3 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
             param=param,
             hint="use ids from this model's /tokenize",
         )
-
-
-# ----------------------------------------------------------------- response helpers
-
-
-def token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """The text of one token (a partial UTF-8 sequence shows as U+FFFD; `bytes` has the exact value)."""
-    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
-
-
-def finite_logprob(value: float) -> float:
-    return value if math.isfinite(value) else LOGPROB_FLOOR
-
-
-def usage_payload(
-    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
-) -> dict[str, Any]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }
-
-
-def valid_request_id(value: bytes) -> str | None:
-    """A client's request id (X-Request-Id, a WebSocket message's `id`) is kept if it is 1..128
-    printable ASCII characters without spaces."""
-    if not 1 <= len(value) <= MAX_REQUEST_ID_CHARS or not all(0x21 <= byte <= 0x7E for byte in value):
-        return None
-    return value.decode("ascii")
-
-
-def new_request_id(prefix: str) -> str:
-    """Unique engine / response id (client X-Request-Ids may repeat, so they are never reused here)."""
-    return f"{prefix}-{uuid.uuid4().hex}"

@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bitserve.bench.curve import CurvePoint, KneeRule, pick_max_num_batched_tokens, pick_max_num_seqs
-from bitserve.config import (
+from bitserve.batch_limits import (
     FORMAT_BATCH_LIMITS,
     GENERIC_BATCH_LIMITS,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
     batch_limits_for,
     resolve_batch_limits,
 )
+from bitserve.bench.curve import CurvePoint, KneeRule, pick_max_num_batched_tokens, pick_max_num_seqs
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from bitserve.engine.instance import ModelInstance, projection_format
 from bitserve.server.settings import build_configs
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitserve.config import CUDA_BATCH_LIMITS, SchedulerConfig, resolve_batch_limits
+from bitserve.batch_limits import CUDA_BATCH_LIMITS, resolve_batch_limits
+from bitserve.config import SchedulerConfig
 from bitserve.errors import InvalidRequest
 from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.cuda.backend import CudaBackend

@@ -170,14 +170,16 @@ def test_ternary_linear_residual_both_paths(with_residual: bool) -> None:
         _check_linear(384, 512, num_tokens, with_residual=with_residual, seed=num_tokens)
 
 
-def test_gemv_config_overrides_come_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gemv_config_overrides_come_first() -> None:
     from bitserve.kernels.cuda import ternary_matmul
+    from bitserve.kernels.tuning import KernelTuning
 
     default = ternary_matmul.gemv_config(3840, 2560, 1)
-    monkeypatch.setitem(ternary_matmul.GEMV_CONFIG_OVERRIDES, (3840, 2560, 1), (8, 64, 2))
-    assert ternary_matmul.gemv_config(3840, 2560, 1) == GemvConfig(8, 64, 2) != default
-    monkeypatch.setitem(ternary_matmul.GEMV_CONFIG_OVERRIDES, (3840, 2560, 2), (2, 128, 1))
-    assert ternary_matmul.gemv_config(3840, 2560, 1) == GemvConfig(8, 64, 2)  # keyed by T too
+    tuning = KernelTuning(cuda_gemv_tiles=((3840, 2560, 1, 8, 64, 2), (3840, 2560, 2, 2, 128, 1)))
+    overrides = tuning.gemv_overrides()
+    assert ternary_matmul.gemv_config(3840, 2560, 1, overrides) == GemvConfig(8, 64, 2) != default
+    assert ternary_matmul.gemv_config(3840, 2560, 2, overrides) == GemvConfig(2, 128, 1)  # keyed by T too
+    assert ternary_matmul.gemv_config(2560, 2560, 1, overrides) == ternary_matmul.gemv_config(2560, 2560, 1)
 
 
 @pytest.mark.parametrize(

@@ -49,12 +49,12 @@ from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, Prepar
 from bitserve.kernels.cpu import blockquant, decode_glue, f16head, fused, interleaved, mapped
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.fast_decode import FastCpuDecode
+from bitserve.kernels.cpu.group_stacking import stack_groups, stack_rows, stackable_records
 from bitserve.kernels.cpu.isa import Isa, resolve_block_activations, resolve_isa, supported_isas
 from bitserve.kernels.cpu.prepared import (
     BitnetBlockLinear,
     BitnetLinear,
     BlockLinear,
-    CpuLinear,
     CpuTuning,
     DenseLinear,
     FloatTernaryLinear,
@@ -64,7 +64,6 @@ from bitserve.kernels.cpu.prepared import (
     Q4Linear,
     Q8Linear,
     TqLinear,
-    row_scales,
 )
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.plan import CompiledDecoder, DecoderPlan
@@ -282,12 +281,13 @@ class CpuBackend(KernelBackend):
         return strategy(m, k, layout, None, data, d, self.name, with_dense, tuning=tuning)
 
     def fuse_group(self, weights: Sequence[PreparedLinear]) -> tuple[PreparedLinear, list[int]] | None:
-        """Once, at load: the weights of one group (same strategy and K; q/k/v, gate/up) stacked into one,
-        so a step makes one kernel call (and one activation quantization) over the rows of all of them:
-        small K/V projections alone leave a core idle, and each call has a fixed cost. Block weights and
-        the int8 bitnet kernels' weights stack. Returns (stacked weight, row offset of each weight in its
-        output), or None. Each output row is computed exactly as before, with its own weight's scale:
-        splitting the stacked output is bit-identical to running the weights one by one."""
+        """Once, at load: the weights of one group (same strategy and K; q/k/v, gate/up) stacked into one
+        (kernels/cpu/group_stacking.py), so a step makes one kernel call (and one activation quantization)
+        over the rows of all of them: small K/V projections alone leave a core idle, and each call has a
+        fixed cost. Block weights and the int8 bitnet kernels' weights stack. Returns (stacked weight,
+        row offset of each weight in its output), or None. Each output row is computed exactly as before,
+        with its own weight's scale: splitting the stacked output is bit-identical to running the weights
+        one by one."""
         if len(weights) < 2:
             return None
         strategy = type(weights[0])
@@ -295,85 +295,16 @@ class CpuBackend(KernelBackend):
             return None
         if len({weight.in_features for weight in weights}) != 1:
             return None
-        if strategy is Int8BlockLinear and _stackable_records(weights):
-            return self._fuse_int8(strategy, weights, row_scale=False)
+        if strategy is Int8BlockLinear and stackable_records(weights):
+            return stack_rows(strategy, weights, self.name, self.tuning, row_scale=False)
         if issubclass(strategy, BlockLinear) and strategy is not Int8BlockLinear:
-            return self._fuse_block(strategy, weights)
+            return stack_groups(strategy, weights, self.name, self.tuning)
         if strategy is Int8BitnetLinear:
-            return self._fuse_int8(strategy, weights, row_scale=True)
+            return stack_rows(strategy, weights, self.name, self.tuning, row_scale=True)
         block_counts = {weight.scale.shape[1:] for weight in weights if weight.scale is not None}
         if strategy is Int8BitnetBlockLinear and len(block_counts) == 1:
-            return self._fuse_int8(strategy, weights, row_scale=False)
+            return stack_rows(strategy, weights, self.name, self.tuning, row_scale=False)
         return None
-
-    def _fuse_int8(
-        self, strategy: type[CpuLinear], weights: Sequence[PreparedLinear], *, row_scale: bool
-    ) -> tuple[PreparedLinear, list[int]]:
-        """Row-major weights (int8 bitnet: packed rows uint8 [M_i, Kp / 4]; Int8BlockLinear: file blocks
-        [M_i, row_bytes]) concatenated, no padding rows; int8 bitnet weights read in place from one file
-        are not copied: a view spanning them and each row's offset (mapped.shared_span) stand instead.
-        Int8BlockLinear's interleaved records [G_i, nb, record] concatenate the same way (_stackable_records).
-        Scales: per-tensor ones become f32 [sum M_i], each row's own (row_scale); per-block ones
-        f32 [M_i, nb] are concatenated as they are (equal nb).
-        Extras every weight has (Q4 mins "m", f32 copies "dense", both [M_i, ...]) are concatenated too."""
-        offsets = [0]
-        for weight in weights[:-1]:
-            offsets.append(offsets[-1] + weight.out_features)
-        scales = [w.scale for w in weights if w.scale is not None]
-        if row_scale:
-            scales = [row_scales(scale, w.out_features) for scale, w in zip(scales, weights, strict=True)]
-        first = weights[0]
-        shared_extras = [key for key in first.extras if all(key in w.extras for w in weights)]
-        extras = {key: torch.cat([w.extras[key] for w in weights]) for key in shared_extras}
-        span = mapped.shared_span([w.data for w in weights]) if strategy is Int8BitnetLinear else None
-        if span is None:
-            data = torch.cat([weight.data for weight in weights])  # [sum M_i, Kp / 4]
-        else:
-            data, extras["row_offsets"] = span[0], torch.from_numpy(span[1])
-        stacked = strategy(
-            sum(weight.out_features for weight in weights),
-            first.in_features,
-            first.layout,
-            first.mode,
-            data,
-            torch.cat(scales),
-            self.name,
-            MappingProxyType(extras),
-            tuning=self.tuning,
-        )
-        return stacked, offsets
-
-    def _fuse_block(
-        self, strategy: type[BlockLinear], weights: Sequence[PreparedLinear]
-    ) -> tuple[PreparedLinear, list[int]]:
-        """Block weights: their 64-row groups one after another, padding rows included."""
-        offsets, num_padded = [], 0
-        for weight in weights:
-            offsets.append(num_padded)
-            num_padded += (
-                weight.data.shape[0] * blockquant.GROUP_ROWS
-            )  # each weight's groups, padding included
-        data = torch.cat([weight.data for weight in weights])  # [sum G, ...]: the groups one after another
-        scale = torch.cat([weight.scale for weight in weights if weight.scale is not None])
-        extras: dict[str, torch.Tensor] = {}
-        if "m" in weights[0].extras:
-            extras["m"] = torch.cat([weight.extras["m"] for weight in weights])
-        if all("dense" in weight.extras for weight in weights):
-            padded = [_pad_rows(w.extras["dense"], w.data.shape[0] * blockquant.GROUP_ROWS) for w in weights]
-            extras["dense"] = torch.cat(padded)  # [num_padded, K]
-        first = weights[0]
-        stacked = strategy(
-            num_padded,
-            first.in_features,
-            first.layout,
-            None,
-            data,
-            scale,
-            self.name,
-            MappingProxyType(extras),
-            tuning=self.tuning,
-        )
-        return stacked, offsets
 
     # ------------------------------------------------------------ fused small ops (FusedOps)
 
@@ -478,20 +409,6 @@ class CpuBackend(KernelBackend):
             out.numpy(),
         )
         return out
-
-
-def _stackable_records(weights: Sequence[PreparedLinear]) -> bool:
-    """Whether Int8BlockLinear weights' records can be concatenated: one layout, and every weight but
-    the last a whole number of 4-row records (a padded record in the middle would shift the rows after it)."""
-    if len({weight.layout for weight in weights}) != 1:
-        return False
-    return all(weight.out_features % interleaved.GROUP_ROWS == 0 for weight in weights[:-1])
-
-
-def _pad_rows(dense: torch.Tensor, num_rows: int) -> torch.Tensor:
-    if dense.shape[0] == num_rows:
-        return dense
-    return torch.cat([dense, dense.new_zeros(num_rows - dense.shape[0], dense.shape[1])])
 
 
 def _gated(kernel: Callable[..., None], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -175,7 +175,7 @@ class CudaBackend(KernelBackend):
         Raises UnsupportedModel for what it cannot run (ggml numerics, an activation without a kernel)."""
         from bitserve.kernels.cuda.decoder import CudaDecoder  # NOTE: deferred: imports Triton
 
-        return CudaDecoder(plan, self.device)
+        return CudaDecoder(plan, self.device, self.tuning)
 
     def _adopt(self, prepared: PreparedLinear) -> PreparedLinear:
         """A reference weight re-made as this backend's, its tensors on the device."""

@@ -40,6 +40,7 @@ from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_
 from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.kernels.plan import DecoderPlan
 from bitserve.kernels.reference.dequant import dense_rows
+from bitserve.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ _FLOAT_LAYOUTS = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout
 class CudaDecoder:
     """The model's forward contract on the device, with DeviceAttentionMetadata."""
 
-    def __init__(self, plan: DecoderPlan, device: torch.device) -> None:
+    def __init__(
+        self, plan: DecoderPlan, device: torch.device, tuning: KernelTuning = DEFAULT_TUNING
+    ) -> None:
         if plan.ggml_numerics:
             raise UnsupportedModel(
                 "the bitnetcpp linear mode (bitnet.cpp's CPU rounding) is not implemented on CUDA",
@@ -59,7 +62,9 @@ class CudaDecoder:
         self.num_heads, self.num_kv_heads, self.head_dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
         self.eps = plan.rms_norm_eps
         heads = (plan.num_heads, plan.num_kv_heads, plan.head_dim)
-        self.layers = [CudaLayer(layer, heads, plan.activation, self.eps, device) for layer in plan.layers]
+        options = (self.eps, tuning)
+        self.layers = [CudaLayer(layer, heads, plan.activation, device, options) for layer in plan.layers]
+        self.decode_tile = tuning.cuda_decode_tile  # sweeps' decode-attention tile (None in use)
         self.final_norm_weight = plan.final_norm.to(device)
         self.embedding = _device_embedding(plan.embedding, device)  # [vocab, hidden], f32 / f16 / bf16
         # logits in the head's dtype; a float matrix's input is rounded to its dtype (head_input_dtype)
@@ -152,6 +157,7 @@ class CudaDecoder:
                 metadata.block_table,
                 metadata.seq_lens,
                 self.scale,
+                tile=self.decode_tile,
             )
         return paged_prefill_attention(
             q,

@@ -17,6 +17,7 @@ from bitserve.kernels.cuda.linears import CudaBlockLinear, CudaDenseLinear, Cuda
 from bitserve.kernels.cuda.pair_epilogue import GATED_PAIRS, gated_row_order
 from bitserve.kernels.cuda.quantize import norm_quantize
 from bitserve.kernels.plan import LayerPlan, Projection
+from bitserve.kernels.tuning import KernelTuning
 
 # GATED_ACTIVATIONS names that norm_quantize computes in its prologue
 _FUSED_ACTIVATIONS = {"relu2": "relu2", "relu_sqr": "relu2", "silu": "silu"}
@@ -39,10 +40,16 @@ class CudaLayer:
     """One layer's weights on the device, each projection's path chosen once (see the module docstring)."""
 
     def __init__(
-        self, layer: LayerPlan, heads: tuple[int, int, int], activation: str, eps: float, device: torch.device
+        self,
+        layer: LayerPlan,
+        heads: tuple[int, int, int],
+        activation: str,
+        device: torch.device,
+        options: tuple[float, KernelTuning],
     ) -> None:
         num_heads, num_kv_heads, head_dim = heads
-        self.eps = eps
+        self.eps, tuning = options  # the model's RMSNorm epsilon and kernel knobs
+        self.gemv_overrides = tuning.gemv_overrides() or None  # sweeps' tiles (None in use)
         if activation not in ACTIVATIONS:  # at load, not at the first step
             raise UnsupportedModel(f"FFN activation {activation!r} has no CUDA kernel")
         self.activation = activation
@@ -77,7 +84,7 @@ class CudaLayer:
         """norm(x) through projection `name` (+ residual): f32 [T, M] (a group's outputs side by side)."""
         ternary, dense, block = self.ternary[name], self.dense[name], self.block[name]
         if ternary is not None:
-            return _norm_linear(ternary, x, norm, self.eps, residual=residual)  # type: ignore[arg-type]
+            return self._norm_linear(ternary, x, norm, residual=residual)  # type: ignore[arg-type]
         if block is not None:
             return block.run_fused(x, norm, self.eps, residual=residual)  # type: ignore[attr-defined]
         x = x if norm is None else rms_norm(x, norm, self.eps)
@@ -104,12 +111,12 @@ class CudaLayer:
         if self.gate_pair is not None:
             gate_up = self.ternary["gate_up"]
             assert gate_up is not None and down is not None  # invariant: _pair_gate_up's condition
-            ffn_act = _norm_linear(gate_up, hidden, self.ffn_norm, self.eps, pair=self.gate_pair)  # type: ignore[arg-type]
-            return _norm_linear(down, ffn_act, sub_norm, self.eps, residual=hidden)  # type: ignore[arg-type]
+            ffn_act = self._norm_linear(gate_up, hidden, self.ffn_norm, pair=self.gate_pair)  # type: ignore[arg-type]
+            return self._norm_linear(down, ffn_act, sub_norm, residual=hidden)  # type: ignore[arg-type]
         gate_up_out = self._project("gate_up", hidden, self.ffn_norm)  # [T, 2 * I]
         if down is not None:
-            return _norm_linear(
-                down, gate_up_out, sub_norm, self.eps, residual=hidden, activation=self.fused_act  # type: ignore[arg-type]
+            return self._norm_linear(
+                down, gate_up_out, sub_norm, residual=hidden, activation=self.fused_act  # type: ignore[arg-type]
             )
         block_down = self.block["down"]
         if block_down is not None:  # act(gate) * up, sub-norm and residual in the GEMV (or its fallback)
@@ -119,20 +126,19 @@ class CudaLayer:
         ffn_out = act_and_mul(gate_up_out, self.activation)  # [T, I]
         return self._project("down", ffn_out, sub_norm, hidden)
 
-
-def _norm_linear(
-    weight: CudaTernaryLinear,
-    x: torch.Tensor,
-    norm_weight: torch.Tensor | None,
-    eps: float,
-    *,
-    residual: torch.Tensor | None = None,
-    activation: str | None = None,
-    pair: int | None = None,
-) -> torch.Tensor:
-    """Two launches: act/norm + int8 quantization of x, then the W2A8 kernel (+ residual), or with a
-    gated `pair` the kernel's pair epilogue (a permuted gate/up weight -> act(gate) * up)."""
-    q, s_act = norm_quantize(x, norm_weight, eps, activation=activation)
-    if pair is not None:
-        return weight.run_paired(q, s_act, pair)
-    return weight.run_quantized(q, s_act, residual)
+    def _norm_linear(
+        self,
+        weight: CudaTernaryLinear,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        *,
+        residual: torch.Tensor | None = None,
+        activation: str | None = None,
+        pair: int | None = None,
+    ) -> torch.Tensor:
+        """Two launches: act/norm + int8 quantization of x, then the W2A8 kernel (+ residual), or with a
+        gated `pair` the kernel's pair epilogue (a permuted gate/up weight -> act(gate) * up)."""
+        q, s_act = norm_quantize(x, norm_weight, self.eps, activation=activation)
+        if pair is not None:
+            return weight.run_paired(q, s_act, pair, self.gemv_overrides)
+        return weight.run_quantized(q, s_act, residual, self.gemv_overrides)

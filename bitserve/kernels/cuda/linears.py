@@ -9,6 +9,7 @@ import torch
 
 from bitserve.kernels.backend import PreparedLinear
 from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, block_tile
+from bitserve.kernels.tuning import GemvOverrides
 
 
 class CudaDenseLinear(PreparedLinear):
@@ -78,7 +79,11 @@ class CudaTernaryLinear(PreparedLinear):
         return self.run_quantized(q, s_act)
 
     def run_quantized(
-        self, q: torch.Tensor, s_act: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        s_act: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        gemv_overrides: GemvOverrides | None = None,
     ) -> torch.Tensor:
         """q int8 [T, K], s_act f32 [T] (+ residual f32 [T, M]) -> f32 [T, M], in the original row order
         also for a weight whose rows `permute_rows` reordered for a pair epilogue."""
@@ -87,19 +92,23 @@ class CudaTernaryLinear(PreparedLinear):
         assert self.scale is not None  # invariant: ternary weights carry their row scales
         order = self.extras.get("row_order")
         if order is None:
-            return ternary_linear(q, s_act, self.data, self.scale, residual=residual)
-        permuted = ternary_linear(q, s_act, self.data, self.scale)
+            return ternary_linear(
+                q, s_act, self.data, self.scale, residual=residual, gemv_overrides=gemv_overrides
+            )
+        permuted = ternary_linear(q, s_act, self.data, self.scale, gemv_overrides=gemv_overrides)
         out = torch.empty_like(permuted)
         out[:, order] = permuted
         return out if residual is None else residual + out
 
-    def run_paired(self, q: torch.Tensor, s_act: torch.Tensor, pair: int) -> torch.Tensor:
+    def run_paired(
+        self, q: torch.Tensor, s_act: torch.Tensor, pair: int, gemv_overrides: GemvOverrides | None = None
+    ) -> torch.Tensor:
         """q int8 [T, K], s_act f32 [T] -> act(gate) * up f32 [T, M / 2]: a [gate | up] weight whose rows
         permute_rows interleaved (pair_epilogue.gated_row_order), through the gated pair epilogue."""
         from bitserve.kernels.cuda.ternary_matmul import ternary_linear
 
         assert self.scale is not None and "row_order" in self.extras  # invariant: permute_rows ran
-        return ternary_linear(q, s_act, self.data, self.scale, pair=pair)
+        return ternary_linear(q, s_act, self.data, self.scale, pair=pair, gemv_overrides=gemv_overrides)
 
     def permute_rows(self, order: torch.Tensor) -> None:
         """Reorder the rows (row i becomes original row order[i], int64 [M]) in place, for the gated pair

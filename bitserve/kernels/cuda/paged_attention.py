@@ -31,9 +31,6 @@ from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
 MIN_KEYS_PER_SPLIT = 64  # flash-decoding: at least one tile of keys per split
 MAX_SPLITS = 32
-# (BLOCK_N, num_warps, num_stages) for every f16 / bf16 decode launch instead of _decode_config's choice:
-# a tuning switch for benchmarks/ab_gpu_decode.py, None in use
-DECODE_CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 
 
 # ------------------------------------------------------------------ decode
@@ -168,19 +165,34 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, device: t
 
 
 def _decode_config(
-    head_dim: int, dtype: torch.dtype, programs: int, device: torch.device
+    head_dim: int, dtype: torch.dtype, programs: int, device: torch.device, tile: tuple[int, int, int] | None
 ) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages) of the decode kernel, measured on an H100 (f16 pages):
     8K-element K / V tiles (64 keys of D 128) keep three programs per SM busy; with eight or more programs
     per SM queued, 16K-element tiles stream ~8% faster. f32 pages of D 128 take 32-key tiles (registers:
-    tf32x3 holds each operand twice)."""
+    tf32x3 holds each operand twice). `tile` (KernelTuning.cuda_decode_tile, sweeps) replaces the choice for
+    f16 / bf16 pages."""
     if dtype == torch.float32:
         return (32, 4, 3) if head_dim > 64 else (64, 4, 2)
-    if DECODE_CONFIG_OVERRIDE is not None:
-        return DECODE_CONFIG_OVERRIDE
+    if tile is not None:
+        return tile
     if head_dim <= 64 or programs >= 8 * _sm_count(device):
         return 128, 4, 3
     return 64, 4, 2
+
+
+def _split_outputs(
+    out: torch.Tensor, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """Where the decode kernel writes: (its output, its log2-sum-exp, the output's (seq, head, split)
+    strides). One split writes `out` itself (the lse unused); several write partials [B, H, S, D] and an
+    lse [B, H, S] that the reduce kernel merges into `out`."""
+    if num_splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0)
+    num_seqs, num_heads, head_dim = out.shape
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+    lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=out.device)
+    return partial, lse, (partial.stride(0), partial.stride(1), partial.stride(2))
 
 
 def paged_decode_attention(
@@ -192,6 +204,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """One query per sequence over the paged cache -> f32 [B, H, D] (`out` when given).
 
@@ -199,7 +212,8 @@ def paged_decode_attention(
     bf16, H a multiple of KVH; block_table int32 / int64 [B, max_blocks] (entries past a sequence's
     blocks are never read); seq_lens int32 / int64 [B] on the device, keys per sequence including this
     step's (0 gives a zero row). No host sync: capturable in a CUDA graph, grid from B, H and
-    max_blocks. num_splits (tests, tuning) overrides the flash-decoding split count; 1 = one kernel.
+    max_blocks. num_splits (tests, tuning) overrides the flash-decoding split count; 1 = one kernel; tile
+    (BLOCK_N, num_warps, num_stages) the f16 / bf16 tile choice.
     Under PDL the first tile's keys other than each sequence's newest (position seq_len - 1) are read
     before the kernel waits for the one launched before it, which may write those newest slots only (as
     rotary_and_cache_ does); cache entries written otherwise must come from a kernel further back.
@@ -217,14 +231,9 @@ def paged_decode_attention(
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, q.device)
     group = num_heads // num_kv_heads
     programs = num_seqs * num_kv_heads * num_splits
-    block_n, num_warps, num_stages = _decode_config(head_dim, kv_cache.dtype, programs, q.device)
+    block_n, num_warps, num_stages = _decode_config(head_dim, kv_cache.dtype, programs, q.device, tile)
     block_d = triton.next_power_of_2(head_dim)
-    if num_splits > 1:
-        partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        target, target_strides = partial, (partial.stride(0), partial.stride(1), partial.stride(2))
-    else:
-        lse, target, target_strides = out, out, (out.stride(0), out.stride(1), 0)
+    target, lse, target_strides = _split_outputs(out, num_splits)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, block_table, seq_lens, target, lse,
@@ -237,7 +246,7 @@ def paged_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            partial, lse, out, out.stride(0), out.stride(1),
+            target, lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2, **launch_options(q.device),
         )  # fmt: skip

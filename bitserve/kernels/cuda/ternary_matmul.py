@@ -40,16 +40,13 @@ from bitserve.kernels.cuda.pair_epilogue import PAIR_NONE, out_width, pair_store
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 from bitserve.kernels.cuda.ternary_gemm import gemm_config, launch_gemm
 from bitserve.kernels.cuda.ternary_pack import GROUP
+from bitserve.kernels.tuning import GemvOverrides
 
 GEMV_MAX_T = 8  # largest T served by the dp4a GEMV path
 # NOTE: the GEMV's last KW % BLOCK_W words run as a chunk of their own (next power of two wide: gemv_tail)
 # instead of a whole masked BLOCK_W chunk: at the 2B's K = 2560 (KW 160) a 128-word chunk pair spent 96 of
 # its 256 words' instructions on masked zeros, 29% of the step's GEMV work over its four projections (sm_90
 # SASS, compiled offline: RESULTS.md); 2B batch-1 decode on an H200 1.040 -> 1.025 ms a step (2026-11-28).
-# (M, K, T) -> (block_m, block_w, num_warps) replacing gemv_config's choice: for sweeps inside the decode
-# chain (benchmarks/ab_gpu_decode.py sets it before a load), where a GEMV's weights arrive under the kernel
-# before it and its instruction count, not its standalone latency, is what the step pays
-GEMV_CONFIG_OVERRIDES: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 WORDS_PER_GROUP = tl.constexpr(GROUP // 16)  # int32 words of packed weights per 128-column group (8)
 
 
@@ -274,14 +271,16 @@ def use_gemv(m: int, k: int, num_tokens: int) -> bool:
     return num_tokens <= 4 or (num_tokens <= GEMV_MAX_T and m <= 4096)
 
 
-def gemv_config(m: int, k: int, num_tokens: int) -> GemvConfig:
+def gemv_config(m: int, k: int, num_tokens: int, overrides: GemvOverrides | None = None) -> GemvConfig:
     """Tile choice of the GEMV path: the fastest of benchmarks/bench_cuda_kernels.py --sweep on H100.
 
     Small programs of 2-8 rows and 128-256-word (2048-4096-weight) chunks, one or two warps: many small
     programs in flight hide DRAM latency best. The 13824-row gate/up matrix prefers more rows a program.
-    GEMV_CONFIG_OVERRIDES comes first.
+    `overrides` ((M, K, T) -> (block_m, block_w, num_warps): KernelTuning.cuda_gemv_tiles, for sweeps inside
+    the decode chain, where a GEMV's weights arrive under the kernel before it and its instruction count,
+    not its standalone latency, is what the step pays) come first.
     """
-    override = GEMV_CONFIG_OVERRIDES.get((m, k, num_tokens))
+    override = None if overrides is None else overrides.get((m, k, num_tokens))
     if override is not None:
         return GemvConfig(*override)
     if m >= 8192:
@@ -395,6 +394,7 @@ def ternary_linear(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pair: int = PAIR_NONE,
+    gemv_overrides: GemvOverrides | None = None,
 ) -> torch.Tensor:
     """q int8 [T, K], s_act f32 [T], packed uint8 [M, K // 4], scale f32 [M] -> f32 [T, M].
 
@@ -402,7 +402,8 @@ def ternary_linear(
     With a gated `pair` (a GATED_PAIRS code, on a weight whose rows gated_row_order interleaved)
     the epilogue writes act(gate) * up instead: out f32 [T, M / 2], no residual (pair_epilogue.py).
     All operands contiguous on one device; `out`, when given, is written in place and returned.
-    No host sync (CUDA-graph capturable once each (T, M, K) has been run once).
+    No host sync (CUDA-graph capturable once each (T, M, K) has been run once). gemv_overrides: tiles
+    replacing gemv_config's choice by shape (KernelTuning.gemv_overrides).
     """
     width = out_width(pair, packed.shape[0])
     if pair != PAIR_NONE and residual is not None:
@@ -413,7 +414,7 @@ def ternary_linear(
     if num_tokens == 0 or m == 0:
         return out
     if use_gemv(m, k, num_tokens):
-        cfg = gemv_config(m, k, num_tokens) if q.is_cuda else INTERPRETER_GEMV
+        cfg = gemv_config(m, k, num_tokens, gemv_overrides) if q.is_cuda else INTERPRETER_GEMV
         launch_gemv(q, s_act, packed, scale, residual, out, cfg, pair)
     else:
         launch_gemm(q, s_act, packed, scale, residual, out, gemm_config(m, k, num_tokens), pair)
