@@ -39,6 +39,7 @@ from bitserve.engine.messages import EngineRequest  # noqa: E402
 KERNEL_MARKERS = ("libgomp", "libiomp", "tbb", "workqueue", "omppool", "libtorch_cpu", "mkl", "sleef")
 DISPATCH_MARKERS = ("_dispatcher", "numba/core/dispatcher", "typeof", "_helperlib")
 PYTHON_MARKERS = ("libpython", "_PyEval", "PyObject_", "_PyObject", "python3.", "libtorch_python")
+MIN_PROFILED_S = 3.0  # decoding under py-spy, whatever --seconds (profiled_steps says why)
 
 
 def frame_kind(frame: str) -> str:
@@ -97,6 +98,17 @@ def decode_steps(llm: LLM, prompt_ids: list[int], seconds: float, max_steps: int
     return num_steps, wall
 
 
+def profiled_steps(llm: LLM, prompt_ids: list[int], min_steps: int) -> tuple[int, float]:
+    """At least `min_steps` decode steps and MIN_PROFILED_S of decoding (requests renewed where one runs
+    out of context): py-spy --native can take over a second to attach on a busy machine (reading the
+    symbols of libtorch), and a short run then ended before its first sample (seen in CI). (steps, wall)."""
+    steps, wall = decode_steps(llm, prompt_ids, 0.0, min_steps)
+    while wall < MIN_PROFILED_S:
+        more_steps, more_wall = decode_steps(llm, prompt_ids, MIN_PROFILED_S - wall, None)
+        steps, wall = steps + more_steps, wall + more_wall
+    return steps, wall
+
+
 def top_python_frames(stacks: collections.Counter[tuple[str, ...]], top: int) -> list[tuple[str, int]]:
     """Innermost Python frame of the samples bucketed as Python or numba dispatch."""
     counts: collections.Counter[str] = collections.Counter()
@@ -135,7 +147,7 @@ def main() -> int:
         stderr=subprocess.DEVNULL,
     )
     time.sleep(1.0)  # attach; idle samples (this sleep) are dropped by py-spy
-    steps, wall = decode_steps(llm, prompt_ids, 0.0, steps)
+    steps, wall = profiled_steps(llm, prompt_ids, steps)
     spy.send_signal(signal.SIGINT)
     spy.wait(timeout=60)
     profiled_ms = wall / steps * 1e3
