@@ -241,7 +241,7 @@ BACKEND_NAMES = {"reference", "cpu", "cuda"}
 BACKEND_PACKAGES = tuple(f"bitserve.kernels.{name}" for name in BACKEND_NAMES)
 
 
-def backend_branches(path: Path) -> list[str]:
+def backend_branches(path: Path, root: Path = PACKAGE) -> list[str]:
     """Where a file tests a backend's name (`x.name == "cpu"`) or a weight's class (isinstance / type()
     against a class of a backend's package: kernels/reference, cpu, cuda; the protocol's own types in
     kernels/backend.py and prepared_linear.py are the seam, not a backend)."""
@@ -259,11 +259,11 @@ def backend_branches(path: Path) -> list[str]:
         if isinstance(node, ast.Compare):
             names = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
             if any(name in BACKEND_NAMES for name in names) and "name" in ast.unparse(node):
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
         is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
         if is_call and node.func.id in {"isinstance", "type"}:
             if any(isinstance(a, ast.Name) and a.id in kernel_classes for a in ast.walk(node)):
-                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     return found
 
 
@@ -278,7 +278,6 @@ def test_models_and_layers_never_branch_on_a_backend_or_weight_class() -> None:
 
 
 def test_the_backend_branch_check_sees_one(tmp_path: Path) -> None:
-    global PACKAGE
     sample = tmp_path / "sample.py"
     sample.write_text(
         "from bitserve.kernels.cpu.prepared import Int8BlockLinear\n"
@@ -286,11 +285,7 @@ def test_the_backend_branch_check_sees_one(tmp_path: Path) -> None:
         "    return backend.name == 'cpu' or isinstance(w, Int8BlockLinear)\n",
         encoding="utf-8",
     )
-    saved, PACKAGE = PACKAGE, tmp_path
-    try:
-        assert len(backend_branches(sample)) == 2
-    finally:
-        PACKAGE = saved
+    assert len(backend_branches(sample, root=tmp_path)) == 2
 
 
 # Where bitserve may read the environment: settings (every BITSERVE_* knob), the package's import-time
@@ -299,7 +294,7 @@ def test_the_backend_branch_check_sees_one(tmp_path: Path) -> None:
 ENVIRONMENT_READERS = {"server/settings.py", "__init__.py", "testing/kernel_device.py"}
 
 
-def environment_reads(path: Path) -> list[str]:
+def environment_reads(path: Path, root: Path = PACKAGE) -> list[str]:
     """os.environ.get / os.getenv / os.environ[...] / `in os.environ` / os.environ.setdefault in a file
     (building a child's environment from {**os.environ} is not a read of a knob)."""
     found = []
@@ -316,7 +311,7 @@ def environment_reads(path: Path) -> list[str]:
         elif isinstance(node, ast.Compare) and any(ast.unparse(c) == "os.environ" for c in node.comparators):
             text = ast.unparse(node)
         if text is not None:
-            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {text}")
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {text}")
     return found
 
 
@@ -331,7 +326,6 @@ def test_only_settings_reads_the_environment() -> None:
 
 
 def test_the_environment_check_sees_reads(tmp_path: Path) -> None:
-    global PACKAGE
     sample = tmp_path / "sample.py"
     sample.write_text(
         "import os\n"
@@ -339,8 +333,4 @@ def test_the_environment_check_sees_reads(tmp_path: Path) -> None:
         "child = {**os.environ, 'V': '1'}\n",
         encoding="utf-8",
     )
-    saved, PACKAGE = PACKAGE, tmp_path
-    try:
-        assert len(environment_reads(sample)) == 4
-    finally:
-        PACKAGE = saved
+    assert len(environment_reads(sample, root=tmp_path)) == 4

@@ -87,6 +87,7 @@ def make_runner(
     max_model_len: int,
     *,
     model_config: ModelConfig,
+    tuning: KernelTuning,
 ) -> ModelRunner:
     """The CPU runner, or the CUDA runner (device KV pages, decode CUDA graphs) for a CUDA device."""
     if device.type != "cuda":
@@ -100,7 +101,7 @@ def make_runner(
         max_num_seqs=scheduler_config.max_num_seqs,
         max_model_len=max_model_len,
         use_cuda_graphs=model_config.cuda_graphs,
-        tuning=kernel_tuning(model_config),
+        tuning=tuning,
     )
 
 
@@ -248,12 +249,13 @@ class ModelInstance(ServedModelParts):
             torch.set_num_threads(model_config.num_threads)
         path = resolve_model(model_config.model)
         device = load_device(model_config.device)
+        tuning = kernel_tuning(model_config)  # parsed once: the backend and the runner share it
         options = LoadOptions(
             backend=select_backend(
                 model_config.backend,
                 max_dense_weight_bytes=model_config.max_dense_weight_bytes,
                 device=str(device),
-                tuning=kernel_tuning(model_config),
+                tuning=tuning,
             ),
             linear_mode=parse_linear_mode(model_config.linear_mode),
             lm_head=model_config.lm_head,
@@ -262,7 +264,7 @@ class ModelInstance(ServedModelParts):
         )
         loaded = load_model(path, options)
         try:
-            instance = cls._assemble(config, path, loaded, device)
+            instance = cls._assemble(config, path, loaded, device, tuning)
         except BaseException:
             loaded.close()
             raise
@@ -271,14 +273,19 @@ class ModelInstance(ServedModelParts):
 
     @classmethod
     def _assemble(
-        cls, config: EngineConfig, path: Path, loaded: LoadResult, device: torch.device
+        cls,
+        config: EngineConfig,
+        path: Path,
+        loaded: LoadResult,
+        device: torch.device,
+        tuning: KernelTuning,
     ) -> ModelInstance:
         tokenizer, chat_template = text_side(config, path, loaded.gguf.metadata, loaded.spec)
         scheduler_config = serving_limits(config, loaded.spec, loaded.gguf, device)
         max_model_len = scheduler_config.max_model_len
         layout = plan_kv_cache(config, loaded.spec, scheduler_config, device)
         runner = make_runner(
-            loaded, layout, device, scheduler_config, max_model_len, model_config=config.model
+            loaded, layout, device, scheduler_config, max_model_len, model_config=config.model, tuning=tuning
         )
         grammars = GrammarCompiler(tokenizer, loaded.spec.vocab_size)
         runner.guided = GuidedRows(grammars)

@@ -30,13 +30,10 @@ def metadata_for(start: int, num_new: int, block_size: int, device: torch.device
 
     seq_len = start + num_new
     num_blocks = -(-seq_len // block_size)
-    return DeviceAttentionMetadata(
-        slot_mapping=torch.arange(start, seq_len, dtype=torch.int64, device=device),
-        block_table=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_new], dtype=torch.int32, device=device),
-        max_query_len=num_new,
-        decode_only=num_new == 1,
+    return DeviceAttentionMetadata.one_sequence(
+        torch.arange(start, seq_len, dtype=torch.int64, device=device),
+        torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
+        seq_len,
     )
 
 
