@@ -223,12 +223,9 @@ def incremental_logits(
     with torch.inference_mode():
         for ids in [list(prompt_ids)] + [[token] for token in continuation]:
             positions = torch.arange(start, start + len(ids))
-            metadata = AttentionMetadata(
-                slot_mapping=positions,
-                block_table=table,
-                seq_lens=[start + len(ids)],
-                query_start_loc=[0, len(ids)],
-                block_size=block_size,
+            # batch_decodes off: each step attends as one sequence, as bitnet.cpp's probe runs it
+            metadata = AttentionMetadata.from_host(
+                positions, table, [start + len(ids)], [0, len(ids)], block_size, batch_decodes=False
             )
             hidden = model(torch.tensor(ids), positions, caches, metadata)
             if prompt_logits or start > 0:

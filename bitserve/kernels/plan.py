@@ -9,7 +9,7 @@ RoPE tables, head). A backend compiles it into its fast forward (the cpu backend
 loop, the cuda backend's fused Triton chain) or declines (None): then the module forward runs. So
 neither fast forward reaches into nn.Modules, and models/ never names a backend or a weight class.
 
-Imports only torch and kernels/backend.py (no layers/, no models/).
+Imports only torch and kernels/ records (no layers/, no models/).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from bitserve.kernels.attention_metadata import AttentionMetadata
 from bitserve.kernels.packed import PackedWeight
 from bitserve.kernels.prepared_linear import LinearKernelGroup, PreparedLinear
 
@@ -107,7 +108,9 @@ class DecoderPlan:
 class CompiledDecoder(Protocol):
     """A backend's fast forward of one model's layers (what `compile_decoder` returns)."""
 
-    def applies(self, num_tokens: int, kv_caches: list[torch.Tensor] | None, metadata: object) -> bool:
+    def applies(
+        self, num_tokens: int, kv_caches: list[torch.Tensor] | None, metadata: AttentionMetadata | None
+    ) -> bool:
         """Whether this step (its token count, caches and attention metadata) runs here; False: the
         module forward runs it."""
         ...
@@ -117,7 +120,7 @@ class CompiledDecoder(Protocol):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: object,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """hidden f32 [T, hidden] (the tokens' embeddings), positions int64 [T] -> the last layer's
         output f32 [T, hidden], before the final norm; KV of this step written to the caches."""

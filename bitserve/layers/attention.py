@@ -8,6 +8,7 @@ sequence's tokens live in the blocks its block table lists, token p at slot
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -63,14 +64,17 @@ class PagedAttention(nn.Module):
         if metadata is None or kv_cache is None:
             out = self._attend(q, k, v, num_context=num_tokens, one_token_step=one_token_step)
             return out.reshape(num_tokens, -1)
+        schedule = metadata.host
+        if schedule is None:
+            raise ValueError("the module forward attends over a step laid out on the host (metadata.host)")
         self._write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
         key_pages, value_pages = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
-        seq_ids = metadata.other_seq_ids if metadata.other_seq_ids is not None else range(metadata.num_seqs)
+        seq_ids: Sequence[int] = schedule.other_seq_ids
         if self.ggml_numerics:
             seq_ids = range(metadata.num_seqs)  # every sequence on its own, decodes included
-        elif metadata.decode is not None:
-            decode = metadata.decode
+        elif schedule.decode is not None:
+            decode = schedule.decode
             if self.fused is not None and kv_cache.dtype == torch.float32:
                 out[decode.token_rows] = self.fused.paged_decode_attention(
                     q[decode.token_rows],
@@ -83,8 +87,8 @@ class PagedAttention(nn.Module):
             else:
                 out[decode.token_rows] = self._attend_decodes(q, key_pages, value_pages, decode)
         for seq_idx in seq_ids:
-            seq_len = metadata.seq_lens[seq_idx]
-            start, end = metadata.query_start_loc[seq_idx], metadata.query_start_loc[seq_idx + 1]
+            seq_len = schedule.seq_lens[seq_idx]
+            start, end = schedule.query_start_loc[seq_idx], schedule.query_start_loc[seq_idx + 1]
             if seq_len == end - start:
                 # NOTE: a fresh prompt's whole context is this step's k / v: attend over them as the
                 # cache holds them (cast to its dtype) instead of gathering the pages just written
@@ -101,7 +105,7 @@ class PagedAttention(nn.Module):
         key_pages: torch.Tensor, value_pages: torch.Tensor, metadata: AttentionMetadata, seq_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached keys and values of sequence seq_idx: [seq_len, kv_heads, head_dim] each (a copy)."""
-        seq_len = metadata.seq_lens[seq_idx]
+        seq_len = metadata.host.seq_lens[seq_idx]  # type: ignore[union-attr]  # forward() checked host
         num_blocks = -(-seq_len // metadata.block_size)
         block_ids = metadata.block_table[seq_idx, :num_blocks]
         keys = key_pages[block_ids].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]

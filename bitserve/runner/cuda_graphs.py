@@ -45,7 +45,7 @@ import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
+from bitserve.kernels.attention_metadata import AttentionMetadata
 from bitserve.kernels.cuda.argmax import StepFeed
 from bitserve.kernels.cuda.decode_inputs import INPUT_IDS, POSITIONS, SEQ_LENS, SLOTS, prepare_decode_step
 from bitserve.kernels.cuda.decoder import CudaDecoder
@@ -128,15 +128,15 @@ class DecodeGraphs:
         """The (size, width) bucket's block table on the device: int32 [size, width]."""
         return self._table[: size * width].view(size, width)
 
-    def _metadata(self, size: int, width: int) -> DeviceAttentionMetadata:
+    def _metadata(self, size: int, width: int) -> AttentionMetadata:
         inputs = self.inputs(size)
-        return DeviceAttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=inputs[SLOTS],
             block_table=self.block_table(size, width),
             seq_lens=inputs[SEQ_LENS],
             query_start_loc=self.query_start_loc[: size + 1],
+            block_size=self.block_size,
             max_query_len=1,
-            decode_only=True,
         )
 
     def _step(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:

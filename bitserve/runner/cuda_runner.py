@@ -18,7 +18,7 @@ import torch
 
 from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
+from bitserve.kernels.attention_metadata import AttentionMetadata
 from bitserve.kernels.cuda.decoder import CudaDecoder
 from bitserve.kernels.cuda.ternary_matmul import GEMV_MAX_T
 from bitserve.kernels.tuning import DEFAULT_TUNING, KernelTuning
@@ -91,10 +91,11 @@ class CudaModelRunner(ModelRunner):
             if num_tokens > longest:
                 break
             pages = -(-num_tokens // block_size)
-            metadata = DeviceAttentionMetadata.one_sequence(
+            metadata = AttentionMetadata.one_sequence(
                 torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
                 torch.full((1, pages), self.scratch_block, dtype=torch.int32, device=self.device),
                 num_tokens,
+                block_size,
             )
             ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
             positions = torch.arange(num_tokens, dtype=torch.int64, device=self.device)
@@ -183,15 +184,7 @@ class CudaModelRunner(ModelRunner):
             return logits[sample_rows] if sample_rows else None
         # the CPU runner's host-side batch layout, sent to the device in pinned, non-blocking copies
         batch = build_batch_inputs(requests, self.layout.block_size)
-        attn = batch.attn
-        metadata = DeviceAttentionMetadata(
-            slot_mapping=self._send(attn.slot_mapping),
-            block_table=self._send(attn.block_table.to(torch.int32)),
-            seq_lens=self._send(torch.tensor(attn.seq_lens, dtype=torch.int32)),
-            query_start_loc=self._send(torch.tensor(attn.query_start_loc, dtype=torch.int32)),
-            max_query_len=max(len(r.token_ids) for r in requests),
-            decode_only=decode_only,
-        )
+        metadata = batch.attn.to_device(self._send)
         input_ids, positions = self._send(batch.input_ids), self._send(batch.positions)
         hidden = self.decoder(input_ids, positions, self.kv_caches, metadata)
         if not batch.sampled_request_ids:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from bitserve.core.scheduler_output import ScheduledRequest
-from bitserve.kernels.attention_metadata import AttentionMetadata, make_decode_batch
+from bitserve.kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,18 +45,8 @@ def build_batch_inputs(requests: Sequence[ScheduledRequest], block_size: int) ->
         if request.sample:
             sample_indices.append(query_start_loc[-1] - 1)
             sampled_request_ids.append(request.request_id)
-    decode_ids = [i for i, r in enumerate(requests) if len(r.token_ids) == 1]
-    other_ids = tuple(i for i, r in enumerate(requests) if len(r.token_ids) != 1)
-    attn = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_table=block_table,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        block_size=block_size,
-        decode=make_decode_batch(decode_ids, block_table, seq_lens, query_start_loc, block_size)
-        if decode_ids
-        else None,
-        other_seq_ids=other_ids,
+    attn = AttentionMetadata.from_host(
+        torch.tensor(slots, dtype=torch.int64), block_table, seq_lens, query_start_loc, block_size
     )
     return BatchInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),

@@ -26,14 +26,15 @@ def kernel_device() -> torch.device:
 
 def metadata_for(start: int, num_new: int, block_size: int, device: torch.device):  # noqa: ANN201
     """One sequence whose blocks are 0, 1, 2, ... in order; tokens start..start+num_new-1 this step."""
-    from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
+    from bitserve.kernels.attention_metadata import AttentionMetadata
 
     seq_len = start + num_new
     num_blocks = -(-seq_len // block_size)
-    return DeviceAttentionMetadata.one_sequence(
+    return AttentionMetadata.one_sequence(
         torch.arange(start, seq_len, dtype=torch.int64, device=device),
         torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
         seq_len,
+        block_size,
     )
 
 

@@ -16,7 +16,7 @@ from bitserve.testing.kernel_device import kernel_test_device
 pytestmark = pytest.mark.gpu
 DEVICE = kernel_test_device()
 
-from bitserve.kernels.attention_metadata import AttentionMetadata, make_decode_batch  # noqa: E402
+from bitserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from bitserve.kernels.cuda.paged_attention import paged_decode_attention  # noqa: E402
 from bitserve.kernels.cuda.paged_prefill import paged_prefill_attention  # noqa: E402
 from bitserve.kernels.cuda.rotary_cache import rotary_and_cache_  # noqa: E402
@@ -79,16 +79,7 @@ def _eager(
     slots = _slots(table, lens, counts, block_size)
     keys, values = cache[0].flatten(0, 1)[slots].float(), cache[1].flatten(0, 1)[slots].float()
     safe_table = table.clamp(0, kv_cache.shape[1] - 1)  # the eager path slices rows to their blocks
-    decode_batch = make_decode_batch(list(range(len(lens))), safe_table, lens, starts, block_size)
-    metadata = AttentionMetadata(
-        slot_mapping=slots,
-        block_table=safe_table,
-        seq_lens=lens,
-        query_start_loc=starts,
-        block_size=block_size,
-        decode=decode_batch if decode else None,
-        other_seq_ids=() if decode else None,
-    )
+    metadata = AttentionMetadata.from_host(slots, safe_table, lens, starts, block_size, batch_decodes=decode)
     out = PagedAttention(num_heads, num_kv_heads, head_dim)(q.cpu(), keys, values, cache, metadata)
     return out.view(num_tokens, num_heads, head_dim)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitserve.kernels.attention_metadata import AttentionMetadata, make_decode_batch
+from bitserve.kernels.attention_metadata import AttentionMetadata
 from bitserve.kernels.cpu.backend import CpuBackend
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.layers.attention import PagedAttention
@@ -64,17 +64,10 @@ def test_paged_decode_attention_matches_the_eager_path(num_heads: int, num_kv_he
         for row, n in enumerate(seq_lens)
     ]
     query_start_loc = list(range(len(seq_lens) + 1))
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_table=block_table,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        block_size=block_size,
-        decode=make_decode_batch(
-            list(range(len(seq_lens))), block_table, seq_lens, query_start_loc, block_size
-        ),
-        other_seq_ids=(),
+    metadata = AttentionMetadata.from_host(
+        torch.tensor(slots), block_table, seq_lens, query_start_loc, block_size
     )
+    assert metadata.host is not None and metadata.host.other_seq_ids == ()  # all four batched as decodes
     eager = PagedAttention(num_heads, num_kv_heads, head_dim)(q, k_new, v_new, kv_cache.clone(), metadata)
     fused = PagedAttention(num_heads, num_kv_heads, head_dim, BACKEND)(
         q, k_new, v_new, kv_cache.clone(), metadata

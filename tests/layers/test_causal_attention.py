@@ -79,12 +79,9 @@ def paged_batch(
         history.append((old_k.float(), old_v.float()))
         slots += flat[cached:]
         query_start_loc.append(query_start_loc[-1] + new)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_table=block_table,
-        seq_lens=[cached + new for cached, new in lengths],
-        query_start_loc=query_start_loc,
-        block_size=block_size,
+    seq_lens = [cached + new for cached, new in lengths]
+    metadata = AttentionMetadata.from_host(
+        torch.tensor(slots), block_table, seq_lens, query_start_loc, block_size
     )
     return metadata, kv_cache, history
 
@@ -97,13 +94,13 @@ def test_paged_prefill_attends_over_the_whole_context(dtype: torch.dtype) -> Non
     lengths = [(0, 70), (37, 29), (12, 1)]
     metadata, kv_cache, history = paged_batch(lengths, num_kv_heads, head_dim, dtype)
     gen = torch.Generator().manual_seed(7)
-    num_tokens = metadata.query_start_loc[-1]
+    num_tokens = int(metadata.query_start_loc[-1])
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     out = PagedAttention(num_heads, num_kv_heads, head_dim)(q, k, v, kv_cache, metadata)
     for seq, (old_k, old_v) in enumerate(history):
-        start, end = metadata.query_start_loc[seq], metadata.query_start_loc[seq + 1]
+        start, end = int(metadata.query_start_loc[seq]), int(metadata.query_start_loc[seq + 1])
         keys = torch.cat([old_k, k[start:end].to(dtype).float()])
         values = torch.cat([old_v, v[start:end].to(dtype).float()])
         expected = naive_attention(q[start:end], keys, values).reshape(end - start, -1)

@@ -103,17 +103,18 @@ class FastCpuDecode:
         return fast if fast.step is not None else None
 
     def applies(
-        self, num_tokens: int, kv_caches: list[torch.Tensor] | None, metadata: object
+        self, num_tokens: int, kv_caches: list[torch.Tensor] | None, metadata: AttentionMetadata | None
     ) -> bool:
         """True for a step of decodes only (one token per sequence), small enough, on an f32 cache."""
         if (
             kv_caches is None
-            or not isinstance(metadata, AttentionMetadata)
-            or metadata.decode is None
+            or metadata is None
+            or metadata.host is None
+            or metadata.host.decode is None
             or not 0 < num_tokens < self.max_tokens
         ):
             return False
-        every_decode = metadata.other_seq_ids == () and metadata.num_seqs == num_tokens
+        every_decode = metadata.host.other_seq_ids == () and metadata.num_seqs == num_tokens
         if not every_decode or kv_caches[0].dtype != torch.float32:
             return False
         return self._kv_pool(kv_caches) is not None
@@ -132,7 +133,7 @@ class FastCpuDecode:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,  # type: ignore[override]
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """hidden f32 [T, hidden] (the embeddings; token t is sequence t's), positions [T] -> the last
         layer's output f32 [T, hidden], before the final norm, exactly as the module forward's layers
@@ -144,8 +145,9 @@ class FastCpuDecode:
         parallel_gate = decode_glue.is_parallel_gate(num_tokens)
         x = hidden.contiguous()  # the residual stream, updated in place by the step
         slots = metadata.slot_mapping.numpy()
-        block_table = metadata.decode.block_table.numpy()  # type: ignore[union-attr]
-        seq_lens = metadata.decode.seq_lens.numpy()  # type: ignore[union-attr]
+        decode = metadata.host.decode  # type: ignore[union-attr]  # applies() held: a host decode batch
+        block_table = decode.block_table.numpy()  # type: ignore[union-attr]
+        seq_lens = decode.seq_lens.numpy()  # type: ignore[union-attr]
         shape = (self.num_heads, self.num_kv_heads, self.intermediate, self.scale)
         shape += (self.kp_hidden, self.kp_attn, self.kp_inter, padded)
         rope = (self.cos, self.sin, self.rope_dim, self.is_neox)

@@ -26,7 +26,7 @@ import logging
 import torch
 
 from bitserve.errors import UnsupportedModel
-from bitserve.kernels.attention_metadata import DeviceAttentionMetadata
+from bitserve.kernels.attention_metadata import AttentionMetadata
 from bitserve.kernels.backend import PreparedLinear
 from bitserve.kernels.cuda.argmax import StepFeed, cast_argmax_rows
 from bitserve.kernels.cuda.decoder_layer import CudaLayer
@@ -48,7 +48,7 @@ _FLOAT_LAYOUTS = {Layout.F16: torch.float16, Layout.BF16: torch.bfloat16, Layout
 
 
 class CudaDecoder:
-    """The model's forward contract on the device, with DeviceAttentionMetadata."""
+    """The model's forward contract on the device, with AttentionMetadata."""
 
     def __init__(
         self, plan: DecoderPlan, device: torch.device, tuning: KernelTuning = DEFAULT_TUNING
@@ -83,16 +83,18 @@ class CudaDecoder:
         if self.greedy_head is None:
             self.greedy_head = _greedy_head(self.head_matrix)
 
-    def applies(self, num_tokens: int, kv_caches: list[torch.Tensor] | None, metadata: object) -> bool:
-        """Every step whose metadata is on the device (the CUDA runner's)."""
-        return kv_caches is not None and isinstance(metadata, DeviceAttentionMetadata)
+    def applies(
+        self, num_tokens: int, kv_caches: list[torch.Tensor] | None, metadata: AttentionMetadata | None
+    ) -> bool:
+        """Every step laid out for the device (the CUDA runner's: metadata without a host schedule)."""
+        return kv_caches is not None and metadata is not None and metadata.host is None
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: DeviceAttentionMetadata,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions int64 [T] -> hidden_states f32 [T, hidden] (final norm applied)."""
         hidden = self.embedding[input_ids].to(torch.float32)  # [T, hidden]
@@ -110,10 +112,11 @@ class CudaDecoder:
         num_blocks = -(-num_tokens // block_size)
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in self.layers]
-        metadata = DeviceAttentionMetadata.one_sequence(
+        metadata = AttentionMetadata.one_sequence(
             torch.arange(num_tokens, dtype=torch.int64, device=device),
             torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
             num_tokens,
+            block_size,
         )
         positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
         return self.forward(input_ids, positions, caches, metadata)
@@ -123,7 +126,7 @@ class CudaDecoder:
         hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: DeviceAttentionMetadata,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """hidden f32 [T, hidden] (the tokens' embeddings), positions int64 [T] -> the last layer's output
         f32 [T, hidden], before the final norm."""
@@ -147,9 +150,7 @@ class CudaDecoder:
         """The model's last RMSNorm: f32 [T, hidden] -> [T, hidden] in out_dtype."""
         return rms_norm(hidden, self.final_norm_weight, self.eps, out_dtype)
 
-    def _attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: DeviceAttentionMetadata
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         if metadata.decode_only:
             return paged_decode_attention(
                 q,
