@@ -124,3 +124,29 @@ def b158_file(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) 
     config = SyntheticConfig(num_kv_heads=2, architecture="bitnet-b1.58")  # 2 layers, 256 wide, 4 heads: GQA
     path = tmp_path_factory.mktemp("b158") / "b158-i2s.gguf"
     return write_2b4t_model(path, "I2_S", tokenizer_source=tokenizer_source, config=config)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """get(arch "llama" | "qwen2" | "qwen3", weight_type "F32" | "Q8_0") -> (a random-init transformers
+    model with SmolLM2's vocabulary, its checkpoint converted to GGUF by loader/hf_convert.py); each made
+    once a session."""
+    pytest.importorskip("transformers")
+    from bitserve.loader.hf_convert import write_gguf
+    from bitserve.testing.hf_checkpoints import checkpoint_config, random_checkpoint
+    from bitserve.testing.synthetic import tokenizer_metadata
+
+    tokenizer = tokenizer_metadata(tokenizer_source)
+    vocab_size = len(tokenizer["tokenizer.ggml.tokens"][1])
+    folder = tmp_path_factory.mktemp("hf-gguf")
+    made: dict[tuple[str, str], tuple] = {}
+
+    def get(arch: str, weight_type: str = "F32") -> tuple:
+        if (arch, weight_type) not in made:
+            model = random_checkpoint(arch, vocab_size)
+            path = folder / f"{arch}-{weight_type}.gguf"
+            write_gguf(path, checkpoint_config(model), model.state_dict(), tokenizer, weight_type=weight_type)
+            made[(arch, weight_type)] = (model, path)
+        return made[(arch, weight_type)]
+
+    return get

@@ -3,8 +3,9 @@
 models/ declares each architecture once (a recipe and a tensor-name map, models/recipe.py) and builds
 its module forward from it: the oracle every backend runs. The same recipe, with the weights the loader
 prepared, is handed to the backend as a `DecoderPlan`: per layer the norm vectors and the `Projection`s
-in the recipe's order (norm -> q|k|v -> RoPE + cache -> attention -> sub-norm -> Wo + residual -> norm
--> gate|up -> act * up -> sub-norm -> Wdown + residual), and the model-wide facts (heads, activation,
+in the recipe's order (norm -> q|k|v [+ biases, per-head q/k norms] -> RoPE + cache -> attention ->
+sub-norm -> Wo + residual -> norm -> gate|up -> act * up -> sub-norm -> Wdown + residual), and the
+model-wide facts (heads, activation,
 RoPE tables, head). A backend compiles it into its fast forward (the cpu backend's one-call numba layer
 loop, the cuda backend's fused Triton chain) or declines (None): then the module forward runs. So
 neither fast forward reaches into nn.Modules, and models/ never names a backend or a weight class.
@@ -68,6 +69,9 @@ class LayerPlan:
 
     attn_norm: torch.Tensor  # [hidden]
     qkv: Projection  # q, k, v rows (columns of its output in that order)
+    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) * D]: added to q|k|v's output (Qwen2)
+    q_norm: torch.Tensor | None  # [head_dim]: RMSNorm of each head of q, after the bias, before RoPE (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim]: the same for k
     attn_sub_norm: torch.Tensor | None  # [num_heads * head_dim] (BitNet), before Wo
     o_proj: Projection
     ffn_norm: torch.Tensor  # [hidden]

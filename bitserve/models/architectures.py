@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bitserve.models.bitnet import BITNET, BITNET_B158
 from bitserve.models.llama import LLAMA
+from bitserve.models.qwen import QWEN2, QWEN3
 from bitserve.models.recipe import ArchitectureRecipe
 
 ARCHITECTURES: dict[str, ArchitectureRecipe] = {
@@ -12,4 +13,6 @@ ARCHITECTURES: dict[str, ArchitectureRecipe] = {
     "bitnet": BITNET,
     "bitnet-b1.58": BITNET_B158,
     "bitnet-25": BITNET_B158,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
 }

@@ -61,6 +61,20 @@ class _LayerBuilder:
     def _weight(self, name: str) -> PreparedLinear:
         return self.weights.linear(name, may_be_ternary=self.recipe.ternary_projections)
 
+    def qkv_bias(self, layer: int) -> torch.Tensor | None:
+        """q|k|v's biases side by side, f32 [(H + 2 KVH) * D] (the group's output columns), or None."""
+        if not self.recipe.qkv_biases:
+            return None
+        names = [TensorNames.of_layer(t, layer) for t in self.names.qkv_biases]
+        return torch.cat([self.weights.vector(name) for name in names])
+
+    def qk_norms(self, layer: int) -> tuple[RMSNorm, RMSNorm] | tuple[None, None]:
+        """The per-head RMSNorms of q and k (weights f32 [head_dim]), or (None, None)."""
+        if not self.recipe.qk_norms:
+            return None, None
+        names = self.names
+        return self.layer_norm(names.attn_q_norm, layer), self.layer_norm(names.attn_k_norm, layer)
+
     def group(self, templates: tuple[str, ...], layer: int) -> LinearGroup:
         names = [TensorNames.of_layer(t, layer) for t in templates]
         weights = [self._weight(n) for n in names]
@@ -78,6 +92,8 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.attn_norm = build.layer_norm(names.attn_norm, layer_id)
         self.qkv = build.group(names.qkv, layer_id)
+        self.qkv_bias = build.qkv_bias(layer_id)  # f32 [(H + 2 KVH) * D] or None
+        self.q_norm, self.k_norm = build.qk_norms(layer_id)
         self.attn = PagedAttention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, build.fused, ggml_numerics=build.ggml
         )
@@ -97,12 +113,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv(self.attn_norm(hidden_states))
-        # reshape, not view: a stacked q/k/v output is column slices (a copy only when num_tokens > 1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(self.attn_norm(hidden_states))
         q, k = rotary(positions, q, k)
         attn_out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
         if self.attn_sub_norm is not None:
@@ -114,6 +125,25 @@ class DecoderLayer(nn.Module):
             ffn_out = self.ffn_sub_norm(ffn_out)
         return hidden_states + self.down_proj(ffn_out)
 
+    def _qkv(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """normed f32 [T, hidden] -> q [T, H, D], k and v [T, KVH, D]: biases added, heads of q and k
+        normed where the recipe has them (before RoPE)."""
+        num_tokens = normed.shape[0]
+        q, k, v = self.qkv(normed)
+        if self.qkv_bias is not None:
+            q_end, k_end = q.shape[1], q.shape[1] + k.shape[1]
+            bias = self.qkv_bias
+            q, k, v = q + bias[:q_end], k + bias[q_end:k_end], v + bias[k_end:]
+        # reshape, not view: a stacked q/k/v output is column slices (a copy only when num_tokens > 1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # one [head_dim] weight over every head: rows of [T * heads, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
     def plan(self) -> LayerPlan:
         def weight_of(norm: RMSNorm | None) -> torch.Tensor | None:
             return None if norm is None else norm.weight.detach()
@@ -121,6 +151,9 @@ class DecoderLayer(nn.Module):
         return LayerPlan(
             attn_norm=self.attn_norm.weight.detach(),
             qkv=self.qkv.projection,
+            qkv_bias=self.qkv_bias,
+            q_norm=weight_of(self.q_norm),
+            k_norm=weight_of(self.k_norm),
             attn_sub_norm=weight_of(self.attn_sub_norm),
             o_proj=self.o_proj.projection,
             ffn_norm=self.ffn_norm.weight.detach(),

@@ -1,13 +1,15 @@
 """The vocabulary of an architecture's declaration: a layer recipe (data) and its tensor-name map.
 
 Every supported architecture is declared once, as an `ArchitectureRecipe` in its family's file
-(models/llama.py, models/bitnet.py) and listed in models/architectures.py. The recipe says what the
-shared pre-norm decoder layer holds: which norms and where, the projections and how they group (q|k|v
-and gate|up run on one input each, so a backend may stack them), sub-norms, the activation's default,
-per-projection output scales, RoPE style and frequency factors. models/decoder.py builds the module
-forward (the oracle) from it, and lowers it with the loaded weights to a DecoderPlan that each backend
-compiles into its fast forward (kernels/plan.py). Adding an architecture is a recipe, a name map and
-tests; kernel code only for an op no backend has yet.
+(models/llama.py, models/bitnet.py, models/qwen.py) and listed in models/architectures.py. The recipe
+says what the shared pre-norm decoder layer holds: which norms and where, the projections and how they
+group (q|k|v and gate|up run on one input each, so a backend may stack them), q/k/v biases, per-head
+q/k norms, sub-norms, the activation's default, per-projection output scales, RoPE style and frequency
+factors; its two name maps give the same tensors' names in a GGUF file and in a transformers checkpoint
+(loader/hf_convert.py zips them). models/decoder.py builds the module forward (the oracle) from it, and
+lowers it with the loaded weights to a DecoderPlan that each backend compiles into its fast forward
+(kernels/plan.py). Adding an architecture is a recipe, a name map and tests; kernel code only for an op
+no backend has yet.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ class TensorNames:
         "blk.{layer}.attn_k.weight",
         "blk.{layer}.attn_v.weight",
     )
+    qkv_biases: tuple[str, ...] = (
+        "blk.{layer}.attn_q.bias",
+        "blk.{layer}.attn_k.bias",
+        "blk.{layer}.attn_v.bias",
+    )
+    attn_q_norm: str = "blk.{layer}.attn_q_norm.weight"  # [head_dim], shared by every head
+    attn_k_norm: str = "blk.{layer}.attn_k_norm.weight"
     attn_sub_norm: str = "blk.{layer}.attn_sub_norm.weight"
     attn_output: str = "blk.{layer}.attn_output.weight"
     ffn_norm: str = "blk.{layer}.ffn_norm.weight"
@@ -51,10 +60,32 @@ class TensorNames:
 
 GGUF_NAMES = TensorNames()  # llama.cpp's (and bitnet.cpp's) names, shared by every GGUF architecture
 
+_HF_LAYER = "model.layers.{layer}."
+# transformers' names of the same tensors (LlamaForCausalLM, Qwen2/Qwen3ForCausalLM, BitNetForCausalLM):
+# field for field the GGUF map's, so a checkpoint converts by zipping the two (loader/hf_convert.py)
+HF_NAMES = TensorNames(
+    token_embedding="model.embed_tokens.weight",
+    output_norm="model.norm.weight",
+    output="lm_head.weight",
+    rope_freqs="",  # HF computes Llama 3's frequency factors from config.json's rope_parameters
+    attn_norm=_HF_LAYER + "input_layernorm.weight",
+    qkv=tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
+    qkv_biases=tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
+    attn_q_norm=_HF_LAYER + "self_attn.q_norm.weight",
+    attn_k_norm=_HF_LAYER + "self_attn.k_norm.weight",
+    attn_sub_norm=_HF_LAYER + "self_attn.attn_sub_norm.weight",
+    attn_output=_HF_LAYER + "self_attn.o_proj.weight",
+    ffn_norm=_HF_LAYER + "post_attention_layernorm.weight",
+    gate_up=(_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
+    ffn_sub_norm=_HF_LAYER + "mlp.ffn_sub_norm.weight",
+    ffn_down=_HF_LAYER + "mlp.down_proj.weight",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class ArchitectureRecipe:
-    """One architecture's decoder: the layer is norm -> q|k|v -> RoPE + KV cache -> attention ->
+    """One architecture's decoder: the layer is norm -> q|k|v [+ biases] -> [per-head q/k RMSNorm] -> RoPE +
+    KV cache -> attention ->
     [attn sub-norm] -> Wo + residual -> norm -> gate|up -> act(gate) * up -> [ffn sub-norm] -> Wdown +
     residual; a final norm and the LM head after the last layer. The fields say which optional parts
     the architecture has."""
@@ -66,4 +97,7 @@ class ArchitectureRecipe:
     ternary_projections: bool
     output_scales: bool  # optional per-projection scalars multiplied into its output (ggml's order)
     rope_freq_factors: bool  # an optional rope_freqs tensor divides each RoPE frequency (Llama 3)
+    qkv_biases: bool = False  # q, k and v add a bias vector (Qwen2)
+    qk_norms: bool = False  # each head of q and of k is RMSNorm'd (one [head_dim] weight) before RoPE (Qwen3)
     names: TensorNames = field(default=GGUF_NAMES)
+    hf_names: TensorNames = field(default=HF_NAMES)  # the same tensors in a transformers checkpoint

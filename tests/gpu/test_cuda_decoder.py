@@ -38,18 +38,19 @@ def metadata_for(start: int, num_new: int, block_size: int, device: torch.device
     )
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: torch.dtype) -> None:
+def prefill_then_decode_logits(
+    path: Path, kv_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(the compiled forward's logits of 7 tokens: a 5-token prefill, then two decode steps over the
+    paged cache, the reference backend's full-sequence logits of the same tokens, the CudaDecoder)."""
     device = kernel_device()  # first: skips where neither CUDA nor the interpreter can run Triton
     from bitserve.kernels.cuda.backend import CudaBackend
     from bitserve.kernels.cuda.decoder import CudaDecoder
 
-    reference = load_model(b158_file, LoadOptions(backend=ReferenceBackend(), linear_mode=LinearMode.BITNET))
-    loaded = load_model(b158_file, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
+    reference = load_model(path, LoadOptions(backend=ReferenceBackend(), linear_mode=LinearMode.BITNET))
+    loaded = load_model(path, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
     decoder = loaded.model.compiled  # compiled at load by the cuda backend
     assert isinstance(decoder, CudaDecoder)
-    # the ternary gate/up projections write relu2(gate) * up from their epilogue (pair_epilogue.py)
-    assert all(layer.gate_pair is not None for layer in decoder.layers)
     spec = loaded.spec
     block_size, ids = 4, [5, 900, 17, 4242, 31, 77, 1000]
     caches = [
@@ -68,14 +69,43 @@ def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: tor
             pos = torch.tensor([position], device=device)
             hidden = decoder(token, pos, caches, metadata_for(position, 1, block_size, device))
             got.append(decoder.compute_logits(hidden).cpu())
+    reference.close()
+    loaded.close()
+    return torch.cat(got), expected, decoder
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_prefill_then_decode_matches_full_forward(b158_file: Path, kv_dtype: torch.dtype) -> None:
+    got, expected, decoder = prefill_then_decode_logits(b158_file, kv_dtype)
+    # the ternary gate/up projections write relu2(gate) * up from their epilogue (pair_epilogue.py)
+    assert all(layer.gate_pair is not None for layer in decoder.layers)
     # f32 pages: only summation order differs. f16 pages round K and V to 11 significant bits (relative
     # 2^-12 per element), which moves logits of magnitude ~10 by a few 1e-2 (measured max 0.035); the
     # f32-reference argmax must still hold, and test_cuda_engine.py compares f16 tokens with an f16 CPU run
     tolerance = 1e-4 if kv_dtype == torch.float32 else 0.1
-    torch.testing.assert_close(torch.cat(got), expected, rtol=tolerance, atol=tolerance)
-    assert torch.equal(torch.cat(got).argmax(dim=1), expected.argmax(dim=1))
-    reference.close()
-    loaded.close()
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))
+
+
+# Q8_0's block_gemv steps take ~4 min in Triton's interpreter (its kernel has interpreter tests of its own
+# in tests/kernels): on a CUDA device only
+ON_DEVICE_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="minutes in the interpreter")
+
+
+@pytest.mark.parametrize("weight_type", ["F32", pytest.param("Q8_0", marks=ON_DEVICE_ONLY)])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qkv_biases_and_head_norms_match_the_full_forward(hf_gguf, arch: str, weight_type: str) -> None:  # noqa: ANN001
+    """Qwen2's q/k/v biases (added to qkv_out's output) and Qwen3's per-head q/k norms (normed_heads,
+    before RoPE) on the dense (cuBLAS) and block (block_gemv) paths: logits of a prefill and decode
+    steps equal the reference's full forward within f32 summation-order tolerance."""
+    _, path = hf_gguf(arch, weight_type)
+    got, expected, decoder = prefill_then_decode_logits(path, torch.float32)
+    layer = decoder.layers[0]
+    assert (layer.qkv_bias is not None) == (arch == "qwen2") and (layer.q_norm is not None) == (
+        arch == "qwen3"
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))
 
 
 def test_embeddings_on_the_compiled_forward_equal_the_reference(b158_file: Path) -> None:

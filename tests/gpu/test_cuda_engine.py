@@ -76,6 +76,16 @@ def test_unfused_output_scale_path_equals_cpu_reference(synthetic_models: dict[s
     assert staggered_tokens(engine_config(path, "cuda", kv="float32")) == expected
 
 
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_architectures_equal_cpu_reference(hf_gguf, arch: str, weight_type: str) -> None:  # noqa: ANN001
+    """Converted random-init Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) checkpoints: staggered
+    requests with prefix caching, CUDA graphs on, give the CPU reference backend's greedy tokens."""
+    _, path = hf_gguf(arch, weight_type)
+    expected = staggered_tokens(engine_config(path, "cpu", kv="float32", backend="reference"))
+    assert staggered_tokens(engine_config(path, "cuda", kv="float32")) == expected
+
+
 def test_many_sequences_in_one_graph_bucket(b158_file: Path) -> None:
     """33 sequences (bucket 64, 31 padded rows) decode exactly as each does alone."""
     config = dataclasses.replace(

@@ -303,3 +303,19 @@ def test_cpu_relu2_rounds_as_torch() -> None:
     gate[0, :4] = torch.tensor([-0.0, 0.0, float("nan"), float("inf")])
     expected = relu2_and_mul(gate, up)
     assert torch.equal(CpuBackend().relu2_and_mul(gate, up).view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qkv_biases_and_head_norms_in_the_fast_step_match_the_module_forward(hf_gguf, arch: str) -> None:  # noqa: ANN001
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorms (kernels/cpu/decode_step._add_qkv_bias,
+    _norm_qk_heads) on Q8_0 weights: the one-call step's logits equal the module forward's to the bit."""
+    _, path = hf_gguf(arch, "Q8_0")
+    llm = LLM(str(path), backend="cpu", block_activations="q8")
+    try:
+        step = llm.instance.loaded.model.compiled.step
+        assert isinstance(step, BlockStep)
+        biases, head_norms = step.model[6]
+        assert (biases is not None) == (arch == "qwen2") and (head_norms is not None) == (arch == "qwen3")
+        assert_fast_step_matches_module_forward(llm)
+    finally:
+        llm.close()

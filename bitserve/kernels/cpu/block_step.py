@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bitserve.kernels.cpu.decode_step import BLOCK_DECODE_LAYERS
-from bitserve.kernels.cpu.step_layers import StepLayer, projection_columns, stacked_norms
+from bitserve.kernels.cpu.step_layers import StepLayer, projection_columns, stacked_norms, stacked_qkv_extras
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class BlockStep:
         records = tuple(tuple(w.kernel_records for w in column) for column in weights)
         rows = tuple(column[0].out_features for column in weights)
         norms, sub_norms = stacked_norms(layers)
-        self.model = (records, rows, None, None, norms, sub_norms)
+        self.model = (records, rows, None, None, norms, sub_norms, stacked_qkv_extras(layers))
         self.decode_layers = BLOCK_DECODE_LAYERS[(weights[0][0].tuning.isa, block_format)]
 
     def run(self, x: np.ndarray, step: tuple) -> None:

@@ -30,6 +30,7 @@ from bitserve.kernels.cpu.decode_glue import (
     residual_norm_quantize,
     rope_attend_quantize,
 )
+from bitserve.kernels.cpu.fused import rms_norm_kernel
 from bitserve.kernels.cpu.isa import Isa
 
 # Index of each projection in the step's stacked tables (offsets, row_scales, out_scales).
@@ -116,6 +117,48 @@ def _layer_vector(stacked: tuple | None, which: int, layer: int) -> np.ndarray |
 
 
 @njit(nogil=True, cache=True)
+def _add_qkv_bias(qkv: np.ndarray, biases: np.ndarray | None, layer: int) -> None:
+    """qkv f32 [T, M] += the layer's biases [M] (the module forward's `q + bq`: one f32 add), for a
+    model that has them."""
+    if biases is None:
+        return
+    bias = biases[layer]
+    for t in range(qkv.shape[0]):
+        for r in range(qkv.shape[1]):
+            qkv[t, r] = qkv[t, r] + bias[r]
+
+
+@njit(nogil=True, cache=True)
+def _norm_qk_heads(
+    qkv: np.ndarray, head_norms: tuple | None, layer: int, num_heads: int, num_kv_heads: int, eps: float
+) -> None:
+    """In place: each head of q and of k in qkv f32 [T, (H + 2 KVH) * D] RMSNorm'd with the layer's
+    [head_dim] weights (rms_norm_kernel: the module forward's norm of [T * heads, D] rows), for a model
+    that has them."""
+    if head_norms is None:
+        return
+    q_norm, k_norm = head_norms[0][layer], head_norms[1][layer]
+    head_dim, width = q_norm.shape[0], qkv.shape[1]
+    flat = qkv.reshape(qkv.size)  # row t's q heads, then its k heads, are contiguous [heads, D] runs
+    for t in range(qkv.shape[0]):
+        q_start, k_start = t * width, t * width + num_heads * head_dim
+        q = flat[q_start:k_start].reshape((num_heads, head_dim))
+        rms_norm_kernel(q, q_norm, eps, q)
+        k = flat[k_start : k_start + num_kv_heads * head_dim].reshape((num_kv_heads, head_dim))
+        rms_norm_kernel(k, k_norm, eps, k)
+
+
+@njit(nogil=True, cache=True)
+def _add_bias_norm_heads(
+    qkv: np.ndarray, qkv_extras: tuple, layer: int, num_heads: int, num_kv_heads: int, eps: float
+) -> None:
+    """What the model adds to q|k|v's output before RoPE: biases, then per-head q/k norms (each where
+    the model has it)."""
+    _add_qkv_bias(qkv, qkv_extras[0], layer)
+    _norm_qk_heads(qkv, qkv_extras[1], layer, num_heads, num_kv_heads, eps)
+
+
+@njit(nogil=True, cache=True)
 def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, step: tuple) -> None:
     """Every layer of one decode step (one token per sequence), x f32 [T, hidden] updated in place to the
     last layer's output (before the final norm). _project runs a projection (_project_ternary or
@@ -125,12 +168,12 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
     [n]; offsets: row_off int64 [L, M] of qkv, o_proj, gate_up, down (byte offsets in base); row_scales:
     their f32 [L, M]; out_scales: their `.scale` products f32 [L, M], or None. Blocks: the records of
     each projection, one array a layer; the projections' row counts; None, None. Both then: norms: attn,
-    ffn f32 [L, hidden]; sub_norms: attn f32 [L, H D], ffn f32 [L, I], or None.
-    step: positions int64 [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool
-    f32 [L, 2, blocks, block_size, KV, D]; slot_mapping, block_table, seq_lens (AttentionMetadata's);
+    ffn f32 [L, hidden]; sub_norms: attn f32 [L, H D], ffn f32 [L, I], or None; qkv_extras: (q|k|v
+    biases f32 [L, (H + 2 KVH) D] or None, (q, k head norms f32 [L, D]) or None). step: positions int64
+    [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool f32 [L, 2, blocks, block_size, KV, D]; slot_mapping, block_table, seq_lens (AttentionMetadata's);
     shape: (heads, kv_heads, intermediate, attention scale, decode_glue's kp for the hidden, attention
     and intermediate widths, padded activation rows); eps; relu2 (else SiLU); parallel_gate."""
-    norms, sub_norms = model[4], model[5]
+    norms, sub_norms, qkv_extras = model[4], model[5], model[6]
     positions, rope, kv_pool, slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate = step
     cos, sin, rope_dim, is_neox = rope
     num_heads, num_kv_heads, intermediate, attn_scale, kp_hidden, kp_attn, kp_inter, padded = shape
@@ -143,6 +186,7 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
         else:
             acts = residual_norm_quantize(x, delta, attn_norms[layer], eps, kp_hidden, padded)
         qkv = _project(gemv, gemm, model, QKV, layer, acts, num_tokens)
+        _add_bias_norm_heads(qkv, qkv_extras, layer, num_heads, num_kv_heads, eps)
         attn_sub_norm = _layer_vector(sub_norms, 0, layer)
         acts = rope_attend_quantize(
             qkv,

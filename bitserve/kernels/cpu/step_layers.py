@@ -21,6 +21,9 @@ Int8Weight = Int8BlockLinear | Int8BitnetLinear
 class StepLayer:
     attn_norm: np.ndarray  # f32 [hidden]
     qkv: Int8Weight  # stacked q, k, v rows
+    qkv_bias: np.ndarray | None  # f32 [(H + 2 KVH) * D] (Qwen2), added to qkv's output
+    q_norm: np.ndarray | None  # f32 [head_dim] (Qwen3): RMSNorm of each head of q, before RoPE
+    k_norm: np.ndarray | None  # f32 [head_dim]: of each head of k
     attn_sub_norm: np.ndarray | None  # f32 [heads * head_dim] (BitNet), before o_proj
     o_proj: Int8Weight
     ffn_norm: np.ndarray  # f32 [hidden]
@@ -66,6 +69,9 @@ def step_layer(layer: LayerPlan) -> StepLayer | None:
     return StepLayer(
         _norm_weight(layer.attn_norm),  # type: ignore[arg-type]
         qkv,  # type: ignore[arg-type]
+        _norm_weight(layer.qkv_bias),
+        _norm_weight(layer.q_norm),
+        _norm_weight(layer.k_norm),
         _norm_weight(layer.attn_sub_norm),
         o_proj,  # type: ignore[arg-type]
         _norm_weight(layer.ffn_norm),  # type: ignore[arg-type]
@@ -101,6 +107,17 @@ def stacked_norms(layers: list[StepLayer]) -> tuple[tuple, tuple | None]:
         stack([lay.attn_sub_norm for lay in layers]),  # type: ignore[misc]
         stack([lay.ffn_sub_norm for lay in layers]),  # type: ignore[misc]
     )
+
+
+def stacked_qkv_extras(layers: list[StepLayer]) -> tuple:
+    """(qkv biases f32 [L, (H + 2 KVH) * D] or None, (q norms, k norms) f32 [L, head_dim] each or None):
+    what the step adds to q|k|v's output before RoPE, for a model that has it."""
+    first = layers[0]
+    biases = None if first.qkv_bias is None else stack([lay.qkv_bias for lay in layers])  # type: ignore[misc]
+    if first.q_norm is None:
+        return biases, None
+    q_norms = stack([lay.q_norm for lay in layers])  # type: ignore[misc]
+    return biases, (q_norms, stack([lay.k_norm for lay in layers]))  # type: ignore[misc]
 
 
 def pooled_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:

@@ -21,7 +21,13 @@ import numpy as np
 import torch
 
 from bitserve.kernels.cpu.decode_step import DECODE_LAYERS
-from bitserve.kernels.cpu.step_layers import StepLayer, projection_columns, stack, stacked_norms
+from bitserve.kernels.cpu.step_layers import (
+    StepLayer,
+    projection_columns,
+    stack,
+    stacked_norms,
+    stacked_qkv_extras,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +119,15 @@ class TernaryStep:
         self.out_scales = out_scales if any((s != 1.0).any() for s in out_scales) else None
         self.norms, self.sub_norms = stacked_norms(layers)
         self.keep_alive = weights  # the arrays `base` views
-        self.model = (self.base, self.offsets, self.row_scales, self.out_scales, self.norms, self.sub_norms)
+        self.model = (
+            self.base,
+            self.offsets,
+            self.row_scales,
+            self.out_scales,
+            self.norms,
+            self.sub_norms,
+            stacked_qkv_extras(layers),
+        )
         self.decode_layers = DECODE_LAYERS[layers[0].qkv.tuning.isa]
 
     def run(self, x: np.ndarray, step: tuple) -> None:

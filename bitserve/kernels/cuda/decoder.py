@@ -137,6 +137,7 @@ class CudaDecoder:
             q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
             v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k = cuda_layer.normed_heads(q, k)
             rotary_and_cache_(
                 q, k, v, positions, self.cos, self.sin, self.rope_dim, self.is_neox, kv_cache,
                 metadata.slot_mapping,

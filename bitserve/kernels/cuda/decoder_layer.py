@@ -55,6 +55,8 @@ class CudaLayer:
         self.activation = activation
         self.attn_norm, self.attn_sub_norm = _to(layer.attn_norm, device), _to(layer.attn_sub_norm, device)
         self.ffn_norm, self.ffn_sub_norm = _to(layer.ffn_norm, device), _to(layer.ffn_sub_norm, device)
+        self.qkv_bias = _to(layer.qkv_bias, device)  # f32 [(H + 2 KVH) * D] (Qwen2) or None
+        self.q_norm, self.k_norm = _to(layer.q_norm, device), _to(layer.k_norm, device)  # [D] (Qwen3)
         fused_act = _FUSED_ACTIVATIONS.get(activation)
         self.projections = {"qkv": layer.qkv, "o": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down}
         self.ternary = {name: _single_weight(p, CudaTernaryLinear) for name, p in self.projections.items()}
@@ -98,8 +100,19 @@ class CudaLayer:
         return out if residual is None else residual + out
 
     def qkv_out(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden f32 [T, hidden] -> q|k|v f32 [T, (H + 2 KVH) * D] (columns in that order)."""
-        return self._project("qkv", hidden, self.attn_norm)
+        """hidden f32 [T, hidden] -> q|k|v f32 [T, (H + 2 KVH) * D] (columns in that order), biases
+        added where the model has them."""
+        out = self._project("qkv", hidden, self.attn_norm)
+        return out if self.qkv_bias is None else out.add_(self.qkv_bias)  # the projection's own tensor
+
+    def normed_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q f32 [T, H, D], k [T, KVH, D] (column views of qkv_out) -> each head RMSNorm'd with the
+        layer's [D] weight, before RoPE, where the model has q/k norms (new tensors); else q, k."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        head_dim = q.shape[2]
+        q_normed = rms_norm(q.reshape(-1, head_dim), self.q_norm, self.eps).view(q.shape)
+        return q_normed, rms_norm(k.reshape(-1, head_dim), self.k_norm, self.eps).view(k.shape)
 
     def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn f32 [T, H * D] -> residual + Wo(sub_norm(attn))."""
@@ -116,7 +129,11 @@ class CudaLayer:
         gate_up_out = self._project("gate_up", hidden, self.ffn_norm)  # [T, 2 * I]
         if down is not None:
             return self._norm_linear(
-                down, gate_up_out, sub_norm, residual=hidden, activation=self.fused_act  # type: ignore[arg-type]
+                down,
+                gate_up_out,
+                sub_norm,
+                residual=hidden,
+                activation=self.fused_act,  # type: ignore[arg-type]
             )
         block_down = self.block["down"]
         if block_down is not None:  # act(gate) * up, sub-norm and residual in the GEMV (or its fallback)
