@@ -128,25 +128,19 @@ def b158_file(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) 
 
 @pytest.fixture(scope="session")
 def hf_gguf(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    """get(arch "llama" | "qwen2" | "qwen3", weight_type "F32" | "Q8_0") -> (a random-init transformers
-    model with SmolLM2's vocabulary, its checkpoint converted to GGUF by loader/hf_convert.py); each made
-    once a session."""
+    """get(arch "llama" | "qwen2" | "qwen3", weight_type "F32" | "Q8_0" | "Q1_0" | "Q2_0") -> (a random-init
+    transformers model with SmolLM2's vocabulary, its checkpoint converted to GGUF by loader/hf_convert.py);
+    each made once a session (bitserve/testing/hf_checkpoints.hf_gguf_case: the same files the golden
+    fixtures were made from)."""
     pytest.importorskip("transformers")
-    from bitserve.loader.hf_convert import write_gguf
-    from bitserve.testing.hf_checkpoints import checkpoint_config, random_checkpoint
-    from bitserve.testing.synthetic import tokenizer_metadata
+    from bitserve.testing.hf_checkpoints import hf_gguf_case
 
-    tokenizer = tokenizer_metadata(tokenizer_source)
-    vocab_size = len(tokenizer["tokenizer.ggml.tokens"][1])
     folder = tmp_path_factory.mktemp("hf-gguf")
     made: dict[tuple[str, str], tuple] = {}
 
     def get(arch: str, weight_type: str = "F32") -> tuple:
         if (arch, weight_type) not in made:
-            model = random_checkpoint(arch, vocab_size)
-            path = folder / f"{arch}-{weight_type}.gguf"
-            write_gguf(path, checkpoint_config(model), model.state_dict(), tokenizer, weight_type=weight_type)
-            made[(arch, weight_type)] = (model, path)
+            made[(arch, weight_type)] = hf_gguf_case(arch, weight_type, tokenizer_source, folder)
         return made[(arch, weight_type)]
 
     return get

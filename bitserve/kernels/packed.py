@@ -26,6 +26,8 @@ class Layout(enum.Enum):
     Q6_K = "Q6_K"
     TQ1_0 = "TQ1_0"
     TQ2_0 = "TQ2_0"
+    Q1_0 = "Q1_0"  # llama.cpp: 128 sign bits + one f16 d per block: values +-d
+    Q2_0 = "Q2_0"  # llama.cpp: 64 2-bit codes + one f16 d per block: values (code - 1) d, code 3 -> +2 d
     I2_S = "I2_S"
     TL1 = "TL1"
     TL2 = "TL2"

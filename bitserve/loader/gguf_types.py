@@ -40,6 +40,9 @@ class GGMLType(enum.IntEnum):
     I8_S = 37
     TL1 = 38
     TL2 = 39
+    # mainline llama.cpp's 1- and 2-bit types (upstream ids; the fork's numbering stops at 39)
+    Q1_0 = 41
+    Q2_0 = 42
     # upstream numbering of 39 (only valid in the upstream dialect); stored under a distinct value
     # so the enum stays a bijection. Use `MXFP4_FILE_ID` for the number written in files.
     MXFP4 = 1039
@@ -69,8 +72,6 @@ UPSTREAM_UNSUPPORTED_NAMES: dict[int, str] = {
     32: "Q4_0_4_8 (removed)",
     33: "Q4_0_8_8 (removed)",
     40: "NVFP4",
-    41: "Q1_0",
-    42: "Q2_0",
 }
 
 
@@ -101,6 +102,8 @@ BLOCK_FORMATS: dict[GGMLType, BlockFormat] = {
     GGMLType.TQ1_0: BlockFormat(256, 54),
     GGMLType.TQ2_0: BlockFormat(256, 66),
     GGMLType.MXFP4: BlockFormat(32, 17),
+    GGMLType.Q1_0: BlockFormat(128, 18),
+    GGMLType.Q2_0: BlockFormat(64, 18),
 }
 
 TERNARY_TYPES = frozenset({GGMLType.TQ1_0, GGMLType.TQ2_0, GGMLType.I2_S, GGMLType.TL1, GGMLType.TL2})

@@ -4,8 +4,9 @@ same tensors field for field).
 
 What llama.cpp's converter does to the tensors, this does too: q/k rows permuted for a NORM-RoPE
 architecture (llama: HF stores rotate-half rows, llama.cpp's `llama` graph rotates interleaved pairs),
-the head dropped when tied, norms and biases kept as F32. Projections are written as F32, F16 or Q8_0
-(ggml's reference Q8_0 rounding, loader/requantize.py). The tokenizer keys come from the caller, as GGUF
+the head dropped when tied, norms and biases kept as F32. Projections are written as F32, F16, Q8_0
+(ggml's reference rounding, loader/requantize.py), or llama.cpp's Q1_0 / Q2_0 (loader/low_bit_quantize.py,
+bytes equal to llama.cpp's). The tokenizer keys come from the caller, as GGUF
 metadata (a tokenizer.json converter is not part of this module). Every tensor of the state dict must
 have a GGUF name, and every name the recipe needs must be there: nothing is dropped silently.
 """
@@ -25,13 +26,20 @@ from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.layers.rotary import RopeStyle
 from bitserve.loader.gguf_types import GGMLType, GGUFValueType
 from bitserve.loader.gguf_writer import GGUFBuilder
+from bitserve.loader.low_bit_quantize import QUANTIZERS
 from bitserve.loader.requantize import quantize_q8_0
 from bitserve.models.architectures import ARCHITECTURES
 from bitserve.models.recipe import ArchitectureRecipe, TensorNames
 
 # config.json "architectures" -> the GGUF architecture its checkpoint converts to
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-WEIGHT_TYPES = {"F32": GGMLType.F32, "F16": GGMLType.F16, "Q8_0": GGMLType.Q8_0}
+WEIGHT_TYPES = {
+    "F32": GGMLType.F32,
+    "F16": GGMLType.F16,
+    "Q8_0": GGMLType.Q8_0,
+    "Q1_0": GGMLType.Q1_0,
+    "Q2_0": GGMLType.Q2_0,
+}
 MetadataValue = tuple[GGUFValueType, Any, GGUFValueType | None]
 
 
@@ -126,6 +134,8 @@ def _encoded(name: str, tensor: torch.Tensor, weight_type: str) -> tuple[str, tu
         return name, shape, int(GGMLType.F32), values.numpy().tobytes()
     if weight_type == "F16":
         return name, shape, int(GGMLType.F16), values.to(torch.float16).numpy().tobytes()
+    if weight_type in QUANTIZERS:  # llama.cpp's 1- and 2-bit types, its reference rounding
+        return name, shape, int(WEIGHT_TYPES[weight_type]), QUANTIZERS[weight_type](values.numpy()).tobytes()
     rows, cols = values.shape
     packed = PackedWeight(values.view(torch.uint8).reshape(-1), (rows, cols), Layout.F32, "F32")
     return name, shape, int(GGMLType.Q8_0), quantize_q8_0(packed).data.numpy().tobytes()

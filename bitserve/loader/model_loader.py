@@ -53,6 +53,7 @@ class GGUFWeightSource:
     lm_head: str = "auto"
     used: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)  # tensors whose pages head() gave back, read by file_rows
+    dense_fallbacks: set[Layout] = field(default_factory=set)  # quantized layouts run as f32 (said once each)
     # the whole mapping as one torch tensor, made on first use: every tensor's bytes are a slice of it,
     # so weights read in place share one storage (a backend may stack them without a copy)
     _file: torch.Tensor | None = None
@@ -143,6 +144,14 @@ class GGUFWeightSource:
             self.gguf.release_pages(name)  # the backend repacked the bytes into its own copy
             return prepared
         dense = dequantize(weight)
+        if weight.layout not in FLOAT_LAYOUTS and weight.layout not in self.dense_fallbacks:
+            self.dense_fallbacks.add(weight.layout)
+            logger.warning(
+                "%s projections have no packed kernel on the %s backend: dequantized to f32 at load "
+                "(4 bytes a weight in memory, and f32 GEMVs)",
+                weight.layout.name,
+                self.backend.name,
+            )
         if may_be_ternary and weight.layout in FLOAT_LAYOUTS:
             codes = ternary_codes_of(dense)
             if codes is not None:

@@ -7,9 +7,13 @@ which a norm or bias read from the wrong tensor, or not applied at all, would no
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# weight types whose blocks need every projection's input a multiple of 128 values (random_checkpoint wide)
+WIDE_TYPES = ("Q1_0", "Q2_0")
 
 # small dims; qwen3's head_dim (32) is not hidden / heads (16), as in the real Qwen3 models
 _SHAPES: dict[str, dict[str, Any]] = {
@@ -19,9 +23,9 @@ _SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def random_checkpoint(arch: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A float32 `arch` model (llama | qwen2 | qwen3) of 2 layers, 64 wide, 4 heads over 2 KV heads, in
-    eval mode, with seeded weights."""
+def random_checkpoint(arch: str, vocab_size: int, seed: int = 0, *, wide: bool = False) -> torch.nn.Module:
+    """A float32 `arch` model (llama | qwen2 | qwen3) of 2 layers, 64 wide (wide: 128, every projection's
+    input a multiple of 128 as Q1_0 needs), 4 heads over 2 KV heads, in eval mode, with seeded weights."""
     import transformers
 
     classes = {
@@ -32,8 +36,8 @@ def random_checkpoint(arch: str, vocab_size: int, seed: int = 0) -> torch.nn.Mod
     config_class, model_class = classes[arch]
     config = config_class(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=160,
+        hidden_size=128 if wide else 64,
+        intermediate_size=256 if wide else 160,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -44,7 +48,7 @@ def random_checkpoint(arch: str, vocab_size: int, seed: int = 0) -> torch.nn.Mod
         eos_token_id=None,
         pad_token_id=None,
         dtype=torch.float32,
-        **_SHAPES[arch],
+        **(_SHAPES[arch] | ({"head_dim": 32} if wide else {})),
     )
     torch.manual_seed(seed)
     model = model_class(config)
@@ -61,3 +65,19 @@ def random_checkpoint(arch: str, vocab_size: int, seed: int = 0) -> torch.nn.Mod
 def checkpoint_config(model: torch.nn.Module) -> dict[str, Any]:
     """The model's config.json contents, as save_pretrained writes them (it adds `architectures`)."""
     return model.config.to_dict() | {"architectures": [type(model).__name__]}
+
+
+def hf_gguf_case(
+    arch: str, weight_type: str, tokenizer_source: Path, folder: Path
+) -> tuple[torch.nn.Module, Path]:
+    """(the random-init `arch` model with the vocabulary of the GGUF `tokenizer_source`, its checkpoint
+    converted to `folder`/<arch>-<weight_type>.gguf): what tests and scripts/make_coverage_golden.py share."""
+    from bitserve.loader.hf_convert import write_gguf
+    from bitserve.testing.synthetic import tokenizer_metadata
+
+    tokenizer = tokenizer_metadata(tokenizer_source)
+    vocab_size = len(tokenizer["tokenizer.ggml.tokens"][1])
+    model = random_checkpoint(arch, vocab_size, wide=weight_type in WIDE_TYPES)
+    path = Path(folder) / f"{arch}-{weight_type}.gguf"
+    write_gguf(path, checkpoint_config(model), model.state_dict(), tokenizer, weight_type=weight_type)
+    return model, path

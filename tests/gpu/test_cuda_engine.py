@@ -76,11 +76,12 @@ def test_unfused_output_scale_path_equals_cpu_reference(synthetic_models: dict[s
     assert staggered_tokens(engine_config(path, "cuda", kv="float32")) == expected
 
 
-@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0", "Q1_0", "Q2_0"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_qwen_architectures_equal_cpu_reference(hf_gguf, arch: str, weight_type: str) -> None:  # noqa: ANN001
-    """Converted random-init Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) checkpoints: staggered
-    requests with prefix caching, CUDA graphs on, give the CPU reference backend's greedy tokens."""
+    """Converted random-init Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) checkpoints, in F32,
+    Q8_0 (block GEMV) and llama.cpp's Q1_0 / Q2_0 (dequantized at load): staggered requests with prefix
+    caching, CUDA graphs on, give the CPU reference backend's greedy tokens."""
     _, path = hf_gguf(arch, weight_type)
     expected = staggered_tokens(engine_config(path, "cpu", kv="float32", backend="reference"))
     assert staggered_tokens(engine_config(path, "cuda", kv="float32")) == expected

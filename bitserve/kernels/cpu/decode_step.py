@@ -170,9 +170,9 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
     each projection, one array a layer; the projections' row counts; None, None. Both then: norms: attn,
     ffn f32 [L, hidden]; sub_norms: attn f32 [L, H D], ffn f32 [L, I], or None; qkv_extras: (q|k|v
     biases f32 [L, (H + 2 KVH) D] or None, (q, k head norms f32 [L, D]) or None). step: positions int64
-    [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool f32 [L, 2, blocks, block_size, KV, D]; slot_mapping, block_table, seq_lens (AttentionMetadata's);
-    shape: (heads, kv_heads, intermediate, attention scale, decode_glue's kp for the hidden, attention
-    and intermediate widths, padded activation rows); eps; relu2 (else SiLU); parallel_gate."""
+    [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool f32 [L, 2, blocks, block_size, KV, D]; slot_mapping,
+    block_table, seq_lens; shape: (heads, kv_heads, intermediate, attention scale, the glue's kp of the
+    hidden, attention and intermediate widths, padded rows); eps; relu2 (else SiLU); parallel_gate."""
     norms, sub_norms, qkv_extras = model[4], model[5], model[6]
     positions, rope, kv_pool, slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate = step
     cos, sin, rope_dim, is_neox = rope

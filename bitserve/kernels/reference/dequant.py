@@ -50,6 +50,8 @@ BLOCK_GEOMETRY: dict[Layout, tuple[int, int]] = {
     Layout.Q6_K: (256, 210),
     Layout.TQ1_0: (256, 54),
     Layout.TQ2_0: (256, 66),
+    Layout.Q1_0: (128, 18),
+    Layout.Q2_0: (64, 18),
 }
 _CHUNK_VALUES = 1 << 22  # decode block formats this many values at a time to bound temporaries
 _POW3 = (1, 3, 9, 27, 81)
@@ -108,6 +110,20 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.reshape(num_blocks, 256)
 
 
+def _q1_0(blocks: torch.Tensor) -> torch.Tensor:
+    """d f16 [2 bytes], then bit j of qs[j / 8] (LSB first) for value j: 1 -> +d, 0 -> -d (ggml)."""
+    bits = lookup_fields(blocks[:, 2:], byte_bits(tuple(range(8)), 1))  # [N, 16, 8], value 8i + b
+    signs = bits.reshape(blocks.shape[0], 128).float().mul_(2.0).sub_(1.0)  # exact: +-1
+    return signs.mul_(f16_to_f32(blocks[:, :2]))
+
+
+def _q2_0(blocks: torch.Tensor) -> torch.Tensor:
+    """d f16, then 2-bit code of value j at bits 2 (j % 4) of qs[j / 4]: value (code - 1) d (ggml)."""
+    codes = lookup_fields(blocks[:, 2:], byte_bits((0, 2, 4, 6), 3))  # [N, 16, 4], value 4i + s
+    values = codes.reshape(blocks.shape[0], 64).float().sub_(1.0)
+    return values.mul_(f16_to_f32(blocks[:, :2]))
+
+
 def _tq1_fields() -> np.ndarray:
     """byte q -> its 5 trits minus 1, trit n = ((q * 3^n mod 256) * 3) >> 8 (first trit most significant)."""
     q = np.arange(256, dtype=np.int32)[:, None]
@@ -155,6 +171,8 @@ def _decode_rows(layout: Layout, rows: torch.Tensor, num_cols: int) -> torch.Ten
             Layout.Q5_0: _q5_0,
             Layout.Q4_K: _q4_k,
             Layout.Q6_K: _q6_k,
+            Layout.Q1_0: _q1_0,
+            Layout.Q2_0: _q2_0,
         }[layout]
         out = decoder(blocks)
     return out.reshape(num_rows, num_cols)
