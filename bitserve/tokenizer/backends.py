@@ -54,7 +54,19 @@ _PRE_TOKENIZERS: Mapping[str, PreTokenizerSpec] = MappingProxyType(
     {
         "default": _DEFAULT,
         **dict.fromkeys(
-            ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+            # falcon_e: TII's Falcon-E (ternary) files; bitnet.cpp's converter writes it, mainline llama.cpp
+            # does not know it, ik_llama.cpp reads it as the Llama-3 split
+            (
+                "llama-bpe",
+                "llama3",
+                "llama-v3",
+                "falcon3",
+                "falcon_e",
+                "falcon-h1",
+                "pixtral",
+                "midm-2.0",
+                "lfm2",
+            ),
             _LLAMA3,
         ),
         **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_REGEX_ONLY),

@@ -220,9 +220,10 @@ class GGUFTokenizer:
 def tokenizer_from_gguf(metadata: Mapping[str, Any], *, pre_policy: str | None = None) -> GGUFTokenizer:
     """Build the tokenizer a GGUF file describes.
 
-    pre_policy: the pre-tokenizer for a byte-level BPE file that lacks `tokenizer.ggml.pre`
-    (default "llama-bpe", docs/formats.md §5.2; "default" reproduces llama.cpp / bitnet.cpp). A file that
-    names its pre-tokenizer always uses it. Raises InvalidModelFile / UnsupportedModel.
+    pre_policy: the pre-tokenizer of a byte-level BPE file, overriding the one it names (a file whose
+    `tokenizer.ggml.pre` is wrong, or one bitserve does not know); for a file that names none, it is the
+    choice (default "llama-bpe", docs/formats.md §5.2; "default" reproduces llama.cpp / bitnet.cpp).
+    Raises InvalidModelFile / UnsupportedModel.
     """
     if pre_policy is not None and pre_policy not in SUPPORTED_PRE_TOKENIZERS:
         raise InvalidRequest(
@@ -295,7 +296,8 @@ def _resolve_pre(metadata: Mapping[str, Any], pre_policy: str | None) -> PreToke
         )
         return pre_tokenizer_spec(policy)
     if pre_policy is not None and pre_policy != pre:
-        logger.info("%s=%r is set in the file; pre_policy=%r is not used", KEY_PRE, pre, pre_policy)
+        logger.warning("%s=%r in the file is overridden: tokenizing with %r", KEY_PRE, pre, pre_policy)
+        return pre_tokenizer_spec(pre_policy)
     return pre_tokenizer_spec(pre)
 
 

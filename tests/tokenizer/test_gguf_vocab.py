@@ -84,8 +84,24 @@ def test_missing_pre_defaults_to_llama_bpe_with_a_warning(
     assert compat.encode(" (x", add_special=False)[:2] == [compat.piece_to_id("Ġ"), compat.piece_to_id("(")]
 
 
-def test_a_named_pre_wins_over_pre_policy() -> None:
-    assert tokenizer_from_gguf(_tiny_bpe_metadata(), pre_policy="default").pre_tokenizer == "gpt-2"
+def test_pre_policy_overrides_a_named_pre(caplog: pytest.LogCaptureFixture) -> None:
+    """--tokenizer-pre works on a file whose key is present and wrong, or unknown to bitserve, and says so."""
+    with caplog.at_level(logging.WARNING, logger="bitserve.tokenizer.gguf_vocab"):
+        assert tokenizer_from_gguf(_tiny_bpe_metadata(), pre_policy="default").pre_tokenizer == "default"
+    assert any("overridden" in record.getMessage() for record in caplog.records)
+    unknown = _tiny_bpe_metadata(**{"tokenizer.ggml.pre": "qwen-unknown"})
+    assert tokenizer_from_gguf(unknown, pre_policy="llama-bpe").pre_tokenizer == "llama-bpe"
+    assert tokenizer_from_gguf(_tiny_bpe_metadata()).pre_tokenizer == "gpt-2"  # no override: the file's
+
+
+def test_falcon_e_files_split_as_llama3() -> None:
+    """TII's Falcon-E GGUFs name `falcon_e` (bitnet.cpp's converter); ik_llama.cpp splits it as Llama-3
+    (ignore_merges, BOS added by default): the same spec as llama-bpe, under the file's name."""
+    falcon_e = tokenizer_from_gguf(_tiny_bpe_metadata(**{"tokenizer.ggml.pre": "falcon_e"}))
+    llama3 = tokenizer_from_gguf(_tiny_bpe_metadata(**{"tokenizer.ggml.pre": "llama-bpe"}))
+    assert falcon_e.pre_tokenizer == "falcon_e"
+    text = "hello (world) 12345 émigré"
+    assert falcon_e.encode(text) == llama3.encode(text)
 
 
 @pytest.mark.parametrize(
