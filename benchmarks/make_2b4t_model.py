@@ -247,6 +247,10 @@ def write_2b4t_model(
         f"synthetic-2b4t-{fmt.lower()}-{num_layers}L-seed{seed}",
         None,
     )
+    if config.architecture == "bitnet":
+        # llama.cpp's `bitnet` graph runs SiLU whatever the file says; said here so bitserve runs it too
+        # (its evidence rule would read the 2B-4T's GQA and Llama-3-style vocabulary as ReLU²)
+        metadata["bitnet.hidden_activation"] = (GGUFValueType.STRING, "silu", None)
     plans = tensor_plans(config, fmt, VOCAB_SIZE)
     header, offsets = header_bytes(metadata, plans)
     start = time.perf_counter()

@@ -60,6 +60,13 @@ class ModelConfig:
     tokenizer_pre: str | None = field(
         default=None, metadata=_help("override the BPE pre-tokenizer (e.g. default, llama-bpe)")
     )
+    hidden_act: str | None = field(
+        default=None,
+        metadata=_help(
+            "override the FFN's gated activation (silu, relu2, gelu, ...): over the file's key, or what "
+            "bitserve decided from the file's facts (bitserve inspect shows it and why)"
+        ),
+    )
     cuda_graphs: bool = field(
         default=True, metadata=_help("on a CUDA device, replay decode steps as CUDA graphs (off: eager)")
     )

@@ -30,6 +30,7 @@ def model_config_from_args(args: argparse.Namespace, model: str) -> ModelConfig:
         i2s_variant=args.i2s_variant,
         tl_config=args.tl_config,
         tokenizer_pre=args.tokenizer_pre,
+        hidden_act=args.hidden_act,
         num_threads=args.threads,
     )
 

@@ -41,6 +41,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tl-config", default=None, help=fields["tl_config"].metadata["help"])
     parser.add_argument("--tokenizer-pre", default=None, help=fields["tokenizer_pre"].metadata["help"])
+    parser.add_argument("--hidden-act", default=None, help=fields["hidden_act"].metadata["help"])
     parser.add_argument("--threads", type=int, default=None, help=fields["num_threads"].metadata["help"])
 
 

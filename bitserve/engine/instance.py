@@ -261,6 +261,7 @@ class ModelInstance(ServedModelParts):
             lm_head=model_config.lm_head,
             i2s_variant=model_config.i2s_variant,
             tl_config=model_config.tl_config,
+            hidden_act=model_config.hidden_act,
         )
         loaded = load_model(path, options)
         try:

@@ -4,6 +4,7 @@ backend's runtime layout, and report which tensors were never used (a sign of a 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import time
@@ -40,6 +41,7 @@ class LoadOptions:
     lm_head: str = "auto"  # or "q8_0": a float head quantized at load (loader/requantize.py)
     i2s_variant: str = "A"
     tl_config: str | None = None  # path to a kernel_config.ini, or "preset:<name>"
+    hidden_act: str | None = None  # the FFN activation, over the file's or the evidence's (--hidden-act)
 
 
 @dataclass
@@ -221,6 +223,10 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadResult:
     gguf = read_gguf(path)
     try:
         spec = spec_from_metadata(gguf.metadata, tensor_names=set(gguf.tensors), path=str(path))
+        if options.hidden_act is not None:
+            spec = dataclasses.replace(
+                spec, activation=options.hidden_act.lower(), activation_reason="--hidden-act"
+            )
         decode_options = DecodeOptions(
             i2s_variant=options.i2s_variant, tl_configs=tl_configs_for(path, options.tl_config, gguf)
         )
@@ -243,10 +249,12 @@ def load_model(path: str | Path, options: LoadOptions) -> LoadResult:
         )
     seconds = time.perf_counter() - start
     logger.info(
-        "loaded %s (%s, %d layers) in %.2f s on backend %s",
+        "loaded %s (%s, %d layers, FFN activation %s: %s) in %.2f s on backend %s",
         path.name,
         spec.architecture,
         spec.num_layers,
+        spec.activation,
+        spec.activation_reason,
         seconds,
         options.backend.name,
     )

@@ -33,12 +33,36 @@ def _positive_int(metadata: Mapping[str, Any], key: str, path: str | None, defau
     return value
 
 
-def _activation(metadata: Mapping[str, Any], arch: str, default: str) -> str:
+def _activation(
+    metadata: Mapping[str, Any], arch: str, default: str, heads: tuple[int, int]
+) -> tuple[str, str]:
+    """The FFN's gated activation and why: the file's key, else (for `bitnet`) the evidence, else the
+    architecture's default."""
     for key in (f"{arch}.hidden_act", f"{arch}.hidden_activation"):
         value = metadata.get(key)
         if isinstance(value, str):
-            return value.lower()
-    return default
+            return value.lower(), f"{key} in the file"
+    if arch == "bitnet":
+        return _bitnet_activation(metadata, *heads)
+    return default, f"the {arch} default"
+
+
+def _bitnet_activation(metadata: Mapping[str, Any], num_heads: int, num_kv_heads: int) -> tuple[str, str]:
+    """Upstream llama.cpp's converter writes both BitNet families as `bitnet` without an activation key:
+    1bitLLM's bitnet_b1_58 models (SiLU, multi-head attention, a SentencePiece Llama-2 vocabulary) and
+    Microsoft's b1.58 2B-4T (ReLU², 20 query heads over 5 KV heads, a byte-level BPE Llama-3
+    vocabulary). SiLU on the 2B-4T is silently wrong (wikitext perplexity 99.8 against 17.1 with ReLU²,
+    llama.cpp #25885), so the file's own facts decide."""
+    name = str(metadata.get("general.name", "")) + " " + str(metadata.get("general.basename", ""))
+    if "2b-4t" in name.lower():
+        return "relu2", "general.name names BitNet b1.58 2B-4T, trained with ReLU²"
+    byte_level = metadata.get("tokenizer.ggml.model") == "gpt2"
+    if num_kv_heads < num_heads and byte_level:
+        return "relu2", (
+            "grouped KV heads and a byte-level BPE vocabulary: the 2B-4T family (ReLU²); "
+            "1bitLLM's SiLU models have neither (--hidden-act overrides)"
+        )
+    return "silu", "no grouped KV heads or no byte-level BPE vocabulary: 1bitLLM's bitnet_b1_58 (SiLU)"
 
 
 def _rope_position_scale(metadata: Mapping[str, Any], arch: str, path: str | None) -> float:
@@ -73,7 +97,9 @@ def spec_from_metadata(
     head_dim = _positive_int(metadata, f"{arch}.attention.key_length", path, default=hidden_size // num_heads)
     tokens = metadata.get("tokenizer.ggml.tokens")
     vocab_default = len(tokens) if tokens is not None else None
-    activation = _activation(metadata, arch, recipe.default_activation)
+    activation, activation_reason = _activation(
+        metadata, arch, recipe.default_activation, (num_heads, num_kv_heads)
+    )
     if num_heads % num_kv_heads:
         raise InvalidModelFile(
             f"head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}", path=path
@@ -95,6 +121,7 @@ def spec_from_metadata(
         rope_position_scale=_rope_position_scale(metadata, arch, path),
         rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         activation=activation,
+        activation_reason=activation_reason,
         has_sub_norms=recipe.sub_norms,
         tie_word_embeddings="output.weight" not in tensor_names,
     )

@@ -31,3 +31,4 @@ class ModelSpec:
     activation: str
     has_sub_norms: bool
     tie_word_embeddings: bool
+    activation_reason: str = "the architecture's default"  # why `activation` (inspect and the load log)

