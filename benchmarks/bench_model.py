@@ -478,7 +478,7 @@ def bench_2b(args: argparse.Namespace, report: dict[str, Any]) -> list[int]:
 
 
 def bench_smollm2(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    path = resolve_model("smollm2-135m-instruct")
+    path = args.smollm2_file or resolve_model("smollm2-135m-instruct")
     start = time.perf_counter()
     llm = LLM(str(path))
     bitserve_load_s = time.perf_counter() - start
@@ -703,6 +703,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=30, help="layers of a generated 2B file")
     parser.add_argument("--skip-2b", action="store_true")
     parser.add_argument("--skip-smollm2", action="store_true")
+    parser.add_argument(
+        "--smollm2-file", type=Path, default=None, help="another GGUF for the SmolLM2 rows (e.g. requantized)"
+    )
     parser.add_argument("--tq2", action="store_true", help="also llama.cpp on the TQ2_0 twin of the 2B file")
     parser.add_argument(
         "--fast-decode-ab", action="store_true", help="2B decode with the lean cpu decode step on vs off"
