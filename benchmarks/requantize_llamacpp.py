@@ -1,7 +1,8 @@
 """Requantize a GGUF with llama.cpp's own `llama_model_quantize` (llama-cpp-python 0.3.36), e.g. SmolLM2 to
 llama.cpp's Q2_0 for a same-file speed row beside llama.cpp:
 
-    python benchmarks/requantize_llamacpp.py SmolLM2-135M-Instruct.Q4_1.gguf benchmarks/out/smollm2-q2_0.gguf --type Q2_0
+    python benchmarks/requantize_llamacpp.py SmolLM2-135M-Instruct.Q4_1.gguf \
+        benchmarks/out/smollm2-q2_0.gguf --type Q2_0
 
 Already-quantized tensors are requantized (allow_requantize); llama.cpp chooses the embedding / output
 types of the mix itself. Prints the output path.
@@ -18,7 +19,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path)
     parser.add_argument("target", type=Path)
-    parser.add_argument("--type", default="Q2_0", help="a LLAMA_FTYPE_MOSTLY_<TYPE> name, e.g. Q2_0, Q1_0, Q4_K_M")
+    parser.add_argument(
+        "--type", default="Q2_0", help="a LLAMA_FTYPE_MOSTLY_<TYPE> name, e.g. Q2_0, Q1_0, Q4_K_M"
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     import llama_cpp
