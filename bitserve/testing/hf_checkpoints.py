@@ -1,8 +1,10 @@
 """Small random-init transformers checkpoints of the architectures bitserve converts (loader/hf_convert.py),
 for parity tests against transformers' own forward. Needs `transformers` (a test dependency).
 
-Norm weights and biases are drawn at random too (transformers initializes them to ones and zeros, under
-which a norm or bias read from the wrong tensor, or not applied at all, would not show).
+Every parameter is drawn here, from one seeded torch.Generator in name order: matrices N(0, 0.02), norm
+weights U[0.5, 1.5), biases N(0, 0.25). So the bytes depend on torch's generator only, not on the init code
+of the installed transformers (the golden fixtures hold the converted files' sha256), and a norm or bias
+read from the wrong tensor, or not applied, shows (transformers' own init makes them ones and zeros).
 """
 
 from __future__ import annotations
@@ -50,15 +52,17 @@ def random_checkpoint(arch: str, vocab_size: int, seed: int = 0, *, wide: bool =
         dtype=torch.float32,
         **(_SHAPES[arch] | ({"head_dim": 32} if wide else {})),
     )
-    torch.manual_seed(seed)
     model = model_class(config)
-    generator = torch.Generator().manual_seed(seed + 1)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for name, parameter in sorted(model.named_parameters()):  # a tied head is the embedding's
             if name.endswith("norm.weight"):
-                parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)  # [0.5, 1.5)
+                values = torch.rand(parameter.shape, generator=generator) + 0.5
             elif name.endswith(".bias"):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+                values = torch.randn(parameter.shape, generator=generator) * 0.25
+            else:
+                values = torch.randn(parameter.shape, generator=generator) * 0.02
+            parameter.copy_(values)
     return model.eval()
 
 
