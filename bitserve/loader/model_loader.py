@@ -20,6 +20,7 @@ from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, 
 from bitserve.kernels.reference.dequant import dequantize, row_bytes_of, unpack_ternary
 from bitserve.loader.decode import DecodeOptions, as_uint8_tensor, make_packed_weight
 from bitserve.loader.gguf_reader import GGUFFile, read_gguf
+from bitserve.loader.host_memory import available_host_memory_bytes
 from bitserve.loader.model_spec import spec_from_metadata
 from bitserve.loader.requantize import quantize_q8_0
 from bitserve.loader.tl_config import TLConfigTable, load_kernel_config_ini, preset, sidecar_path
@@ -131,6 +132,27 @@ class GGUFWeightSource:
             return weight.data.view(dtype).reshape(num_rows, num_cols)  # zero-copy over the mmap
         return dequantize(weight)
 
+    def _refuse_unless_f32_fits(self, layout: Layout) -> None:
+        """A layout without a packed kernel runs as f32 copies, 4 bytes a weight: on a backend that keeps
+        them in host memory, refuse the load with the numbers when they cannot fit, instead of meeting the
+        OOM killer halfway through."""
+        if getattr(self.backend, "device", torch.device("cpu")).type != "cpu":
+            return  # each copy goes to the device as it is made (its memory is the placement's concern)
+        values = sum(
+            info.num_elements
+            for info in self.gguf.tensors.values()
+            if info.ggml_type.name == layout.name and len(info.shape) == 2
+        )
+        available = available_host_memory_bytes()
+        if available is not None and 4 * values > available:
+            raise UnsupportedModel(
+                f"{layout.name} projections have no packed kernel on the {self.backend.name} backend: as "
+                f"f32 they take {4 * values / 1e9:.1f} GB, and {available / 1e9:.1f} GB of host memory "
+                "is available",
+                path=self.gguf.path,
+                hint="requantize the model to Q8_0, Q4_0 or a ternary type, or load it on a larger machine",
+            )
+
     def linear(self, name: str, *, may_be_ternary: bool) -> PreparedLinear:
         weight = self.packed(name)
         if weight.layout in TERNARY_FILE_LAYOUTS:
@@ -145,8 +167,8 @@ class GGUFWeightSource:
         if prepared is not None:
             self.gguf.release_pages(name)  # the backend repacked the bytes into its own copy
             return prepared
-        dense = dequantize(weight)
         if weight.layout not in FLOAT_LAYOUTS and weight.layout not in self.dense_fallbacks:
+            self._refuse_unless_f32_fits(weight.layout)  # before the first of them is dequantized
             self.dense_fallbacks.add(weight.layout)
             logger.warning(
                 "%s projections have no packed kernel on the %s backend: dequantized to f32 at load "
@@ -154,6 +176,7 @@ class GGUFWeightSource:
                 weight.layout.name,
                 self.backend.name,
             )
+        dense = dequantize(weight)
         if may_be_ternary and weight.layout in FLOAT_LAYOUTS:
             codes = ternary_codes_of(dense)
             if codes is not None:
