@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bitserve.loader.catalog import resolve_model  # noqa: E402
+from bitserve.loader.gguf_types import BLOCK_FORMATS, GGMLType  # noqa: E402
 from bitserve.testing.hf_checkpoints import hf_gguf_case  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "golden"
@@ -46,7 +47,7 @@ CASES = [
 ]
 PROMPTS = ["The capital of France is Paris, and", "def add(a, b):\n    return", "émigré 東京 🙂 1 2 3"]
 NUM_TOKENS = 16
-LOW_BIT_TYPES = {"q1_0": 128, "q2_0": 64}  # values per block
+LOW_BIT_TYPES = {"q1_0": BLOCK_FORMATS[GGMLType.Q1_0], "q2_0": BLOCK_FORMATS[GGMLType.Q2_0]}
 GGML_TYPE_F32 = 0
 
 
@@ -123,7 +124,8 @@ def ggml_base() -> ctypes.CDLL:
 def llama_quantize(lib: ctypes.CDLL, name: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(llama.cpp's quantize_<name> bytes of f32 [M, K] x, its dequantize_row_<name> of them)."""
     rows, cols = x.shape
-    buffer = (ctypes.c_uint8 * (rows * cols // LOW_BIT_TYPES[name] * 18))()
+    block = LOW_BIT_TYPES[name]
+    buffer = (ctypes.c_uint8 * (rows * cols // block.block_size * block.type_size))()
     quantize = getattr(lib, f"quantize_{name}")
     quantize.restype = ctypes.c_size_t
     quantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]

@@ -8,7 +8,8 @@ the head dropped when tied, norms and biases kept as F32. Projections are writte
 (ggml's reference rounding, loader/requantize.py), or llama.cpp's Q1_0 / Q2_0 (loader/low_bit_quantize.py,
 bytes equal to llama.cpp's). The tokenizer keys come from the caller, as GGUF
 metadata (a tokenizer.json converter is not part of this module). Every tensor of the state dict must
-have a GGUF name, and every name the recipe needs must be there: nothing is dropped silently.
+have a GGUF name (nothing is dropped silently); one the recipe needs and the checkpoint lacks fails when
+the GGUF is loaded, by name.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def _head_dim(config: Mapping[str, Any]) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
+def _num_kv_heads(config: Mapping[str, Any]) -> int:
+    return int(config.get("num_key_value_heads") or config["num_attention_heads"])
+
+
 def _rope_theta(config: Mapping[str, Any]) -> float:
     parameters = config.get("rope_parameters") or {}
     return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
@@ -103,11 +108,7 @@ def gguf_metadata(arch: str, config: Mapping[str, Any]) -> dict[str, MetadataVal
         f"{arch}.block_count": (u32, int(config["num_hidden_layers"]), None),
         f"{arch}.feed_forward_length": (u32, int(config["intermediate_size"]), None),
         f"{arch}.attention.head_count": (u32, int(config["num_attention_heads"]), None),
-        f"{arch}.attention.head_count_kv": (
-            u32,
-            int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            None,
-        ),
+        f"{arch}.attention.head_count_kv": (u32, _num_kv_heads(config), None),
         f"{arch}.attention.key_length": (u32, head_dim, None),
         f"{arch}.attention.value_length": (u32, head_dim, None),
         f"{arch}.attention.layer_norm_rms_epsilon": (f32, float(config.get("rms_norm_eps", 1e-6)), None),
@@ -150,11 +151,10 @@ def gguf_tensors(
     tied = bool(config.get("tie_word_embeddings", False))
     permuted = {}
     if recipe.rope_style is RopeStyle.NORM:
-        num_kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
         q_name, k_name = recipe.hf_names.qkv[0], recipe.hf_names.qkv[1]
         for layer in range(num_layers):
             permuted[q_name.format(layer=layer)] = int(config["num_attention_heads"])
-            permuted[k_name.format(layer=layer)] = num_kv_heads
+            permuted[k_name.format(layer=layer)] = _num_kv_heads(config)
     for hf_name, tensor in state.items():
         if tied and hf_name == recipe.hf_names.output:
             continue  # the GGUF head is tied: no output.weight

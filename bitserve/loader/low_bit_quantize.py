@@ -1,6 +1,6 @@
 """llama.cpp's 1- and 2-bit weight types written from float rows, bytes equal to ggml's reference
 quantizers (quantize_row_q1_0_ref / quantize_row_q2_0_ref in ggml-quants.c), so a file bitserve writes
-is the file llama.cpp would (tests/loader/test_low_bit_formats.py compares them byte for byte).
+is the file llama.cpp would (tests/models/test_coverage_golden.py compares them byte for byte).
 
 Q1_0, blocks of 128: d = (sum of |x| in index order, f32) / 128 stored as f16; bit j of qs[j / 8] (LSB
 first) is 1 where x_j >= 0 (value +d) else 0 (-d).
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-QK1_0, QK2_0 = 128, 64
-BLOCK_BYTES = {"Q1_0": 2 + QK1_0 // 8, "Q2_0": 2 + QK2_0 // 4}
+from bitserve.loader.gguf_types import BLOCK_FORMATS, GGMLType
+
+QK1_0, QK2_0 = BLOCK_FORMATS[GGMLType.Q1_0].block_size, BLOCK_FORMATS[GGMLType.Q2_0].block_size
 
 
 def _blocks(x: np.ndarray, block: int) -> np.ndarray:

@@ -11,6 +11,7 @@ from typing import Any
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.models.architectures import ARCHITECTURES
+from bitserve.models.recipe import ArchitectureRecipe
 from bitserve.models.spec import ModelSpec
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -34,17 +35,17 @@ def _positive_int(metadata: Mapping[str, Any], key: str, path: str | None, defau
 
 
 def _activation(
-    metadata: Mapping[str, Any], arch: str, default: str, heads: tuple[int, int]
+    metadata: Mapping[str, Any], arch: str, recipe: ArchitectureRecipe, heads: tuple[int, int]
 ) -> tuple[str, str]:
-    """The FFN's gated activation and why: the file's key, else (for `bitnet`) the evidence, else the
-    architecture's default."""
+    """The FFN's gated activation and why: the file's key, else (a recipe with activation_from_evidence:
+    `bitnet`) the evidence, else the architecture's default."""
     for key in (f"{arch}.hidden_act", f"{arch}.hidden_activation"):
         value = metadata.get(key)
         if isinstance(value, str):
             return value.lower(), f"{key} in the file"
-    if arch == "bitnet":
+    if recipe.activation_from_evidence:
         return _bitnet_activation(metadata, *heads)
-    return default, f"the {arch} default"
+    return recipe.default_activation, f"the {arch} default"
 
 
 def _bitnet_activation(metadata: Mapping[str, Any], num_heads: int, num_kv_heads: int) -> tuple[str, str]:
@@ -97,9 +98,7 @@ def spec_from_metadata(
     head_dim = _positive_int(metadata, f"{arch}.attention.key_length", path, default=hidden_size // num_heads)
     tokens = metadata.get("tokenizer.ggml.tokens")
     vocab_default = len(tokens) if tokens is not None else None
-    activation, activation_reason = _activation(
-        metadata, arch, recipe.default_activation, (num_heads, num_kv_heads)
-    )
+    activation, activation_reason = _activation(metadata, arch, recipe, (num_heads, num_kv_heads))
     if num_heads % num_kv_heads:
         raise InvalidModelFile(
             f"head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}", path=path

@@ -22,4 +22,4 @@ BITNET_B158 = ArchitectureRecipe(
 )
 
 # upstream llama.cpp's `bitnet` converter writes the same layer; its default activation is SiLU
-BITNET = dataclasses.replace(BITNET_B158, default_activation="silu")
+BITNET = dataclasses.replace(BITNET_B158, default_activation="silu", activation_from_evidence=True)

@@ -98,6 +98,9 @@ class ArchitectureRecipe:
     output_scales: bool  # optional per-projection scalars multiplied into its output (ggml's order)
     rope_freq_factors: bool  # an optional rope_freqs tensor divides each RoPE frequency (Llama 3)
     qkv_biases: bool = False  # q, k and v add a bias vector (Qwen2)
+    # no activation key does not mean default_activation: the file's facts decide (loader/model_spec.py's
+    # BitNet rule: upstream llama.cpp writes the 2B-4T and 1bitLLM's models as `bitnet` without one)
+    activation_from_evidence: bool = False
     qk_norms: bool = False  # each head of q and of k is RMSNorm'd (one [head_dim] weight) before RoPE (Qwen3)
     names: TensorNames = field(default=GGUF_NAMES)
     hf_names: TensorNames = field(default=HF_NAMES)  # the same tensors in a transformers checkpoint
