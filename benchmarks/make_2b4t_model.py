@@ -4,14 +4,16 @@ For benchmarks:
 
     python benchmarks/make_2b4t_model.py benchmarks/out/2b4t-i2s.gguf                  # bitnet-b1.58, I2_S
     python benchmarks/make_2b4t_model.py benchmarks/out/2b4t-tq2.gguf --format TQ2_0   # bitnet, TQ2_0
+    python benchmarks/make_2b4t_model.py benchmarks/out/2b4t-q2_0.gguf --format Q2_0   # bitnet, Q2_0
     python benchmarks/make_2b4t_model.py /tmp/small.gguf --layers 2
 
 I2_S: `bitnet-b1.58` with the official file's tensor set and types (F16 token_embd, I2_S projections
 packed by `ternary_pack.quantize_i2s`, F32 norms; relu2 is implied by the arch). TQ2_0: the same
 ternary weights for upstream llama.cpp, which does not know `bitnet-b1.58`: arch `bitnet` (SiLU FFN),
 pure-ternary TQ2_0 blocks (gguf's quantizer, d = 1) and the tensor scale in `blk.N.<name>.scale`, as
-in docs/formats.md §6.3. The per-token compute is the same shape; the two files compute different
-functions.
+in docs/formats.md §6.3. Q2_0: the same as TQ2_0 in llama.cpp's Q2_0 blocks (d = 1, codes t + 1,
+written by bitserve's quantizer, whose bytes equal llama.cpp's). The per-token compute is the same shape;
+the I2_S and `bitnet` files compute different functions.
 
 Tokenizer: SmolLM2's, padded to 128,256 tokens with `<|pad_i|>` USER_DEFINED tokens
 (docs/formats.md §6.3).
@@ -40,10 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from bitserve.loader.gguf_types import GGMLType, GGUFValueType, pad_to  # noqa: E402
 from bitserve.loader.gguf_writer import GGUFBuilder  # noqa: E402
+from bitserve.loader.low_bit_quantize import quantize_q2_0  # noqa: E402
 from bitserve.loader.ternary_pack import quantize_i2s  # noqa: E402
 from bitserve.testing.synthetic import PROJECTIONS, SyntheticConfig, model_metadata, tokenizer_metadata  # noqa: E402
 
-FORMATS = ("I2_S", "TQ2_0")
+FORMATS = ("I2_S", "TQ2_0", "Q2_0")
 VOCAB_SIZE = 128256
 EMBEDDING_STD = 0.02
 EMBEDDING_CHUNK_ROWS = 8192  # rows generated per chunk: 84 MB of f32 temporaries at width 2560
@@ -134,6 +137,8 @@ def _projection_bytes(config: SyntheticConfig, layer: int, proj_index: int, fmt:
         weights = values.astype(np.float32)
         weights *= np.float32(projection_scale(values.shape[1]))  # ternary x one scale, as the file stores
         yield quantize_i2s(weights)
+    elif fmt == "Q2_0":  # d = 1 and codes t + 1 (llama.cpp's own quantizer's bytes), scale as for TQ2_0
+        yield quantize_q2_0(values.astype(np.float32)).tobytes()
     else:
         import gguf  # writer-side dependency only
 
@@ -143,6 +148,8 @@ def _projection_bytes(config: SyntheticConfig, layer: int, proj_index: int, fmt:
 def _projection_nbytes(fmt: str, num_rows: int, num_cols: int) -> int:
     if fmt == "I2_S":
         return num_rows * num_cols // 4 + 32
+    if fmt == "Q2_0":
+        return num_rows * num_cols // 64 * 18
     return num_rows * num_cols // 256 * 66
 
 
@@ -162,7 +169,7 @@ def tensor_plans(config: SyntheticConfig, fmt: str, vocab_size: int) -> list[Ten
             lambda: _embedding_chunks(config, vocab_size),
         )
     ]
-    proj_type = int(GGMLType.I2_S) if fmt == "I2_S" else int(GGMLType.TQ2_0)
+    proj_type = int(GGMLType[fmt])
     for layer in range(config.num_layers):
         prefix = f"blk.{layer}"
         for name, width in (
@@ -192,7 +199,7 @@ def tensor_plans(config: SyntheticConfig, fmt: str, vocab_size: int) -> list[Ten
                     produce,
                 )
             )
-            if fmt == "TQ2_0":  # upstream `bitnet`: the tensor scale as a separate multiplier
+            if fmt != "I2_S":  # upstream `bitnet`: the tensor scale as a separate multiplier
                 scale = np.float32(projection_scale(cols)).astype("<f4").tobytes()
                 plans.append(TensorPlan(f"{prefix}.{name}.scale", (1,), int(GGMLType.F32), 4, _const(scale)))
     plans.append(

@@ -17,7 +17,12 @@ import torch
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
-from bitserve.kernels.reference.dequant import dequantize, row_bytes_of, unpack_ternary
+from bitserve.kernels.reference.dequant import (
+    dequantize,
+    one_scale_ternary_codes,
+    row_bytes_of,
+    unpack_ternary,
+)
 from bitserve.loader.decode import DecodeOptions, as_uint8_tensor, make_packed_weight
 from bitserve.loader.gguf_reader import GGUFFile, read_gguf
 from bitserve.loader.host_memory import available_host_memory_bytes
@@ -163,6 +168,11 @@ class GGUFWeightSource:
             # the backend holds its own runtime copy: the file's bytes need not stay resident
             self.gguf.release_pages(name)
             return prepared
+        if may_be_ternary and weight.layout in (Layout.Q2_0, Layout.Q1_0):
+            codes = one_scale_ternary_codes(weight)
+            if codes is not None:  # a BitNet model in llama.cpp's types: its I2_S kernels and numerics
+                self.gguf.release_pages(name)
+                return self.backend.prepare_ternary(codes, mode=self.linear_mode)
         prepared = self._prepare_block(weight)
         if prepared is not None:
             self.gguf.release_pages(name)  # the backend repacked the bytes into its own copy

@@ -1,8 +1,8 @@
 """Synthetic BitNet GGUF files (docs/formats.md §6.3): the same random ternary weights in any storage format.
 
 Upstream `bitnet` semantics (SiLU-gated FFN, sub-norms, NEOX RoPE, tied head, a scalar `.scale` per
-projection), so llama.cpp reads the F32 / TQ1_0 / TQ2_0 files too. F32 and TQ files are written with
-the `gguf` package's writer (an independent writer, as the tests want); I2_S / TL1 / TL2, which gguf
+projection), so llama.cpp reads the F32 / TQ1_0 / TQ2_0 / Q2_0 files too. F32 and TQ files are written with
+the `gguf` package's writer (an independent writer, as the tests want); I2_S / TL1 / TL2 / Q2_0, which gguf
 cannot write, with bitserve's own GGUFBuilder. Deterministic in `seed`. Needs the `gguf` package.
 """
 
@@ -18,10 +18,11 @@ import numpy as np
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.loader.gguf_types import GGMLType, GGUFValueType
 from bitserve.loader.gguf_writer import GGUFBuilder
+from bitserve.loader.low_bit_quantize import quantize_q2_0
 from bitserve.loader.ternary_pack import pack_tl1, pack_tl2, quantize_i2s
 from bitserve.loader.tl_config import TileConfig, sidecar_path
 
-FORMATS = ("F32", "TQ1_0", "TQ2_0", "I2_S", "TL1", "TL2")
+FORMATS = ("F32", "TQ1_0", "TQ2_0", "I2_S", "TL1", "TL2", "Q2_0")
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 TOKENIZER_KEYS = (
     "tokenizer.ggml.model",
@@ -171,6 +172,8 @@ def _tensors(
             data, type_id = gguf.quants.quantize(values.astype(np.float32), qtype).tobytes(), int(qtype)
         elif fmt == "I2_S":
             data, type_id = quantize_i2s(values.astype(np.float32)), int(GGMLType.I2_S)
+        elif fmt == "Q2_0":  # llama.cpp's own 2-bit type: d = 1, codes t + 1 (bytes equal to llama.cpp's)
+            data, type_id = quantize_q2_0(values.astype(np.float32)).tobytes(), int(GGMLType.Q2_0)
         elif fmt == "TL1":
             data, type_id = pack_tl1(values, 1.0, tl_tiles[(rows, cols)]), int(GGMLType.TL1)
         elif fmt == "TL2":

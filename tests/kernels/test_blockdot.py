@@ -1,9 +1,11 @@
-"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 dots on int8 activations, on every ISA variant this CPU runs.
+"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 / Q2_0 / Q1_0 dots on int8 activations, on every ISA variant
+this CPU runs.
 
 The activation quantizer is checked against gguf-py's numpy Q8_0 quantizer (an independent implementation
 of the same per-32-block scheme); the kernels against a float64 product of the dequantized weights
-(gguf-py's dequantizer) and the dequantized int8 activations: the integer dots are exact, so only the f32
-epilogue's rounding remains (RTOL of max |y|). The weights run as 4-row interleaved records
+(gguf-py's dequantizer; for Q2_0 / Q1_0 the reference decoders, which equal llama.cpp's bit for bit:
+tests/models/test_coverage_golden.py) and the dequantized int8 activations: the integer dots are exact,
+so only the f32 epilogue's rounding remains (RTOL of max |y|). The weights run as 4-row interleaved records
 (kernels/cpu/interleaved.py): a row's result must not depend on its slot in a record, records stack in
 CpuBackend.fuse_group only when whole, and decode_rows reads them back to gguf's values.
 """
@@ -15,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from bitserve.kernels.cpu import blockdot, interleaved
+from bitserve.kernels.cpu import blockdot, interleaved, low_bit_records
 from bitserve.kernels.cpu.backend import CpuBackend
 from bitserve.kernels.cpu.isa import Isa, supported_isas
 from bitserve.kernels.packed import Layout, PackedWeight
+from bitserve.kernels.reference.dequant import dequantize
+from bitserve.loader.low_bit_quantize import QUANTIZERS
 
 RTOL = 1e-5
 INT8_ISAS = [isa for isa in supported_isas() if isa is not Isa.GENERIC]
@@ -27,6 +31,26 @@ GGML_TYPES = {
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
 }
+LOW_BIT = ("q2_0", "q1_0")  # llama.cpp's own types: bitserve's quantizers (bytes equal to llama.cpp's)
+KINDS = [*GGML_TYPES, *LOW_BIT]
+
+
+def quantized(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """f32 [M, K] -> (file rows uint8 [M, row_bytes], their dequantized values f64 [M, K])."""
+    num_rows, num_cols = w.shape
+    if kind in LOW_BIT:
+        rows = QUANTIZERS[kind.upper()](w).reshape(num_rows, -1)
+        packed = PackedWeight(torch.from_numpy(rows.reshape(-1)), w.shape, Layout[kind.upper()], kind.upper())
+        return rows, dequantize(packed).numpy().astype(np.float64)
+    raw = gguf.quantize(w, GGML_TYPES[kind])
+    values = gguf.dequantize(raw, GGML_TYPES[kind]).reshape(num_rows, num_cols)
+    return np.ascontiguousarray(raw.reshape(num_rows, -1).view(np.uint8)), values.astype(np.float64)
+
+
+def repacked(rows: np.ndarray, kind: str) -> np.ndarray:
+    if kind in LOW_BIT:
+        return low_bit_records.repack_low_bit(rows, interleaved.KINDS[kind])
+    return interleaved.repack(rows, interleaved.KINDS[kind])
 
 
 def test_activation_codes_agree_with_gguf_q8_0() -> None:
@@ -50,8 +74,8 @@ def test_activation_codes_agree_with_gguf_q8_0() -> None:
 
 @pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
 @pytest.mark.parametrize("isa", INT8_ISAS, ids=lambda isa: isa.value)
-@pytest.mark.parametrize("kind", list(GGML_TYPES))
-@pytest.mark.parametrize("shape", [(70, 576), (33, 96), (16, 1536)])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(70, 640), (33, 128), (16, 1536)])
 def test_kernels_equal_the_exact_product_of_what_they_multiply(
     isa: Isa, kind: str, shape: tuple[int, int]
 ) -> None:
@@ -59,10 +83,9 @@ def test_kernels_equal_the_exact_product_of_what_they_multiply(
     num_rows, num_cols = shape
     w = (rng.standard_normal((num_rows, num_cols)) * 0.05).astype(np.float32)
     w[5] = 0.0  # zero blocks in the weights too
-    raw = gguf.quantize(w, GGML_TYPES[kind])
-    rows = np.ascontiguousarray(raw.reshape(num_rows, -1).view(np.uint8))
-    w_values = gguf.dequantize(raw, GGML_TYPES[kind]).reshape(num_rows, num_cols).astype(np.float64)
-    records = interleaved.repack(rows, interleaved.KINDS[kind])  # 70 and 33 rows: a padded last record
+    w[6, :64] *= 40.0  # Q2_0: a block whose codes reach 3 (+2 d)
+    rows, w_values = quantized(w, kind)
+    records = repacked(rows, kind)  # 70 and 33 rows: a padded last record
     kernels = blockdot.KERNELS[(isa, kind)]
     for num_tokens in (1, 2, 3, 5, 16):  # every tile: gemv, the 2-token GEMM with padding and without
         x = rng.standard_normal((num_tokens, num_cols)).astype(np.float32) * 3
@@ -90,28 +113,31 @@ def test_q8_roundtrip_is_what_the_kernels_multiply() -> None:
 
 @pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
 @pytest.mark.parametrize("isa", INT8_ISAS, ids=lambda isa: isa.value)
-@pytest.mark.parametrize("kind", list(GGML_TYPES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_result_does_not_depend_on_its_slot_in_the_interleaved_record(isa: Isa, kind: str) -> None:
     """The 4-row records change where each row's lanes sit, not its arithmetic: the same rows repacked one
     slot over (row r in slot (r + 1) % 4 of another record) give bit-identical outputs, for every tile."""
     rng = np.random.default_rng(7)
-    w = (rng.standard_normal((21, 192)) * 0.05).astype(np.float32)
-    rows = np.ascontiguousarray(gguf.quantize(w, GGML_TYPES[kind]).reshape(21, -1).view(np.uint8))
+    w = (rng.standard_normal((21, 256)) * 0.05).astype(np.float32)
+    rows, _ = quantized(w, kind)
     shifted = np.concatenate([rows[:1], rows])  # a leading row: every row moves one slot
-    kernels, kind_code = blockdot.KERNELS[(isa, kind)], interleaved.KINDS[kind]
+    kernels = blockdot.KERNELS[(isa, kind)]
     for num_tokens in (1, 2, 5):
-        x = rng.standard_normal((num_tokens, 192)).astype(np.float32)
+        x = rng.standard_normal((num_tokens, 256)).astype(np.float32)
         acts = blockdot.quantize_block_q8(x, blockdot.padded_tokens(num_tokens))
         out = np.empty((num_tokens, 21), dtype=np.float32)
         out_shifted = np.empty((num_tokens, 22), dtype=np.float32)
-        kernels.for_tokens(num_tokens)(interleaved.repack(rows, kind_code), *acts, out)
-        kernels.for_tokens(num_tokens)(interleaved.repack(shifted, kind_code), *acts, out_shifted)
+        kernels.for_tokens(num_tokens)(repacked(rows, kind), *acts, out)
+        kernels.for_tokens(num_tokens)(repacked(shifted, kind), *acts, out_shifted)
         np.testing.assert_array_equal(out_shifted[:, 1:].view(np.uint32), out.view(np.uint32))
 
 
 @pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
+@pytest.mark.parametrize("kind", ["q4_1", *LOW_BIT])
 @pytest.mark.parametrize("rows", [(72, 33), (70, 33)], ids=["stacked", "not-stacked"])
-def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(rows: tuple[int, int]) -> None:
+def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(
+    rows: tuple[int, int], kind: str
+) -> None:
     """CpuBackend.fuse_group concatenates records only when every weight but the last fills its last
     record (70 rows would leave 2 padding rows in the middle); stacked or not, each output row equals its
     weight run alone, and decode_rows (the sgemm path) reads the records back to gguf's dequantized rows."""
@@ -119,13 +145,16 @@ def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(r
     backend = CpuBackend(isa=INT8_ISAS[0], block_activations="q8")
     weights, values = [], []
     for m in rows:
-        w = (rng.standard_normal((m, 96)) * 0.05).astype(np.float32)
-        raw = gguf.quantize(w, GGML_TYPES["q4_1"])
-        values.append(gguf.dequantize(raw, GGML_TYPES["q4_1"]).reshape(m, 96))
-        data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
-        weights.append(backend.prepare_block(PackedWeight(data, (m, 96), Layout.Q4_1, "Q4_1")))
+        w = (rng.standard_normal((m, 256)) * 0.05).astype(np.float32)
+        file_rows, w_values = quantized(w, kind)
+        values.append(w_values.astype(np.float32))
+        data = torch.from_numpy(file_rows.reshape(-1))
+        weights.append(
+            backend.prepare_block(PackedWeight(data, (m, 256), Layout[kind.upper()], kind.upper()))
+        )
     for weight, expected in zip(weights, values, strict=True):
-        decoded = np.empty((weight.out_features, 96), dtype=np.float32)
+        assert weight.kernel_format == kind
+        decoded = np.empty((weight.out_features, 256), dtype=np.float32)
         weight.decode_rows(0, decoded)
         np.testing.assert_array_equal(decoded, expected)
     fused = backend.fuse_group(weights)
@@ -133,7 +162,7 @@ def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(r
     if fused is None:
         return
     stacked, offsets = fused
-    x = torch.from_numpy(rng.standard_normal((3, 96)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((3, 256)).astype(np.float32))
     together = stacked.run(x, stacked.quantize(x))
     for weight, start in zip(weights, offsets, strict=True):
         alone = weight.run(x, weight.quantize(x))

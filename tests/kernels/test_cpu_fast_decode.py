@@ -319,3 +319,18 @@ def test_qkv_biases_and_head_norms_in_the_fast_step_match_the_module_forward(hf_
         assert_fast_step_matches_module_forward(llm)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("weight_type", ["Q2_0", "Q1_0"])
+def test_low_bit_layers_in_the_fast_step_match_the_module_forward(hf_gguf, weight_type: str) -> None:  # noqa: ANN001
+    """llama.cpp's Q2_0 / Q1_0 projections run as interleaved records on the int8 tile
+    (kernels/cpu/low_bit_records.py), in the one-call step as in the module forward, to the bit."""
+    _, path = hf_gguf("qwen3", weight_type)
+    llm = LLM(str(path), backend="cpu", block_activations="q8")
+    try:
+        step = llm.instance.loaded.model.compiled.step
+        assert isinstance(step, BlockStep)
+        assert step.decode_layers.py_func.__name__.endswith(f"_{weight_type.lower()}_decode_layers")
+        assert_fast_step_matches_module_forward(llm)
+    finally:
+        llm.close()

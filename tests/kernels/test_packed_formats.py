@@ -290,3 +290,38 @@ def test_make_packed_weight_rejects_bad_sizes_and_types() -> None:
         make_packed_weight(q5_1, np.zeros(48, dtype=np.uint8), options=DecodeOptions())
     with pytest.raises(ValueError, match="i2s_variant"):
         DecodeOptions(i2s_variant="D")
+
+
+@pytest.mark.parametrize("layout", [Layout.Q2_0, Layout.Q1_0])
+def test_low_bit_weight_is_ternary_only_with_one_scale_and_no_code_3(layout: Layout) -> None:
+    """one_scale_ternary_codes: a BitNet weight in Q2_0 / Q1_0 (one d over its live blocks) comes back as
+    its codes and that d, as its I2_S file's would; a second d, or a Q2_0 code 3 (+2 d), needs the block
+    kernels (None). A block whose d is 0 decodes to zeros and does not count as a second scale."""
+    from bitserve.kernels.reference.dequant import one_scale_ternary_codes
+    from bitserve.loader.low_bit_quantize import QUANTIZERS
+
+    rng = np.random.default_rng(5)
+    low, block = (-1, 64) if layout is Layout.Q2_0 else (0, 128)
+    codes = rng.integers(low, 2, size=(6, 2 * block)).astype(np.float32)
+    if layout is Layout.Q1_0:
+        codes = codes * 2 - 1  # +-1
+    codes[:, ::block] = 1.0  # every block's amax is its scale
+    quantize = QUANTIZERS[layout.name]
+
+    def packed(w: np.ndarray) -> PackedWeight:
+        return PackedWeight(torch.from_numpy(quantize(w).reshape(-1)), w.shape, layout, layout.name)
+
+    one = one_scale_ternary_codes(packed(codes * np.float32(0.25)))
+    assert one is not None and float(one.scale) == 0.25
+    assert torch.equal(one.values, torch.from_numpy(codes).to(torch.int8))
+    two = codes * np.float32(0.25)
+    two[0, :block] *= 2
+    assert one_scale_ternary_codes(packed(two)) is None
+    dead = packed(codes * np.float32(0.25))
+    dead.data.view(-1, 18)[0, :2] = 0  # block 0's d = 0: its values decode to 0
+    zeroed = one_scale_ternary_codes(dead)
+    assert zeroed is not None and not zeroed.values[0, :block].any() and float(zeroed.scale) == 0.25
+    if layout is Layout.Q2_0:
+        plus_two = packed(codes * np.float32(0.25))
+        plus_two.data.view(-1, 18)[7, 2] |= 3  # value 0 of row 3's second block: code 3 (+2 d), same d
+        assert one_scale_ternary_codes(plus_two) is None

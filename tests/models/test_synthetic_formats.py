@@ -1,4 +1,5 @@
-"""One set of random ternary weights stored in six formats must run identically in bitserve."""
+"""One set of random ternary weights stored in seven formats (llama.cpp's Q2_0 among them: a BitNet model in
+it runs as ternary codes with one scale, loader/model_loader.linear) must run identically in bitserve."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def reference_results(synthetic_models: dict[str, Path]) -> dict[str, tuple[list
     return results
 
 
-@pytest.mark.parametrize("fmt", ["TQ1_0", "TQ2_0", "I2_S", "TL1", "TL2"])
+@pytest.mark.parametrize("fmt", ["TQ1_0", "TQ2_0", "I2_S", "TL1", "TL2", "Q2_0"])
 def test_every_format_matches_f32_bit_for_bit(reference_results, fmt: str) -> None:  # noqa: ANN001
     f32_tokens, f32_logits = reference_results["F32"]
     tokens, logits = reference_results[fmt]
@@ -50,7 +51,7 @@ def test_tokens_are_not_degenerate(reference_results) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("backend", [b for b in available_backends() if b != "reference"])
-@pytest.mark.parametrize("fmt", ["I2_S", "TQ2_0"])
+@pytest.mark.parametrize("fmt", ["I2_S", "TQ2_0", "Q2_0"])
 def test_fast_backend_matches_reference(synthetic_models, reference_results, backend: str, fmt: str) -> None:  # noqa: ANN001
     llm = LLM(str(synthetic_models[fmt]), backend=backend)
     try:

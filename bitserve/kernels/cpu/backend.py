@@ -46,7 +46,7 @@ from numba.core.errors import NumbaError
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cpu import blockquant, decode_glue, f16head, fused, interleaved, mapped
+from bitserve.kernels.cpu import blockquant, decode_glue, f16head, fused, interleaved, low_bit_records, mapped
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.fast_decode import FastCpuDecode
 from bitserve.kernels.cpu.group_stacking import stack_groups, stack_rows, stackable_records
@@ -77,6 +77,7 @@ DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the c
 # kernels lose from 8 tokens, the int8 ones (q8 activations) win up to 64 and lose from 128
 BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block
+LOW_BIT_LAYOUTS = frozenset({Layout.Q2_0, Layout.Q1_0})  # llama.cpp's 2- and 1-bit block types
 # GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
 RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
 
@@ -223,6 +224,8 @@ class CpuBackend(KernelBackend):
         """Q4_0 / Q4_1 -> runtime Layout.Q4_1 (codes uint8 [G, K/2, 64], scale = d f32 [G, nb, 64], extras
         m); Q8_0 -> Layout.Q8_0 (codes int8 [G, K, 64], scale = d); G = ceil(M / 64), see blockquant.
         None for other layouts (or if disabled). Within max_dense_weight_bytes, also an f32 copy."""
+        if weight.layout in LOW_BIT_LAYOUTS:
+            return self._prepare_low_bit(weight)
         type_size = BLOCK_TYPE_SIZES.get(weight.layout)
         if not self.block_kernels or type_size is None:
             return None
@@ -258,6 +261,28 @@ class CpuBackend(KernelBackend):
             strategy = Q4Linear
         layout = Layout.Q8_0 if strategy is Q8Linear else Layout.Q4_1
         return self._with_dense(strategy, m, k, layout, data, d, extras)
+
+    def _prepare_low_bit(self, weight: PackedWeight) -> PreparedLinear | None:
+        """Q2_0 / Q1_0 -> 4-row interleaved records (kernels/cpu/low_bit_records.py) on the int8 tile, with
+        llama.cpp's Q8_0-style activations; None (the loader's f32 copy) where block activations are f32:
+        these types have no f32 kernel."""
+        if not self.block_kernels or self.block_activations != "q8":
+            return None
+        m, k = weight.shape
+        kind = interleaved.KINDS[weight.layout.name.lower()]
+        values = low_bit_records.BLOCK_VALUES[kind]
+        if k % values:
+            raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {values}, got K={k}")
+        row_bytes = k // values * low_bit_records.FILE_BLOCK_BYTES
+        if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
+            raise InvalidModelFile(
+                f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
+                expected=f"{m * row_bytes} bytes",
+            )
+        blocks = weight.data.reshape(m, k // values, low_bit_records.FILE_BLOCK_BYTES)
+        d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(m, k // values).float()  # [M, nb]
+        records = torch.from_numpy(low_bit_records.repack_low_bit(blocks.reshape(m, row_bytes).numpy(), kind))
+        return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, d, {})
 
     def _with_dense(
         self,

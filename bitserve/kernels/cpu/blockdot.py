@@ -1,4 +1,5 @@
-"""Q4_0 / Q4_1 / Q8_0 GEMV and GEMM on int8 activations, with x86 integer-dot instructions.
+"""Q4_0 / Q4_1 / Q8_0 GEMV and GEMM on int8 activations, with x86 integer-dot instructions (and Q2_0 /
+Q1_0 on the same tile: kernels/cpu/low_bit_records.py).
 
 Weights are the GGUF blocks, repacked at load into 4-row interleaved records (kernels/cpu/interleaved.py:
 the layout, the repack and the tile):
@@ -28,6 +29,8 @@ from numba import njit, prange
 from bitserve.kernels.cpu.int8dot import ISA_CODES
 from bitserve.kernels.cpu.interleaved import (
     GROUP_ROWS,
+    KIND_Q1_0,
+    KIND_Q2_0,
     KIND_Q4_0,
     KIND_Q4_1,
     KIND_Q8_0,
@@ -174,6 +177,46 @@ def vnni_q8_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
     _interleaved_body(_VNNI, KIND_Q8_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
+@njit(nogil=True, cache=True)
+def avx2_q2_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q2_0, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q2_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q2_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q1_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q1_0, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q1_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q1_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q2_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q2_0, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q2_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q2_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q1_0_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q1_0, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q1_0_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q1_0, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
 @dataclass(frozen=True)
 class BlockKernels:
     """One (ISA, block kind)'s entry points on interleaved records (interleaved.repack): gemv for T = 1,
@@ -193,6 +236,10 @@ KERNELS = {
     (Isa.VNNI, "q4_1"): BlockKernels(vnni_q4_1_gemv, vnni_q4_1_gemm),
     (Isa.VNNI, "q4_0"): BlockKernels(vnni_q4_0_gemv, vnni_q4_0_gemm),
     (Isa.VNNI, "q8_0"): BlockKernels(vnni_q8_0_gemv, vnni_q8_0_gemm),
+    (Isa.AVX2, "q2_0"): BlockKernels(avx2_q2_0_gemv, avx2_q2_0_gemm),
+    (Isa.AVX2, "q1_0"): BlockKernels(avx2_q1_0_gemv, avx2_q1_0_gemm),
+    (Isa.VNNI, "q2_0"): BlockKernels(vnni_q2_0_gemv, vnni_q2_0_gemm),
+    (Isa.VNNI, "q1_0"): BlockKernels(vnni_q1_0_gemv, vnni_q1_0_gemm),
 }
 
 

@@ -66,9 +66,7 @@ def stack_groups(
     offsets, num_padded = [], 0
     for weight in weights:
         offsets.append(num_padded)
-        num_padded += (
-            weight.data.shape[0] * blockquant.GROUP_ROWS
-        )  # each weight's groups, padding included
+        num_padded += weight.data.shape[0] * blockquant.GROUP_ROWS  # each weight's groups, padding included
     data = torch.cat([weight.data for weight in weights])  # [sum G, ...]: the groups one after another
     scale = torch.cat([weight.scale for weight in weights if weight.scale is not None])
     extras: dict[str, torch.Tensor] = {}

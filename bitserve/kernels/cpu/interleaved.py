@@ -18,6 +18,13 @@ Record of one block of 4 rows (GROUP_ROWS), uint8 [RECORD_BYTES[kind]], records 
 Rows are padded to a multiple of 4 with zero rows (their outputs are never stored). Memory: 20 bytes per
 row-block for Q4_1 (the file's own size), 18 for Q4_0, 34 for Q8_0: the same as the copy of the file's
 rows it replaces.
+
+Q2_0 (64 values a block) and Q1_0 (128) records span one file block of 4 rows, so 2 or 4 activation
+blocks: 2 packed vectors of 32 bytes, then d f16 [4] (72 bytes, the file's own size). Code vector v
+(values 8v .. 8v + 7 of the block, bytes 8r .. 8r + 7 for row r, as above) is (P[v // 4] >> 2 (v % 4)) & 3
+for Q2_0 and (P[v // 8] >> (v % 8)) & 1 for Q1_0 (low_bit_records.repack_low_bit). Their values run
+as Q4_0's do, a code times a scale plus a min: Q2_0 (c - 1) d = c d + (-d), Q1_0 (2c - 1) d =
+c (2d) + (-d), both products exact in f32.
 """
 
 from __future__ import annotations
@@ -31,13 +38,15 @@ from numba.extending import intrinsic
 from bitserve.kernels.cpu.int8dot import ISA_CODES, PREFETCH_BYTES, _declare, _is_c_matrix, _splat
 from bitserve.kernels.cpu.isa import Isa
 
-QK = 32  # values per block
-KIND_Q4_1, KIND_Q4_0, KIND_Q8_0 = 1, 2, 3  # the `kind` literal the kernels take
+QK = 32  # values per activation block
+# the `kind` literal the kernels take; Q2_0 / Q1_0 records: kernels/cpu/low_bit_records.py
+KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0 = 1, 2, 3, 4, 5
 GROUP_ROWS = 4  # rows interleaved in one record
-CODE_VECTORS = 4  # 32-byte code vectors per record after unpacking (2 lanes of each row each)
-TYPE_SIZES = (0, 20, 18, 34)  # bytes per file block, by kind
-RECORD_BYTES = (0, 80, 72, 136)  # bytes per record (4 rows' blocks), by kind
-SCALES_AT = (0, 64, 64, 128)  # d f16 [4] after the codes, by kind; Q4_1's m f16 [4] after d
+CODE_VECTORS = 4  # 32-byte code vectors per 32-value block after unpacking (2 lanes of each row each)
+TYPE_SIZES = (0, 20, 18, 34, 18, 18)  # bytes per file block, by kind
+RECORD_BYTES = (0, 80, 72, 136, 72, 72)  # bytes per record (4 rows' blocks), by kind
+SCALES_AT = (0, 64, 64, 128, 64, 64)  # d f16 [4] after the codes, by kind; Q4_1's m f16 [4] after d
+BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4)  # 32-value activation blocks one record spans (one file block)
 ROWS_PER_TASK = 16  # rows per prange task (4 records per block): a multiple of every tile's rows
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
@@ -80,7 +89,7 @@ def repack(rows: np.ndarray, kind: int) -> np.ndarray:
     return out
 
 
-KINDS = {"q4_1": KIND_Q4_1, "q4_0": KIND_Q4_0, "q8_0": KIND_Q8_0}  # by layout name
+KINDS = {"q4_1": KIND_Q4_1, "q4_0": KIND_Q4_0, "q8_0": KIND_Q8_0, "q2_0": KIND_Q2_0, "q1_0": KIND_Q1_0}
 
 
 # ---------------------------------------------------------------- the tile
@@ -118,6 +127,11 @@ class _InterleavedTileEmitter:
         d4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind]), _V4xF16), _V4xF32)
         pairs = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
         d8 = b.shuffle_vector(d4, d4, pairs)
+        if self.kind in (KIND_Q2_0, KIND_Q1_0):
+            packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(2)]
+            if self.kind == KIND_Q1_0:  # (2c - 1) d: the code's scale is 2d, exact
+                d8 = b.fadd(d8, d8)
+            return packed, d8, b.fneg(d4), None  # packed: unpacked per block by block_codes
         if self.kind == KIND_Q8_0:
             values = [self.load(ptr, self.offset(start, 32 * j), _V32xI8) for j in range(CODE_VECTORS)]
             absolute = _declare(b, "llvm.abs.v32i8", _V32xI8, _V32xI8, ir.IntType(1))
@@ -132,6 +146,20 @@ class _InterleavedTileEmitter:
         else:  # Q4_0: (code - 8) d = code d + (-8 d), exact in f32
             m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -8.0)] * 4))
         return low + high, d8, m4, None
+
+    def block_codes(self, vectors: list[ir.Value], sub: int) -> list[ir.Value]:
+        """The CODE_VECTORS code vectors of activation block `sub` of a record (record()'s vectors)."""
+        if self.kind == KIND_Q2_0:
+            return [self.field(vectors[sub], 2 * j, 3) for j in range(CODE_VECTORS)]
+        if self.kind == KIND_Q1_0:
+            return [self.field(vectors[sub // 2], 4 * (sub % 2) + j, 1) for j in range(CODE_VECTORS)]
+        return vectors
+
+    def field(self, packed: ir.Value, shift: int, mask: int) -> ir.Value:
+        """(packed >> shift) & mask in every byte."""
+        b = self.b
+        shifted = b.lshr(packed, _splat(_V32xI8, shift)) if shift else packed
+        return b.and_(shifted, _splat(_V32xI8, mask))
 
     def integer_dot(self, codes: ir.Value, acts: ir.Value) -> ir.Value:
         """u8 codes x s8 acts -> <8 x i32> sums of 4 products each (exact)."""
@@ -159,9 +187,7 @@ class _InterleavedTileEmitter:
         """-> f32 per (row, token), rows of all groups in order, token-minor."""
         b = self.b
         num_toks = len(self.tok_ptrs)
-        fma = _declare(b, "llvm.fma.v8f32", _V8xF32, _V8xF32, _V8xF32, _V8xF32)
         min_type = ir.VectorType(_F32, GROUP_ROWS * num_toks)  # lane t * 4 + r: row r, token t
-        fma_mins = _declare(b, f"llvm.fma.v{min_type.count}f32", min_type, min_type, min_type, min_type)
         zero8 = ir.Constant(_V8xF32, [ir.Constant(_F32, 0.0)] * 8)
         zero_mins = ir.Constant(min_type, [ir.Constant(_F32, 0.0)] * min_type.count)
         accs = {
@@ -171,35 +197,49 @@ class _InterleavedTileEmitter:
             for j in range(CODE_VECTORS)
         }
         mins = [cgutils.alloca_once_value(b, zero_mins) for _ in self.group_ptrs]
-        psign = _declare(b, "llvm.x86.avx2.psign.b", _V32xI8, _V32xI8, _V32xI8)  # vpsignb
-        with cgutils.for_range(b, num_blocks) as loop:
-            block = loop.index
-            records = [self.record(ptr, block) for ptr in self.group_ptrs]
-            toks = []
-            sx_lanes = zero_mins
-            for t, (q_ptr, dx_ptr, sx_ptr) in enumerate(self.tok_ptrs):
-                dx = b.load(b.gep(dx_ptr, [block]))
-                toks.append((self.token_acts(q_ptr, block), _splat_value(b, dx, _V8xF32)))
-                if self.kind != KIND_Q8_0:
-                    sx = b.load(b.gep(sx_ptr, [block]))
-                    for r in range(GROUP_ROWS):
-                        sx_lanes = b.insert_element(sx_lanes, sx, ir.Constant(_I32, t * GROUP_ROWS + r))
-            for g, (codes, d8, m4, signs) in enumerate(records):
-                for t, (acts, dx8) in enumerate(toks):
-                    scale = b.fmul(d8, dx8)  # d * dx of each slot's row: blockdot's scalar product, per lane
-                    for j in range(CODE_VECTORS):
-                        a = acts[j]
-                        if signs is not None:  # Q8_0: |w| * (q with w's sign); w = 0 gives 0 either way
-                            a = b.call(psign, [a, signs[j]])
-                        lanes = b.sitofp(self.integer_dot(codes[j], a), _V8xF32)
-                        slot = accs[(g, t, j)]
-                        b.store(b.call(fma, [scale, lanes, b.load(slot)]), slot)
-                if m4 is not None:
-                    rows_again = list(range(GROUP_ROWS)) * num_toks
-                    repeat = ir.Constant(ir.VectorType(_I32, min_type.count), rows_again)
-                    m_lanes = b.shuffle_vector(m4, m4, repeat)
-                    b.store(b.call(fma_mins, [m_lanes, sx_lanes, b.load(mins[g])]), mins[g])
+        per_record = ir.Constant(num_blocks.type, BLOCKS_PER_RECORD[self.kind])
+        with cgutils.for_range(b, b.udiv(num_blocks, per_record)) as loop:
+            records = [self.record(ptr, loop.index) for ptr in self.group_ptrs]
+            first_block = b.mul(loop.index, per_record)
+            for sub in range(BLOCKS_PER_RECORD[self.kind]):
+                block = b.add(first_block, ir.Constant(num_blocks.type, sub))
+                self.block_step(block, sub, records, accs, mins)
         return self.epilogue(accs, mins, num_toks)
+
+    def block_step(self, block: ir.Value, sub: int, records: list, accs: dict, mins: list) -> None:
+        """Activation block `block` (block `sub` of each record): its FMAs into accs, its min term (sum of
+        m * sx) into mins."""
+        b = self.b
+        num_toks = len(self.tok_ptrs)
+        min_type = mins[0].type.pointee
+        fma = _declare(b, "llvm.fma.v8f32", _V8xF32, _V8xF32, _V8xF32, _V8xF32)
+        fma_mins = _declare(b, f"llvm.fma.v{min_type.count}f32", min_type, min_type, min_type, min_type)
+        psign = _declare(b, "llvm.x86.avx2.psign.b", _V32xI8, _V32xI8, _V32xI8)  # vpsignb
+        toks = []
+        sx_lanes = ir.Constant(min_type, [ir.Constant(_F32, 0.0)] * min_type.count)
+        for t, (q_ptr, dx_ptr, sx_ptr) in enumerate(self.tok_ptrs):
+            dx = b.load(b.gep(dx_ptr, [block]))
+            toks.append((self.token_acts(q_ptr, block), _splat_value(b, dx, _V8xF32)))
+            if self.kind != KIND_Q8_0:
+                sx = b.load(b.gep(sx_ptr, [block]))
+                for r in range(GROUP_ROWS):
+                    sx_lanes = b.insert_element(sx_lanes, sx, ir.Constant(_I32, t * GROUP_ROWS + r))
+        for g, (vectors, d8, m4, signs) in enumerate(records):
+            codes = self.block_codes(vectors, sub)
+            for t, (acts, dx8) in enumerate(toks):
+                scale = b.fmul(d8, dx8)  # d * dx of each slot's row: blockdot's scalar product, per lane
+                for j in range(CODE_VECTORS):
+                    a = acts[j]
+                    if signs is not None:  # Q8_0: |w| * (q with w's sign); w = 0 gives 0 either way
+                        a = b.call(psign, [a, signs[j]])
+                    lanes = b.sitofp(self.integer_dot(codes[j], a), _V8xF32)
+                    slot = accs[(g, t, j)]
+                    b.store(b.call(fma, [scale, lanes, b.load(slot)]), slot)
+            if m4 is not None:
+                rows_again = list(range(GROUP_ROWS)) * num_toks
+                repeat = ir.Constant(ir.VectorType(_I32, min_type.count), rows_again)
+                m_lanes = b.shuffle_vector(m4, m4, repeat)
+                b.store(b.call(fma_mins, [m_lanes, sx_lanes, b.load(mins[g])]), mins[g])
 
     def epilogue(self, accs: dict, mins: list, num_toks: int) -> list[ir.Value]:
         """Lane sums in hsum_float_8's order ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), plus the min term.

@@ -245,6 +245,32 @@ def unpack_ternary(weight: PackedWeight) -> TernaryCodes:
     return TernaryCodes(values, d.reshape(num_rows, num_cols // 256).clone())
 
 
+def one_scale_ternary_codes(weight: PackedWeight) -> TernaryCodes | None:
+    """A Q2_0 / Q1_0 weight as ternary codes with one scale, when it is one: every value in {-d, 0, +d}
+    (no Q2_0 code 3) for a single d over the blocks that hold a nonzero value (a BitNet model written in
+    llama.cpp's types, as its I2_S file's codes and scale). None otherwise: its values then need the
+    per-block scales."""
+    if weight.layout not in (Layout.Q2_0, Layout.Q1_0):
+        raise ValueError(f"{weight.layout} is not Q2_0 or Q1_0")
+    num_rows, num_cols = weight.shape
+    blocks = _row_matrix(weight).reshape(-1, BLOCK_GEOMETRY[weight.layout][1])
+    d = f16_to_f32(blocks[:, :2]).reshape(-1)  # [num_blocks]
+    if weight.layout is Layout.Q2_0:
+        codes = lookup_fields(blocks[:, 2:], byte_bits((0, 2, 4, 6), 3)).reshape(blocks.shape[0], 64)
+        if bool((codes == 3).any()):
+            return None
+        values = codes.to(torch.int8) - 1
+    else:
+        bits = lookup_fields(blocks[:, 2:], byte_bits(tuple(range(8)), 1)).reshape(blocks.shape[0], 128)
+        values = bits.to(torch.int8) * 2 - 1
+    values = values * (d != 0).to(torch.int8)[:, None]  # blocks with d == 0 decode to zeros
+    live_d = d[values.any(dim=1)]
+    if live_d.numel() and not bool((live_d == live_d[0]).all()):
+        return None
+    scale = live_d[0].clone() if live_d.numel() else torch.zeros((), dtype=torch.float32)
+    return TernaryCodes(values.reshape(num_rows, num_cols), scale)
+
+
 def dequantize(weight: PackedWeight) -> torch.Tensor:
     """float32 [M, K] of any file layout; equal bit for bit to ggml's dequantize_row_* / gguf-py.
 
