@@ -16,6 +16,8 @@ Rows (one JSON object per line, also appended to --out):
 - `offline`: 2B-4T at 16 / 64 / 256 concurrent sequences, 128 new tokens each: bitserve's LLM.generate
   beside transformers' BitNetForCausalLM (bf16, random weights of the same shape, greedy batched
   generate with min_new_tokens = max_new_tokens) in the same process: tok/s and the ratio.
+- `formats`: the 2B weights as llama.cpp's Q2_0 (arch `bitnet`) beside I2_S, batch-1 decode of each
+  loaded in turn, and the ratio.
 - `served`: `bitserve serve --device cuda` on the 2B model and `bitserve bench` at 100 concurrent
   100-token completions: p50 / p99 end-to-end latency.
 Models are written first where missing (benchmarks/make_gpu_models.py) from the carried vocab file.
@@ -42,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = ROOT / ".carry" / "smollm2-vocab.gguf"
 MODEL_2B = Path("/tmp/bitserve-gpu/2b4t-i2s.gguf")
 MODEL_SMOL = Path("/tmp/bitserve-gpu/smollm2-q4_1.gguf")
+MODEL_2B_Q2 = Path("/tmp/bitserve-gpu/2b4t-q2_0.gguf")  # the same weights in llama.cpp's Q2_0 (`formats`)
 HIDDEN_2B, VOCAB_2B, LAYERS_2B = 2560, 128256, 30
 TERNARY_2B = [(2560, 2560, 2), (640, 2560, 2), (6912, 2560, 2), (2560, 6912, 1)]  # (M, K, count) per layer
 
@@ -287,11 +290,29 @@ def bench_served(out: Path | None, server_args: list[str], port: int = 8123) -> 
         server.wait(timeout=60)
 
 
-def ensure_models() -> None:
+def ensure_models(skip: set[str]) -> None:
     maker = [sys.executable, str(ROOT / "benchmarks" / "make_gpu_models.py")]
     for what, path in (("2b4t", MODEL_2B), ("smollm2", MODEL_SMOL)):
         if not path.exists():
             subprocess.run(maker + [what, str(path), "--tokenizer-from", str(VOCAB)], check=True)
+    if "formats" not in skip and not MODEL_2B_Q2.exists():
+        twin = ["2b4t", str(MODEL_2B_Q2), "--format", "Q2_0", "--tokenizer-from", str(VOCAB)]
+        subprocess.run(maker + twin, check=True)
+
+
+def bench_formats(out: Path | None) -> None:
+    """Batch-1 decode of the 2B weights as Q2_0 beside I2_S, each loaded in turn (a BitNet model in Q2_0
+    runs as ternary codes on the same CUDA kernels: loader/model_loader.linear)."""
+    rates = {}
+    for name, path in (("2b4t-i2s", MODEL_2B), ("2b4t-q2_0", MODEL_2B_Q2)):
+        llm = load_on_cuda(path, 1 << 30)
+        rates[name] = decode_rate(llm, 1, 128)
+        emit({"bench": "formats", "model": name, "batch": 1} | rates[name], out)
+        llm.close()
+        del llm
+        torch.cuda.empty_cache()
+    ratio = rates["2b4t-q2_0"]["tok_s"] / rates["2b4t-i2s"]["tok_s"]
+    emit({"bench": "formats", "ratio_q2_0_over_i2s": round(ratio, 3)}, out)
 
 
 def main() -> None:
@@ -300,7 +321,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="append the JSON rows to this file")
     parser.add_argument(
-        "--skip", default="", help="comma-separated: kernels,decode,offline,transformers,served"
+        "--skip", default="", help="comma-separated: kernels,decode,offline,transformers,served,formats"
     )
     parser.add_argument("--levels", default="16,64,256", help="offline concurrency levels")
     parser.add_argument(
@@ -311,7 +332,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    ensure_models()
+    ensure_models(skip)
     bandwidth = copy_bandwidth()
     emit({"bench": "copy", "GB_s": round(bandwidth / 1e9)}, args.out)
     if "kernels" not in skip:
@@ -337,6 +358,8 @@ def main() -> None:
             bench_offline(llm, levels, "transformers" in skip, args.out)
         del llm
         torch.cuda.empty_cache()
+    if "formats" not in skip:
+        bench_formats(args.out)
     if "served" not in skip:
         bench_served(args.out, args.server_arg)
 

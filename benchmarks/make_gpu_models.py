@@ -7,7 +7,8 @@ written there by the project's own writers):
     python benchmarks/make_gpu_models.py smollm2 /tmp/smollm2-q4_1.gguf --tokenizer-from ...
 
 `vocab`: SmolLM2-135M-Instruct's tokenizer keys (tokens, merges, types, special ids) and no tensors.
-`2b4t`: benchmarks/make_2b4t_model.py's I2_S file (seeded ternary weights, F16 tied head).
+`2b4t`: benchmarks/make_2b4t_model.py's I2_S file (seeded ternary weights, F16 tied head); --format Q2_0
+or TQ2_0: the same weights in llama.cpp's types (arch `bitnet`).
 `smollm2`: a SmolLM2-135M-shaped llama (30 layers, hidden 576, FFN 1536, 9 heads / 3 KV heads, vocab
 49,152, tied Q8_0 embedding) with seeded random Q4_1 projections from gguf's numpy quantizer: the same
 bytes per token as the real file, random weights (its tokens mean nothing; its speed is the point).
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("output", type=Path)
     parser.add_argument("--tokenizer-from", type=Path, default=None, help="a vocab file written by `vocab`")
     parser.add_argument("--layers", type=int, default=30, help="2b4t only")
+    parser.add_argument("--format", default="I2_S", choices=("I2_S", "TQ2_0", "Q2_0"), help="2b4t only")
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -99,7 +101,7 @@ def main() -> None:
         path = write_vocab(args.output)
     elif args.what == "2b4t":
         path = write_2b4t_model(
-            args.output, "I2_S", num_layers=args.layers, tokenizer_source=args.tokenizer_from
+            args.output, args.format, num_layers=args.layers, tokenizer_source=args.tokenizer_from
         )
     else:
         if args.tokenizer_from is None:

@@ -44,6 +44,14 @@ class Projection:
     def has_output_scales(self) -> bool:
         return any(scale is not None for scale in self.output_scales)
 
+    def row_output_scales(self) -> torch.Tensor:
+        """The output scales per output row (None: 1.0), f32 [sum M_i], in the stacked output's order."""
+        rows = [
+            torch.full((size,), 1.0 if scale is None else scale, dtype=torch.float32)
+            for scale, size in zip(self.output_scales, self.out_features, strict=True)
+        ]
+        return torch.cat(rows)
+
     def stacked_weight(self) -> PreparedLinear | None:
         """The one weight that runs this projection, when the backend stacked it into one (or it is a
         single weight); None where several run side by side."""

@@ -44,15 +44,6 @@ def _norm_weight(norm: torch.Tensor | None) -> np.ndarray | None:
     return None if norm is None else norm.detach().numpy()
 
 
-def _row_output_scales(projection: Projection) -> np.ndarray:
-    """A projection's `.scale` multipliers (None: 1.0) per output row, f32 [M]."""
-    rows = [
-        np.full(size, 1.0 if s is None else s, dtype=np.float32)
-        for s, size in zip(projection.output_scales, projection.out_features, strict=True)
-    ]
-    return np.concatenate(rows)
-
-
 def step_layer(layer: LayerPlan) -> StepLayer | None:
     """One layer's weights, or None where it does not qualify: each projection one stacked int8 weight
     of one kind, output scales only on ternary weights, gate/up two equal halves."""
@@ -61,7 +52,7 @@ def step_layer(layer: LayerPlan) -> StepLayer | None:
     if None in weights or len({type(w) for w in weights}) != 1:
         return None
     qkv, o_proj, gate_up, down = weights
-    output_scales = tuple(_row_output_scales(plan) for plan in plans)
+    output_scales = tuple(plan.row_output_scales().numpy() for plan in plans)
     if type(qkv) is Int8BlockLinear and any((s != 1.0).any() for s in output_scales):
         return None  # only the ternary step (kernels/cpu/decode_step.py) applies output scales
     if layer.gate_up.row_offsets != [0, gate_up.out_features // 2]:  # type: ignore[union-attr]

@@ -32,6 +32,19 @@ def _single_weight(projection: Projection, kind: type[PreparedLinear]) -> Prepar
     return None
 
 
+def _fold_output_scales(projection: Projection) -> None:
+    """A ternary projection's `.scale` multipliers (the upstream `bitnet` arch's) folded into its weight's
+    f32 [M] row scales, once at load, so the fused kernels run it: f32(D / s_act * (scale * s)) for ggml's
+    f32(f32(D / s_act * scale) * s), one rounding fewer (within an ulp of each output). The plan then
+    holds no output scales, so every path (this decoder, the module forward) computes the same."""
+    weight = projection.stacked_weight()
+    if not isinstance(weight, CudaTernaryLinear) or not projection.has_output_scales:
+        return
+    assert weight.scale is not None  # invariant: ternary weights carry their row scales
+    weight.scale = (weight.scale * projection.row_output_scales().to(weight.scale.device)).contiguous()
+    projection.output_scales = [None] * len(projection.output_scales)
+
+
 def _to(norm: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if norm is None else norm.to(device)
 
@@ -59,6 +72,8 @@ class CudaLayer:
         self.q_norm, self.k_norm = _to(layer.q_norm, device), _to(layer.k_norm, device)  # [D] (Qwen3)
         fused_act = _FUSED_ACTIVATIONS.get(activation)
         self.projections = {"qkv": layer.qkv, "o": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down}
+        for projection in self.projections.values():
+            _fold_output_scales(projection)
         self.ternary = {name: _single_weight(p, CudaTernaryLinear) for name, p in self.projections.items()}
         self.block = {name: _single_weight(p, CudaBlockLinear) for name, p in self.projections.items()}
         dense = {name: _single_weight(p, CudaDenseLinear) for name, p in self.projections.items()}
