@@ -171,3 +171,17 @@ def test_unknown_options_are_rejected_outside_crossval() -> None:
     with pytest.raises(SystemExit) as info:
         main(["inspect", "x.gguf", "--bogus"])
     assert info.value.code == 2
+
+
+def test_inspect_names_the_kernel_of_each_tensor_type(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
+    """`bitserve inspect` says which cpu kernel runs a projection of each type in the file on this machine:
+    a Q2_0 file (llama.cpp's 2-bit type) names the block tile or, where numba's int8 variants are
+    unavailable, the f32 fallback; every type the file holds gets a name."""
+    pytest.importorskip("numba")
+    code, out = run_cli(capsys, "inspect", str(synthetic_models["Q2_0"]), "--json")
+    kernels = json.loads(out)["cpu_kernels"]
+    assert code == 0 and set(kernels["projection_kernels"]) == {"F32", "Q2_0"}
+    expected = "block tile" if kernels["isa"] != "generic" else "dequantized to f32"
+    assert expected in kernels["projection_kernels"]["Q2_0"]
+    code, text = run_cli(capsys, "inspect", str(synthetic_models["Q2_0"]))
+    assert code == 0 and kernels["projection_kernels"]["Q2_0"] in text

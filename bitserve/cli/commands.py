@@ -80,7 +80,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     with read_gguf(resolve_model(args.model, fetch=False)) as gguf:
         spec = spec_or_problem(gguf)
         summary = summarize(gguf, spec)
-        summary["cpu_kernels"] = cpu_kernel_choices()  # this machine's, not the file's
+        summary["cpu_kernels"] = cpu_kernel_choices(summary["tensor_types"])  # this machine's, not the file's
         summary["kv_cache"] = _default_kv_cache(gguf, spec)
     if args.json:
         emit_json(summary)

@@ -7,6 +7,7 @@ them, so the import graph has no cycle (backend.py <- {reference,cpu}/backend.py
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from bitserve.kernels.backend import KernelBackend
 from bitserve.kernels.reference.backend import ReferenceBackend
@@ -27,17 +28,21 @@ def _numba_works() -> bool:
     return cpu_backend.is_available()
 
 
-def cpu_kernel_choices() -> dict[str, object] | None:
-    """What the cpu backend would pick on this machine (for `bitserve inspect`), None without numba."""
+def cpu_kernel_choices(type_names: Iterable[str] = ()) -> dict[str, object] | None:
+    """What the cpu backend would pick on this machine (for `bitserve inspect`): its ISA variant, block
+    activations and the kernel of a projection in each of `type_names`; None without numba."""
     if not _numba_works():
         return None
     from bitserve.kernels.cpu.isa import resolve_block_activations, resolve_isa, supported_isas
+    from bitserve.kernels.cpu.kernel_names import projection_kernel
 
     isa = resolve_isa()
+    block_activations = resolve_block_activations(None, isa)
     return {
         "isa": isa.value,
         "supported_isas": [variant.value for variant in supported_isas()],
-        "block_activations": resolve_block_activations(None, isa),
+        "block_activations": block_activations,
+        "projection_kernels": {name: projection_kernel(name, isa, block_activations) for name in type_names},
     }
 
 

@@ -77,10 +77,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += [f"  {key:22s}{value}" for key, value in summary["hyperparameters"].items()]
     lines.append("tokenizer")
     lines += [f"  {key:22s}{value}" for key, value in summary["tokenizer"].items()]
-    lines.append("tensor types")
+    lines.append("tensor types (cpu kernel of a projection in that type, on this machine)")
+    kernels = summary.get("cpu_kernels") or {}
+    names = kernels.get("projection_kernels", {})
     for name, entry in summary["tensor_types"].items():
-        lines.append(f"  {name:8s}{entry['count']:6d} tensors {entry['bytes'] / 1e6:12.2f} MB")
-    kernels = summary.get("cpu_kernels")
+        kernel = f"  {names[name]}" if name in names else ""
+        lines.append(f"  {name:8s}{entry['count']:6d} tensors {entry['bytes'] / 1e6:12.2f} MB{kernel}")
     if kernels:
         lines.append(
             f"cpu kernels   isa={kernels['isa']} (supported: {', '.join(kernels['supported_isas'])}), "

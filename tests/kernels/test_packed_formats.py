@@ -232,8 +232,12 @@ def test_quantized_by_gguf_matches_gguf_dequantize(qtype: QType) -> None:
         (QType.Q4_0, (0,)),
         (QType.Q4_1, (0, 2)),
         (QType.Q5_0, (0,)),
+        (QType.Q5_1, (0, 2)),
+        (QType.Q2_K, (80, 82)),
+        (QType.Q3_K, (108,)),
+        (QType.Q5_K, (0, 2)),
     ],
-    ids=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"],
+    ids=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K"],
 )
 def test_random_blocks_match_gguf_dequantize(qtype: QType, scale_offsets: tuple[int, ...]) -> None:
     rng = np.random.default_rng(100 + int(qtype))
@@ -283,11 +287,11 @@ def test_make_packed_weight_rejects_bad_sizes_and_types() -> None:
     )
     with pytest.raises(InvalidModelFile, match="got 67 bytes"):
         make_packed_weight(info, np.zeros(67, dtype=np.uint8), options=DecodeOptions())
-    q5_1 = TensorInfo(
-        name="y", shape=(32, 2), type_id=7, ggml_type=GGMLType.Q5_1, offset=0, file_offset=0, nbytes=48
+    q8_k = TensorInfo(  # ggml's activation type: it never stores weights, bitserve decodes none
+        name="y", shape=(256, 1), type_id=15, ggml_type=GGMLType.Q8_K, offset=0, file_offset=0, nbytes=292
     )
-    with pytest.raises(UnsupportedModel, match="Q5_1"):
-        make_packed_weight(q5_1, np.zeros(48, dtype=np.uint8), options=DecodeOptions())
+    with pytest.raises(UnsupportedModel, match="Q8_K"):
+        make_packed_weight(q8_k, np.zeros(292, dtype=np.uint8), options=DecodeOptions())
     with pytest.raises(ValueError, match="i2s_variant"):
         DecodeOptions(i2s_variant="D")
 

@@ -11,6 +11,7 @@ import torch
 
 from bitserve.errors import InvalidModelFile
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
+from bitserve.kernels.reference import k_quants
 
 # The byte-level pieces and the bitnet.cpp layouts live in packed_bytes.py and bitnet_formats.py; the names
 # other modules import from here are re-exported.
@@ -46,7 +47,11 @@ BLOCK_GEOMETRY: dict[Layout, tuple[int, int]] = {
     Layout.Q4_0: (32, 18),
     Layout.Q4_1: (32, 20),
     Layout.Q5_0: (32, 22),
+    Layout.Q5_1: (32, 24),
+    Layout.Q2_K: (256, 84),
+    Layout.Q3_K: (256, 110),
     Layout.Q4_K: (256, 144),
+    Layout.Q5_K: (256, 176),
     Layout.Q6_K: (256, 210),
     Layout.TQ1_0: (256, 54),
     Layout.TQ2_0: (256, 66),
@@ -84,30 +89,6 @@ def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     high = ((blocks[:, 2:6, None] >> bit_ids) & 1).reshape(num_blocks, 32)  # bit j of LE u32 qh
     q = _low_nibbles_first(blocks[:, 6:]) | (high << 4)
     return q.float().sub_(16).mul_(f16_to_f32(blocks[:, :2]))
-
-
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    num_blocks = blocks.shape[0]
-    d, dmin = f16_to_f32(blocks[:, :2]), f16_to_f32(blocks[:, 2:4])
-    s = blocks[:, 4:16].to(torch.int32)  # [N, 12] packed 6-bit scales and mins
-    sc = torch.cat((s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)), dim=1)  # [N, 8]
-    mn = torch.cat((s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)), dim=1)  # [N, 8]
-    qs = blocks[:, 16:].reshape(num_blocks, 4, 1, 32)  # group g: low nibbles sub-block 2g, high 2g+1
-    q = torch.cat((qs & 15, qs >> 4), dim=2).reshape(num_blocks, 8, 32).float()
-    q.mul_((d * sc.float())[:, :, None]).sub_((dmin * mn.float())[:, :, None])
-    return q.reshape(num_blocks, 256)
-
-
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    num_blocks = blocks.shape[0]
-    ql = blocks[:, :128].reshape(num_blocks, 2, 2, 32)  # [N, half, l+32*(s%2), 32]
-    low4 = torch.cat((ql & 15, ql >> 4), dim=2)  # [N, half, s, 32]: s<2 low nibbles, s>=2 high
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).view(1, 1, 4, 1)
-    top2 = (blocks[:, 128:192].reshape(num_blocks, 2, 1, 32) >> shifts) & 3  # [N, half, s, 32]
-    q = (low4 | top2 << 4).reshape(num_blocks, 16, 16).float().sub_(32)
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]
-    q.mul_((f16_to_f32(blocks[:, 208:210]) * scales)[:, :, None])
-    return q.reshape(num_blocks, 256)
 
 
 def _q1_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -169,8 +150,12 @@ def _decode_rows(layout: Layout, rows: torch.Tensor, num_cols: int) -> torch.Ten
             Layout.Q4_0: _q4_0,
             Layout.Q4_1: _q4_1,
             Layout.Q5_0: _q5_0,
-            Layout.Q4_K: _q4_k,
-            Layout.Q6_K: _q6_k,
+            Layout.Q5_1: k_quants.q5_1,
+            Layout.Q2_K: k_quants.q2_k,
+            Layout.Q3_K: k_quants.q3_k,
+            Layout.Q4_K: k_quants.q4_k,
+            Layout.Q5_K: k_quants.q5_k,
+            Layout.Q6_K: k_quants.q6_k,
             Layout.Q1_0: _q1_0,
             Layout.Q2_0: _q2_0,
         }[layout]

@@ -1,0 +1,72 @@
+"""Teacher-forced agreement of bitserve with llama.cpp on one GGUF file (a live crossval for files CI
+cannot make, such as llama.cpp's own requantizations of SmolLM2):
+
+    python scripts/teacher_forced_llamacpp.py benchmarks/out/smollm2-q3_k_m.gguf [--tokens 48]
+
+llama.cpp (llama-cpp-python 0.3.36) greedily continues each prompt; bitserve's cpu backend then reads
+prompt + continuation in one forward, and at every position its argmax must be llama.cpp's, except at
+llama.cpp's own near-ties (top-2 margin under 1% of that position's logit range). Prints per prompt the
+positions, the decisive ones and those it got wrong, and exits 1 when any decisive position differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+NEAR_TIE = 0.01  # of the logit range
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,")
+
+
+def llamacpp_run(llama: object, ids: list[int], num_tokens: int) -> tuple[list[int], np.ndarray]:
+    """(prompt + greedy continuation, llama.cpp's logits f32 [positions, vocab] before each next token)."""
+    llama.reset()  # type: ignore[attr-defined]
+    llama.eval(ids)  # type: ignore[attr-defined]
+    sequence = list(ids)
+    for _ in range(num_tokens):
+        token = int(np.argmax(llama.scores[len(sequence) - 1]))  # type: ignore[attr-defined]
+        sequence.append(token)
+        llama.eval([token])  # type: ignore[attr-defined]
+    return sequence, np.array(llama.scores[: len(sequence) - 1])  # type: ignore[attr-defined]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model")
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    import llama_cpp
+
+    from bitserve.llm import LLM
+
+    llama = llama_cpp.Llama(args.model, logits_all=True, verbose=False, n_threads=2, n_ctx=512)
+    llm = LLM(args.model, backend="cpu")
+    model = llm.instance.loaded.model
+    wrong_total = 0
+    try:
+        for prompt in PROMPTS:
+            sequence, theirs = llamacpp_run(llama, llm.encode(prompt), args.tokens)
+            with torch.inference_mode():
+                ours = model.compute_logits(
+                    model(torch.tensor(sequence[:-1]), torch.arange(len(sequence) - 1))
+                )
+            top2 = np.sort(theirs, axis=-1)[:, -2:]
+            decisive = (top2[:, 1] - top2[:, 0]) >= NEAR_TIE * (theirs.max(-1) - theirs.min(-1))
+            agree = ours.argmax(-1).numpy() == theirs.argmax(-1)
+            wrong = [int(i) for i in np.flatnonzero(decisive & ~agree)]
+            wrong_total += len(wrong)
+            sys.stdout.write(
+                f"{prompt!r}: {len(agree)} positions, {int(decisive.sum())} decisive, wrong {wrong}\n"
+            )
+    finally:
+        llm.close()
+    return 1 if wrong_total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
