@@ -1,5 +1,5 @@
-"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 / Q2_0 / Q1_0 dots on int8 activations, on every ISA variant
-this CPU runs.
+"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q2_0 / Q1_0 dots on int8 activations, on
+every ISA variant this CPU runs.
 
 The activation quantizer is checked against gguf-py's numpy Q8_0 quantizer (an independent implementation
 of the same per-32-block scheme); the kernels against a float64 product of the dequantized weights
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from bitserve.kernels.cpu import blockdot, interleaved, low_bit_records
+from bitserve.kernels.cpu import blockdot, five_bit_records, interleaved, low_bit_records
 from bitserve.kernels.cpu.backend import CpuBackend
 from bitserve.kernels.cpu.isa import Isa, supported_isas
 from bitserve.kernels.packed import Layout, PackedWeight
@@ -30,6 +30,8 @@ GGML_TYPES = {
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "q5_1": gguf.GGMLQuantizationType.Q5_1,
 }
 LOW_BIT = ("q2_0", "q1_0")  # llama.cpp's own types: bitserve's quantizers (bytes equal to llama.cpp's)
 KINDS = [*GGML_TYPES, *LOW_BIT]
@@ -50,6 +52,8 @@ def quantized(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
 def repacked(rows: np.ndarray, kind: str) -> np.ndarray:
     if kind in LOW_BIT:
         return low_bit_records.repack_low_bit(rows, interleaved.KINDS[kind])
+    if kind in ("q5_0", "q5_1"):
+        return five_bit_records.repack_five_bit(rows, interleaved.KINDS[kind])
     return interleaved.repack(rows, interleaved.KINDS[kind])
 
 
@@ -133,7 +137,7 @@ def test_a_rows_result_does_not_depend_on_its_slot_in_the_interleaved_record(isa
 
 
 @pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
-@pytest.mark.parametrize("kind", ["q4_1", *LOW_BIT])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_0", "q5_1", *LOW_BIT])
 @pytest.mark.parametrize("rows", [(72, 33), (70, 33)], ids=["stacked", "not-stacked"])
 def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(
     rows: tuple[int, int], kind: str

@@ -46,7 +46,16 @@ from numba.core.errors import NumbaError
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cpu import blockquant, decode_glue, f16head, fused, interleaved, low_bit_records, mapped
+from bitserve.kernels.cpu import (
+    blockquant,
+    decode_glue,
+    f16head,
+    five_bit_records,
+    fused,
+    interleaved,
+    low_bit_records,
+    mapped,
+)
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.fast_decode import FastCpuDecode
 from bitserve.kernels.cpu.group_stacking import stack_groups, stack_rows, stackable_records
@@ -76,7 +85,9 @@ DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the c
 # crossover of the Q4_* / Q8_0 kernels and dequantize + sgemm (2 cores, benchmarks/RESULTS.md): the f32
 # kernels lose from 8 tokens, the int8 ones (q8 activations) win up to 64 and lose from 128
 BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
-BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34}  # bytes per 32-value block
+# bytes per 32-value block; Q5_0 / Q5_1 run only on the int8 tile (no f32 kernel: FIVE_BIT_LAYOUTS)
+BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34, Layout.Q5_0: 22, Layout.Q5_1: 24}
+FIVE_BIT_LAYOUTS = frozenset({Layout.Q5_0, Layout.Q5_1})
 LOW_BIT_LAYOUTS = frozenset({Layout.Q2_0, Layout.Q1_0})  # llama.cpp's 2- and 1-bit block types
 # GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
 RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
@@ -229,6 +240,8 @@ class CpuBackend(KernelBackend):
         type_size = BLOCK_TYPE_SIZES.get(weight.layout)
         if not self.block_kernels or type_size is None:
             return None
+        if weight.layout in FIVE_BIT_LAYOUTS and self.block_activations != "q8":
+            return None  # the loader's f32 copy
         m, k = weight.shape
         if k % blockquant.QK:
             raise InvalidModelFile(
@@ -246,12 +259,14 @@ class CpuBackend(KernelBackend):
             # 4-row interleaved records [ceil(M / 4), nb, record] built from the mapped file's blocks: the
             # same bytes per row-block as the file (kernels/cpu/interleaved.py), in place of a plain copy
             kind = interleaved.KINDS[weight.layout.name.lower()]
-            data = torch.from_numpy(interleaved.repack(rows.numpy(), kind))
+            five_bit = weight.layout in FIVE_BIT_LAYOUTS
+            repack = five_bit_records.repack_five_bit if five_bit else interleaved.repack
+            data = torch.from_numpy(repack(rows.numpy(), kind))
             d = blockquant.block_field_f32(rows, k, type_size, 0)  # [M, nb]
-            if weight.layout is Layout.Q4_1:
+            if weight.layout in (Layout.Q4_1, Layout.Q5_1):
                 extras["m"] = blockquant.block_field_f32(rows, k, type_size, 2)
-            elif weight.layout is Layout.Q4_0:
-                extras["m"] = d * -8.0  # exact: (code - 8) d = code d - 8 d
+            elif weight.layout in (Layout.Q4_0, Layout.Q5_0):
+                extras["m"] = d * (-8.0 if weight.layout is Layout.Q4_0 else -16.0)  # exact: (code - c) d
             return self._with_dense(Int8BlockLinear, m, k, weight.layout, data, d, extras)
         if weight.layout is Layout.Q8_0:
             data, d = blockquant.repack_q8_0(rows, k)

@@ -19,6 +19,10 @@ Rows are padded to a multiple of 4 with zero rows (their outputs are never store
 row-block for Q4_1 (the file's own size), 18 for Q4_0, 34 for Q8_0: the same as the copy of the file's
 rows it replaces.
 
+Q5_0 / Q5_1 records add, after the two nibble vectors, a vector H whose byte 8r + i holds bit 8j + i of
+row r's qh as its bit j (j < 4), then d (and Q5_1's m): 104 / 112 bytes for the file's 88 / 96. Code
+vector j is nibble vector j | ((H >> j) & 1) << 4; values (code - 16) d, or code d + m.
+
 Q2_0 (64 values a block) and Q1_0 (128) records span one file block of 4 rows, so 2 or 4 activation
 blocks: 2 packed vectors of 32 bytes, then d f16 [4] (72 bytes, the file's own size). Code vector v
 (values 8v .. 8v + 7 of the block, bytes 8r .. 8r + 7 for row r, as above) is (P[v // 4] >> 2 (v % 4)) & 3
@@ -39,14 +43,15 @@ from bitserve.kernels.cpu.int8dot import ISA_CODES, PREFETCH_BYTES, _declare, _i
 from bitserve.kernels.cpu.isa import Isa
 
 QK = 32  # values per activation block
-# the `kind` literal the kernels take; Q2_0 / Q1_0 records: kernels/cpu/low_bit_records.py
-KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0 = 1, 2, 3, 4, 5
+# the `kind` literal the kernels take; Q2_0 / Q1_0 records: kernels/cpu/low_bit_records.py, Q5_0 / Q5_1:
+# kernels/cpu/five_bit_records.py
+KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0, KIND_Q5_0, KIND_Q5_1 = 1, 2, 3, 4, 5, 6, 7
 GROUP_ROWS = 4  # rows interleaved in one record
 CODE_VECTORS = 4  # 32-byte code vectors per 32-value block after unpacking (2 lanes of each row each)
-TYPE_SIZES = (0, 20, 18, 34, 18, 18)  # bytes per file block, by kind
-RECORD_BYTES = (0, 80, 72, 136, 72, 72)  # bytes per record (4 rows' blocks), by kind
-SCALES_AT = (0, 64, 64, 128, 64, 64)  # d f16 [4] after the codes, by kind; Q4_1's m f16 [4] after d
-BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4)  # 32-value activation blocks one record spans (one file block)
+TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24)  # bytes per file block, by kind
+RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112)  # bytes per record (4 rows' blocks), by kind
+SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96)  # d f16 [4] after the codes, by kind; Q4_1's, Q5_1's m after d
+BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4, 1, 1)  # 32-value activation blocks one record spans (one file block)
 ROWS_PER_TASK = 16  # rows per prange task (4 records per block): a multiple of every tile's rows
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
@@ -89,7 +94,15 @@ def repack(rows: np.ndarray, kind: int) -> np.ndarray:
     return out
 
 
-KINDS = {"q4_1": KIND_Q4_1, "q4_0": KIND_Q4_0, "q8_0": KIND_Q8_0, "q2_0": KIND_Q2_0, "q1_0": KIND_Q1_0}
+KINDS = {
+    "q4_1": KIND_Q4_1,
+    "q4_0": KIND_Q4_0,
+    "q8_0": KIND_Q8_0,
+    "q2_0": KIND_Q2_0,
+    "q1_0": KIND_Q1_0,
+    "q5_0": KIND_Q5_0,
+    "q5_1": KIND_Q5_1,
+}
 
 
 # ---------------------------------------------------------------- the tile
@@ -140,12 +153,31 @@ class _InterleavedTileEmitter:
         packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(2)]
         low = [b.and_(v, _splat(_V32xI8, 15)) for v in packed]
         high = [b.lshr(v, _splat(_V32xI8, 4)) for v in packed]
+        if self.kind in (KIND_Q5_0, KIND_Q5_1):
+            return self.five_bit(ptr, start, low + high, d4, d8)
         if self.kind == KIND_Q4_1:
             mins_at = self.offset(start, SCALES_AT[self.kind] + 2 * GROUP_ROWS)
             m4 = b.fpext(self.load(ptr, mins_at, _V4xF16), _V4xF32)
         else:  # Q4_0: (code - 8) d = code d + (-8 d), exact in f32
             m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -8.0)] * 4))
         return low + high, d8, m4, None
+
+    def five_bit(self, ptr: ir.Value, start: ir.Value, nibbles: list, d4: ir.Value, d8: ir.Value) -> tuple:
+        """Q5_0 / Q5_1: each nibble vector j gains bit j of the high-bit vector as its bit 4; m is the
+        record's (Q5_1) or -16 d (Q5_0, exact)."""
+        b = self.b
+        high_bits = self.load(ptr, self.offset(start, 2 * 32), _V32xI8)
+        codes = [
+            b.or_(v, b.and_(b.shl(high_bits, _splat(_V32xI8, 4 - j)), _splat(_V32xI8, 16)))
+            for j, v in enumerate(nibbles)
+        ]
+        if self.kind == KIND_Q5_1:
+            m4 = b.fpext(
+                self.load(ptr, self.offset(start, SCALES_AT[self.kind] + 2 * GROUP_ROWS), _V4xF16), _V4xF32
+            )
+        else:
+            m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -16.0)] * 4))
+        return codes, d8, m4, None
 
     def block_codes(self, vectors: list[ir.Value], sub: int) -> list[ir.Value]:
         """The CODE_VECTORS code vectors of activation block `sub` of a record (record()'s vectors)."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from bitserve.kernels.backend import NO_EXTRAS, LinearMode, PreparedLinear, check_linear_input
-from bitserve.kernels.cpu import blockdot, blockquant, int8dot, interleaved, low_bit_records
+from bitserve.kernels.cpu import blockdot, blockquant, five_bit_records, int8dot, interleaved, low_bit_records
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.isa import Isa
 from bitserve.kernels.packed import Layout
@@ -380,8 +380,8 @@ class Q8Linear(BlockLinear):
 
 
 class Int8BlockLinear(BlockLinear):
-    """Q4_0 / Q4_1 / Q8_0 / Q2_0 / Q1_0 blocks in 4-row interleaved records (uint8 [ceil(M / 4), nb, record],
-    kernels/cpu/interleaved.py) on int8 activations
+    """Q4_0 / Q4_1 / Q8_0 / Q2_0 / Q1_0 / Q5_0 / Q5_1 blocks in 4-row interleaved records
+    (uint8 [ceil(M / 4), nb, record], kernels/cpu/interleaved.py) on int8 activations
     (kernels/cpu/blockdot.py: llama.cpp's Q8_1-style numerics) for T < block_gemm_min_tokens: the GEMV
     tile for T = 1, the GEMM tile (weights read once per step) above. Larger batches: chunked dequantize
     + sgemm (or the resident f32 copy, as BlockLinear) on the same int8-rounded activations, so results
@@ -414,6 +414,9 @@ class Int8BlockLinear(BlockLinear):
         if kind in low_bit_records.BLOCK_VALUES:
             low_bit_records.decode_low_bit_rows(self._codes, self._d, kind, r0, out)
             return
+        if kind in five_bit_records.FIVE_BIT_KINDS:
+            five_bit_records.decode_five_bit_rows(self._codes, self._d, self._m_np, kind, r0, out)
+            return
         blockdot.decode_rows(self._codes, self._d, self._m_np, self.layout is Layout.Q8_0, r0, out)
 
     def gemv(self, x: torch.Tensor, acts: object) -> torch.Tensor:
@@ -426,7 +429,7 @@ class Int8BlockLinear(BlockLinear):
 
     @property
     def kernel_format(self) -> str:
-        """ "q4_1", "q4_0", "q8_0", "q2_0" or "q1_0": which of blockdot's kernels read the records."""
+        """Which blockdot kernels read the records: q4_1, q4_0, q8_0, q2_0, q1_0, q5_0 or q5_1."""
         return self.layout.name.lower()
 
     def run_quantized(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:
