@@ -18,9 +18,9 @@ from bitserve.kernels.cpu.interleaved import (
     KIND_Q5_0,
     KIND_Q5_1,
     QK,
-    RECORD_BYTES,
     SCALES_AT,
     TYPE_SIZES,
+    empty_records,
 )
 
 FIVE_BIT_KINDS = (KIND_Q5_0, KIND_Q5_1)
@@ -39,9 +39,7 @@ def repack_five_bit(rows: np.ndarray, kind: int) -> np.ndarray:
     type_size = TYPE_SIZES[kind]
     num_blocks = rows.shape[1] // type_size
     qh_at = _qh_at(kind)
-    out = np.zeros(
-        ((num_rows + GROUP_ROWS - 1) // GROUP_ROWS, num_blocks, RECORD_BYTES[kind]), dtype=np.uint8
-    )
+    out = empty_records(num_rows, num_blocks, kind)
     for row in range(num_rows):
         g, r = row // GROUP_ROWS, row % GROUP_ROWS
         for blk in range(num_blocks):

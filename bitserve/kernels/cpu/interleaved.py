@@ -71,6 +71,14 @@ _V8xF32 = ir.VectorType(_F32, 8)
 
 
 @njit(nogil=True, cache=True)
+def empty_records(num_rows: int, num_blocks: int, kind: int) -> np.ndarray:
+    """Zeroed records uint8 [ceil(num_rows / 4), num_blocks, RECORD_BYTES[kind]] (zero padding rows)."""
+    return np.zeros(
+        ((num_rows + GROUP_ROWS - 1) // GROUP_ROWS, num_blocks, RECORD_BYTES[kind]), dtype=np.uint8
+    )
+
+
+@njit(nogil=True, cache=True)
 def repack(rows: np.ndarray, kind: int) -> np.ndarray:
     """File rows uint8 [M, nb * type_size] -> records uint8 [ceil(M / 4), nb, RECORD_BYTES[kind]]."""
     num_rows = rows.shape[0]

@@ -14,7 +14,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from bitserve.kernels.cpu.interleaved import GROUP_ROWS, KIND_Q1_0, KIND_Q2_0, RECORD_BYTES, SCALES_AT
+from bitserve.kernels.cpu.interleaved import (
+    GROUP_ROWS,
+    KIND_Q1_0,
+    KIND_Q2_0,
+    SCALES_AT,
+    empty_records,
+)
 
 BLOCK_VALUES = {KIND_Q2_0: 64, KIND_Q1_0: 128}  # values per file block (= per record)
 FILE_BLOCK_BYTES = 18  # both: d f16 + 16 bytes of codes
@@ -35,9 +41,7 @@ def repack_low_bit(rows: np.ndarray, kind: int) -> np.ndarray:
     per_byte = 8 // bits  # values per file byte: 4 (Q2_0) or 8 (Q1_0)
     mask = (1 << bits) - 1
     values = (FILE_BLOCK_BYTES - _CODES_AT) * per_byte  # per block: 64 or 128
-    out = np.zeros(
-        ((num_rows + GROUP_ROWS - 1) // GROUP_ROWS, num_blocks, RECORD_BYTES[kind]), dtype=np.uint8
-    )
+    out = empty_records(num_rows, num_blocks, kind)
     for row in range(num_rows):
         g, r = row // GROUP_ROWS, row % GROUP_ROWS
         for blk in range(num_blocks):
