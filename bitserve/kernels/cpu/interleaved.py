@@ -23,6 +23,11 @@ Q5_0 / Q5_1 records add, after the two nibble vectors, a vector H whose byte 8r 
 row r's qh as its bit j (j < 4), then d (and Q5_1's m): 104 / 112 bytes for the file's 88 / 96. Code
 vector j is nibble vector j | ((H >> j) & 1) << 4; values (code - 16) d, or code d + m.
 
+Q4_K records span one super-block (256 values, 8 sub-blocks of 32) of 4 rows: for each sub-block pair g,
+4 vectors whose byte 8r + i is qs[32 g + 8 p + i] of row r (low nibbles: sub-block 2g, high: 2g + 1), then
+the 6-bit scales and mins unpacked to bytes (sub-block s's 4 rows at 512 + 4 s and 544 + 4 s), then d and
+dmin f16 [4]: 592 bytes for the file's 576. Values (d sc) code - (dmin m).
+
 Q2_0 (64 values a block) and Q1_0 (128) records span one file block of 4 rows, so 2 or 4 activation
 blocks: 2 packed vectors of 32 bytes, then d f16 [4] (72 bytes, the file's own size). Code vector v
 (values 8v .. 8v + 7 of the block, bytes 8r .. 8r + 7 for row r, as above) is (P[v // 4] >> 2 (v % 4)) & 3
@@ -44,14 +49,35 @@ from bitserve.kernels.cpu.isa import Isa
 
 QK = 32  # values per activation block
 # the `kind` literal the kernels take; Q2_0 / Q1_0 records: kernels/cpu/low_bit_records.py, Q5_0 / Q5_1:
-# kernels/cpu/five_bit_records.py
-KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0, KIND_Q5_0, KIND_Q5_1 = 1, 2, 3, 4, 5, 6, 7
+# kernels/cpu/five_bit_records.py, Q4_K: kernels/cpu/k_quant_records.py
+KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0, KIND_Q5_0, KIND_Q5_1, KIND_Q4_K = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+    8,
+)
 GROUP_ROWS = 4  # rows interleaved in one record
 CODE_VECTORS = 4  # 32-byte code vectors per 32-value block after unpacking (2 lanes of each row each)
-TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24)  # bytes per file block, by kind
-RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112)  # bytes per record (4 rows' blocks), by kind
-SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96)  # d f16 [4] after the codes, by kind; Q4_1's, Q5_1's m after d
-BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4, 1, 1)  # 32-value activation blocks one record spans (one file block)
+TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24, 144)  # bytes per file block, by kind
+RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112, 592)  # bytes per record (4 rows' blocks), by kind
+# d f16 [4] after the codes, by kind; Q4_1's, Q5_1's m after d; Q4_K: d, then dmin
+SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96, 576)
+BLOCKS_PER_RECORD = (
+    0,
+    1,
+    1,
+    1,
+    2,
+    4,
+    1,
+    1,
+    8,
+)  # 32-value activation blocks one record spans (one file block)
+K_SCALES_AT, K_MINS_AT = 512, 544  # Q4_K: sub-block s's 6-bit scales of the 4 rows at + 4 s, mins likewise
 ROWS_PER_TASK = 16  # rows per prange task (4 records per block): a multiple of every tile's rows
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
@@ -110,6 +136,7 @@ KINDS = {
     "q1_0": KIND_Q1_0,
     "q5_0": KIND_Q5_0,
     "q5_1": KIND_Q5_1,
+    "q4_k": KIND_Q4_K,
 }
 
 
@@ -140,7 +167,7 @@ class _InterleavedTileEmitter:
         # every cache line of the record (one prefetch per 136-byte Q8_0 record left the head's GEMV 1.6x
         # and its 16-token GEMM 1.2x slower), except in the Q4 GEMM: it passes over a record once per token
         # pair, and there one line a pass measured ~8% faster than two (80-byte records)
-        one_line = len(self.tok_ptrs) > 1 and self.kind != KIND_Q8_0
+        one_line = len(self.tok_ptrs) > 1 and RECORD_BYTES[self.kind] < 128  # not Q8_0 or Q4_K
         lines = [0] if one_line else range(0, RECORD_BYTES[self.kind], 64)
         for line in lines:
             ahead = b.gep(ptr, [self.offset(start, PREFETCH_BYTES + line)])
@@ -148,6 +175,10 @@ class _InterleavedTileEmitter:
         d4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind]), _V4xF16), _V4xF32)
         pairs = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
         d8 = b.shuffle_vector(d4, d4, pairs)
+        if self.kind == KIND_Q4_K:
+            packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(16)]
+            dmin4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind] + 8), _V4xF16), _V4xF32)
+            return packed, lambda sub: self.k_scales(ptr, start, sub, d4, dmin4), None, None
         if self.kind in (KIND_Q2_0, KIND_Q1_0):
             packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(2)]
             if self.kind == KIND_Q1_0:  # (2c - 1) d: the code's scale is 2d, exact
@@ -187,12 +218,25 @@ class _InterleavedTileEmitter:
             m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -16.0)] * 4))
         return codes, d8, m4, None
 
+    def k_scales(self, ptr: ir.Value, start: ir.Value, sub: int, d4: ir.Value, dmin4: ir.Value) -> tuple:
+        """Q4_K sub-block `sub`: (d sc per slot <8 x f32>, -(dmin m) <4 x f32>); both products exact in f32
+        (an f16 times a 6-bit integer), as the reference decoder's."""
+        b = self.b
+        v4xi8 = ir.VectorType(_I8, 4)
+        sc = b.uitofp(self.load(ptr, self.offset(start, K_SCALES_AT + 4 * sub), v4xi8), _V4xF32)
+        mn = b.uitofp(self.load(ptr, self.offset(start, K_MINS_AT + 4 * sub), v4xi8), _V4xF32)
+        d_sub = b.fmul(d4, sc)
+        pairs = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
+        return b.shuffle_vector(d_sub, d_sub, pairs), b.fneg(b.fmul(dmin4, mn))
+
     def block_codes(self, vectors: list[ir.Value], sub: int) -> list[ir.Value]:
         """The CODE_VECTORS code vectors of activation block `sub` of a record (record()'s vectors)."""
         if self.kind == KIND_Q2_0:
             return [self.field(vectors[sub], 2 * j, 3) for j in range(CODE_VECTORS)]
         if self.kind == KIND_Q1_0:
             return [self.field(vectors[sub // 2], 4 * (sub % 2) + j, 1) for j in range(CODE_VECTORS)]
+        if self.kind == KIND_Q4_K:  # sub-block 2g + h: nibble h of the 4 vectors of pair g
+            return [self.field(vectors[4 * (sub // 2) + j], 4 * (sub % 2), 15) for j in range(CODE_VECTORS)]
         return vectors
 
     def field(self, packed: ir.Value, shift: int, mask: int) -> ir.Value:
@@ -265,6 +309,8 @@ class _InterleavedTileEmitter:
                 for r in range(GROUP_ROWS):
                     sx_lanes = b.insert_element(sx_lanes, sx, ir.Constant(_I32, t * GROUP_ROWS + r))
         for g, (vectors, d8, m4, signs) in enumerate(records):
+            if callable(d8):  # Q4_K: scales per sub-block
+                d8, m4 = d8(sub)
             codes = self.block_codes(vectors, sub)
             for t, (acts, dx8) in enumerate(toks):
                 scale = b.fmul(d8, dx8)  # d * dx of each slot's row: blockdot's scalar product, per lane

@@ -4,7 +4,7 @@ type gains its name here when it gains a kernel there."""
 
 from __future__ import annotations
 
-from bitserve.kernels.cpu.backend import BLOCK_TYPE_SIZES, LOW_BIT_LAYOUTS
+from bitserve.kernels.cpu.backend import BLOCK_TYPE_SIZES, K_QUANT_LAYOUTS, LOW_BIT_LAYOUTS
 from bitserve.kernels.cpu.isa import Isa
 from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout
 
@@ -25,7 +25,7 @@ def projection_kernel(type_name: str, isa: Isa, block_activations: str) -> str:
     if layout in LOW_BIT_LAYOUTS:
         packed = tile if int8 and block_activations == "q8" else "dequantized to f32 at load (no f32 kernel)"
         return f"{packed}; on bitnet archs with one scale, the int8 ternary kernels"
-    if layout in BLOCK_TYPE_SIZES:
+    if layout in BLOCK_TYPE_SIZES or layout in K_QUANT_LAYOUTS:
         return tile if int8 and block_activations == "q8" else "f32 block kernels (exact f32 activations)"
     if layout is not None:
         return "dequantized to f32 at load, torch linear (no packed kernel yet)"

@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from bitserve.kernels.backend import NO_EXTRAS, LinearMode, PreparedLinear, check_linear_input
-from bitserve.kernels.cpu import blockdot, blockquant, five_bit_records, int8dot, interleaved, low_bit_records
+from bitserve.kernels.cpu import (
+    blockdot,
+    blockquant,
+    five_bit_records,
+    int8dot,
+    interleaved,
+    k_quant_records,
+    low_bit_records,
+)
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.isa import Isa
 from bitserve.kernels.packed import Layout
@@ -414,6 +422,9 @@ class Int8BlockLinear(BlockLinear):
         if kind in low_bit_records.BLOCK_VALUES:
             low_bit_records.decode_low_bit_rows(self._codes, self._d, kind, r0, out)
             return
+        if kind == interleaved.KIND_Q4_K:
+            k_quant_records.decode_q4_k_rows(self._codes, self._d, self._m_np, r0, out)
+            return
         if kind in five_bit_records.FIVE_BIT_KINDS:
             five_bit_records.decode_five_bit_rows(self._codes, self._d, self._m_np, kind, r0, out)
             return
@@ -429,7 +440,7 @@ class Int8BlockLinear(BlockLinear):
 
     @property
     def kernel_format(self) -> str:
-        """Which blockdot kernels read the records: q4_1, q4_0, q8_0, q2_0, q1_0, q5_0 or q5_1."""
+        """Which blockdot kernels read the records: q4_1, q4_0, q8_0, q2_0, q1_0, q5_0, q5_1 or q4_k."""
         return self.layout.name.lower()
 
     def run_quantized(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:

@@ -30,7 +30,7 @@ def q5_1(blocks: torch.Tensor) -> torch.Tensor:
     return codes.float().mul_(f16_to_f32(blocks[:, :2])).add_(f16_to_f32(blocks[:, 2:4]))
 
 
-def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> (scale, min) int32 [N, 8] (get_scale_min_k4)."""
     s = s.to(torch.int32)
     sc = torch.cat((s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)), dim=1)
@@ -87,7 +87,7 @@ def q4_k(blocks: torch.Tensor) -> torch.Tensor:
     2 g + h; value (d sc) code - dmin m."""
     num_blocks = blocks.shape[0]
     d, dmin = f16_to_f32(blocks[:, :2]), f16_to_f32(blocks[:, 2:4])
-    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    sc, mn = scale_min_k4(blocks[:, 4:16])
     qs = blocks[:, 16:].reshape(num_blocks, 4, 1, 32)  # group g: low nibbles sub-block 2g, high 2g+1
     q = torch.cat((qs & 15, qs >> 4), dim=2).reshape(num_blocks, 8, 32).float()
     q.mul_((d * sc.float())[:, :, None]).sub_((dmin * mn.float())[:, :, None])
@@ -99,7 +99,7 @@ def q5_k(blocks: torch.Tensor) -> torch.Tensor:
     plus 16 where bit 2 g + h of qh[l] is set, sub-block 2 g + h; value (d sc) code - dmin m."""
     num_blocks = blocks.shape[0]
     d, dmin = f16_to_f32(blocks[:, :2]), f16_to_f32(blocks[:, 2:4])
-    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    sc, mn = scale_min_k4(blocks[:, 4:16])
     qh = blocks[:, 16:48].reshape(num_blocks, 1, 32)
     qs = blocks[:, 48:].reshape(num_blocks, 4, 1, 32)
     low = torch.cat((qs & 15, qs >> 4), dim=2).reshape(num_blocks, 8, 32)  # [N, 2 g + h, l]
