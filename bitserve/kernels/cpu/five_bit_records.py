@@ -21,6 +21,7 @@ from bitserve.kernels.cpu.interleaved import (
     SCALES_AT,
     TYPE_SIZES,
     empty_records,
+    record_slot,
 )
 
 FIVE_BIT_KINDS = (KIND_Q5_0, KIND_Q5_1)
@@ -68,7 +69,7 @@ def decode_five_bit_rows(
     (code - 16) d or code d + m, ggml's dequantize_row values bit for bit."""
     for i in prange(buf.shape[0]):
         r = r0 + i
-        g, slot = r // GROUP_ROWS, 8 * (r % GROUP_ROWS)
+        g, slot = record_slot(r)
         for blk in range(d.shape[1]):
             for v in range(QK):
                 j, k = v // 8, v % 8

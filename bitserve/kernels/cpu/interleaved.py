@@ -96,6 +96,12 @@ _V8xF32 = ir.VectorType(_F32, 8)
 # ---------------------------------------------------------------- repack at load
 
 
+@njit(nogil=True, cache=True, inline="always")
+def record_slot(row: int) -> tuple[int, int]:
+    """Row -> (its record group, the first byte of its 8-byte run in a code vector)."""
+    return row // GROUP_ROWS, 8 * (row % GROUP_ROWS)
+
+
 @njit(nogil=True, cache=True)
 def empty_records(num_rows: int, num_blocks: int, kind: int) -> np.ndarray:
     """Zeroed records uint8 [ceil(num_rows / 4), num_blocks, RECORD_BYTES[kind]] (zero padding rows)."""

@@ -21,6 +21,7 @@ from bitserve.kernels.cpu.interleaved import (
     SCALES_AT,
     TYPE_SIZES,
     empty_records,
+    record_slot,
 )
 from bitserve.kernels.reference.k_quants import scale_min_k4
 from bitserve.kernels.reference.packed_bytes import f16_to_f32
@@ -84,7 +85,7 @@ def decode_q4_k_rows(w: np.ndarray, d: np.ndarray, m: np.ndarray, r0: int, buf: 
     sub_block_scales: code d + m, i.e. (d sc) code - dmin m, ggml's values bit for bit."""
     for i in prange(buf.shape[0]):
         r = r0 + i
-        g, slot = r // GROUP_ROWS, 8 * (r % GROUP_ROWS)
+        g, slot = record_slot(r)
         for blk in range(w.shape[1]):
             for s in range(SUB_BLOCKS):
                 pair, high = s // 2, s % 2

@@ -20,6 +20,7 @@ from bitserve.kernels.cpu.interleaved import (
     KIND_Q2_0,
     SCALES_AT,
     empty_records,
+    record_slot,
 )
 
 BLOCK_VALUES = {KIND_Q2_0: 64, KIND_Q1_0: 128}  # values per file block (= per record)
@@ -66,7 +67,7 @@ def decode_low_bit_rows(w: np.ndarray, d: np.ndarray, kind: int, r0: int, buf: n
     values = (FILE_BLOCK_BYTES - _CODES_AT) * per_byte  # per block: 64 or 128
     for i in prange(buf.shape[0]):
         r = r0 + i
-        g, slot = r // GROUP_ROWS, 8 * (r % GROUP_ROWS)
+        g, slot = record_slot(r)
         for blk in range(d.shape[1]):
             db = d[r, blk]
             for j in range(values):
