@@ -90,7 +90,7 @@ BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34, Layout.Q5_0: 22, Layout.Q5_1: 24}
 FIVE_BIT_LAYOUTS = frozenset({Layout.Q5_0, Layout.Q5_1})
 LOW_BIT_LAYOUTS = frozenset({Layout.Q2_0, Layout.Q1_0})  # llama.cpp's 2- and 1-bit block types
-K_QUANT_LAYOUTS = frozenset({Layout.Q4_K})  # the K-quants with an int8-tile kernel
+K_QUANT_LAYOUTS = frozenset({Layout.Q4_K, Layout.Q6_K})  # the K-quants with an int8-tile kernel
 # GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
 RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
 
@@ -304,22 +304,28 @@ class CpuBackend(KernelBackend):
         return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, d, {})
 
     def _prepare_k_quant(self, weight: PackedWeight) -> PreparedLinear | None:
-        """Q4_K -> super-block records (kernels/cpu/k_quant_records.py) on the int8 tile, with Q8_0-style
-        activations per 32 values; scale / extras "m": the sub-blocks' d sc and -(dmin m), f32 [M, K / 32].
-        None (the loader's f32 copy) where block activations are f32."""
+        """Q4_K / Q6_K -> super-block records (kernels/cpu/k_quant_records.py) on the int8 tile, with
+        Q8_0-style activations per 32 values; scale: the sub-blocks' d sc, f32 [M, K / 32] (Q4_K, and
+        extras "m" -(dmin m)) or [M, K / 16] (Q6_K). None (the loader's f32 copy) where block activations
+        are f32."""
         if not self.block_kernels or self.block_activations != "q8":
             return None
         m, k = weight.shape
+        kind = interleaved.KINDS[weight.layout.name.lower()]
         block = k_quant_records.SUPER_BLOCK
         if k % block:
             raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {block}, got K={k}")
-        row_bytes = k // block * interleaved.TYPE_SIZES[interleaved.KIND_Q4_K]
+        row_bytes = k // block * interleaved.TYPE_SIZES[kind]
         if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
             raise InvalidModelFile(
                 f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
                 expected=f"{m * row_bytes} bytes",
             )
         rows = weight.data.reshape(m, row_bytes)
+        if kind == interleaved.KIND_Q6_K:
+            records = torch.from_numpy(k_quant_records.repack_q6_k(rows.numpy()))
+            scale = k_quant_records.q6_k_sub_block_scales(rows, k)
+            return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, scale, {})
         scale, minimum = k_quant_records.sub_block_scales(rows, k)
         records = torch.from_numpy(k_quant_records.repack_q4_k(rows.numpy()))
         return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, scale, {"m": minimum})

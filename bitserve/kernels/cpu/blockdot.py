@@ -1,5 +1,5 @@
 """Q4_0 / Q4_1 / Q8_0 GEMV and GEMM on int8 activations, with x86 integer-dot instructions (and Q2_0 /
-Q1_0 / Q5_0 / Q5_1 / Q4_K on the same tile: kernels/cpu/low_bit_records.py, five_bit_records.py,
+Q1_0 / Q5_0 / Q5_1 / Q4_K / Q6_K on the same tile: kernels/cpu/low_bit_records.py, five_bit_records.py,
 k_quant_records.py).
 
 Weights are the GGUF blocks, repacked at load into 4-row interleaved records (kernels/cpu/interleaved.py:
@@ -37,6 +37,7 @@ from bitserve.kernels.cpu.interleaved import (
     KIND_Q4_K,
     KIND_Q5_0,
     KIND_Q5_1,
+    KIND_Q6_K,
     KIND_Q8_0,
     QK,
     _interleaved_body,
@@ -281,6 +282,26 @@ def vnni_q4_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
     _interleaved_body(_VNNI, KIND_Q4_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
+@njit(nogil=True, cache=True)
+def avx2_q6_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q6_K, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q6_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q6_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q6_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q6_K, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q6_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q6_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
 @dataclass(frozen=True)
 class BlockKernels:
     """One (ISA, block kind)'s entry points on interleaved records (interleaved.repack): gemv for T = 1,
@@ -310,6 +331,8 @@ KERNELS = {
     (Isa.VNNI, "q5_1"): BlockKernels(vnni_q5_1_gemv, vnni_q5_1_gemm),
     (Isa.AVX2, "q4_k"): BlockKernels(avx2_q4_k_gemv, avx2_q4_k_gemm),
     (Isa.VNNI, "q4_k"): BlockKernels(vnni_q4_k_gemv, vnni_q4_k_gemm),
+    (Isa.AVX2, "q6_k"): BlockKernels(avx2_q6_k_gemv, avx2_q6_k_gemm),
+    (Isa.VNNI, "q6_k"): BlockKernels(vnni_q6_k_gemv, vnni_q6_k_gemm),
 }
 
 

@@ -318,6 +318,16 @@ def vnni_q4_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
     _decode_layers(blockdot.vnni_q4_k_gemv, blockdot.vnni_q4_k_gemm, x, model, step)
 
 
+@njit(nogil=True, cache=True)
+def avx2_q6_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(blockdot.avx2_q6_k_gemv, blockdot.avx2_q6_k_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q6_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(blockdot.vnni_q6_k_gemv, blockdot.vnni_q6_k_gemm, x, model, step)
+
+
 DECODE_LAYERS: dict[Isa, Callable[..., None]] = {Isa.AVX2: avx2_decode_layers, Isa.VNNI: vnni_decode_layers}
 BLOCK_DECODE_LAYERS: dict[tuple[Isa, str], Callable[..., None]] = {
     (Isa.AVX2, "q4_1"): avx2_q4_1_decode_layers,
@@ -336,4 +346,6 @@ BLOCK_DECODE_LAYERS: dict[tuple[Isa, str], Callable[..., None]] = {
     (Isa.VNNI, "q5_1"): vnni_q5_1_decode_layers,
     (Isa.AVX2, "q4_k"): avx2_q4_k_decode_layers,
     (Isa.VNNI, "q4_k"): vnni_q4_k_decode_layers,
+    (Isa.AVX2, "q6_k"): avx2_q6_k_decode_layers,
+    (Isa.VNNI, "q6_k"): vnni_q6_k_decode_layers,
 }

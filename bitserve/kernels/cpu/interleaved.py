@@ -44,40 +44,24 @@ from numba import literally, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from bitserve.kernels.cpu import k_quant_tile
 from bitserve.kernels.cpu.int8dot import ISA_CODES, PREFETCH_BYTES, _declare, _is_c_matrix, _splat
 from bitserve.kernels.cpu.isa import Isa
 
 QK = 32  # values per activation block
 # the `kind` literal the kernels take; Q2_0 / Q1_0 records: kernels/cpu/low_bit_records.py, Q5_0 / Q5_1:
-# kernels/cpu/five_bit_records.py, Q4_K: kernels/cpu/k_quant_records.py
-KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0, KIND_Q5_0, KIND_Q5_1, KIND_Q4_K = (
-    1,
-    2,
-    3,
-    4,
-    5,
-    6,
-    7,
-    8,
+# five_bit_records.py, Q4_K / Q6_K: k_quant_records.py (their IR: k_quant_tile.py)
+KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0, KIND_Q5_0, KIND_Q5_1, KIND_Q4_K, KIND_Q6_K = range(
+    1, 10
 )
 GROUP_ROWS = 4  # rows interleaved in one record
 CODE_VECTORS = 4  # 32-byte code vectors per 32-value block after unpacking (2 lanes of each row each)
-TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24, 144)  # bytes per file block, by kind
-RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112, 592)  # bytes per record (4 rows' blocks), by kind
-# d f16 [4] after the codes, by kind; Q4_1's, Q5_1's m after d; Q4_K: d, then dmin
-SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96, 576)
-BLOCKS_PER_RECORD = (
-    0,
-    1,
-    1,
-    1,
-    2,
-    4,
-    1,
-    1,
-    8,
-)  # 32-value activation blocks one record spans (one file block)
-K_SCALES_AT, K_MINS_AT = 512, 544  # Q4_K: sub-block s's 6-bit scales of the 4 rows at + 4 s, mins likewise
+# by kind: bytes per file block; bytes per record (4 rows' file blocks); where d f16 [4] sits (Q4_1's and
+# Q5_1's m, Q4_K's dmin after it); the 32-value activation blocks a record spans
+TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24, 144, 210)
+RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112, 592, 840)
+SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96, 576, 832)
+BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4, 1, 1, 8, 8)
 ROWS_PER_TASK = 16  # rows per prange task (4 records per block): a multiple of every tile's rows
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
@@ -143,6 +127,7 @@ KINDS = {
     "q5_0": KIND_Q5_0,
     "q5_1": KIND_Q5_1,
     "q4_k": KIND_Q4_K,
+    "q6_k": KIND_Q6_K,
 }
 
 
@@ -181,10 +166,13 @@ class _InterleavedTileEmitter:
         d4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind]), _V4xF16), _V4xF32)
         pairs = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
         d8 = b.shuffle_vector(d4, d4, pairs)
-        if self.kind == KIND_Q4_K:
-            packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(16)]
+        if self.kind in (KIND_Q4_K, KIND_Q6_K):  # 16 nibble vectors (and Q6_K's 8 high planes)
+            count = 16 if self.kind == KIND_Q4_K else 24
+            packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(count)]
+            if self.kind == KIND_Q6_K:
+                return packed, lambda sub: k_quant_tile.q6_k_scales(self, ptr, start, sub, d4), None, None
             dmin4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind] + 8), _V4xF16), _V4xF32)
-            return packed, lambda sub: self.k_scales(ptr, start, sub, d4, dmin4), None, None
+            return packed, lambda sub: k_quant_tile.q4_k_scales(self, ptr, start, sub, d4, dmin4), None, None
         if self.kind in (KIND_Q2_0, KIND_Q1_0):
             packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(2)]
             if self.kind == KIND_Q1_0:  # (2c - 1) d: the code's scale is 2d, exact
@@ -224,26 +212,18 @@ class _InterleavedTileEmitter:
             m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -16.0)] * 4))
         return codes, d8, m4, None
 
-    def k_scales(self, ptr: ir.Value, start: ir.Value, sub: int, d4: ir.Value, dmin4: ir.Value) -> tuple:
-        """Q4_K sub-block `sub`: (d sc per slot <8 x f32>, -(dmin m) <4 x f32>); both products exact in f32
-        (an f16 times a 6-bit integer), as the reference decoder's."""
-        b = self.b
-        v4xi8 = ir.VectorType(_I8, 4)
-        sc = b.uitofp(self.load(ptr, self.offset(start, K_SCALES_AT + 4 * sub), v4xi8), _V4xF32)
-        mn = b.uitofp(self.load(ptr, self.offset(start, K_MINS_AT + 4 * sub), v4xi8), _V4xF32)
-        d_sub = b.fmul(d4, sc)
-        pairs = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
-        return b.shuffle_vector(d_sub, d_sub, pairs), b.fneg(b.fmul(dmin4, mn))
-
-    def block_codes(self, vectors: list[ir.Value], sub: int) -> list[ir.Value]:
-        """The CODE_VECTORS code vectors of activation block `sub` of a record (record()'s vectors)."""
+    def block_codes(self, vectors: list, sub: int, signs: list | None) -> tuple[list, list | None]:
+        """(the CODE_VECTORS u8 code vectors, their signs or None) of activation block `sub` of a record
+        (record()'s vectors and signs)."""
         if self.kind == KIND_Q2_0:
-            return [self.field(vectors[sub], 2 * j, 3) for j in range(CODE_VECTORS)]
+            return [self.field(vectors[sub], 2 * j, 3) for j in range(CODE_VECTORS)], None
         if self.kind == KIND_Q1_0:
-            return [self.field(vectors[sub // 2], 4 * (sub % 2) + j, 1) for j in range(CODE_VECTORS)]
-        if self.kind == KIND_Q4_K:  # sub-block 2g + h: nibble h of the 4 vectors of pair g
-            return [self.field(vectors[4 * (sub // 2) + j], 4 * (sub % 2), 15) for j in range(CODE_VECTORS)]
-        return vectors
+            return [self.field(vectors[sub // 2], 4 * (sub % 2) + j, 1) for j in range(CODE_VECTORS)], None
+        if self.kind == KIND_Q4_K:
+            return k_quant_tile.q4_k_codes(self, vectors, sub), None
+        if self.kind == KIND_Q6_K:
+            return k_quant_tile.q6_k_codes(self, vectors, sub)
+        return vectors, signs
 
     def field(self, packed: ir.Value, shift: int, mask: int) -> ir.Value:
         """(packed >> shift) & mask in every byte."""
@@ -310,17 +290,19 @@ class _InterleavedTileEmitter:
         for t, (q_ptr, dx_ptr, sx_ptr) in enumerate(self.tok_ptrs):
             dx = b.load(b.gep(dx_ptr, [block]))
             toks.append((self.token_acts(q_ptr, block), _splat_value(b, dx, _V8xF32)))
-            if self.kind != KIND_Q8_0:
+            if self.kind not in (KIND_Q8_0, KIND_Q6_K):  # kinds with a min term
                 sx = b.load(b.gep(sx_ptr, [block]))
                 for r in range(GROUP_ROWS):
                     sx_lanes = b.insert_element(sx_lanes, sx, ir.Constant(_I32, t * GROUP_ROWS + r))
         for g, (vectors, d8, m4, signs) in enumerate(records):
-            if callable(d8):  # Q4_K: scales per sub-block
+            if callable(d8):  # K-quants: scales per sub-block
                 d8, m4 = d8(sub)
-            codes = self.block_codes(vectors, sub)
+            per_vector = d8 if isinstance(d8, list) else [d8, d8]  # Q6_K: a scale per 16 values
+            codes, signs = self.block_codes(vectors, sub, signs)
             for t, (acts, dx8) in enumerate(toks):
-                scale = b.fmul(d8, dx8)  # d * dx of each slot's row: blockdot's scalar product, per lane
+                scales = [b.fmul(d, dx8) for d in per_vector]  # d * dx of each slot's row, per lane
                 for j in range(CODE_VECTORS):
+                    scale = scales[j // 2]
                     a = acts[j]
                     if signs is not None:  # Q8_0: |w| * (q with w's sign); w = 0 gives 0 either way
                         a = b.call(psign, [a, signs[j]])

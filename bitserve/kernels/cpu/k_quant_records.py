@@ -1,9 +1,17 @@
-"""Q4_K weights in 4-row interleaved records (the int8 tile of kernels/cpu/interleaved.py runs them): the
-repack at load, the sub-block scales for the f32 paths, and the f32 rows decoded back from the records.
+"""Q4_K / Q6_K weights in 4-row interleaved records (the int8 tile of kernels/cpu/interleaved.py runs them,
+its K-quant IR in k_quant_tile.py): the repack at load, the sub-block scales for the f32 paths, and the f32
+rows decoded back from the records. A record is one 256-value super-block of 4 rows.
 
-File super-block (ggml-common.h, 144 bytes, 256 values): d f16, dmin f16, scales[12] (8 6-bit scales and
-8 6-bit mins, get_scale_min_k4), qs[128]. Value 64 g + 32 h + l is nibble h of qs[32 g + l], in sub-block
-s = 2 g + h, and equals (d sc_s) code - (dmin m_s). The record layout is in interleaved.py's docstring.
+Q4_K file super-block (ggml-common.h, 144 bytes): d f16, dmin f16, scales[12] (8 6-bit scales and 8 6-bit
+mins, get_scale_min_k4), qs[128]. Value 64 g + 32 h + l is nibble h of qs[32 g + l], in sub-block
+s = 2 g + h, and equals (d sc_s) code - (dmin m_s). Record (592 bytes): interleaved.py's docstring.
+
+Q6_K (210 bytes): ql[128], qh[64], scales[16] int8, d f16. Value v = 128 n + 32 s + l has the low nibble
+(ql[64 n + 32 (s % 2) + l] >> 4 (s // 2)) & 15 and the top 2 bits (qh[32 n + l] >> 2 s) & 3, and equals
+(d sc_{v / 16}) (code - 32). Record (840 bytes, the file's own): 16 nibble vectors as Q4_K's (vector
+4 p + j, byte 8 r + i: the low nibbles of values 64 p + 8 j + i and 64 p + 32 + 8 j + i), 8 high planes
+(plane b, byte 8 r + i: the top bits of value 32 b + 8 j + i at bits 2 j), the int8 scales (16-value
+sub-block t's 4 rows at 768 + 4 t), d f16 [4].
 """
 
 from __future__ import annotations
@@ -14,15 +22,15 @@ from numba import njit, prange
 
 from bitserve.kernels.cpu.interleaved import (
     GROUP_ROWS,
-    K_MINS_AT,
-    K_SCALES_AT,
     KIND_Q4_K,
+    KIND_Q6_K,
     QK,
     SCALES_AT,
     TYPE_SIZES,
     empty_records,
     record_slot,
 )
+from bitserve.kernels.cpu.k_quant_tile import Q4_K_MINS_AT, Q4_K_SCALES_AT, Q6_K_HIGH_AT, Q6_K_SCALES_AT
 from bitserve.kernels.reference.k_quants import scale_min_k4
 from bitserve.kernels.reference.packed_bytes import f16_to_f32
 
@@ -59,8 +67,8 @@ def repack_q4_k(rows: np.ndarray) -> np.ndarray:
                         ]
             for j in range(SUB_BLOCKS):
                 sc, mn = _scale_min(rows[row], src + 4, j)
-                out[g, blk, K_SCALES_AT + 4 * j + r] = sc
-                out[g, blk, K_MINS_AT + 4 * j + r] = mn
+                out[g, blk, Q4_K_SCALES_AT + 4 * j + r] = sc
+                out[g, blk, Q4_K_MINS_AT + 4 * j + r] = mn
             for i in range(2):
                 out[g, blk, SCALES_AT[KIND_Q4_K] + 2 * r + i] = rows[row, src + i]  # d
                 out[g, blk, SCALES_AT[KIND_Q4_K] + 8 + 2 * r + i] = rows[row, src + 2 + i]  # dmin
@@ -94,3 +102,57 @@ def decode_q4_k_rows(w: np.ndarray, d: np.ndarray, m: np.ndarray, r0: int, buf: 
                     byte = np.int32(w[g, blk, 128 * pair + 32 * (v // 8) + slot + v % 8])
                     code = (byte >> np.int32(4 * high)) & np.int32(15)
                     buf[i, sub * QK + v] = np.float32(code) * d[r, sub] + m[r, sub]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _q6_k_fields(rows: np.ndarray, row: int, src: int, v: int) -> tuple[int, int]:
+    """Q6_K value v of the super-block at byte src: (low nibble, top 2 bits)."""
+    n, s, lane = v // 128, (v % 128) // 32, v % 32
+    low = (rows[row, src + 64 * n + 32 * (s % 2) + lane] >> (4 * (s // 2))) & 15
+    top = (rows[row, src + 128 + 32 * n + lane] >> (2 * s)) & 3
+    return low, top
+
+
+@njit(nogil=True, cache=True)
+def repack_q6_k(rows: np.ndarray) -> np.ndarray:
+    """File rows uint8 [M, nb * 210] -> records uint8 [ceil(M / 4), nb, 840]."""
+    type_size = TYPE_SIZES[KIND_Q6_K]
+    out = empty_records(rows.shape[0], rows.shape[1] // type_size, KIND_Q6_K)
+    for row in range(rows.shape[0]):
+        g, r = row // GROUP_ROWS, row % GROUP_ROWS
+        for blk in range(out.shape[1]):
+            src = blk * type_size
+            for v in range(SUPER_BLOCK):
+                low, top = _q6_k_fields(rows, row, src, v)
+                b, j, i = v // QK, (v % QK) // 8, v % 8
+                out[g, blk, 32 * (4 * (b // 2) + j) + 8 * r + i] |= low << (4 * (b % 2))
+                out[g, blk, Q6_K_HIGH_AT + 32 * b + 8 * r + i] |= top << (2 * j)
+            for t in range(16):
+                out[g, blk, Q6_K_SCALES_AT + 4 * t + r] = rows[row, src + 192 + t]
+            for i in range(2):
+                out[g, blk, SCALES_AT[KIND_Q6_K] + 2 * r + i] = rows[row, src + 208 + i]
+    return out
+
+
+def q6_k_sub_block_scales(rows: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """File rows uint8 [M, nb * 210] -> d sc f32 [M, K / 16]: the per-16-value scale the f32 rows decode
+    with (the reference decoder's product)."""
+    blocks = rows.reshape(-1, TYPE_SIZES[KIND_Q6_K])
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]
+    return (f16_to_f32(blocks[:, 208:210]) * scales).reshape(rows.shape[0], num_cols // 16)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def decode_q6_k_rows(w: np.ndarray, d: np.ndarray, r0: int, buf: np.ndarray) -> None:
+    """Rows r0 .. r0 + len(buf) of Q6_K records w -> buf f32 [rows, K]; d f32 [M, K / 16] from
+    q6_k_sub_block_scales: (code - 32) (d sc), ggml's values bit for bit."""
+    for i in prange(buf.shape[0]):
+        r = r0 + i
+        g, slot = record_slot(r)
+        for blk in range(w.shape[1]):
+            for v in range(SUPER_BLOCK):
+                b, j, k = v // QK, (v % QK) // 8, v % 8
+                low = (np.int32(w[g, blk, 32 * (4 * (b // 2) + j) + slot + k]) >> np.int32(4 * (b % 2))) & 15
+                top = (np.int32(w[g, blk, Q6_K_HIGH_AT + 32 * b + slot + k]) >> np.int32(2 * j)) & 3
+                value = blk * SUPER_BLOCK + v
+                buf[i, value] = np.float32((low | (top << 4)) - 32) * d[r, value // 16]
