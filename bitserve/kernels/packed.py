@@ -43,6 +43,7 @@ class Layout(enum.Enum):
 
 
 TERNARY_FILE_LAYOUTS = frozenset({Layout.TQ1_0, Layout.TQ2_0, Layout.I2_S, Layout.TL1, Layout.TL2})
+LOW_BIT_LAYOUTS = frozenset({Layout.Q2_0, Layout.Q1_0})  # llama.cpp's 2- and 1-bit block types
 
 
 @dataclass(frozen=True, slots=True)

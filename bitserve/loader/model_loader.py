@@ -16,7 +16,7 @@ import torch
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
+from bitserve.kernels.packed import LOW_BIT_LAYOUTS, TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference.dequant import (
     dequantize,
     one_scale_ternary_codes,
@@ -168,7 +168,7 @@ class GGUFWeightSource:
             # the backend holds its own runtime copy: the file's bytes need not stay resident
             self.gguf.release_pages(name)
             return prepared
-        if may_be_ternary and weight.layout in (Layout.Q2_0, Layout.Q1_0):
+        if may_be_ternary and weight.layout in LOW_BIT_LAYOUTS:
             codes = one_scale_ternary_codes(weight)
             if codes is not None:  # a BitNet model in llama.cpp's types: its I2_S kernels and numerics
                 self.gguf.release_pages(name)

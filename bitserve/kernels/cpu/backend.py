@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from numba.core.errors import NumbaError
 
-from bitserve.errors import InvalidModelFile, UnsupportedModel
+from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.cpu import (
     blockquant,
@@ -75,10 +75,11 @@ from bitserve.kernels.cpu.prepared import (
     Q8Linear,
     TqLinear,
 )
-from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
+from bitserve.kernels.packed import LOW_BIT_LAYOUTS, Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.plan import CompiledDecoder, DecoderPlan
 from bitserve.kernels.reference import ternary as reference
 from bitserve.kernels.reference.dense import check_dense_weight
+from bitserve.kernels.reference.dequant import block_rows
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,6 @@ BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
 # bytes per 32-value block; Q5_0 / Q5_1 run only on the int8 tile (no f32 kernel: FIVE_BIT_LAYOUTS)
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34, Layout.Q5_0: 22, Layout.Q5_1: 24}
 FIVE_BIT_LAYOUTS = frozenset({Layout.Q5_0, Layout.Q5_1})
-LOW_BIT_LAYOUTS = frozenset({Layout.Q2_0, Layout.Q1_0})  # llama.cpp's 2- and 1-bit block types
 K_QUANT_LAYOUTS = frozenset({Layout.Q4_K, Layout.Q6_K})  # the K-quants with an int8-tile kernel
 # GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
 RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
@@ -247,17 +247,7 @@ class CpuBackend(KernelBackend):
         if weight.layout in FIVE_BIT_LAYOUTS and self.block_activations != "q8":
             return None  # the loader's f32 copy
         m, k = weight.shape
-        if k % blockquant.QK:
-            raise InvalidModelFile(
-                f"{weight.layout.name} needs K to be a multiple of {blockquant.QK}, got K={k}"
-            )
-        row_bytes = k // blockquant.QK * type_size
-        if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
-            raise InvalidModelFile(
-                f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
-                expected=f"{m * row_bytes} bytes",
-            )
-        rows = weight.data.reshape(m, row_bytes)
+        rows = block_rows(weight)  # [M, row_bytes]
         extras: dict[str, torch.Tensor] = {}
         if self.block_activations == "q8":
             # 4-row interleaved records [ceil(M / 4), nb, record] built from the mapped file's blocks: the
@@ -266,9 +256,9 @@ class CpuBackend(KernelBackend):
             five_bit = weight.layout in FIVE_BIT_LAYOUTS
             repack = five_bit_records.repack_five_bit if five_bit else interleaved.repack
             data = torch.from_numpy(repack(rows.numpy(), kind))
-            d = blockquant.block_field_f32(rows, k, type_size, 0)  # [M, nb]
+            d = blockquant.block_field_f32(rows, type_size, 0)  # [M, nb]
             if weight.layout in (Layout.Q4_1, Layout.Q5_1):
-                extras["m"] = blockquant.block_field_f32(rows, k, type_size, 2)
+                extras["m"] = blockquant.block_field_f32(rows, type_size, 2)
             elif weight.layout in (Layout.Q4_0, Layout.Q5_0):
                 extras["m"] = d * (-8.0 if weight.layout is Layout.Q4_0 else -16.0)  # exact: (code - c) d
             return self._with_dense(Int8BlockLinear, m, k, weight.layout, data, d, extras)
@@ -289,18 +279,9 @@ class CpuBackend(KernelBackend):
             return None
         m, k = weight.shape
         kind = interleaved.KINDS[weight.layout.name.lower()]
-        values = low_bit_records.BLOCK_VALUES[kind]
-        if k % values:
-            raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {values}, got K={k}")
-        row_bytes = k // values * low_bit_records.FILE_BLOCK_BYTES
-        if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
-            raise InvalidModelFile(
-                f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
-                expected=f"{m * row_bytes} bytes",
-            )
-        blocks = weight.data.reshape(m, k // values, low_bit_records.FILE_BLOCK_BYTES)
-        d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(m, k // values).float()  # [M, nb]
-        records = torch.from_numpy(low_bit_records.repack_low_bit(blocks.reshape(m, row_bytes).numpy(), kind))
+        rows = block_rows(weight)  # [M, nb * 18]
+        d = blockquant.block_field_f32(rows, low_bit_records.FILE_BLOCK_BYTES, 0)  # [M, nb]
+        records = torch.from_numpy(low_bit_records.repack_low_bit(rows.numpy(), kind))
         return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, d, {})
 
     def _prepare_k_quant(self, weight: PackedWeight) -> PreparedLinear | None:
@@ -312,16 +293,7 @@ class CpuBackend(KernelBackend):
             return None
         m, k = weight.shape
         kind = interleaved.KINDS[weight.layout.name.lower()]
-        block = k_quant_records.SUPER_BLOCK
-        if k % block:
-            raise InvalidModelFile(f"{weight.layout.name} needs K to be a multiple of {block}, got K={k}")
-        row_bytes = k // block * interleaved.TYPE_SIZES[kind]
-        if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
-            raise InvalidModelFile(
-                f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
-                expected=f"{m * row_bytes} bytes",
-            )
-        rows = weight.data.reshape(m, row_bytes)
+        rows = block_rows(weight)  # [M, nb * type_size]
         if kind == interleaved.KIND_Q6_K:
             records = torch.from_numpy(k_quant_records.repack_q6_k(rows.numpy()))
             scale = k_quant_records.q6_k_sub_block_scales(rows, k)

@@ -26,10 +26,10 @@ def _f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, :, start : start + 2].contiguous().view(torch.float16).squeeze(-1).float().contiguous()
 
 
-def block_field_f32(rows: torch.Tensor, num_cols: int, type_size: int, start: int) -> torch.Tensor:
-    """The f16 field at byte `start` of every block of rows uint8 [M, nb * type_size] -> f32 [M, nb]."""
-    blocks = rows.reshape(rows.shape[0], num_cols // QK, type_size)
-    return _f16_field(blocks, start)
+def block_field_f32(rows: torch.Tensor, type_size: int, start: int) -> torch.Tensor:
+    """The f16 field at byte `start` of every block of rows uint8 [M, nb * type_size] -> f32 [M, nb]
+    (blocks of any number of values: Q4 / Q8 / Q5 of 32, Q2_0 of 64, Q1_0 of 128)."""
+    return _f16_field(rows.reshape(rows.shape[0], -1, type_size), start)
 
 
 def _group_rows(a: torch.Tensor) -> torch.Tensor:

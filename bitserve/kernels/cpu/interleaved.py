@@ -186,30 +186,17 @@ class _InterleavedTileEmitter:
         packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(2)]
         low = [b.and_(v, _splat(_V32xI8, 15)) for v in packed]
         high = [b.lshr(v, _splat(_V32xI8, 4)) for v in packed]
-        if self.kind in (KIND_Q5_0, KIND_Q5_1):
-            return self.five_bit(ptr, start, low + high, d4, d8)
-        if self.kind == KIND_Q4_1:
+        codes = low + high
+        if self.kind in (KIND_Q5_0, KIND_Q5_1):  # nibble vector j gains bit j of the high-bit vector as bit 4
+            high_bits = self.load(ptr, self.offset(start, 2 * 32), _V32xI8)
+            shifted = [b.shl(high_bits, _splat(_V32xI8, 4 - j)) for j in range(CODE_VECTORS)]
+            codes = [b.or_(v, b.and_(h, _splat(_V32xI8, 16))) for v, h in zip(codes, shifted, strict=True)]
+        if self.kind in (KIND_Q4_1, KIND_Q5_1):
             mins_at = self.offset(start, SCALES_AT[self.kind] + 2 * GROUP_ROWS)
             m4 = b.fpext(self.load(ptr, mins_at, _V4xF16), _V4xF32)
-        else:  # Q4_0: (code - 8) d = code d + (-8 d), exact in f32
-            m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -8.0)] * 4))
-        return low + high, d8, m4, None
-
-    def five_bit(self, ptr: ir.Value, start: ir.Value, nibbles: list, d4: ir.Value, d8: ir.Value) -> tuple:
-        """Q5_0 / Q5_1: each nibble vector j gains bit j of the high-bit vector as its bit 4; m is the
-        record's (Q5_1) or -16 d (Q5_0, exact)."""
-        b = self.b
-        high_bits = self.load(ptr, self.offset(start, 2 * 32), _V32xI8)
-        codes = [
-            b.or_(v, b.and_(b.shl(high_bits, _splat(_V32xI8, 4 - j)), _splat(_V32xI8, 16)))
-            for j, v in enumerate(nibbles)
-        ]
-        if self.kind == KIND_Q5_1:
-            m4 = b.fpext(
-                self.load(ptr, self.offset(start, SCALES_AT[self.kind] + 2 * GROUP_ROWS), _V4xF16), _V4xF32
-            )
-        else:
-            m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, -16.0)] * 4))
+        else:  # Q4_0 / Q5_0: (code - c) d = code d + (-c d), exact in f32 (c = 8 or 16)
+            offset = -8.0 if self.kind == KIND_Q4_0 else -16.0
+            m4 = b.fmul(d4, ir.Constant(_V4xF32, [ir.Constant(_F32, offset)] * 4))
         return codes, d8, m4, None
 
     def block_codes(self, vectors: list, sub: int, signs: list | None) -> tuple[list, list | None]:

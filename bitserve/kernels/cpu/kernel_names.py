@@ -4,9 +4,9 @@ type gains its name here when it gains a kernel there."""
 
 from __future__ import annotations
 
-from bitserve.kernels.cpu.backend import BLOCK_TYPE_SIZES, K_QUANT_LAYOUTS, LOW_BIT_LAYOUTS
+from bitserve.kernels.cpu.backend import BLOCK_TYPE_SIZES, K_QUANT_LAYOUTS
 from bitserve.kernels.cpu.isa import Isa
-from bitserve.kernels.packed import TERNARY_FILE_LAYOUTS, Layout
+from bitserve.kernels.packed import LOW_BIT_LAYOUTS, TERNARY_FILE_LAYOUTS, Layout
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bitserve.errors import InvalidModelFile, UnsupportedModel
+from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
 from bitserve.kernels.cuda.block_layout import BLOCK_LAYOUTS, repack_blocks
 from bitserve.kernels.cuda.linears import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
@@ -34,7 +34,7 @@ from bitserve.kernels.plan import CompiledDecoder, DecoderPlan
 from bitserve.kernels.reference import ternary
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.kernels.reference.dense import check_dense_weight
-from bitserve.kernels.reference.dequant import dequantize, row_bytes_of
+from bitserve.kernels.reference.dequant import block_rows, dequantize
 from bitserve.kernels.tuning import DEFAULT_TUNING, KernelTuning
 
 logger = logging.getLogger(__name__)
@@ -104,13 +104,7 @@ class CudaBackend(KernelBackend):
         if weight.layout not in BLOCK_LAYOUTS:
             return None
         m, k = weight.shape
-        row_bytes = row_bytes_of(weight)  # raises for a K that is not a whole number of blocks
-        if weight.data.dtype != torch.uint8 or weight.data.numel() != m * row_bytes:
-            raise InvalidModelFile(
-                f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
-                expected=f"{m * row_bytes} bytes",
-            )
-        parts = repack_blocks(weight.data.reshape(m, row_bytes), weight.layout, k)
+        parts = repack_blocks(block_rows(weight), weight.layout, k)
         extras = {"dense": dequantize(weight).to(self.device).contiguous()}
         if "m" in parts:
             extras["m"] = parts["m"].to(self.device)

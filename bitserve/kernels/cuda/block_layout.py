@@ -33,12 +33,12 @@ def repack_blocks(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str
     num_rows, num_blocks = rows.shape[0], num_cols // QK
     type_size = BLOCK_GEOMETRY[layout][1]  # bytes per 32-value block in the file
     blocks = rows.reshape(num_rows, num_blocks, type_size)
-    d = block_field_f32(rows, num_cols, type_size, 0)  # [M, nb]
+    d = block_field_f32(rows, type_size, 0)  # [M, nb]
     if layout is Layout.Q8_0:
         codes = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(num_rows, num_cols)
         return {"codes": codes, "d": d}
     # Q4_0: m = -8 d is exact (a power-of-two multiple of an f16 value)
-    minimum = block_field_f32(rows, num_cols, type_size, 2) if layout is Layout.Q4_1 else d * -8.0
+    minimum = block_field_f32(rows, type_size, 2) if layout is Layout.Q4_1 else d * -8.0
     codes = blocks[:, :, type_size - QK // 2 :].reshape(num_rows, num_cols // 2).clone()
     return {"codes": codes, "d": d, "m": minimum}
 

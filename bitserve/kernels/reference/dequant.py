@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bitserve.errors import InvalidModelFile
-from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
+from bitserve.kernels.packed import LOW_BIT_LAYOUTS, Layout, PackedWeight, TernaryCodes
 from bitserve.kernels.reference import k_quants
 
 # The byte-level pieces and the bitnet.cpp layouts live in packed_bytes.py and bitnet_formats.py; the names
@@ -91,18 +91,24 @@ def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     return q.float().sub_(16).mul_(f16_to_f32(blocks[:, :2]))
 
 
+def _low_bit_codes(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Q1_0 / Q2_0 blocks -> each value's code (its level before d) as int8 [N, values]: Q1_0's bit j of
+    qs[j / 8] (LSB first) as +-1, Q2_0's 2-bit field at bits 2 (j % 4) of qs[j / 4] as code - 1."""
+    if layout is Layout.Q1_0:
+        bits = lookup_fields(blocks[:, 2:], byte_bits(tuple(range(8)), 1))  # [N, 16, 8], value 8i + b
+        return bits.reshape(blocks.shape[0], 128).to(torch.int8) * 2 - 1
+    codes = lookup_fields(blocks[:, 2:], byte_bits((0, 2, 4, 6), 3))  # [N, 16, 4], value 4i + s
+    return codes.reshape(blocks.shape[0], 64).to(torch.int8) - 1
+
+
 def _q1_0(blocks: torch.Tensor) -> torch.Tensor:
-    """d f16 [2 bytes], then bit j of qs[j / 8] (LSB first) for value j: 1 -> +d, 0 -> -d (ggml)."""
-    bits = lookup_fields(blocks[:, 2:], byte_bits(tuple(range(8)), 1))  # [N, 16, 8], value 8i + b
-    signs = bits.reshape(blocks.shape[0], 128).float().mul_(2.0).sub_(1.0)  # exact: +-1
-    return signs.mul_(f16_to_f32(blocks[:, :2]))
+    """d f16 [2 bytes], then the signs: values +-d (ggml)."""
+    return _low_bit_codes(blocks, Layout.Q1_0).float().mul_(f16_to_f32(blocks[:, :2]))
 
 
 def _q2_0(blocks: torch.Tensor) -> torch.Tensor:
-    """d f16, then 2-bit code of value j at bits 2 (j % 4) of qs[j / 4]: value (code - 1) d (ggml)."""
-    codes = lookup_fields(blocks[:, 2:], byte_bits((0, 2, 4, 6), 3))  # [N, 16, 4], value 4i + s
-    values = codes.reshape(blocks.shape[0], 64).float().sub_(1.0)
-    return values.mul_(f16_to_f32(blocks[:, :2]))
+    """d f16, then the 2-bit codes: value (code - 1) d, code 3 -> +2 d (ggml)."""
+    return _low_bit_codes(blocks, Layout.Q2_0).float().mul_(f16_to_f32(blocks[:, :2]))
 
 
 def _tq1_fields() -> np.ndarray:
@@ -172,6 +178,19 @@ def row_bytes_of(weight: PackedWeight) -> int:
     return num_cols // block * type_size
 
 
+def block_rows(weight: PackedWeight) -> torch.Tensor:
+    """A block-quantized weight's file bytes as uint8 [M, row_bytes] (no copy), for the backends' repacks:
+    K must be a whole number of blocks and the data exactly the rows' bytes, or InvalidModelFile."""
+    num_rows, _ = weight.shape
+    row_bytes = row_bytes_of(weight)  # raises for a K that is not a whole number of blocks
+    if weight.data.dtype != torch.uint8 or weight.data.numel() != num_rows * row_bytes:
+        raise InvalidModelFile(
+            f"{weight.layout.name} tensor of shape {weight.shape} holds {weight.data.numel()} bytes",
+            expected=f"{num_rows * row_bytes} bytes",
+        )
+    return weight.data.reshape(num_rows, row_bytes)
+
+
 def decode_row_bytes(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """uint8 [R, row_bytes_of(weight)] read from weight's rows elsewhere (GGUFFile.read_rows) -> float32
     [R, K], as dense_rows decodes them."""
@@ -218,16 +237,21 @@ def unpack_ternary(weight: PackedWeight) -> TernaryCodes:
     blocks = _row_matrix(weight).reshape(-1, BLOCK_GEOMETRY[layout][1])
     values, d = _tq_values(blocks, layout)
     check_range(values, "TQ2_0 code 3 is not ternary (ggml would read it as +2)")
-    d = d.reshape(-1)  # [num_blocks]
-    values = values * (d != 0).to(torch.int8)[:, None]  # blocks with d == 0 decode to zeros
-    has_nonzero = values.any(dim=1)
-    live_d = d[has_nonzero]
+    values, scale = _one_live_scale(values, d.reshape(-1))
     values = values.reshape(num_rows, num_cols)
-    if live_d.numel() == 0:
-        return TernaryCodes(values, torch.zeros((), dtype=torch.float32, device=d.device))
-    if bool((live_d == live_d[0]).all()):
-        return TernaryCodes(values, live_d[0].clone())
+    if scale is not None:
+        return TernaryCodes(values, scale)
     return TernaryCodes(values, d.reshape(num_rows, num_cols // 256).clone())
+
+
+def _one_live_scale(values: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block codes int8 [N, block] and their d f32 [N] -> (the codes with d == 0 blocks zeroed, the one d
+    every block holding a nonzero code shares: 0.0 when none does, None when they differ)."""
+    values = values * (d != 0).to(torch.int8)[:, None]  # blocks with d == 0 decode to zeros
+    live_d = d[values.any(dim=1)]
+    if live_d.numel() == 0:
+        return values, torch.zeros((), dtype=torch.float32, device=d.device)
+    return values, live_d[0].clone() if bool((live_d == live_d[0]).all()) else None
 
 
 def one_scale_ternary_codes(weight: PackedWeight) -> TernaryCodes | None:
@@ -235,25 +259,15 @@ def one_scale_ternary_codes(weight: PackedWeight) -> TernaryCodes | None:
     (no Q2_0 code 3) for a single d over the blocks that hold a nonzero value (a BitNet model written in
     llama.cpp's types, as its I2_S file's codes and scale). None otherwise: its values then need the
     per-block scales."""
-    if weight.layout not in (Layout.Q2_0, Layout.Q1_0):
+    if weight.layout not in LOW_BIT_LAYOUTS:
         raise ValueError(f"{weight.layout} is not Q2_0 or Q1_0")
     num_rows, num_cols = weight.shape
     blocks = _row_matrix(weight).reshape(-1, BLOCK_GEOMETRY[weight.layout][1])
-    d = f16_to_f32(blocks[:, :2]).reshape(-1)  # [num_blocks]
-    if weight.layout is Layout.Q2_0:
-        codes = lookup_fields(blocks[:, 2:], byte_bits((0, 2, 4, 6), 3)).reshape(blocks.shape[0], 64)
-        if bool((codes == 3).any()):
-            return None
-        values = codes.to(torch.int8) - 1
-    else:
-        bits = lookup_fields(blocks[:, 2:], byte_bits(tuple(range(8)), 1)).reshape(blocks.shape[0], 128)
-        values = bits.to(torch.int8) * 2 - 1
-    values = values * (d != 0).to(torch.int8)[:, None]  # blocks with d == 0 decode to zeros
-    live_d = d[values.any(dim=1)]
-    if live_d.numel() and not bool((live_d == live_d[0]).all()):
+    values = _low_bit_codes(blocks, weight.layout)
+    if bool((values == 2).any()):  # Q2_0 code 3: +2 d
         return None
-    scale = live_d[0].clone() if live_d.numel() else torch.zeros((), dtype=torch.float32)
-    return TernaryCodes(values.reshape(num_rows, num_cols), scale)
+    values, scale = _one_live_scale(values, f16_to_f32(blocks[:, :2]).reshape(-1))
+    return None if scale is None else TernaryCodes(values.reshape(num_rows, num_cols), scale)
 
 
 def dequantize(weight: PackedWeight) -> torch.Tensor:
