@@ -480,13 +480,14 @@ def bench_2b(args: argparse.Namespace, report: dict[str, Any]) -> list[int]:
 def bench_smollm2(args: argparse.Namespace, report: dict[str, Any]) -> None:
     path = args.smollm2_file or resolve_model("smollm2-135m-instruct")
     start = time.perf_counter()
-    llm = LLM(str(path))
+    llm = LLM(str(path), cpu_isa=args.cpu_isa)
     bitserve_load_s = time.perf_counter() - start
     llama = LlamaCppRunner(path, args.threads)
     base_ids = llm.tokenizer.encode(TEXT, add_special=False)
     results = compare([(BitserveRunner(llm), llama)], base_ids, args)
     results["bitserve"]["load_s"], results["llama.cpp"]["load_s"] = bitserve_load_s, llama.load_s
     results["greedy_agreement"] = agreement(results["bitserve"]["tokens"], results["llama.cpp"]["tokens"])
+    results["file"] = Path(path).name
     report["smollm2"] = results
     llama.close()
     llm.close()
@@ -666,7 +667,7 @@ def print_report(report: dict[str, Any]) -> None:
         if "profile" in section:
             print_profile(section["profile"])
     if "smollm2" in report:
-        print_pair("SmolLM2-135M-Instruct Q4_1", report["smollm2"])
+        print_pair(f"SmolLM2-135M-Instruct, {report['smollm2']['file']}", report["smollm2"])
     if "smollm2_dense" in report:
         print_pair(
             "SmolLM2-135M-Instruct Q4_1: bitserve --max-dense-weight-bytes 1 GiB vs 0",
@@ -705,6 +706,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument(
         "--smollm2-file", type=Path, default=None, help="another GGUF for the SmolLM2 rows (e.g. requantized)"
+    )
+    parser.add_argument(
+        "--cpu-isa",
+        default="auto",
+        help="bitserve's cpu kernel variant for the SmolLM2 rows (avx2 on an AVX-512 machine: the AVX2 row)",
     )
     parser.add_argument("--tq2", action="store_true", help="also llama.cpp on the TQ2_0 twin of the 2B file")
     parser.add_argument(

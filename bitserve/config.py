@@ -122,9 +122,7 @@ class ModelConfig:
     )
     cuda_lookahead_slot: bool = field(
         default=True,
-        metadata=_help(
-            "cuda: the scheduler reserves each decode's next KV slot for the step launched ahead"
-        ),
+        metadata=_help("cuda: the scheduler reserves each decode's next KV slot for the step launched ahead"),
     )
     cuda_gemv_tiles: str = field(
         default="",

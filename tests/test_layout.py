@@ -249,8 +249,7 @@ def backend_branches(path: Path, root: Path = PACKAGE) -> list[str]:
     kernel_classes = {
         alias.asname or alias.name
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom)
-        and (node.module or "").startswith(BACKEND_PACKAGES)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(BACKEND_PACKAGES)
         for alias in node.names
         if alias.name[:1].isupper()
     }

@@ -45,7 +45,7 @@ class KernelTuning:
 
 
 def parse_gemv_tiles(text: str) -> tuple[GemvTile, ...]:
-    """"MxKxT=block_m,block_w,num_warps;..." (ModelConfig.cuda_gemv_tiles) -> tiles; "" -> none. ValueError
+    """ "MxKxT=block_m,block_w,num_warps;..." (ModelConfig.cuda_gemv_tiles) -> tiles; "" -> none. ValueError
     for a malformed entry or a size that is not a positive power of two."""
     tiles = []
     for entry in filter(None, (part.strip() for part in text.split(";"))):
@@ -58,7 +58,7 @@ def parse_gemv_tiles(text: str) -> tuple[GemvTile, ...]:
 
 
 def parse_decode_tile(text: str) -> tuple[int, int, int] | None:
-    """"BLOCK_N,num_warps,num_stages" (ModelConfig.cuda_decode_tile) -> the tile; "" -> None."""
+    """ "BLOCK_N,num_warps,num_stages" (ModelConfig.cuda_decode_tile) -> the tile; "" -> None."""
     if not text.strip():
         return None
     block_n, num_warps, num_stages = _positive_ints(text, ",", 3, text)

@@ -51,6 +51,7 @@ from bitserve.metrics.stats import LifecycleEvent, SlotLabels, StatsSink
 
 logger = logging.getLogger(__name__)
 
+
 class ModelManager:
     """`probe` discovers devices (torch.cuda unless given: tests pass a fake); `load_instance` builds one
     replica from its EngineConfig (ModelInstance.load unless given). Both live on `self.replica_builder`."""

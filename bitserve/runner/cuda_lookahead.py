@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from bitserve.runner.cuda_graphs import TokenReadback
 
 
-
 def is_plain_greedy(request: ScheduledRequest) -> bool:
     """A decode row whose token is the argmax of its logits: the sampler changes nothing else for it."""
     params = request.params

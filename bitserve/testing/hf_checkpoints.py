@@ -25,9 +25,12 @@ _SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def random_checkpoint(arch: str, vocab_size: int, seed: int = 0, *, wide: bool = False) -> torch.nn.Module:
-    """A float32 `arch` model (llama | qwen2 | qwen3) of 2 layers, 64 wide (wide: 128, every projection's
-    input a multiple of 128 as Q1_0 needs), 4 heads over 2 KV heads, in eval mode, with seeded weights."""
+def random_checkpoint(
+    arch: str, vocab_size: int, seed: int = 0, *, wide: bool = False, num_layers: int = 2
+) -> torch.nn.Module:
+    """A float32 `arch` model (llama | qwen2 | qwen3) of `num_layers` layers, 64 wide (wide: 128, every
+    projection's input a multiple of 128 as Q1_0 needs), 4 heads over 2 KV heads, in eval mode, with
+    seeded weights."""
     import transformers
 
     classes = {
@@ -40,7 +43,7 @@ def random_checkpoint(arch: str, vocab_size: int, seed: int = 0, *, wide: bool =
         vocab_size=vocab_size,
         hidden_size=128 if wide else 64,
         intermediate_size=256 if wide else 160,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,

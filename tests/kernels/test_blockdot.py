@@ -1,4 +1,4 @@
-"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q2_0 / Q1_0 / Q4_K / Q6_K dots on int8
+"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q2_0 / Q1_0 / Q4_K / Q5_K / Q6_K dots on int8
 activations, on every ISA variant this CPU runs.
 
 The activation quantizer is checked against gguf-py's numpy Q8_0 quantizer (an independent implementation
@@ -23,6 +23,7 @@ from bitserve.kernels.cpu.isa import Isa, supported_isas
 from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.kernels.reference.dequant import dequantize
 from bitserve.loader.low_bit_quantize import QUANTIZERS
+from bitserve.testing.mixed_formats import random_k_quant
 
 RTOL = 1e-5
 INT8_ISAS = [isa for isa in supported_isas() if isa is not Isa.GENERIC]
@@ -34,22 +35,8 @@ GGML_TYPES = {
     "q5_1": gguf.GGMLQuantizationType.Q5_1,
 }
 LOW_BIT = ("q2_0", "q1_0")  # llama.cpp's own types: bitserve's quantizers (bytes equal to llama.cpp's)
-KINDS = [*GGML_TYPES, *LOW_BIT, "q4_k", "q6_k"]  # random super-blocks (gguf-py has no K-quant quantizer)
-K_QUANTS = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}  # type size, the f16 fields
-
-
-def random_k_quant(w: np.ndarray, kind: str) -> np.ndarray:
-    """Random K-quant super-blocks for w's shape, uint8 [M, K / 256 * type_size], seeded by w: random
-    codes and scales, sane f16 d (and dmin)."""
-    num_rows, num_cols = w.shape
-    type_size, f16_fields = K_QUANTS[kind]
-    rng = np.random.default_rng(int(np.abs(w).sum() * 1000) % 2**32)
-    raw = rng.integers(0, 256, size=(num_rows * num_cols // 256, type_size), dtype=np.uint8)
-    for at in f16_fields:
-        raw[:, at : at + 2] = (
-            np.abs(rng.normal(0.0, 0.002, raw.shape[0])).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        )
-    return raw.reshape(num_rows, -1)
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # random super-blocks (gguf-py has no K-quant quantizer)
+KINDS = [*GGML_TYPES, *LOW_BIT, *K_QUANTS]
 
 
 def quantized(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +47,7 @@ def quantized(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
         packed = PackedWeight(torch.from_numpy(rows.reshape(-1)), w.shape, Layout[kind.upper()], kind.upper())
         return rows, dequantize(packed).numpy().astype(np.float64)
     if kind in K_QUANTS:
-        rows = random_k_quant(w, kind)
+        rows = random_k_quant(num_rows, num_cols, kind.upper(), int(np.abs(w).sum() * 1000) % 2**32)
         values = gguf.dequantize(rows, gguf.GGMLQuantizationType[kind.upper()]).reshape(num_rows, num_cols)
         return rows, values.astype(np.float64)
     raw = gguf.quantize(w, GGML_TYPES[kind])
@@ -74,7 +61,9 @@ def repacked(rows: np.ndarray, kind: str) -> np.ndarray:
     if kind in ("q5_0", "q5_1"):
         return five_bit_records.repack_five_bit(rows, interleaved.KINDS[kind])
     if kind in K_QUANTS:
-        return (k_quant_records.repack_q4_k if kind == "q4_k" else k_quant_records.repack_q6_k)(rows)
+        if kind == "q6_k":
+            return k_quant_records.repack_q6_k(rows)
+        return k_quant_records.repack_q4_k(rows, interleaved.KINDS[kind])
     return interleaved.repack(rows, interleaved.KINDS[kind])
 
 
@@ -160,7 +149,7 @@ def test_a_rows_result_does_not_depend_on_its_slot_in_the_interleaved_record(isa
 
 
 @pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
-@pytest.mark.parametrize("kind", ["q4_1", "q5_0", "q5_1", "q4_k", "q6_k", *LOW_BIT])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_0", "q5_1", *K_QUANTS, *LOW_BIT])
 @pytest.mark.parametrize("rows", [(72, 33), (70, 33)], ids=["stacked", "not-stacked"])
 def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(
     rows: tuple[int, int], kind: str

@@ -125,25 +125,74 @@ def test_block_step_loads_from_numba_cache_in_a_fresh_process(smollm2_path: Path
     assert run() == {"hits": 1, "misses": 0}
 
 
-def test_block_step_refuses_mixed_formats() -> None:
-    """One compiled loop reads one block format: a model mixing Q4_1 and Q8_0 projections (or changing a
-    projection's shape between layers) takes the module forward (build -> None)."""
+def test_block_step_takes_the_mixed_step_for_mixed_formats_and_refuses_changing_rows() -> None:
+    """One format, one stacked weight a projection: the step of that format's kernels. Formats mixed
+    between layers, or within a projection (q / k / v side by side): the mixed step, whose table lists
+    each part's record array, kind, first row and rows. A projection whose rows change from layer to
+    layer: no step (the module forward runs)."""
+    from bitserve.kernels.cpu.block_step import MixedBlockStep
+    from bitserve.kernels.cpu.interleaved import KINDS
 
     def weight(fmt: str, rows: int, records: tuple[int, ...]) -> SimpleNamespace:
+        tuning = SimpleNamespace(isa=Isa.AVX2)
+        records_array = np.zeros(records, np.uint8)
         return SimpleNamespace(
-            kernel_format=fmt, out_features=rows, kernel_records=np.zeros(records, np.uint8)
+            kernel_format=fmt, out_features=rows, kernel_records=records_array, tuning=tuning
         )
 
-    def layer(down_format: str, down_rows: int = 64) -> SimpleNamespace:
+    def layer(
+        down_format: str, down_rows: int = 64, qkv_formats: tuple[str, ...] = ("q4_1",)
+    ) -> SimpleNamespace:
+        qkv_rows = 96 // len(qkv_formats)
         return SimpleNamespace(
-            qkv=weight("q4_1", 96, (24, 2, 96)),
-            o_proj=weight("q4_1", 64, (16, 2, 96)),
-            gate_up=weight("q4_1", 256, (64, 2, 96)),
-            down=weight(down_format, down_rows, (down_rows // 4, 4, 96)),
+            qkv=tuple(weight(fmt, qkv_rows, (qkv_rows // 4, 2, 96)) for fmt in qkv_formats),
+            o_proj=(weight("q4_1", 64, (16, 2, 96)),),
+            gate_up=(weight("q4_1", 256, (64, 2, 96)),),
+            down=(weight(down_format, down_rows, (down_rows // 4, 4, 96)),),
+            attn_norm=np.ones(64, np.float32),
+            ffn_norm=np.ones(64, np.float32),
+            attn_sub_norm=None,
+            qkv_bias=None,
+            q_norm=None,
         )
 
-    assert BlockStep.build([layer("q4_1"), layer("q8_0")]) is None
+    assert type(BlockStep.build([layer("q4_1"), layer("q4_1")])) is BlockStep
+    mixed = BlockStep.build([layer("q4_1"), layer("q8_0")])
+    assert isinstance(mixed, MixedBlockStep) and mixed.formats == ["q4_1", "q8_0"]
+    side_by_side = BlockStep.build([layer("q4_1", qkv_formats=("q5_0", "q8_0", "q5_0"))] * 2)
+    assert isinstance(side_by_side, MixedBlockStep)
+    table, rows = side_by_side.model[1], side_by_side.model[2]
+    assert rows == (96, 64, 256, 64) and table.shape == (4, 2, 3, 4)
+    # the record arrays projection by projection, layer by layer (qkv: 0-2, then layer 1's 3-5)
+    assert table[0, 1].tolist() == [
+        [3, KINDS["q5_0"], 0, 32],
+        [4, KINDS["q8_0"], 32, 32],
+        [5, KINDS["q5_0"], 64, 32],
+    ]
+    assert table[3, 0].tolist() == [[10, KINDS["q4_1"], 0, 64], [0, 0, 0, 0], [0, 0, 0, 0]]  # rows 0: no part
     assert BlockStep.build([layer("q4_1"), layer("q4_1", down_rows=128)]) is None
+
+
+def test_mixed_block_formats_in_the_fast_step_match_the_module_forward(
+    tokenizer_source: Path, tmp_path: Path
+) -> None:
+    """A llama model mixing ten block formats as the K-quant mixes do (bitserve/testing/mixed_formats.py:
+    q / k / v of three formats side by side, Q4_K, Q5_K and Q6_K down, Q1_0 / Q2_0 / Q5_x): the one-call mixed
+    step's logits equal the module forward's to the bit, for one sequence and for three."""
+    pytest.importorskip("transformers")
+    from bitserve.kernels.cpu.block_step import MixedBlockStep
+    from bitserve.testing.mixed_formats import mixed_format_gguf
+
+    path = mixed_format_gguf("llama", tokenizer_source, tmp_path)
+    llm = LLM(str(path), backend="cpu", block_activations="q8")
+    try:
+        step = llm.instance.loaded.model.compiled.step
+        assert isinstance(step, MixedBlockStep)
+        formats = ["q1_0", "q2_0", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0"]
+        assert step.formats == formats
+        assert_fast_step_matches_module_forward(llm)
+    finally:
+        llm.close()
 
 
 def test_batched_fast_step_logits_match_the_module_forward(smollm2_q8: LLM) -> None:
@@ -274,7 +323,7 @@ def test_ternary_weights_far_apart_are_consolidated_for_the_one_call_step(
     try:
         model = llm.instance.loaded.model
         layers = [step_layer(layer.plan()) for layer in model.layers]
-        linears = [w for lay in layers for w in (lay.qkv, lay.o_proj, lay.gate_up, lay.down)]
+        linears = [parts[0] for lay in layers for parts in (lay.qkv, lay.o_proj, lay.gate_up, lay.down)]
         total = sum(linear.data.nbytes for linear in linears)
         # whole cache lines each, so the consolidated buffer is exactly their bytes
         assert all(linear.data.nbytes % ternary_step.ARENA_ALIGN == 0 for linear in linears)

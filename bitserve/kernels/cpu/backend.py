@@ -90,7 +90,7 @@ BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
 # bytes per 32-value block; Q5_0 / Q5_1 run only on the int8 tile (no f32 kernel: FIVE_BIT_LAYOUTS)
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34, Layout.Q5_0: 22, Layout.Q5_1: 24}
 FIVE_BIT_LAYOUTS = frozenset({Layout.Q5_0, Layout.Q5_1})
-K_QUANT_LAYOUTS = frozenset({Layout.Q4_K, Layout.Q6_K})  # the K-quants with an int8-tile kernel
+K_QUANT_LAYOUTS = frozenset({Layout.Q4_K, Layout.Q5_K, Layout.Q6_K})  # the K-quants with an int8-tile kernel
 # GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
 RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
 
@@ -285,8 +285,8 @@ class CpuBackend(KernelBackend):
         return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, d, {})
 
     def _prepare_k_quant(self, weight: PackedWeight) -> PreparedLinear | None:
-        """Q4_K / Q6_K -> super-block records (kernels/cpu/k_quant_records.py) on the int8 tile, with
-        Q8_0-style activations per 32 values; scale: the sub-blocks' d sc, f32 [M, K / 32] (Q4_K, and
+        """Q4_K / Q5_K / Q6_K -> super-block records (kernels/cpu/k_quant_records.py) on the int8 tile, with
+        Q8_0-style activations per 32 values; scale: the sub-blocks' d sc, f32 [M, K / 32] (Q4_K, Q5_K, and
         extras "m" -(dmin m)) or [M, K / 16] (Q6_K). None (the loader's f32 copy) where block activations
         are f32."""
         if not self.block_kernels or self.block_activations != "q8":
@@ -298,8 +298,8 @@ class CpuBackend(KernelBackend):
             records = torch.from_numpy(k_quant_records.repack_q6_k(rows.numpy()))
             scale = k_quant_records.q6_k_sub_block_scales(rows, k)
             return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, scale, {})
-        scale, minimum = k_quant_records.sub_block_scales(rows, k)
-        records = torch.from_numpy(k_quant_records.repack_q4_k(rows.numpy()))
+        scale, minimum = k_quant_records.sub_block_scales(rows, k, kind)
+        records = torch.from_numpy(k_quant_records.repack_q4_k(rows.numpy(), kind))
         return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, scale, {"m": minimum})
 
     def _with_dense(

@@ -1,5 +1,5 @@
 """Q4_0 / Q4_1 / Q8_0 GEMV and GEMM on int8 activations, with x86 integer-dot instructions (and Q2_0 /
-Q1_0 / Q5_0 / Q5_1 / Q4_K / Q6_K on the same tile: kernels/cpu/low_bit_records.py, five_bit_records.py,
+Q1_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K on the same tile: kernels/cpu/low_bit_records.py, five_bit_records.py,
 k_quant_records.py).
 
 Weights are the GGUF blocks, repacked at load into 4-row interleaved records (kernels/cpu/interleaved.py:
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
+from numba import literally, njit, prange
 
 from bitserve.kernels.cpu.int8dot import ISA_CODES
 from bitserve.kernels.cpu.interleaved import (
@@ -37,6 +37,7 @@ from bitserve.kernels.cpu.interleaved import (
     KIND_Q4_K,
     KIND_Q5_0,
     KIND_Q5_1,
+    KIND_Q5_K,
     KIND_Q6_K,
     KIND_Q8_0,
     QK,
@@ -283,6 +284,26 @@ def vnni_q4_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 
 
 @njit(nogil=True, cache=True)
+def avx2_q5_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q5_K, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q5_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q5_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q5_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q5_K, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q5_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q5_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
 def avx2_q6_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
     _interleaved_body(_AVX2, KIND_Q6_K, 1, 1, w, q, dx, sx, out)
 
@@ -300,6 +321,70 @@ def vnni_q6_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
 @njit(nogil=True, cache=True)
 def vnni_q6_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
     _interleaved_body(_VNNI, KIND_Q6_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+# ---------------------------------------------------------------- any kind, chosen per call
+
+
+@njit(nogil=True, cache=True)
+def _kind_tile(
+    isa: int, kind: int, w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray
+) -> None:
+    """The kind's entry point (gemv for one token, gemm above), as the named ones above run it."""
+    literally(isa)
+    literally(kind)
+    if out.shape[0] == 1:
+        _interleaved_body(isa, kind, 1, 1, w, q, dx, sx, out)
+    else:
+        _interleaved_body(isa, kind, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def _any_kind(
+    isa: int, kind: int, w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray
+) -> None:
+    """Records w of any kind (KIND_Q4_1 ...: a run-time value, one branch each) -> out f32 [T, M]: what
+    the one-call step of a model mixing block formats runs (kernels/cpu/block_step.MixedBlockStep)."""
+    literally(isa)
+    if kind == KIND_Q4_1:
+        _kind_tile(isa, KIND_Q4_1, w, q, dx, sx, out)
+    elif kind == KIND_Q4_0:
+        _kind_tile(isa, KIND_Q4_0, w, q, dx, sx, out)
+    elif kind == KIND_Q8_0:
+        _kind_tile(isa, KIND_Q8_0, w, q, dx, sx, out)
+    elif kind == KIND_Q2_0:
+        _kind_tile(isa, KIND_Q2_0, w, q, dx, sx, out)
+    elif kind == KIND_Q1_0:
+        _kind_tile(isa, KIND_Q1_0, w, q, dx, sx, out)
+    elif kind == KIND_Q5_0:
+        _kind_tile(isa, KIND_Q5_0, w, q, dx, sx, out)
+    elif kind == KIND_Q5_1:
+        _kind_tile(isa, KIND_Q5_1, w, q, dx, sx, out)
+    elif kind == KIND_Q4_K:
+        _kind_tile(isa, KIND_Q4_K, w, q, dx, sx, out)
+    elif kind == KIND_Q5_K:
+        _kind_tile(isa, KIND_Q5_K, w, q, dx, sx, out)
+    elif kind == KIND_Q6_K:
+        _kind_tile(isa, KIND_Q6_K, w, q, dx, sx, out)
+    else:
+        raise ValueError("unknown block kind")
+
+
+@njit(nogil=True, cache=True)
+def avx2_any_kind(
+    kind: int, w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray
+) -> None:
+    _any_kind(_AVX2, kind, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_any_kind(
+    kind: int, w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray
+) -> None:
+    _any_kind(_VNNI, kind, w, q, dx, sx, out)
+
+
+ANY_KIND = {Isa.AVX2: avx2_any_kind, Isa.VNNI: vnni_any_kind}
 
 
 @dataclass(frozen=True)
@@ -331,6 +416,8 @@ KERNELS = {
     (Isa.VNNI, "q5_1"): BlockKernels(vnni_q5_1_gemv, vnni_q5_1_gemm),
     (Isa.AVX2, "q4_k"): BlockKernels(avx2_q4_k_gemv, avx2_q4_k_gemm),
     (Isa.VNNI, "q4_k"): BlockKernels(vnni_q4_k_gemv, vnni_q4_k_gemm),
+    (Isa.AVX2, "q5_k"): BlockKernels(avx2_q5_k_gemv, avx2_q5_k_gemm),
+    (Isa.VNNI, "q5_k"): BlockKernels(vnni_q5_k_gemv, vnni_q5_k_gemm),
     (Isa.AVX2, "q6_k"): BlockKernels(avx2_q6_k_gemv, avx2_q6_k_gemm),
     (Isa.VNNI, "q6_k"): BlockKernels(vnni_q6_k_gemv, vnni_q6_k_gemm),
 }

@@ -55,11 +55,14 @@ def _project_by_weight_kind(
     acts: types.Type,
     num_tokens: types.Type,
 ) -> Callable:
-    # Chosen at compile time from the model tuple's first field (uint8 base array: ternary; a tuple of
-    # per-layer record arrays: blocks). Passing the projection as a function value instead made numba
+    # Chosen at compile time from the model tuple's first field (uint8 base array: ternary; a tuple per
+    # projection of per-layer record arrays: blocks of one format; one flat tuple of record arrays:
+    # blocks of mixed formats). Passing the projection as a function value instead made numba
     # refuse to cache the entry points ("uses dynamic globals"): a 63-69 s compile in every process.
     if isinstance(model.types[0], types.Array):
         return _project_ternary
+    if isinstance(model.types[0].dtype, types.Array):  # one flat tuple of record arrays
+        return _project_mixed_blocks
     return _project_blocks
 
 
@@ -93,6 +96,31 @@ def _project_blocks(
         gemv(records[which][layer], q, dx, sx, out)
     else:
         gemm(records[which][layer], q, dx, sx, out)
+    return out
+
+
+def _project_mixed_blocks(
+    any_kind: Callable, unused: Callable, model: tuple, which: int, layer: int, acts: tuple, num_tokens: int
+) -> np.ndarray:
+    """The same for a model mixing block formats (block_step.MixedBlockStep): model[0] is one flat tuple
+    of record arrays, model[1] int64 [4, L, P, 4] holds per projection and layer its parts (record index,
+    kind, first output row, rows; rows 0 past the last part), model[2] each projection's M. Each part
+    runs its kind's kernel (blockdot.ANY_KIND) over its own rows, as the module forward runs the
+    projection's weights side by side; one part of all M rows writes the output directly."""
+    records, parts, rows = model[0], model[1], model[2]
+    q, dx, sx = acts
+    out = np.empty((num_tokens, rows[which]), dtype=np.float32)
+    table = parts[which, layer]
+    for p in range(table.shape[0]):
+        index, kind, start, count = table[p, 0], table[p, 1], table[p, 2], table[p, 3]
+        if count == 0:
+            break
+        if count == out.shape[1]:
+            any_kind(kind, records[index], q, dx, sx, out)
+            continue
+        part = np.empty((num_tokens, count), dtype=np.float32)
+        any_kind(kind, records[index], q, dx, sx, part)
+        out[:, start : start + count] = part
     return out
 
 
@@ -319,6 +347,16 @@ def vnni_q4_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
 
 
 @njit(nogil=True, cache=True)
+def avx2_q5_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(blockdot.avx2_q5_k_gemv, blockdot.avx2_q5_k_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q5_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(blockdot.vnni_q5_k_gemv, blockdot.vnni_q5_k_gemm, x, model, step)
+
+
+@njit(nogil=True, cache=True)
 def avx2_q6_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
     _decode_layers(blockdot.avx2_q6_k_gemv, blockdot.avx2_q6_k_gemm, x, model, step)
 
@@ -328,6 +366,20 @@ def vnni_q6_k_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
     _decode_layers(blockdot.vnni_q6_k_gemv, blockdot.vnni_q6_k_gemm, x, model, step)
 
 
+@njit(nogil=True, cache=True)
+def avx2_mixed_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(blockdot.avx2_any_kind, blockdot.avx2_any_kind, x, model, step)
+
+
+@njit(nogil=True, cache=True)
+def vnni_mixed_decode_layers(x: np.ndarray, model: tuple, step: tuple) -> None:
+    _decode_layers(blockdot.vnni_any_kind, blockdot.vnni_any_kind, x, model, step)
+
+
+MIXED_DECODE_LAYERS: dict[Isa, Callable[..., None]] = {
+    Isa.AVX2: avx2_mixed_decode_layers,
+    Isa.VNNI: vnni_mixed_decode_layers,
+}
 DECODE_LAYERS: dict[Isa, Callable[..., None]] = {Isa.AVX2: avx2_decode_layers, Isa.VNNI: vnni_decode_layers}
 BLOCK_DECODE_LAYERS: dict[tuple[Isa, str], Callable[..., None]] = {
     (Isa.AVX2, "q4_1"): avx2_q4_1_decode_layers,
@@ -346,6 +398,8 @@ BLOCK_DECODE_LAYERS: dict[tuple[Isa, str], Callable[..., None]] = {
     (Isa.VNNI, "q5_1"): vnni_q5_1_decode_layers,
     (Isa.AVX2, "q4_k"): avx2_q4_k_decode_layers,
     (Isa.VNNI, "q4_k"): vnni_q4_k_decode_layers,
+    (Isa.AVX2, "q5_k"): avx2_q5_k_decode_layers,
+    (Isa.VNNI, "q5_k"): vnni_q5_k_decode_layers,
     (Isa.AVX2, "q6_k"): avx2_q6_k_decode_layers,
     (Isa.VNNI, "q6_k"): vnni_q6_k_decode_layers,
 }

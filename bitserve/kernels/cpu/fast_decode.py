@@ -61,22 +61,22 @@ class FastCpuDecode:
 
     def __init__(self, plan: DecoderPlan, layers: list[StepLayer], relu2: bool) -> None:
         first = layers[0]
-        kind = _KINDS[type(first.qkv)]
+        kind = _KINDS[type(first.qkv[0])]
         self.relu2 = relu2
-        self.max_tokens = kind.max_tokens(first.qkv.tuning)
+        self.max_tokens = kind.max_tokens(first.qkv[0].tuning)
         self.padded_tokens = kind.padded
         # decode_glue's quantizer argument for the inputs of qkv / gate_up, o_proj and down
-        self.kp_hidden = kind.glue_kp(first.qkv.in_features)
-        self.kp_attn = kind.glue_kp(first.o_proj.in_features)
-        self.kp_inter = kind.glue_kp(first.down.in_features)
+        self.kp_hidden = kind.glue_kp(first.qkv[0].in_features)
+        self.kp_attn = kind.glue_kp(first.o_proj[0].in_features)
+        self.kp_inter = kind.glue_kp(first.down[0].in_features)
         self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
-        self.intermediate = first.down.in_features
+        self.intermediate = first.down[0].in_features
         self.eps = plan.rms_norm_eps
         rope = plan.rope
         self.cos, self.sin = rope.cos.numpy(), rope.sin.numpy()  # f32 [max_positions, rope_dim / 2]
         self.rope_dim, self.is_neox = rope.rope_dim, rope.is_neox
         self.scale = plan.attn_scale
-        self.num_threads = first.qkv.num_threads
+        self.num_threads = first.qkv[0].num_threads
         # the whole layer loop in one numba call (kernels/cpu/decode_step.py): ternary_step.py's tables
         # for ternary weights, block_step.py's for block weights; None (the module forward runs) for
         # ternary weights scattered in memory or block formats mixed in one model
@@ -97,7 +97,7 @@ class FastCpuDecode:
         if plan.ggml_numerics:
             return None
         layers = [step_layer(layer) for layer in plan.layers]
-        if None in layers or len({type(layer.qkv) for layer in layers}) != 1:  # type: ignore[union-attr]
+        if None in layers or len({type(layer.qkv[0]) for layer in layers}) != 1:  # type: ignore[union-attr]
             return None
         fast = cls(plan, layers, relu2)  # type: ignore[arg-type]
         return fast if fast.step is not None else None

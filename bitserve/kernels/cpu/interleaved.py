@@ -50,18 +50,27 @@ from bitserve.kernels.cpu.isa import Isa
 
 QK = 32  # values per activation block
 # the `kind` literal the kernels take; Q2_0 / Q1_0 records: kernels/cpu/low_bit_records.py, Q5_0 / Q5_1:
-# five_bit_records.py, Q4_K / Q6_K: k_quant_records.py (their IR: k_quant_tile.py)
-KIND_Q4_1, KIND_Q4_0, KIND_Q8_0, KIND_Q2_0, KIND_Q1_0, KIND_Q5_0, KIND_Q5_1, KIND_Q4_K, KIND_Q6_K = range(
-    1, 10
-)
+# five_bit_records.py, Q4_K / Q5_K / Q6_K: k_quant_records.py (their IR: k_quant_tile.py)
+(
+    KIND_Q4_1,
+    KIND_Q4_0,
+    KIND_Q8_0,
+    KIND_Q2_0,
+    KIND_Q1_0,
+    KIND_Q5_0,
+    KIND_Q5_1,
+    KIND_Q4_K,
+    KIND_Q6_K,
+    KIND_Q5_K,
+) = range(1, 11)
 GROUP_ROWS = 4  # rows interleaved in one record
 CODE_VECTORS = 4  # 32-byte code vectors per 32-value block after unpacking (2 lanes of each row each)
 # by kind: bytes per file block; bytes per record (4 rows' file blocks); where d f16 [4] sits (Q4_1's and
 # Q5_1's m, Q4_K's dmin after it); the 32-value activation blocks a record spans
-TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24, 144, 210)
-RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112, 592, 840)
-SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96, 576, 832)
-BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4, 1, 1, 8, 8)
+TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24, 144, 210, 176)
+RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112, 592, 840, 720)
+SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96, 576, 832, 576)
+BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4, 1, 1, 8, 8, 8)
 ROWS_PER_TASK = 16  # rows per prange task (4 records per block): a multiple of every tile's rows
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
@@ -128,6 +137,7 @@ KINDS = {
     "q5_1": KIND_Q5_1,
     "q4_k": KIND_Q4_K,
     "q6_k": KIND_Q6_K,
+    "q5_k": KIND_Q5_K,
 }
 
 
@@ -166,9 +176,10 @@ class _InterleavedTileEmitter:
         d4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind]), _V4xF16), _V4xF32)
         pairs = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
         d8 = b.shuffle_vector(d4, d4, pairs)
-        if self.kind in (KIND_Q4_K, KIND_Q6_K):  # 16 nibble vectors (and Q6_K's 8 high planes)
-            count = 16 if self.kind == KIND_Q4_K else 24
-            packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(count)]
+        if self.kind in (KIND_Q4_K, KIND_Q5_K, KIND_Q6_K):  # 16 nibble vectors, then the high planes
+            packed = [
+                self.load(ptr, self.offset(start, at), _V32xI8) for at in k_quant_tile.VECTORS_AT[self.kind]
+            ]
             if self.kind == KIND_Q6_K:
                 return packed, lambda sub: k_quant_tile.q6_k_scales(self, ptr, start, sub, d4), None, None
             dmin4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind] + 8), _V4xF16), _V4xF32)
@@ -208,6 +219,8 @@ class _InterleavedTileEmitter:
             return [self.field(vectors[sub // 2], 4 * (sub % 2) + j, 1) for j in range(CODE_VECTORS)], None
         if self.kind == KIND_Q4_K:
             return k_quant_tile.q4_k_codes(self, vectors, sub), None
+        if self.kind == KIND_Q5_K:
+            return k_quant_tile.q5_k_codes(self, vectors, sub), None
         if self.kind == KIND_Q6_K:
             return k_quant_tile.q6_k_codes(self, vectors, sub)
         return vectors, signs

@@ -1,10 +1,14 @@
-"""Q4_K / Q6_K weights in 4-row interleaved records (the int8 tile of kernels/cpu/interleaved.py runs them,
-its K-quant IR in k_quant_tile.py): the repack at load, the sub-block scales for the f32 paths, and the f32
-rows decoded back from the records. A record is one 256-value super-block of 4 rows.
+"""Q4_K / Q5_K / Q6_K weights in 4-row interleaved records (the int8 tile of kernels/cpu/interleaved.py
+runs them, its K-quant IR in k_quant_tile.py): the repack at load, the sub-block scales for the f32
+paths, and the f32 rows decoded back from the records. A record is one 256-value super-block of 4 rows.
 
 Q4_K file super-block (ggml-common.h, 144 bytes): d f16, dmin f16, scales[12] (8 6-bit scales and 8 6-bit
 mins, get_scale_min_k4), qs[128]. Value 64 g + 32 h + l is nibble h of qs[32 g + l], in sub-block
 s = 2 g + h, and equals (d sc_s) code - (dmin m_s). Record (592 bytes): interleaved.py's docstring.
+
+Q5_K (176 bytes): d, dmin, scales[12] as Q4_K, qh[32], qs[128]; value 32 s + l gains bit s of qh[l] as
+bit 4 of its code. Record (720 bytes): Q4_K's, then 4 high planes at Q5_K_HIGH_AT (plane g, byte 8 r + i:
+bit 4 h + j is the high bit of value 32 (2 g + h) + 8 j + i).
 
 Q6_K (210 bytes): ql[128], qh[64], scales[16] int8, d f16. Value v = 128 n + 32 s + l has the low nibble
 (ql[64 n + 32 (s % 2) + l] >> 4 (s // 2)) & 15 and the top 2 bits (qh[32 n + l] >> 2 s) & 3, and equals
@@ -23,6 +27,7 @@ from numba import njit, prange
 from bitserve.kernels.cpu.interleaved import (
     GROUP_ROWS,
     KIND_Q4_K,
+    KIND_Q5_K,
     KIND_Q6_K,
     QK,
     SCALES_AT,
@@ -30,7 +35,13 @@ from bitserve.kernels.cpu.interleaved import (
     empty_records,
     record_slot,
 )
-from bitserve.kernels.cpu.k_quant_tile import Q4_K_MINS_AT, Q4_K_SCALES_AT, Q6_K_HIGH_AT, Q6_K_SCALES_AT
+from bitserve.kernels.cpu.k_quant_tile import (
+    Q4_K_MINS_AT,
+    Q4_K_SCALES_AT,
+    Q5_K_HIGH_AT,
+    Q6_K_HIGH_AT,
+    Q6_K_SCALES_AT,
+)
 from bitserve.kernels.reference.k_quants import scale_min_k4
 from bitserve.kernels.reference.packed_bytes import f16_to_f32
 
@@ -49,12 +60,14 @@ def _scale_min(q: np.ndarray, at: int, j: int) -> tuple[int, int]:
 
 
 @njit(nogil=True, cache=True)
-def repack_q4_k(rows: np.ndarray) -> np.ndarray:
-    """File rows uint8 [M, nb * 144] -> records uint8 [ceil(M / 4), nb, 592]."""
+def repack_q4_k(rows: np.ndarray, kind: int) -> np.ndarray:
+    """File rows uint8 [M, nb * 144] (Q4_K) or [M, nb * 176] (Q5_K) -> records uint8 [ceil(M / 4), nb,
+    592 or 720]: Q5_K's qh[32] after d, dmin, scales, before qs; its planes at Q5_K_HIGH_AT."""
     num_rows = rows.shape[0]
-    type_size = TYPE_SIZES[KIND_Q4_K]
+    type_size = TYPE_SIZES[kind]
     num_blocks = rows.shape[1] // type_size
-    out = empty_records(num_rows, num_blocks, KIND_Q4_K)
+    out = empty_records(num_rows, num_blocks, kind)
+    qs_at = 48 if kind == KIND_Q5_K else 16
     for row in range(num_rows):
         g, r = row // GROUP_ROWS, row % GROUP_ROWS
         for blk in range(num_blocks):
@@ -63,8 +76,14 @@ def repack_q4_k(rows: np.ndarray) -> np.ndarray:
                 for p in range(4):
                     for i in range(8):
                         out[g, blk, 128 * pair + 32 * p + 8 * r + i] = rows[
-                            row, src + 16 + 32 * pair + 8 * p + i
+                            row, src + qs_at + 32 * pair + 8 * p + i
                         ]
+            if kind == KIND_Q5_K:  # value 32 s + 8 j + i's bit 4: bit s of qh[8 j + i]
+                for s in range(SUB_BLOCKS):
+                    for j in range(4):
+                        for i in range(8):
+                            bit = (rows[row, src + 16 + 8 * j + i] >> s) & 1
+                            out[g, blk, Q5_K_HIGH_AT + 32 * (s // 2) + 8 * r + i] |= bit << (4 * (s % 2) + j)
             for j in range(SUB_BLOCKS):
                 sc, mn = _scale_min(rows[row], src + 4, j)
                 out[g, blk, Q4_K_SCALES_AT + 4 * j + r] = sc
@@ -75,11 +94,11 @@ def repack_q4_k(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def sub_block_scales(rows: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """File rows uint8 [M, nb * 144] -> (d sc, -(dmin m)) f32 [M, K / 32]: the per-32-value scale and
-    min the f32 rows decode with (the reference decoder's products)."""
+def sub_block_scales(rows: torch.Tensor, num_cols: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """File rows uint8 [M, nb * 144] (Q4_K) or [M, nb * 176] (Q5_K) -> (d sc, -(dmin m)) f32 [M, K / 32]:
+    the per-32-value scale and min the f32 rows decode with (the reference decoder's products)."""
     num_rows = rows.shape[0]
-    blocks = rows.reshape(-1, TYPE_SIZES[KIND_Q4_K])
+    blocks = rows.reshape(-1, TYPE_SIZES[kind])
     d, dmin = f16_to_f32(blocks[:, :2]), f16_to_f32(blocks[:, 2:4])  # [N, 1]
     sc, mn = scale_min_k4(blocks[:, 4:16])  # int32 [N, 8]
     scale = (d * sc.float()).reshape(num_rows, num_cols // QK)
@@ -88,9 +107,11 @@ def sub_block_scales(rows: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, t
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def decode_q4_k_rows(w: np.ndarray, d: np.ndarray, m: np.ndarray, r0: int, buf: np.ndarray) -> None:
-    """Rows r0 .. r0 + len(buf) of records w -> buf f32 [rows, K]; d, m f32 [M, K / 32] from
-    sub_block_scales: code d + m, i.e. (d sc) code - dmin m, ggml's values bit for bit."""
+def decode_q4_k_rows(
+    w: np.ndarray, d: np.ndarray, m: np.ndarray, kind: int, r0: int, buf: np.ndarray
+) -> None:
+    """Rows r0 .. r0 + len(buf) of Q4_K or Q5_K records w -> buf f32 [rows, K]; d, m f32 [M, K / 32]
+    from sub_block_scales: code d + m, i.e. (d sc) code - dmin m, ggml's values bit for bit."""
     for i in prange(buf.shape[0]):
         r = r0 + i
         g, slot = record_slot(r)
@@ -101,6 +122,9 @@ def decode_q4_k_rows(w: np.ndarray, d: np.ndarray, m: np.ndarray, r0: int, buf: 
                 for v in range(QK):
                     byte = np.int32(w[g, blk, 128 * pair + 32 * (v // 8) + slot + v % 8])
                     code = (byte >> np.int32(4 * high)) & np.int32(15)
+                    if kind == KIND_Q5_K:
+                        plane = np.int32(w[g, blk, Q5_K_HIGH_AT + 32 * pair + slot + v % 8])
+                        code |= ((plane >> np.int32(4 * high + v // 8)) & np.int32(1)) << np.int32(4)
                     buf[i, sub * QK + v] = np.float32(code) * d[r, sub] + m[r, sub]
 
 

@@ -15,7 +15,15 @@ from llvmlite import ir
 from bitserve.kernels.cpu.int8dot import _declare
 
 Q4_K_SCALES_AT, Q4_K_MINS_AT = 512, 544  # sub-block s's 6-bit scales of the 4 rows at + 4 s, mins likewise
+Q5_K_HIGH_AT = 592  # Q5_K: a Q4_K record, then 4 high-bit planes (plane g: sub-blocks 2g, 2g + 1)
 Q6_K_HIGH_AT, Q6_K_SCALES_AT = 512, 768  # the 2-bit high planes; 16-value sub-block t's int8 scales at + 4 t
+# the byte offset of each 32-byte vector a record() loads, by kind (Q4_K 8, Q6_K 9, Q5_K 10)
+_NIBBLES = tuple(32 * p for p in range(16))
+VECTORS_AT = {
+    8: _NIBBLES,
+    9: (*_NIBBLES, *(Q6_K_HIGH_AT + 32 * b for b in range(8))),
+    10: (*_NIBBLES, *(Q5_K_HIGH_AT + 32 * g for g in range(4))),
+}
 _I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 _V4xI8, _V4xF32, _V32xI8 = ir.VectorType(_I8, 4), ir.VectorType(_F32, 4), ir.VectorType(_I8, 32)
 _SLOT_PAIRS = ir.Constant(ir.VectorType(_I32, 8), [0, 0, 1, 1, 2, 2, 3, 3])  # slot 2r + i: row r
@@ -36,6 +44,15 @@ def q4_k_scales(e: Any, ptr: ir.Value, start: ir.Value, sub: int, d4: ir.Value, 
 def q4_k_codes(e: Any, vectors: list, sub: int) -> list:
     """Q4_K sub-block 2g + h: nibble h of the 4 vectors of pair g."""
     return [e.field(vectors[4 * (sub // 2) + j], 4 * (sub % 2), 15) for j in range(4)]
+
+
+def q5_k_codes(e: Any, vectors: list, sub: int) -> list:
+    """Q5_K sub-block 2g + h: Q4_K's nibbles plus bit 4 h + j of high plane g (vector 16 + g) as bit 4:
+    codes 0..31."""
+    b = e.b
+    four = ir.Constant(_V32xI8, [ir.Constant(_I8, 4)] * 32)
+    highs = [b.shl(e.field(vectors[16 + sub // 2], 4 * (sub % 2) + j, 1), four) for j in range(4)]
+    return [b.or_(low, high) for low, high in zip(q4_k_codes(e, vectors, sub), highs, strict=True)]
 
 
 def q6_k_scales(e: Any, ptr: ir.Value, start: ir.Value, sub: int, d4: ir.Value) -> tuple:

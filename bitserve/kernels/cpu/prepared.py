@@ -422,8 +422,8 @@ class Int8BlockLinear(BlockLinear):
         if kind in low_bit_records.BLOCK_VALUES:
             low_bit_records.decode_low_bit_rows(self._codes, self._d, kind, r0, out)
             return
-        if kind == interleaved.KIND_Q4_K:
-            k_quant_records.decode_q4_k_rows(self._codes, self._d, self._m_np, r0, out)
+        if kind in (interleaved.KIND_Q4_K, interleaved.KIND_Q5_K):
+            k_quant_records.decode_q4_k_rows(self._codes, self._d, self._m_np, kind, r0, out)
             return
         if kind == interleaved.KIND_Q6_K:
             k_quant_records.decode_q6_k_rows(self._codes, self._d, r0, out)
@@ -443,7 +443,7 @@ class Int8BlockLinear(BlockLinear):
 
     @property
     def kernel_format(self) -> str:
-        """Which blockdot kernels read the records: q4_1, q4_0, q8_0, q2_0, q1_0, q5_*, q4_k or q6_k."""
+        """Which blockdot kernels read the records: q4_1, q4_0, q8_0, q2_0, q1_0, q5_*, q4_k, q5_k or q6_k."""
         return self.layout.name.lower()
 
     def run_quantized(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:

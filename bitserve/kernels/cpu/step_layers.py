@@ -15,29 +15,34 @@ from bitserve.kernels.cpu.prepared import Int8BitnetLinear, Int8BlockLinear
 from bitserve.kernels.plan import LayerPlan, Projection
 
 Int8Weight = Int8BlockLinear | Int8BitnetLinear
+# A projection's weights in the order of its output rows: one stacked weight, or (block weights of mixed
+# formats, which do not stack: kernels/cpu/group_stacking.stackable_records) one per original weight.
+Parts = tuple[Int8Weight, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class StepLayer:
     attn_norm: np.ndarray  # f32 [hidden]
-    qkv: Int8Weight  # stacked q, k, v rows
+    qkv: Parts  # q, k, v rows (one stacked weight where they stack)
     qkv_bias: np.ndarray | None  # f32 [(H + 2 KVH) * D] (Qwen2), added to qkv's output
     q_norm: np.ndarray | None  # f32 [head_dim] (Qwen3): RMSNorm of each head of q, before RoPE
     k_norm: np.ndarray | None  # f32 [head_dim]: of each head of k
     attn_sub_norm: np.ndarray | None  # f32 [heads * head_dim] (BitNet), before o_proj
-    o_proj: Int8Weight
+    o_proj: Parts
     ffn_norm: np.ndarray  # f32 [hidden]
-    gate_up: Int8Weight  # stacked gate, up rows
+    gate_up: Parts  # gate, up rows
     ffn_sub_norm: np.ndarray | None  # f32 [intermediate] (BitNet), before down
-    down: Int8Weight
+    down: Parts
     # the `bitnet` arch's `.scale` multipliers as f32 [M] per output row of qkv, o_proj, gate_up, down
     # (1.0 for a weight without one, a product that changes nothing)
     output_scales: tuple[np.ndarray, ...]
 
 
-def _single_int8(projection: Projection) -> Int8Weight | None:
-    weight = projection.stacked_weight()
-    return weight if type(weight) in (Int8BlockLinear, Int8BitnetLinear) else None
+def _int8_parts(projection: Projection) -> Parts | None:
+    """The projection's weights when every one is an int8 weight of one kind (block or ternary), else None."""
+    weights = tuple(projection.weights)
+    kinds = {type(weight) for weight in weights}
+    return weights if len(kinds) == 1 and kinds <= {Int8BlockLinear, Int8BitnetLinear} else None  # type: ignore[return-value]
 
 
 def _norm_weight(norm: torch.Tensor | None) -> np.ndarray | None:
@@ -45,17 +50,20 @@ def _norm_weight(norm: torch.Tensor | None) -> np.ndarray | None:
 
 
 def step_layer(layer: LayerPlan) -> StepLayer | None:
-    """One layer's weights, or None where it does not qualify: each projection one stacked int8 weight
-    of one kind, output scales only on ternary weights, gate/up two equal halves."""
+    """One layer's weights, or None where it does not qualify: int8 weights of one kind (ternary ones
+    stacked into one weight a projection), output scales only on ternary weights, gate/up two equal halves."""
     plans = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-    weights = [_single_int8(plan) for plan in plans]
-    if None in weights or len({type(w) for w in weights}) != 1:
+    parts = [_int8_parts(plan) for plan in plans]
+    if None in parts or len({type(weight) for weights in parts for weight in weights}) != 1:  # type: ignore[union-attr]
         return None
-    qkv, o_proj, gate_up, down = weights
+    qkv, o_proj, gate_up, down = parts
     output_scales = tuple(plan.row_output_scales().numpy() for plan in plans)
-    if type(qkv) is Int8BlockLinear and any((s != 1.0).any() for s in output_scales):
+    if type(qkv[0]) is Int8BitnetLinear and any(len(weights) != 1 for weights in parts):  # type: ignore[index, arg-type]
+        return None  # the ternary step (kernels/cpu/ternary_step.py) reads one stacked weight a projection
+    if type(qkv[0]) is Int8BlockLinear and any((s != 1.0).any() for s in output_scales):  # type: ignore[index]
         return None  # only the ternary step (kernels/cpu/decode_step.py) applies output scales
-    if layer.gate_up.row_offsets != [0, gate_up.out_features // 2]:  # type: ignore[union-attr]
+    halves = layer.gate_up.out_features
+    if len(halves) != 2 or halves[0] != halves[1]:  # the glue splits gate|up's output in two equal halves
         return None
     return StepLayer(
         _norm_weight(layer.attn_norm),  # type: ignore[arg-type]
@@ -73,7 +81,7 @@ def step_layer(layer: LayerPlan) -> StepLayer | None:
     )
 
 
-def projection_columns(layers: list[StepLayer]) -> list[list[Int8Weight]]:
+def projection_columns(layers: list[StepLayer]) -> list[list[Parts]]:
     """The layers' weights, one list [L] per projection, in the step's order: qkv, o, gate/up, down."""
     return [
         [layer.qkv for layer in layers],

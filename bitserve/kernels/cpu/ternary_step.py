@@ -92,7 +92,7 @@ class TernaryStep:
             return cls(layers)
         except ScatteredWeights:
             pass
-        moved = consolidate([weight for column in projection_columns(layers) for weight in column])
+        moved = consolidate([parts[0] for column in projection_columns(layers) for parts in column])
         if moved is None:
             logger.info("ternary weights lie far apart in memory: the lean decode step runs layer by layer")
             return None
@@ -100,7 +100,8 @@ class TernaryStep:
         return cls(layers)
 
     def __init__(self, layers: list[StepLayer]) -> None:
-        projections = projection_columns(layers)
+        # one stacked weight a projection (step_layers.step_layer holds ternary layers to that)
+        projections = [[parts[0] for parts in column] for column in projection_columns(layers)]
         weights = [[weight.kernel_weight for weight in column] for column in projections]
         span = address_span([w for column in weights for w, _ in column])
         if span is None:
@@ -128,7 +129,7 @@ class TernaryStep:
             self.sub_norms,
             stacked_qkv_extras(layers),
         )
-        self.decode_layers = DECODE_LAYERS[layers[0].qkv.tuning.isa]
+        self.decode_layers = DECODE_LAYERS[layers[0].qkv[0].tuning.isa]
 
     def run(self, x: np.ndarray, step: tuple) -> None:
         """x f32 [T, hidden] (the embeddings) -> the last layer's output, in place; `step`: the step's

@@ -65,9 +65,7 @@ class CudaBackend(KernelBackend):
 
     name = "cuda"
 
-    def __init__(
-        self, device: torch.device | str = "cuda", tuning: KernelTuning = DEFAULT_TUNING
-    ) -> None:
+    def __init__(self, device: torch.device | str = "cuda", tuning: KernelTuning = DEFAULT_TUNING) -> None:
         self.device = torch.device(device)
         self.tuning = tuning
         if self.device.type == "cuda":
