@@ -22,7 +22,7 @@ def _help(text: str) -> dict[str, str]:
 
 LM_HEAD_CHOICES = ("auto", "q8_0")  # --lm-head: keep the file's head, or quantize a float one to Q8_0
 CPU_ISA_CHOICES = ("auto", "vnni", "avx2", "generic")  # kernels/cpu/isa.py's variants
-BLOCK_ACTIVATION_CHOICES = ("auto", "q8", "f32")
+BLOCK_ACTIVATION_CHOICES = ("auto", "q8", "ggml", "f32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +102,8 @@ class ModelConfig:
         default="auto",
         metadata=_help(
             "cpu backend: how Q4_0/Q4_1/Q8_0 weights meet activations: auto (q8 on avx2/vnni, else f32), "
-            "q8 (llama.cpp's int8 blocks) or f32 (exact)"
+            "q8 (llama.cpp's int8 blocks), ggml (llama.cpp's own rounding per weight type: Q8_0 / Q8_1 / "
+            "Q8_K, for crossval) or f32 (exact)"
         ),
     )
     cuda_pdl: bool = field(

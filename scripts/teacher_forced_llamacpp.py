@@ -1,7 +1,8 @@
 """Teacher-forced agreement of bitserve with llama.cpp on one GGUF file (a live crossval for files CI
 cannot make, such as llama.cpp's own requantizations of SmolLM2):
 
-    python scripts/teacher_forced_llamacpp.py benchmarks/out/smollm2-q3_k_m.gguf [--tokens 48]
+    python scripts/teacher_forced_llamacpp.py benchmarks/out/smollm2-q3_k_m.gguf [--tokens 48] \
+        [--block-activations ggml]
 
 llama.cpp (llama-cpp-python 0.3.36) greedily continues each prompt; bitserve's cpu backend then reads
 prompt + continuation in one forward, and at every position its argmax must be llama.cpp's, except at
@@ -39,13 +40,26 @@ def main() -> int:
     )
     parser.add_argument("model")
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument(
+        "--block-activations",
+        default="auto",
+        help="bitserve's block-weight activations: auto (q8), ggml (llama.cpp's own rounding) or f32",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="bitserve's KV cache dtype (llama.cpp's: f16)"
+    )
     args = parser.parse_args()
     import llama_cpp
 
     from bitserve.llm import LLM
 
     llama = llama_cpp.Llama(args.model, logits_all=True, verbose=False, n_threads=2, n_ctx=512)
-    llm = LLM(args.model, backend="cpu")
+    llm = LLM(
+        args.model,
+        backend="cpu",
+        block_activations=args.block_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     model = llm.instance.loaded.model
     wrong_total = 0
     try:
@@ -56,9 +70,10 @@ def main() -> int:
                     model(torch.tensor(sequence[:-1]), torch.arange(len(sequence) - 1))
                 )
             top2 = np.sort(theirs, axis=-1)[:, -2:]
-            decisive = (top2[:, 1] - top2[:, 0]) >= NEAR_TIE * (theirs.max(-1) - theirs.min(-1))
+            margin = (top2[:, 1] - top2[:, 0]) / (theirs.max(-1) - theirs.min(-1))  # of the logit range
+            decisive = margin >= NEAR_TIE
             agree = ours.argmax(-1).numpy() == theirs.argmax(-1)
-            wrong = [int(i) for i in np.flatnonzero(decisive & ~agree)]
+            wrong = [f"{i} (margin {100 * margin[i]:.2f}%)" for i in np.flatnonzero(decisive & ~agree)]
             wrong_total += len(wrong)
             sys.stdout.write(
                 f"{prompt!r}: {len(agree)} positions, {int(decisive.sum())} decisive, wrong {wrong}\n"

@@ -77,8 +77,9 @@ class KernelBackend(Protocol):
     called from the engine thread; compiled kernels drop the GIL."""
 
     name: str
-    # how Q4_* / Q8_0 weights meet activations: "f32" (exact) or "q8" (int8 per 32-value block, the cpu
-    # backend's kernels/cpu/blockdot.py); a q8 model's module forward and fast decode step follow it
+    # how Q4_* / Q8_0 weights meet activations: "f32" (exact), "q8" (int8 per 32-value block, the cpu
+    # backend's kernels/cpu/blockdot.py) or "ggml" (the same tile on llama.cpp's own activation rounding,
+    # kernels/cpu/ggml_activations.py); a q8 / ggml model's module forward follows it
     block_activations: str = "f32"
 
     def describe(self) -> dict[str, str]:

@@ -173,7 +173,7 @@ def gated_activation(spec: ModelSpec, recipe: ArchitectureRecipe, weights: Weigh
         )
     backend = weights.backend
     ternary_int8 = recipe.ternary_projections and weights.linear_mode is LinearMode.BITNET
-    int8_projections = ternary_int8 or backend.block_activations == "q8"
+    int8_projections = ternary_int8 or backend.block_activations in ("q8", "ggml")
     own = backend.gated_activation(spec.activation, int8_projections=int8_projections)
     return own if own is not None else GATED_ACTIVATIONS[spec.activation]
 

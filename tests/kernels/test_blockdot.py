@@ -183,3 +183,58 @@ def test_interleaved_weights_stack_only_on_whole_records_and_decode_their_rows(
     for weight, start in zip(weights, offsets, strict=True):
         alone = weight.run(x, weight.quantize(x))
         assert torch.equal(together[:, start : start + weight.out_features], alone)
+
+
+def test_ggml_activations_round_as_llama_cpp_does() -> None:
+    """block_activations="ggml" (kernels/cpu/ggml_activations.py): Q8_0 keeps the q8 mode's codes with d
+    rounded to f16 (block_q8_0.d); Q8_1 also stores s = f16(d * sum q); Q8_K is ggml's
+    quantize_row_q8_K_ref per 256 values (the reference quantize_q8k), its d on each 32-value block."""
+    from bitserve.kernels.cpu.ggml_activations import quantize_ggml
+    from bitserve.kernels.reference.ternary import quantize_q8k
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((3, 512)) * rng.uniform(0.1, 20, size=(3, 1))).astype(np.float32)
+    x[1, :256] = 0.0  # an all-zero super-block: d = 0, q = 0
+    q, dx, sx = blockdot.quantize_block_q8(x, 4)
+    sums = q.reshape(4, 16, 32).astype(np.int32).sum(axis=2).astype(np.float32)
+    q0, dx0, sx0 = quantize_ggml(x, 4, "q8_0")
+    np.testing.assert_array_equal(q0, q)
+    np.testing.assert_array_equal(dx0, dx.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(sx0, dx0 * sums)
+    q1, dx1, sx1 = quantize_ggml(x, 4, "q8_1")
+    np.testing.assert_array_equal(q1, q)
+    np.testing.assert_array_equal(dx1, dx0)
+    np.testing.assert_array_equal(sx1, (dx * sums).astype(np.float16).astype(np.float32))
+    qk, dxk, sxk = quantize_ggml(x, 4, "q8_k")
+    codes, d = quantize_q8k(torch.from_numpy(x))
+    np.testing.assert_array_equal(qk[:3], codes.numpy())
+    assert not qk[3].any() and not dxk[3].any()  # the padding row
+    np.testing.assert_array_equal(dxk[:3], np.repeat(d.numpy(), 8, axis=1))
+    assert (dxk[1, :8] == 0).all() and not qk[1, :256].any()
+    ksums = qk.reshape(4, 16, 32).astype(np.int32).sum(axis=2).astype(np.float32)
+    np.testing.assert_array_equal(sxk, dxk * ksums)
+
+
+@pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
+@pytest.mark.parametrize("kind", ["q5_0", "q8_0", "q4_k", "q5_k", "q6_k"])
+def test_kernels_on_ggml_activations_equal_the_exact_product(kind: str) -> None:
+    """The tile multiplies whatever codes and scales it is given: on the Q8_0 and Q8_K activations (Q8_K's
+    scale per 256 values, negative where the signed max is positive) the result is the exact product of
+    the dequantized weights and the dequantized activations, within the f32 epilogue's rounding. (Q8_1's
+    min term reads its f16 s, as ggml's does: not the exact product; its rounding is checked above.)"""
+    from bitserve.kernels.cpu.ggml_activations import activation_family, quantize_ggml
+
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((37, 512)) * 0.05).astype(np.float32)
+    rows, w_values = quantized(w, kind)
+    records = repacked(rows, kind)
+    family = activation_family(interleaved.KINDS[kind])
+    kernels = blockdot.KERNELS[(INT8_ISAS[0], kind)]
+    for num_tokens in (1, 3):
+        x = rng.standard_normal((num_tokens, 512)).astype(np.float32)
+        q, dx, sx = quantize_ggml(x, blockdot.padded_tokens(num_tokens), family)
+        out = np.empty((num_tokens, 37), dtype=np.float32)
+        kernels.for_tokens(num_tokens)(records, q, dx, sx, out)
+        x_values = q[:num_tokens].reshape(num_tokens, -1, 32) * dx[:num_tokens, :, None].astype(np.float64)
+        expected = x_values.reshape(num_tokens, 512) @ w_values.T
+        assert np.abs(out - expected).max() <= RTOL * np.abs(expected).max()

@@ -383,3 +383,27 @@ def test_low_bit_layers_in_the_fast_step_match_the_module_forward(hf_gguf, weigh
         assert_fast_step_matches_module_forward(llm)
     finally:
         llm.close()
+
+
+def test_ggml_block_activations_run_the_module_forward_with_one_quantization_per_family(
+    tokenizer_source: Path, tmp_path: Path
+) -> None:
+    """block_activations="ggml" (llama.cpp's own activation rounding, for crossval): no fast step (its
+    glue quantizes as "q8"); a group of weights of two ggml activation types (layer 0's q Q5_0 and k Q8_0
+    meet Q8_0 activations, v Q5_1 Q8_1 ones) quantizes once per type, and greedy decoding runs."""
+    pytest.importorskip("transformers")
+    from bitserve.testing.mixed_formats import mixed_format_gguf
+
+    path = mixed_format_gguf("llama", tokenizer_source, tmp_path)
+    llm = LLM(str(path), backend="cpu", block_activations="ggml")
+    try:
+        model = llm.instance.loaded.model
+        assert model.compiled is None
+        keys = [weight.activation_key for weight in model.layers[0].plan().qkv.weights]
+        assert keys == ["ggml-q8_0", "ggml-q8_0", "ggml-q8_1"]
+        down = model.layers[0].plan().down.weights[0]
+        assert down.activation_key == "ggml-q8_k"
+        out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()

@@ -60,8 +60,15 @@ from bitserve.kernels.cpu import (
 from bitserve.kernels.cpu import ternary as kernels
 from bitserve.kernels.cpu.fast_decode import FastCpuDecode
 from bitserve.kernels.cpu.group_stacking import stack_groups, stack_rows, stackable_records
-from bitserve.kernels.cpu.isa import Isa, resolve_block_activations, resolve_isa, supported_isas
+from bitserve.kernels.cpu.isa import (
+    INT8_BLOCK_ACTIVATIONS,
+    Isa,
+    resolve_block_activations,
+    resolve_isa,
+    supported_isas,
+)
 from bitserve.kernels.cpu.prepared import (
+    NEVER,
     BitnetBlockLinear,
     BitnetLinear,
     BlockLinear,
@@ -86,7 +93,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_GEMM_MIN_TOKENS = 24  # measured crossover of the numba kernel and the chunked sgemm
 # crossover of the Q4_* / Q8_0 kernels and dequantize + sgemm (2 cores, benchmarks/RESULTS.md): the f32
 # kernels lose from 8 tokens, the int8 ones (q8 activations) win up to 64 and lose from 128
-BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96}
+BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96, "ggml": NEVER}  # ggml: llama.cpp rounds every batch
 # bytes per 32-value block; Q5_0 / Q5_1 run only on the int8 tile (no f32 kernel: FIVE_BIT_LAYOUTS)
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34, Layout.Q5_0: 22, Layout.Q5_1: 24}
 FIVE_BIT_LAYOUTS = frozenset({Layout.Q5_0, Layout.Q5_1})
@@ -134,8 +141,9 @@ class CpuBackend(KernelBackend):
         run here.
         block_activations: how Q4_0 / Q4_1 / Q8_0 weights meet activations below block_gemm_min_tokens:
         "q8" (int8 per 32-value block, llama.cpp's numerics, kernels/cpu/blockdot.py; needs the avx2 or
-        vnni variant) or "f32" (exact f32 activations, kernels/cpu/blockquant.py). None: "q8" where the
-        ISA allows it, else "f32"."""
+        vnni variant), "ggml" (the same kernels on llama.cpp's own rounding per weight type, at every batch
+        size: kernels/cpu/ggml_activations.py) or "f32" (exact f32 activations, kernels/cpu/blockquant.py).
+        None: "q8" where the ISA allows it, else "f32"."""
         if num_threads is not None and not 1 <= num_threads <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(f"num_threads must be in 1..{numba.config.NUMBA_NUM_THREADS}, got {num_threads}")
         self.gemm_min_tokens = gemm_min_tokens
@@ -155,7 +163,8 @@ class CpuBackend(KernelBackend):
             ", ".join(s.value for s in supported_isas()),
             self.block_activations,
         )
-        self.tuning = CpuTuning(gemm_min_tokens, block_gemm_min_tokens, num_threads, self._isa)
+        ggml = self.block_activations == "ggml"
+        self.tuning = CpuTuning(gemm_min_tokens, block_gemm_min_tokens, num_threads, self._isa, ggml)
 
     def describe(self) -> dict[str, str]:
         return {**super().describe(), "isa": self._isa.value}
@@ -244,12 +253,12 @@ class CpuBackend(KernelBackend):
         type_size = BLOCK_TYPE_SIZES.get(weight.layout)
         if not self.block_kernels or type_size is None:
             return None
-        if weight.layout in FIVE_BIT_LAYOUTS and self.block_activations != "q8":
+        if weight.layout in FIVE_BIT_LAYOUTS and self.block_activations not in INT8_BLOCK_ACTIVATIONS:
             return None  # the loader's f32 copy
         m, k = weight.shape
         rows = block_rows(weight)  # [M, row_bytes]
         extras: dict[str, torch.Tensor] = {}
-        if self.block_activations == "q8":
+        if self.block_activations in INT8_BLOCK_ACTIVATIONS:
             # 4-row interleaved records [ceil(M / 4), nb, record] built from the mapped file's blocks: the
             # same bytes per row-block as the file (kernels/cpu/interleaved.py), in place of a plain copy
             kind = interleaved.KINDS[weight.layout.name.lower()]
@@ -275,7 +284,7 @@ class CpuBackend(KernelBackend):
         """Q2_0 / Q1_0 -> 4-row interleaved records (kernels/cpu/low_bit_records.py) on the int8 tile, with
         llama.cpp's Q8_0-style activations; None (the loader's f32 copy) where block activations are f32:
         these types have no f32 kernel."""
-        if not self.block_kernels or self.block_activations != "q8":
+        if not self.block_kernels or self.block_activations not in INT8_BLOCK_ACTIVATIONS:
             return None
         m, k = weight.shape
         kind = interleaved.KINDS[weight.layout.name.lower()]
@@ -289,7 +298,7 @@ class CpuBackend(KernelBackend):
         Q8_0-style activations per 32 values; scale: the sub-blocks' d sc, f32 [M, K / 32] (Q4_K, Q5_K, and
         extras "m" -(dmin m)) or [M, K / 16] (Q6_K). None (the loader's f32 copy) where block activations
         are f32."""
-        if not self.block_kernels or self.block_activations != "q8":
+        if not self.block_kernels or self.block_activations not in INT8_BLOCK_ACTIVATIONS:
             return None
         m, k = weight.shape
         kind = interleaved.KINDS[weight.layout.name.lower()]

@@ -99,6 +99,9 @@ class FastCpuDecode:
         layers = [step_layer(layer) for layer in plan.layers]
         if None in layers or len({type(layer.qkv[0]) for layer in layers}) != 1:  # type: ignore[union-attr]
             return None
+        first = layers[0].qkv[0]  # type: ignore[union-attr]
+        if type(first) is Int8BlockLinear and first.tuning.ggml_activations:
+            return None  # the glue quantizes as the "q8" mode; ggml mode is for crossval, not speed
         fast = cls(plan, layers, relu2)  # type: ignore[arg-type]
         return fast if fast.step is not None else None
 

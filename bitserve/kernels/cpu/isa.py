@@ -22,7 +22,10 @@ import numba
 
 logger = logging.getLogger(__name__)
 
-BLOCK_ACTIVATIONS = ("q8", "f32")
+BLOCK_ACTIVATIONS = ("q8", "ggml", "f32")
+# the modes whose block weights run on the int8 tile: "q8" (per-32 f32 scales, fast), "ggml" (llama.cpp's
+# own rounding per weight type, kernels/cpu/ggml_activations.py: the exact mode for crossval)
+INT8_BLOCK_ACTIVATIONS = frozenset({"q8", "ggml"})
 
 
 class Isa(enum.Enum):
@@ -101,6 +104,6 @@ def resolve_block_activations(requested: str | None, isa: Isa) -> str:
     if requested not in BLOCK_ACTIVATIONS:
         choices = ", ".join(BLOCK_ACTIVATIONS)
         raise ValueError(f"unknown block activations {requested!r}; choose one of: {choices}")
-    if requested == "q8" and isa is Isa.GENERIC:
-        raise ValueError("block activations 'q8' need the avx2 or vnni kernel variant, not generic")
+    if requested in INT8_BLOCK_ACTIVATIONS and isa is Isa.GENERIC:
+        raise ValueError(f"block activations {requested!r} need the avx2 or vnni kernel variant, not generic")
     return requested

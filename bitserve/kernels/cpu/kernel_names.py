@@ -5,7 +5,7 @@ type gains its name here when it gains a kernel there."""
 from __future__ import annotations
 
 from bitserve.kernels.cpu.backend import BLOCK_TYPE_SIZES, K_QUANT_LAYOUTS
-from bitserve.kernels.cpu.isa import Isa
+from bitserve.kernels.cpu.isa import INT8_BLOCK_ACTIVATIONS, Isa
 from bitserve.kernels.packed import LOW_BIT_LAYOUTS, TERNARY_FILE_LAYOUTS, Layout
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
@@ -22,11 +22,12 @@ def projection_kernel(type_name: str, isa: Isa, block_activations: str) -> str:
         kernel = f"int8 ternary GEMV/GEMM ({isa.value})" if int8 else "numba ternary kernels (generic)"
         return kernel + (", read in place" if layout is Layout.I2_S else ", repacked at load")
     tile = f"int8 interleaved block tile ({isa.value}, Q8_0-style activations)"
+    on_tile = int8 and block_activations in INT8_BLOCK_ACTIVATIONS
     if layout in LOW_BIT_LAYOUTS:
-        packed = tile if int8 and block_activations == "q8" else "dequantized to f32 at load (no f32 kernel)"
+        packed = tile if on_tile else "dequantized to f32 at load (no f32 kernel)"
         return f"{packed}; on bitnet archs with one scale, the int8 ternary kernels"
     if layout in BLOCK_TYPE_SIZES or layout in K_QUANT_LAYOUTS:
-        return tile if int8 and block_activations == "q8" else "f32 block kernels (exact f32 activations)"
+        return tile if on_tile else "f32 block kernels (exact f32 activations)"
     if layout is not None:
         return "dequantized to f32 at load, torch linear (no packed kernel yet)"
     return "not supported: the load refuses this type"

@@ -20,6 +20,7 @@ from bitserve.kernels.cpu import (
     blockdot,
     blockquant,
     five_bit_records,
+    ggml_activations,
     int8dot,
     interleaved,
     k_quant_records,
@@ -43,6 +44,7 @@ class CpuTuning:
     block_gemm_min_tokens: int
     num_threads: int | None  # numba's setting is per calling thread: applied on every call
     isa: Isa = Isa.GENERIC  # the ternary kernel variant (kernels/cpu/isa.py); GENERIC: the int16 kernels
+    ggml_activations: bool = False  # block weights meet llama.cpp's own activation rounding (ggml mode)
 
 
 class CpuLinear(PreparedLinear):
@@ -395,22 +397,32 @@ class Int8BlockLinear(BlockLinear):
     + sgemm (or the resident f32 copy, as BlockLinear) on the same int8-rounded activations, so results
     differ between batch sizes only by f32 summation order. `scale` (d) and, for
     Q4_*, extras "m": f32 [M, nb] (nb: file blocks), decoded once for decode_rows; the kernels read the
-    rows' f16 fields."""
+    rows' f16 fields. In ggml mode (tuning.ggml_activations) the activations are llama.cpp's own for the
+    weight's type (kernels/cpu/ggml_activations.py), at every batch size."""
 
-    __slots__ = ("_kernels", "_m_np")
-    activation_key = "q8-blocks"
+    __slots__ = ("_kernels", "_m_np", "_ggml_family")
 
     def _bind(self) -> None:
         super()._bind()
         self._kernels = blockdot.KERNELS[(self.tuning.isa, self.kernel_format)]
         self._m_np = self.extras["m"].numpy() if "m" in self.extras else self._d  # Q8_0: unused
+        kind = interleaved.KINDS[self.kernel_format]
+        self._ggml_family = ggml_activations.activation_family(kind) if self.tuning.ggml_activations else None
+
+    @property
+    def activation_key(self) -> str:  # type: ignore[override]
+        """One quantization per group, or in ggml mode one per ggml activation type (Q8_0 / Q8_1 / Q8_K)."""
+        return "q8-blocks" if self._ggml_family is None else f"ggml-{self._ggml_family}"
 
     def quantize(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(q int8 [Tp, K], dx f32 [Tp, nb], sx f32 [Tp, nb]); None for batches that take the sgemm."""
         num_tokens = x.shape[0]
         if num_tokens >= self._block_gemm_min_tokens:
             return None
-        return blockdot.quantize_block_q8(x.numpy(), blockdot.padded_tokens(num_tokens))
+        padded = blockdot.padded_tokens(num_tokens)
+        if self._ggml_family is not None:
+            return ggml_activations.quantize_ggml(x.numpy(), padded, self._ggml_family)
+        return blockdot.quantize_block_q8(x.numpy(), padded)
 
     def run(self, x: torch.Tensor, acts: object) -> torch.Tensor:
         if x.shape[0] < self._block_gemm_min_tokens:
