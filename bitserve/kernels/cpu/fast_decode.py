@@ -13,11 +13,11 @@ tables it reads are stacked once at load (ternary_step.py for ternary weights, b
 weights). From Python, those 240 calls cost ~14 ms of a 2B step and ~1-2 ms of SmolLM2's. It computes
 what the module forward computes (the same kernels, quantization, norm, RoPE and attention arithmetic, the
 same numba SiLU / relu2 via CpuBackend, the `bitnet` arch's `.scale` products) and is used only where that
-holds: every token of the step is a decode (one per sequence), an f32 KV cache, and a model whose q/k/v and
-gate/up stacked into one int8 weight each (Int8BlockLinear or Int8BitnetLinear), without ggml numerics
-(bitnetcpp mode), and output scales only on ternary weights. Anything else (prefill, mixed steps, other
-weights, block formats mixed in one model, caches that are not one pool)
-runs the module forward.
+holds: every token of the step is a decode (one per sequence), an f32 KV cache, and a model whose
+projections are int8 weights of one kind (Int8BlockLinear, or Int8BitnetLinear stacked into one a
+projection), without ggml numerics (bitnetcpp mode), and output scales only on ternary weights. Block
+formats mixed in one model (the K-quant mixes) take block_step.MixedBlockStep. Anything else (prefill,
+mixed steps, other weights, block_activations "ggml", caches that are not one pool) runs the module forward.
 """
 
 from __future__ import annotations
