@@ -72,6 +72,28 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_quantize(args: argparse.Namespace) -> int:
+    from bitserve.loader.quantize_file import quantize_gguf
+
+    result = quantize_gguf(resolve_model(args.source, fetch=False), args.target, args.weight_type)
+    summary = {
+        "path": str(result.path),
+        "type": args.weight_type,
+        "rewritten": len(result.rewritten),
+        "kept": result.kept,
+        "bytes": result.path.stat().st_size,
+    }
+    if args.json:
+        emit_json(summary)
+        return 0
+    kept = sorted(set(result.kept.values()))
+    emit(
+        f"wrote {result.path} ({summary['bytes'] / 1e6:.1f} MB): {len(result.rewritten)} projections as "
+        f"{args.weight_type}; {len(result.kept)} tensors kept their type ({'; '.join(kept)})"
+    )
+    return 0
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from bitserve.kernels.select import cpu_kernel_choices
     from bitserve.loader.gguf_reader import read_gguf

@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--num-tokens", type=int, default=8, help="greedy tokens in the generation check")
     _add_model_options(verify)
 
+    quantize = sub.add_parser(
+        "quantize",
+        help="rewrite a GGUF's projections in llama.cpp's Q1_0 or Q2_0 (bytes equal to llama.cpp's), "
+        "every other tensor and key as it is",
+    )
+    quantize.add_argument("source", help="catalog name or GGUF path")
+    quantize.add_argument("target", help="the GGUF file to write")
+    quantize.add_argument("--type", dest="weight_type", default="Q2_0", choices=["Q2_0", "Q1_0"])
+    quantize.add_argument("--json", action="store_true")
+
     crossval = sub.add_parser(
         "crossval",
         help="live comparison against llama.cpp (needs llama-cpp-python), or with --bitnet-cpp against "
@@ -111,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": commands.run_generate,
         "inspect": commands.run_inspect,
         "verify": commands.run_verify,
+        "quantize": commands.run_quantize,
         "crossval": commands.run_crossval,
         "serve": run_serve,
         "models": models.run_models,

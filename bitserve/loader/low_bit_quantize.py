@@ -43,7 +43,11 @@ def quantize_q2_0(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         inverse = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
     scaled = blocks * inverse[:, None]  # f32 products, as w * id in C
-    rounded = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))  # roundf: half away from zero
+    # roundf, half away from zero: floor(|s|) plus one where the exact fraction |s| - floor(|s|) reaches
+    # 0.5. (floor(|s| + 0.5) is not roundf: |s| = 0.49999997, the f32 product at w = -d / 2, sums to 1.0.)
+    magnitude = np.abs(scaled)
+    whole = np.floor(magnitude)
+    rounded = np.sign(scaled) * (whole + (magnitude - whole >= np.float32(0.5)))
     codes = np.clip(rounded + 1, 0, 3).astype(np.uint8).reshape(-1, QK2_0 // 4, 4)  # value 4i + s
     qs = codes[:, :, 0] | codes[:, :, 1] << 2 | codes[:, :, 2] << 4 | codes[:, :, 3] << 6
     d16 = d.astype(np.float16).reshape(-1, 1).view(np.uint8)

@@ -40,6 +40,24 @@ def test_low_bit_quantizers_write_llamacpp_bytes(name: str) -> None:
     assert np.array_equal(QUANTIZERS[name.upper()](golden["x"]), golden[f"{name}_bytes"])
 
 
+def test_q2_0_codes_round_as_c_roundf_at_half_the_scale() -> None:
+    """Values at exactly +-d / 2: their f32 product with 1 / d (rounded down for most d) is +-0.49999997,
+    which C's roundf takes to 0 (code 1). An emulation by floor(|s| + 0.5) took it to +-1, its f32 sum
+    being 1.0; llama.cpp's own Q2_0 requantization of SmolLM2's Q4_1 weights, whose values sit at d / 2
+    of many blocks, showed it. The expected codes round the same f32 products in f64, where |s| + 0.5 is
+    exact."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((64, 64)) * 0.3).astype(np.float32)
+    amax = np.abs(x).max(axis=1)
+    x[:, 5], x[:, 9] = -amax / 2, amax / 2  # exact halves of each block's scale
+    qs = QUANTIZERS["Q2_0"](x).reshape(64, 18)[:, 2:]
+    codes = np.stack([(qs >> (2 * k)) & 3 for k in range(4)], axis=2).reshape(64, 64)
+    scaled = x * (np.float32(1.0) / amax)[:, None]  # f32, as w * id in C
+    roundf = np.sign(scaled) * np.floor(np.abs(scaled.astype(np.float64)) + 0.5)
+    np.testing.assert_array_equal(codes, np.clip(roundf + 1, 0, 3))
+    assert (codes[:, 5] == 1).any() and (codes[:, 5] == 0).any()  # products just under 0.5, and at it
+
+
 @pytest.mark.parametrize("name", ["q1_0", "q2_0"])
 def test_low_bit_dequantize_equals_llamacpp_bit_for_bit(name: str) -> None:
     golden = np.load(FIXTURES / "low_bit_formats.npz")
