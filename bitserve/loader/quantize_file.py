@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import numpy as np
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.reference.dequant import dequantize
 from bitserve.loader.decode import DecodeOptions, make_packed_weight
-from bitserve.loader.gguf_reader import read_gguf
+from bitserve.loader.gguf_reader import TensorInfo, read_gguf
 from bitserve.loader.gguf_types import BLOCK_FORMATS, GGMLType
 from bitserve.loader.gguf_writer import GGUFBuilder
 from bitserve.loader.low_bit_quantize import QUANTIZERS
@@ -39,8 +40,27 @@ class QuantizeResult:
     kept: dict[str, str] = field(default_factory=dict)  # name -> why it kept its type
 
 
-def _target_bytes(values: np.ndarray, target: str) -> bytes:
-    return QUANTIZERS[target](values).tobytes()
+Encoder = Callable[[str, TensorInfo, np.ndarray], "tuple[int, bytes] | None"]
+
+
+def rewrite_gguf(
+    source: str | os.PathLike[str], target_path: str | os.PathLike[str], encode: Encoder, file_type: int
+) -> None:
+    """Write `target_path`: `source`'s keys (general.file_type set to `file_type`) and tensors, each as
+    encode(name, info, bytes) gives it (type id, bytes), or as it is where encode returns None."""
+    with read_gguf(source) as gguf:
+        builder = GGUFBuilder(gguf.alignment)
+        for key, value in gguf.metadata.items():
+            if key in ("general.alignment", "general.file_type"):
+                continue  # the builder writes the alignment where it is not 32; the file type below
+            builder.add_kv(key, gguf.value_types[key], value, gguf.array_types.get(key))
+        builder.add_uint32("general.file_type", file_type)
+        for name, info in gguf.tensors.items():
+            data = gguf.tensor_data(name)
+            encoded = encode(name, info, data)
+            type_id, payload = (info.type_id, data) if encoded is None else encoded
+            builder.add_tensor(name, info.shape, type_id, payload)
+        builder.write(Path(target_path))
 
 
 def quantize_gguf(
@@ -52,29 +72,26 @@ def quantize_gguf(
     block = BLOCK_FORMATS[GGMLType[target]].block_size
     result = QuantizeResult(Path(target_path))
     with read_gguf(source) as gguf:
-        builder = GGUFBuilder(gguf.alignment)
-        for key, value in gguf.metadata.items():
-            if key in ("general.alignment", "general.file_type"):
-                continue  # the builder writes the alignment where it is not 32; the file type below
-            builder.add_kv(key, gguf.value_types[key], value, gguf.array_types.get(key))
-        builder.add_uint32("general.file_type", FILE_TYPES[target])
         for name, info in gguf.tensors.items():
-            data = gguf.tensor_data(name)
             reason = _why_kept(name, info.shape, info.ggml_type, block, target)
             if reason:
                 result.kept[name] = reason
-                builder.add_tensor(name, info.shape, info.type_id, data)
-                continue
-            packed = make_packed_weight(info, data, options=DecodeOptions())
-            values = dequantize(packed).numpy()  # f32 [M, K]
-            builder.add_tensor(name, info.shape, int(GGMLType[target]), _target_bytes(values, target))
-            result.rewritten.append(name)
+            else:
+                result.rewritten.append(name)
     if not result.rewritten:
         raise UnsupportedModel(
             f"{source}: no projection could be written as {target}",
             hint=f"{target} needs projections whose rows are whole {block}-value blocks",
         )
-    builder.write(result.path)
+    rewritten = set(result.rewritten)
+
+    def encode(name: str, info: TensorInfo, data: np.ndarray) -> tuple[int, bytes] | None:
+        if name not in rewritten:
+            return None
+        values = dequantize(make_packed_weight(info, data, options=DecodeOptions())).numpy()  # f32 [M, K]
+        return int(GGMLType[target]), QUANTIZERS[target](values).tobytes()
+
+    rewrite_gguf(source, result.path, encode, FILE_TYPES[target])
     return result
 
 

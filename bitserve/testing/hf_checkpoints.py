@@ -26,11 +26,18 @@ _SHAPES: dict[str, dict[str, Any]] = {
 
 
 def random_checkpoint(
-    arch: str, vocab_size: int, seed: int = 0, *, wide: bool = False, num_layers: int = 2
+    arch: str,
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    wide: bool = False,
+    num_layers: int = 2,
+    width: int | None = None,
 ) -> torch.nn.Module:
     """A float32 `arch` model (llama | qwen2 | qwen3) of `num_layers` layers, 64 wide (wide: 128, every
     projection's input a multiple of 128 as Q1_0 needs), 4 heads over 2 KV heads, in eval mode, with
-    seeded weights."""
+    seeded weights. `width` (a multiple of 4) sets the hidden size instead, the intermediate size 2 x width
+    and head_dim width / 4: 256 makes every projection's input whole K-quant super-blocks."""
     import transformers
 
     classes = {
@@ -41,8 +48,8 @@ def random_checkpoint(
     config_class, model_class = classes[arch]
     config = config_class(
         vocab_size=vocab_size,
-        hidden_size=128 if wide else 64,
-        intermediate_size=256 if wide else 160,
+        hidden_size=width or (128 if wide else 64),
+        intermediate_size=2 * width if width else (256 if wide else 160),
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -53,7 +60,7 @@ def random_checkpoint(
         eos_token_id=None,
         pad_token_id=None,
         dtype=torch.float32,
-        **(_SHAPES[arch] | ({"head_dim": 32} if wide else {})),
+        **(_SHAPES[arch] | ({"head_dim": 32} if wide else {}) | ({"head_dim": width // 4} if width else {})),
     )
     model = model_class(config)
     generator = torch.Generator().manual_seed(seed)

@@ -22,10 +22,10 @@ from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.kernels.reference.dequant import dequantize
 from bitserve.llm import LLM
 from bitserve.loader.low_bit_quantize import QUANTIZERS
+from bitserve.testing.teacher_forced import teacher_forced_misses
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "golden"
-NEAR_TIE = 0.01  # of the logit range
 GOLDEN = json.loads((FIXTURES / "coverage.json").read_text(encoding="utf-8"))
 CASES = [(case["arch"], case["weight_type"]) for case in GOLDEN["cases"]]
 
@@ -77,23 +77,9 @@ def test_teacher_forced_tokens_equal_llamacpp(hf_gguf, arch: str, weight_type: s
     sha = hashlib.sha256(path.read_bytes()).hexdigest()
     assert sha == case["sha256"], "the converted file changed: rerun scripts/make_coverage_golden.py"
     llm = LLM(str(path), backend=backend)
-    model = llm.instance.loaded.model
     try:
-        decisive = compared = 0
-        for prompt, expected in zip(GOLDEN["prompts"], case["prompts"], strict=True):
-            assert llm.encode(prompt) == expected["ids"]
-            sequence = expected["ids"] + expected["continuation"][:-1]
-            with torch.inference_mode():
-                logits = model.compute_logits(model(torch.tensor(sequence), torch.arange(len(sequence))))
-            ours = logits.argmax(dim=-1).tolist()
-            for position, (theirs, margin, spread) in enumerate(
-                zip(expected["argmax"], expected["margins"], expected["ranges"], strict=True)
-            ):
-                compared += 1
-                if margin < NEAR_TIE * spread:
-                    continue
-                decisive += 1
-                assert ours[position] == theirs, f"{arch} {weight_type} {prompt!r} position {position}"
+        decisive, compared, wrong = teacher_forced_misses(llm, GOLDEN["prompts"], case["prompts"])
+        assert not wrong, f"{arch} {weight_type}: (prompt, position) {wrong}"
         assert decisive >= compared // 2  # most positions are decisive: the check is not vacuous
     finally:
         llm.close()
