@@ -181,3 +181,33 @@ def test_backend_block_linear_rejects_a_short_tensor() -> None:
     short = PackedWeight(rows.reshape(-1)[:-1].contiguous(), (4, 64), Layout.Q4_1, "Q4_1")
     with pytest.raises(InvalidModelFile):
         CudaBackend(DEVICE).prepare_block(short)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 6])
+def test_low_bit_and_q4_k_weights_run_the_q4_gemv_and_stack(num_tokens: int) -> None:
+    """Q2_0 / Q1_0 (PrismML's Bonsai types) and Q4_K weights are held in the Q4 form
+    (block_layout.repack_as_q4) and run the block GEMV (the f32 copy past it); q / k / v of the three
+    stack into one weight. Against the reference decoders' values."""
+    from bitserve.kernels.cuda.block_layout import Q4_FORM_LAYOUTS
+    from bitserve.kernels.reference.dequant import dequantize
+    from bitserve.loader.low_bit_quantize import QUANTIZERS
+    from bitserve.testing.mixed_formats import random_k_quant
+
+    backend = CudaBackend(DEVICE)
+    prepared, dense = [], []
+    for index, layout in enumerate(Q4_FORM_LAYOUTS):
+        m, k = 32 * (index + 1), 512
+        if layout is Layout.Q4_K:
+            rows = torch.from_numpy(random_k_quant(m, k, "Q4_K", seed=index))
+        else:
+            values = np.random.default_rng(index).normal(0.0, 0.05, size=(m, k)).astype(np.float32)
+            rows = torch.from_numpy(QUANTIZERS[layout.name](values).reshape(m, -1))
+        weight = PackedWeight(rows.reshape(-1).contiguous(), (m, k), layout, layout.name)
+        prepared.append(backend.prepare_block(weight))
+        dense.append(dequantize(weight))
+    assert all(isinstance(p, CudaBlockLinear) and p.layout is Layout.Q4_1 for p in prepared)
+    fused = backend.fuse_group(prepared)  # type: ignore[arg-type]
+    assert fused is not None and fused[1] == [0, 32, 96]
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 512, generator=gen)
+    _check(fused[0](x.to(DEVICE)), _reference(x, torch.cat(dense), None, None, None))

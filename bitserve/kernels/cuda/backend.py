@@ -26,7 +26,7 @@ import torch
 
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cuda.block_layout import BLOCK_LAYOUTS, repack_blocks
+from bitserve.kernels.cuda.block_layout import BLOCK_LAYOUTS, Q4_FORM_LAYOUTS, repack_as_q4, repack_blocks
 from bitserve.kernels.cuda.linears import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.ternary_pack import GROUP, pack_ternary_planes
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
@@ -98,11 +98,15 @@ class CudaBackend(KernelBackend):
         return CudaDenseLinear(m, k, Layout.DENSE, None, data, None, self.name)
 
     def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
-        """Q4_0 / Q4_1 / Q8_0 -> CudaBlockLinear (packed for the GEMV, f32 for cuBLAS); None otherwise."""
-        if weight.layout not in BLOCK_LAYOUTS:
+        """Q4_0 / Q4_1 / Q8_0, and Q2_0 / Q1_0 / Q4_K in the Q4 form (block_layout.Q4_FORM_LAYOUTS) ->
+        CudaBlockLinear (packed for the GEMV, f32 for cuBLAS); None otherwise."""
+        if weight.layout not in BLOCK_LAYOUTS and weight.layout not in Q4_FORM_LAYOUTS:
             return None
         m, k = weight.shape
-        parts = repack_blocks(block_rows(weight), weight.layout, k)
+        if weight.layout in Q4_FORM_LAYOUTS:
+            parts = repack_as_q4(block_rows(weight), weight.layout, k)
+        else:
+            parts = repack_blocks(block_rows(weight), weight.layout, k)
         extras = {"dense": dequantize(weight).to(self.device).contiguous()}
         if "m" in parts:
             extras["m"] = parts["m"].to(self.device)

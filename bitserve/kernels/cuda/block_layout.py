@@ -14,7 +14,9 @@ import torch
 
 from bitserve.kernels.cpu.blockquant import QK, block_field_f32
 from bitserve.kernels.packed import Layout
-from bitserve.kernels.reference.dequant import BLOCK_GEOMETRY
+from bitserve.kernels.reference.dequant import BLOCK_GEOMETRY, low_bit_codes
+from bitserve.kernels.reference.k_quants import scale_min_k4
+from bitserve.kernels.reference.packed_bytes import f16_to_f32
 
 BLOCK_LAYOUTS = (Layout.Q4_0, Layout.Q4_1, Layout.Q8_0)  # the file layouts this form holds
 GEMV_MAX_TOKENS = 4  # steps of more tokens run cuBLAS on the f32 copy (one grid row per token there)
@@ -41,6 +43,38 @@ def repack_blocks(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str
     minimum = block_field_f32(rows, type_size, 2) if layout is Layout.Q4_1 else d * -8.0
     codes = blocks[:, :, type_size - QK // 2 :].reshape(num_rows, num_cols // 2).clone()
     return {"codes": codes, "d": d, "m": minimum}
+
+
+# File layouts whose every value is exactly code * d + m with a code < 16 and (d, m) per 32 values: held
+# in the Q4 form above and run by the same GEMV. Q2_0: (c - 1) d, d per 64 values; Q1_0: c (2 d) - d, d
+# per 128; Q4_K: (d sc_s) c - (dmin m_s) per 32-value sub-block s. Every product is exact in f32 (an f16
+# times a small integer), so the form holds the reference decoder's values.
+Q4_FORM_LAYOUTS = (Layout.Q2_0, Layout.Q1_0, Layout.Q4_K)
+
+
+def repack_as_q4(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str, torch.Tensor]:
+    """A Q2_0 / Q1_0 / Q4_K weight's file rows uint8 [M, row bytes] -> {"codes", "d", "m"} of the Q4 form
+    (codes uint8 [M, K / 2]: per 32 values, low nibble value j, high nibble value j + 16)."""
+    num_rows = rows.shape[0]
+    values, type_size = BLOCK_GEOMETRY[layout]
+    blocks = rows.reshape(-1, type_size)  # [M * K / values, type_size]
+    if layout is Layout.Q4_K:
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # group g: sub-block 2 g low nibbles, 2 g + 1 high
+        codes = torch.cat((qs & 15, qs >> 4), dim=2).reshape(num_rows, num_cols)
+        d, dmin = f16_to_f32(blocks[:, :2]), f16_to_f32(blocks[:, 2:4])  # [N, 1]
+        sc, mn = scale_min_k4(blocks[:, 4:16])  # int32 [N, 8]
+        scale = (d * sc.float()).reshape(num_rows, num_cols // QK)
+        minimum = (dmin * mn.float()).neg_().reshape(num_rows, num_cols // QK)
+    else:
+        signed = low_bit_codes(blocks, layout)  # int8 [N, values]: Q2_0 code - 1, Q1_0 +-1
+        codes = (signed + 1 if layout is Layout.Q2_0 else (signed + 1) // 2).to(torch.uint8)
+        codes = codes.reshape(num_rows, num_cols)
+        d = f16_to_f32(blocks[:, :2]).repeat_interleave(values // QK, dim=1).reshape(num_rows, num_cols // QK)
+        scale = d if layout is Layout.Q2_0 else d * 2.0
+        minimum = -d
+    halves = codes.reshape(num_rows, num_cols // QK, 2, QK // 2)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(num_rows, num_cols // 2)
+    return {"codes": packed.contiguous(), "d": scale.contiguous(), "m": minimum.contiguous()}
 
 
 class GemvTile(NamedTuple):

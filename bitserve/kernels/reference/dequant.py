@@ -91,7 +91,7 @@ def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     return q.float().sub_(16).mul_(f16_to_f32(blocks[:, :2]))
 
 
-def _low_bit_codes(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
+def low_bit_codes(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Q1_0 / Q2_0 blocks -> each value's code (its level before d) as int8 [N, values]: Q1_0's bit j of
     qs[j / 8] (LSB first) as +-1, Q2_0's 2-bit field at bits 2 (j % 4) of qs[j / 4] as code - 1."""
     if layout is Layout.Q1_0:
@@ -103,12 +103,12 @@ def _low_bit_codes(blocks: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 def _q1_0(blocks: torch.Tensor) -> torch.Tensor:
     """d f16 [2 bytes], then the signs: values +-d (ggml)."""
-    return _low_bit_codes(blocks, Layout.Q1_0).float().mul_(f16_to_f32(blocks[:, :2]))
+    return low_bit_codes(blocks, Layout.Q1_0).float().mul_(f16_to_f32(blocks[:, :2]))
 
 
 def _q2_0(blocks: torch.Tensor) -> torch.Tensor:
     """d f16, then the 2-bit codes: value (code - 1) d, code 3 -> +2 d (ggml)."""
-    return _low_bit_codes(blocks, Layout.Q2_0).float().mul_(f16_to_f32(blocks[:, :2]))
+    return low_bit_codes(blocks, Layout.Q2_0).float().mul_(f16_to_f32(blocks[:, :2]))
 
 
 def _tq1_fields() -> np.ndarray:
@@ -263,7 +263,7 @@ def one_scale_ternary_codes(weight: PackedWeight) -> TernaryCodes | None:
         raise ValueError(f"{weight.layout} is not Q2_0 or Q1_0")
     num_rows, num_cols = weight.shape
     blocks = _row_matrix(weight).reshape(-1, BLOCK_GEOMETRY[weight.layout][1])
-    values = _low_bit_codes(blocks, weight.layout)
+    values = low_bit_codes(blocks, weight.layout)
     if bool((values == 2).any()):  # Q2_0 code 3: +2 d
         return None
     values, scale = _one_live_scale(values, f16_to_f32(blocks[:, :2]).reshape(-1))
