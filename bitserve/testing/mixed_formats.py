@@ -30,7 +30,7 @@ MIXED_TYPES: dict[str, tuple[str, str, str]] = {
 }
 NUM_LAYERS = 3
 # K-quant type -> (bytes of a 256-value super-block, offsets of its f16 fields: d, and dmin where it has one)
-K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+K_QUANT_BLOCKS = {"Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
 K_QUANT_VALUES = 256
 
 

@@ -238,3 +238,31 @@ def test_kernels_on_ggml_activations_equal_the_exact_product(kind: str) -> None:
         x_values = q[:num_tokens].reshape(num_tokens, -1, 32) * dx[:num_tokens, :, None].astype(np.float64)
         expected = x_values.reshape(num_tokens, 512) @ w_values.T
         assert np.abs(out - expected).max() <= RTOL * np.abs(expected).max()
+
+
+@pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
+def test_q3_k_runs_as_q6_k_records_with_its_own_values() -> None:
+    """A Q3_K weight (k_quant_records.q3_k_as_q6_k): the same values as Q6_K blocks, so it takes the Q6_K
+    records and tile; its decoded rows are gguf's Q3_K values bit for bit and the kernel gives the exact
+    product of those and the int8 activations."""
+    rng = np.random.default_rng(9)
+    rows = random_k_quant(37, 512, "Q3_K", seed=9)
+    values = gguf.dequantize(rows, gguf.GGMLQuantizationType.Q3_K).reshape(37, 512)
+    backend = CpuBackend(isa=INT8_ISAS[0], block_activations="q8")
+    weight = backend.prepare_block(
+        PackedWeight(torch.from_numpy(rows.reshape(-1)), (37, 512), Layout.Q3_K, "Q3_K")
+    )
+    assert weight.kernel_format == "q6_k"
+    decoded = np.empty((37, 512), dtype=np.float32)
+    weight.decode_rows(0, decoded)
+    np.testing.assert_array_equal(decoded, values)
+    for num_tokens in (1, 3):
+        x = torch.from_numpy(rng.standard_normal((num_tokens, 512)).astype(np.float32))
+        acts = weight.quantize(x)
+        out = weight.run(x, acts).numpy()
+        q, dx = acts[0][:num_tokens], acts[1][:num_tokens]
+        x_values = (q.reshape(num_tokens, -1, 32) * dx[:, :, None].astype(np.float64)).reshape(
+            num_tokens, 512
+        )
+        expected = x_values @ values.astype(np.float64).T
+        assert np.abs(out - expected).max() <= RTOL * np.abs(expected).max()

@@ -97,7 +97,9 @@ BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96, "ggml": NEVER}  # ggml: llama.cpp r
 # bytes per 32-value block; Q5_0 / Q5_1 run only on the int8 tile (no f32 kernel: FIVE_BIT_LAYOUTS)
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34, Layout.Q5_0: 22, Layout.Q5_1: 24}
 FIVE_BIT_LAYOUTS = frozenset({Layout.Q5_0, Layout.Q5_1})
-K_QUANT_LAYOUTS = frozenset({Layout.Q4_K, Layout.Q5_K, Layout.Q6_K})  # the K-quants with an int8-tile kernel
+K_QUANT_LAYOUTS = frozenset(
+    {Layout.Q3_K, Layout.Q4_K, Layout.Q5_K, Layout.Q6_K}
+)  # the K-quants with an int8-tile kernel
 # GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
 RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
 
@@ -301,12 +303,14 @@ class CpuBackend(KernelBackend):
         if not self.block_kernels or self.block_activations not in INT8_BLOCK_ACTIVATIONS:
             return None
         m, k = weight.shape
-        kind = interleaved.KINDS[weight.layout.name.lower()]
-        rows = block_rows(weight)  # [M, nb * type_size]
+        rows, layout = block_rows(weight), weight.layout  # [M, nb * type_size]
+        if layout is Layout.Q3_K:  # its values exactly as Q6_K blocks: the Q6_K records and tile
+            rows, layout = k_quant_records.q3_k_as_q6_k(rows), Layout.Q6_K
+        kind = interleaved.KINDS[layout.name.lower()]
         if kind == interleaved.KIND_Q6_K:
             records = torch.from_numpy(k_quant_records.repack_q6_k(rows.numpy()))
             scale = k_quant_records.q6_k_sub_block_scales(rows, k)
-            return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, scale, {})
+            return self._with_dense(Int8BlockLinear, m, k, layout, records, scale, {})
         scale, minimum = k_quant_records.sub_block_scales(rows, k, kind)
         records = torch.from_numpy(k_quant_records.repack_q4_k(rows.numpy(), kind))
         return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, scale, {"m": minimum})

@@ -42,7 +42,7 @@ from bitserve.kernels.cpu.k_quant_tile import (
     Q6_K_HIGH_AT,
     Q6_K_SCALES_AT,
 )
-from bitserve.kernels.reference.k_quants import scale_min_k4
+from bitserve.kernels.reference.k_quants import q3_k_codes, scale_min_k4
 from bitserve.kernels.reference.packed_bytes import f16_to_f32
 
 SUPER_BLOCK = 256
@@ -156,6 +156,28 @@ def repack_q6_k(rows: np.ndarray) -> np.ndarray:
             for i in range(2):
                 out[g, blk, SCALES_AT[KIND_Q6_K] + 2 * r + i] = rows[row, src + 208 + i]
     return out
+
+
+def q3_k_as_q6_k(rows: torch.Tensor) -> torch.Tensor:
+    """Q3_K file rows uint8 [M, nb * 110] -> the same values as Q6_K file rows uint8 [M, nb * 210]: a
+    Q3_K value (d sc) c (c in -4..3, sc in -32..31 per 16 values) is the Q6_K value (d sc) (c6 - 32) for
+    c6 = c + 32, with Q3_K's d and scales, so the Q6_K records and tile run it (1.9x the Q3_K bytes, and
+    exact: every product is an f16 times small integers). Q6_K's layout: value 128 n + 32 s + l has its
+    low nibble in ql[64 n + 32 (s % 2) + l] at bits 4 (s // 2) and its top 2 bits in qh[32 n + l] at
+    bits 2 s."""
+    num_rows = rows.shape[0]
+    blocks = rows.reshape(-1, 110)
+    codes, scales = q3_k_codes(blocks)  # int32 [N, 256], [N, 16]
+    c6 = (codes + 32).reshape(-1, 2, 4, 32)  # [N, n, s, l]
+    low, top = c6 & 15, c6 >> 4
+    ql = low[:, :, 0:2] | (low[:, :, 2:4] << 4)  # [N, n, s % 2, l]
+    qh = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)  # [N, n, l]
+    out = torch.empty(blocks.shape[0], TYPE_SIZES[KIND_Q6_K], dtype=torch.uint8)
+    out[:, :128] = ql.reshape(-1, 128).to(torch.uint8)
+    out[:, 128:192] = qh.reshape(-1, 64).to(torch.uint8)
+    out[:, 192:208] = scales.to(torch.int8).view(torch.uint8)
+    out[:, 208:210] = blocks[:, 108:110]  # d
+    return out.reshape(num_rows, -1)
 
 
 def q6_k_sub_block_scales(rows: torch.Tensor, num_cols: int) -> torch.Tensor:

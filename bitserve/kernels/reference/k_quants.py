@@ -69,6 +69,13 @@ def q3_k(blocks: torch.Tensor) -> torch.Tensor:
     """hmask[32], qs[64], scales[12], d f16. Value 128 n + 32 j + 16 h + l: low bits
     (qs[32 n + 16 h + l] >> 2 j) & 3, minus 4 where bit 4 n + j of hmask[16 h + l] is clear; sub-block
     8 n + 2 j + h; value (d sc) code."""
+    codes, scales = q3_k_codes(blocks)
+    dl = f16_to_f32(blocks[:, 108:110]) * scales.float()  # [N, 16]
+    return codes.reshape(-1, 16, 16).float().mul_(dl[:, :, None]).reshape(-1, 256)
+
+
+def q3_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K blocks -> (codes int32 [N, 256] in -4..3, the 16 sub-block scales int32 [N, 16] in -32..31)."""
     num_blocks = blocks.shape[0]
     hmask = blocks[:, :32].reshape(num_blocks, 1, 1, 32)  # [N, -, -, 16 h + l]
     qs = blocks[:, 32:96].reshape(num_blocks, 2, 1, 32)
@@ -77,9 +84,8 @@ def q3_k(blocks: torch.Tensor) -> torch.Tensor:
     halves, shifts_j = torch.arange(2, device=blocks.device), torch.arange(4, device=blocks.device)
     bit = (halves.view(1, 2, 1, 1) * 4 + shifts_j.view(1, 1, 4, 1)).to(torch.uint8)  # 4 n + j
     high_clear = ((hmask >> bit) & 1) == 0  # [N, n, j, 32]
-    codes = (low - 4 * high_clear.to(torch.int32)).reshape(num_blocks, 16, 16).float()
-    dl = f16_to_f32(blocks[:, 108:110]) * _q3_k_scales(blocks[:, 96:108]).float()  # [N, 16]
-    return codes.mul_(dl[:, :, None]).reshape(num_blocks, 256)
+    codes = (low - 4 * high_clear.to(torch.int32)).reshape(num_blocks, 256)
+    return codes, _q3_k_scales(blocks[:, 96:108]).to(torch.int32)
 
 
 def q4_k(blocks: torch.Tensor) -> torch.Tensor:
