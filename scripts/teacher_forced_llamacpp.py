@@ -48,12 +48,21 @@ def main() -> int:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="bitserve's KV cache dtype (llama.cpp's: f16)"
     )
+    parser.add_argument(
+        "--llama-kv",
+        default="f16",
+        choices=["f16", "f32"],
+        help="llama.cpp's KV cache type (its default: f16)",
+    )
     args = parser.parse_args()
     import llama_cpp
 
     from bitserve.llm import LLM
 
-    llama = llama_cpp.Llama(args.model, logits_all=True, verbose=False, n_threads=2, n_ctx=512)
+    kv_type = {"f16": 1, "f32": 0}[args.llama_kv]  # ggml type ids: llama.cpp's default cache is F16
+    llama = llama_cpp.Llama(
+        args.model, logits_all=True, verbose=False, n_threads=2, n_ctx=512, type_k=kv_type, type_v=kv_type
+    )
     llm = LLM(
         args.model,
         backend="cpu",

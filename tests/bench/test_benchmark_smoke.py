@@ -110,7 +110,7 @@ def test_bench_model_prints_the_bitserve_rates_and_the_ratios(tiny_models: dict[
     assert "decode:" in out and "prefill:" in out and "cProfile of 1 decode steps" in out, out
     if HAS_LLAMA_CPP:
         for title in (
-            "SmolLM2-135M-Instruct Q4_1",
+            "SmolLM2-135M-Instruct, SmolLM2-135M-Instruct.Q4_1.gguf",
             "bitserve I2_S (bitnet-b1.58) vs llama.cpp TQ2_0",
             "bitserve TQ2_0 vs llama.cpp TQ2_0",
         ):
