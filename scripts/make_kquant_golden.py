@@ -1,5 +1,6 @@
 """Generate the llama.cpp golden fixtures of the K-quant mixes: a small random llama checkpoint requantized
-by llama.cpp's own llama_model_quantize to Q4_K_M, Q5_K_M, Q3_K_M and Q6_K, and llama.cpp's greedy tokens.
+by llama.cpp's own llama_model_quantize to Q4_K_M, Q5_K_M, Q3_K_M, Q6_K and Q2_K, and llama.cpp's greedy
+tokens.
 
     python scripts/make_kquant_golden.py    # needs llama-cpp-python 0.3.36 (pip install '.[crossval]')
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-MIXES = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K")  # llama.cpp ftypes (LLAMA_FTYPE_MOSTLY_<mix>)
+MIXES = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q2_K")  # llama.cpp ftypes (LLAMA_FTYPE_MOSTLY_<mix>)
 WIDTH = 256  # every projection's input whole 256-value super-blocks: no type falls back
-FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q3_K_M": 12, "Q6_K": 18}  # llama.h's llama_ftype numbers
+# llama.h's llama_ftype numbers
+FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q3_K_M": 12, "Q6_K": 18, "Q2_K": 10}
 
 
 def f32_source(tokenizer_source: Path, folder: Path) -> Path:

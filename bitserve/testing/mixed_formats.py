@@ -17,20 +17,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# GGUF tensor name (blk.N.<name>.weight) -> its type in layers 0, 1, 2: q/k/v and gate/up of several
+# GGUF tensor name (blk.N.<name>.weight) -> its type in layers 0 .. 3: q/k/v and gate/up of several
 # formats (they run side by side), and of one (one stacked weight: layer 1's gate/up, layer 2's q/k/v)
-MIXED_TYPES: dict[str, tuple[str, str, str]] = {
-    "attn_q": ("Q5_0", "Q4_0", "Q8_0"),
-    "attn_k": ("Q8_0", "Q5_0", "Q8_0"),
-    "attn_v": ("Q5_1", "Q8_0", "Q8_0"),
-    "attn_output": ("Q4_1", "Q1_0", "Q5_0"),
-    "ffn_gate": ("Q4_0", "Q5_1", "Q2_0"),
-    "ffn_up": ("Q2_0", "Q5_1", "Q4_1"),
-    "ffn_down": ("Q4_K", "Q6_K", "Q5_K"),
+MIXED_TYPES: dict[str, tuple[str, ...]] = {
+    "attn_q": ("Q5_0", "Q4_0", "Q8_0", "Q4_0"),
+    "attn_k": ("Q8_0", "Q5_0", "Q8_0", "Q4_0"),
+    "attn_v": ("Q5_1", "Q8_0", "Q8_0", "Q4_0"),
+    "attn_output": ("Q4_1", "Q1_0", "Q5_0", "Q4_0"),
+    "ffn_gate": ("Q4_0", "Q5_1", "Q2_0", "Q4_0"),
+    "ffn_up": ("Q2_0", "Q5_1", "Q4_1", "Q4_0"),
+    "ffn_down": ("Q4_K", "Q6_K", "Q5_K", "Q2_K"),
 }
-NUM_LAYERS = 3
+NUM_LAYERS = 4
 # K-quant type -> (bytes of a 256-value super-block, offsets of its f16 fields: d, and dmin where it has one)
-K_QUANT_BLOCKS = {"Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+K_QUANT_BLOCKS = {
+    "Q2_K": (84, (80, 82)),
+    "Q3_K": (110, (108,)),
+    "Q4_K": (144, (0, 2)),
+    "Q5_K": (176, (0, 2)),
+    "Q6_K": (210, (208,)),
+}
 K_QUANT_VALUES = 256
 
 

@@ -1,5 +1,5 @@
-"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q2_0 / Q1_0 / Q4_K / Q5_K / Q6_K dots on int8
-activations, on every ISA variant this CPU runs.
+"""kernels/cpu/blockdot.py: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q2_0 / Q1_0 / Q2_K / Q4_K / Q5_K / Q6_K dots on
+int8 activations, on every ISA variant this CPU runs.
 
 The activation quantizer is checked against gguf-py's numpy Q8_0 quantizer (an independent implementation
 of the same per-32-block scheme); the kernels against a float64 product of the dequantized weights
@@ -35,7 +35,7 @@ GGML_TYPES = {
     "q5_1": gguf.GGMLQuantizationType.Q5_1,
 }
 LOW_BIT = ("q2_0", "q1_0")  # llama.cpp's own types: bitserve's quantizers (bytes equal to llama.cpp's)
-K_QUANTS = ("q4_k", "q5_k", "q6_k")  # random super-blocks (gguf-py has no K-quant quantizer)
+K_QUANTS = ("q2_k", "q4_k", "q5_k", "q6_k")  # random super-blocks (gguf-py has no K-quant quantizer)
 KINDS = [*GGML_TYPES, *LOW_BIT, *K_QUANTS]
 
 
@@ -63,6 +63,8 @@ def repacked(rows: np.ndarray, kind: str) -> np.ndarray:
     if kind in K_QUANTS:
         if kind == "q6_k":
             return k_quant_records.repack_q6_k(rows)
+        if kind == "q2_k":
+            return k_quant_records.repack_q2_k(rows)
         return k_quant_records.repack_q4_k(rows, interleaved.KINDS[kind])
     return interleaved.repack(rows, interleaved.KINDS[kind])
 
@@ -216,7 +218,7 @@ def test_ggml_activations_round_as_llama_cpp_does() -> None:
 
 
 @pytest.mark.skipif(not INT8_ISAS, reason="no avx2 / vnni on this CPU")
-@pytest.mark.parametrize("kind", ["q5_0", "q8_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q5_0", "q8_0", "q2_k", "q4_k", "q5_k", "q6_k"])
 def test_kernels_on_ggml_activations_equal_the_exact_product(kind: str) -> None:
     """The tile multiplies whatever codes and scales it is given: on the Q8_0 and Q8_K activations (Q8_K's
     scale per 256 values, negative where the signed max is positive) the result is the exact product of

@@ -176,8 +176,8 @@ def test_block_step_takes_the_mixed_step_for_mixed_formats_and_refuses_changing_
 def test_mixed_block_formats_in_the_fast_step_match_the_module_forward(
     tokenizer_source: Path, tmp_path: Path
 ) -> None:
-    """A llama model mixing ten block formats as the K-quant mixes do (bitserve/testing/mixed_formats.py:
-    q / k / v of three formats side by side, Q4_K, Q5_K and Q6_K down, Q1_0 / Q2_0 / Q5_x): the one-call mixed
+    """A llama model mixing eleven block formats as the K-quant mixes do (bitserve/testing/mixed_formats.py:
+    q / k / v of three formats side by side, Q2_K, Q4_K, Q5_K and Q6_K down, Q1_0 / Q2_0 / Q5_x): the mixed
     step's logits equal the module forward's to the bit, for one sequence and for three."""
     pytest.importorskip("transformers")
     from bitserve.kernels.cpu.block_step import MixedBlockStep
@@ -188,7 +188,7 @@ def test_mixed_block_formats_in_the_fast_step_match_the_module_forward(
     try:
         step = llm.instance.loaded.model.compiled.step
         assert isinstance(step, MixedBlockStep)
-        formats = ["q1_0", "q2_0", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0"]
+        formats = ["q1_0", "q2_0", "q2_k", "q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0"]
         assert step.formats == formats
         assert_fast_step_matches_module_forward(llm)
     finally:

@@ -1,6 +1,7 @@
 """bitserve against llama.cpp on its own K-quant mixes (fixtures from scripts/make_kquant_golden.py): a small
-random llama checkpoint requantized by llama_model_quantize to Q4_K_M, Q5_K_M, Q3_K_M and Q6_K (Q3_K, Q4_K,
-Q5_K and Q6_K tensors), each file rebuilt here from the F32 conversion and the tensors llama.cpp wrote.
+random llama checkpoint requantized by llama_model_quantize to Q4_K_M, Q5_K_M, Q3_K_M, Q6_K and Q2_K (Q2_K,
+Q3_K, Q4_K, Q5_K and Q6_K tensors), each file rebuilt here from the F32 conversion and the tensors llama.cpp
+wrote.
 
 Teacher-forced: at every position of llama.cpp's prompt + greedy continuation (its F32 KV cache), bitserve's
 argmax must be llama.cpp's, except at llama.cpp's own near-ties (top-2 margin under 1% of the logit

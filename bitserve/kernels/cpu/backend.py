@@ -98,7 +98,7 @@ BLOCK_GEMM_MIN_TOKENS = {"f32": 8, "q8": 96, "ggml": NEVER}  # ggml: llama.cpp r
 BLOCK_TYPE_SIZES = {Layout.Q4_0: 18, Layout.Q4_1: 20, Layout.Q8_0: 34, Layout.Q5_0: 22, Layout.Q5_1: 24}
 FIVE_BIT_LAYOUTS = frozenset({Layout.Q5_0, Layout.Q5_1})
 K_QUANT_LAYOUTS = frozenset(
-    {Layout.Q3_K, Layout.Q4_K, Layout.Q5_K, Layout.Q6_K}
+    {Layout.Q2_K, Layout.Q3_K, Layout.Q4_K, Layout.Q5_K, Layout.Q6_K}
 )  # the K-quants with an int8-tile kernel
 # GATED_ACTIVATIONS names (layers/activation.py) of relu(gate)^2 * up
 RELU2_NAMES = frozenset({"relu2", "relu_sqr"})
@@ -296,10 +296,10 @@ class CpuBackend(KernelBackend):
         return self._with_dense(Int8BlockLinear, m, k, weight.layout, records, d, {})
 
     def _prepare_k_quant(self, weight: PackedWeight) -> PreparedLinear | None:
-        """Q4_K / Q5_K / Q6_K -> super-block records (kernels/cpu/k_quant_records.py) on the int8 tile, with
-        Q8_0-style activations per 32 values; scale: the sub-blocks' d sc, f32 [M, K / 32] (Q4_K, Q5_K, and
-        extras "m" -(dmin m)) or [M, K / 16] (Q6_K). None (the loader's f32 copy) where block activations
-        are f32."""
+        """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K -> super-block records (kernels/cpu/k_quant_records.py) on the
+        int8 tile, with Q8_0-style activations per 32 values; scale: the sub-blocks' d sc, f32 [M, K / 32]
+        (Q4_K, Q5_K, and extras "m" -(dmin m)) or [M, K / 16] (Q6_K; Q2_K with its "m"). None (the loader's
+        f32 copy) where block activations are f32."""
         if not self.block_kernels or self.block_activations not in INT8_BLOCK_ACTIVATIONS:
             return None
         m, k = weight.shape
@@ -307,6 +307,10 @@ class CpuBackend(KernelBackend):
         if layout is Layout.Q3_K:  # its values exactly as Q6_K blocks: the Q6_K records and tile
             rows, layout = k_quant_records.q3_k_as_q6_k(rows), Layout.Q6_K
         kind = interleaved.KINDS[layout.name.lower()]
+        if kind == interleaved.KIND_Q2_K:
+            records = torch.from_numpy(k_quant_records.repack_q2_k(rows.numpy()))
+            scale, minimum = k_quant_records.q2_k_sub_block_scales(rows, k)
+            return self._with_dense(Int8BlockLinear, m, k, layout, records, scale, {"m": minimum})
         if kind == interleaved.KIND_Q6_K:
             records = torch.from_numpy(k_quant_records.repack_q6_k(rows.numpy()))
             scale = k_quant_records.q6_k_sub_block_scales(rows, k)

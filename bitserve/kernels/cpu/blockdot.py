@@ -1,6 +1,6 @@
 """Q4_0 / Q4_1 / Q8_0 GEMV and GEMM on int8 activations, with x86 integer-dot instructions (and Q2_0 /
-Q1_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K on the same tile: kernels/cpu/low_bit_records.py, five_bit_records.py,
-k_quant_records.py).
+Q1_0 / Q5_0 / Q5_1 / Q2_K / Q4_K / Q5_K / Q6_K on the same tile: kernels/cpu/low_bit_records.py,
+five_bit_records.py, k_quant_records.py).
 
 Weights are the GGUF blocks, repacked at load into 4-row interleaved records (kernels/cpu/interleaved.py:
 the layout, the repack and the tile):
@@ -32,6 +32,7 @@ from bitserve.kernels.cpu.interleaved import (
     GROUP_ROWS,
     KIND_Q1_0,
     KIND_Q2_0,
+    KIND_Q2_K,
     KIND_Q4_0,
     KIND_Q4_1,
     KIND_Q4_K,
@@ -323,6 +324,26 @@ def vnni_q6_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray,
     _interleaved_body(_VNNI, KIND_Q6_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
 
 
+@njit(nogil=True, cache=True)
+def avx2_q2_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q2_K, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def avx2_q2_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_AVX2, KIND_Q2_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q2_k_gemv(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q2_K, 1, 1, w, q, dx, sx, out)
+
+
+@njit(nogil=True, cache=True)
+def vnni_q2_k_gemm(w: np.ndarray, q: np.ndarray, dx: np.ndarray, sx: np.ndarray, out: np.ndarray) -> None:
+    _interleaved_body(_VNNI, KIND_Q2_K, 1, GEMM_TOKENS, w, q, dx, sx, out)
+
+
 # ---------------------------------------------------------------- any kind, chosen per call
 
 
@@ -366,6 +387,8 @@ def _any_kind(
         _kind_tile(isa, KIND_Q5_K, w, q, dx, sx, out)
     elif kind == KIND_Q6_K:
         _kind_tile(isa, KIND_Q6_K, w, q, dx, sx, out)
+    elif kind == KIND_Q2_K:
+        _kind_tile(isa, KIND_Q2_K, w, q, dx, sx, out)
     else:
         raise ValueError("unknown block kind")
 
@@ -420,6 +443,8 @@ KERNELS = {
     (Isa.VNNI, "q5_k"): BlockKernels(vnni_q5_k_gemv, vnni_q5_k_gemm),
     (Isa.AVX2, "q6_k"): BlockKernels(avx2_q6_k_gemv, avx2_q6_k_gemm),
     (Isa.VNNI, "q6_k"): BlockKernels(vnni_q6_k_gemv, vnni_q6_k_gemm),
+    (Isa.AVX2, "q2_k"): BlockKernels(avx2_q2_k_gemv, avx2_q2_k_gemm),
+    (Isa.VNNI, "q2_k"): BlockKernels(vnni_q2_k_gemv, vnni_q2_k_gemm),
 }
 
 

@@ -8,7 +8,7 @@ given, so each family below is a different (q, dx, sx) for the same kernels:
   round_half_even(x * 127 / amax)), their scale d = amax / 127 rounded to f16 as block_q8_0 stores it;
   sx = d16 * sum(q), which makes the tile's min term the integer offset ggml folds into its dot.
 - Q8_1 (Q4_1, Q5_1): the same codes and f16 d, and s = f16(d * sum(q)) as block_q8_1 stores it (f32 d).
-- Q8_K (Q4_K, Q5_K, Q6_K; x86 quantize_row_q8_K is the reference quantize_row_q8_K_ref): one scale per
+- Q8_K (Q2_K, Q4_K, Q5_K, Q6_K; x86 quantize_row_q8_K is the reference quantize_row_q8_K_ref): one scale per
   256 values, d = 1 / fl32(-127 / max) for the signed max, q = min(127, round_half_even(x / d))
   (kernels/reference/ternary.quantize_q8k, the TQ formats' ggml mode); every 32-value block of a
   super-block gets that d, and sx = d * sum(q) over the 32 values (ggml's bsums, as the min term reads
@@ -24,7 +24,15 @@ import numpy as np
 import torch
 
 from bitserve.kernels.cpu.blockdot import quantize_block_q8
-from bitserve.kernels.cpu.interleaved import KIND_Q4_1, KIND_Q4_K, KIND_Q5_1, KIND_Q5_K, KIND_Q6_K, QK
+from bitserve.kernels.cpu.interleaved import (
+    KIND_Q2_K,
+    KIND_Q4_1,
+    KIND_Q4_K,
+    KIND_Q5_1,
+    KIND_Q5_K,
+    KIND_Q6_K,
+    QK,
+)
 from bitserve.kernels.reference.ternary import quantize_q8k
 
 Q8_0, Q8_1, Q8_K = "q8_0", "q8_1", "q8_k"  # ggml's vec_dot_type of each weight kind
@@ -33,7 +41,7 @@ SUPER_BLOCK = 256
 
 def activation_family(kind: int) -> str:
     """The ggml block type a weight of `kind` (interleaved.KIND_*) meets its input in."""
-    if kind in (KIND_Q4_K, KIND_Q5_K, KIND_Q6_K):
+    if kind in (KIND_Q2_K, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K):
         return Q8_K
     if kind in (KIND_Q4_1, KIND_Q5_1):
         return Q8_1

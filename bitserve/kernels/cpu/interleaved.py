@@ -26,7 +26,10 @@ vector j is nibble vector j | ((H >> j) & 1) << 4; values (code - 16) d, or code
 Q4_K records span one super-block (256 values, 8 sub-blocks of 32) of 4 rows: for each sub-block pair g,
 4 vectors whose byte 8r + i is qs[32 g + 8 p + i] of row r (low nibbles: sub-block 2g, high: 2g + 1), then
 the 6-bit scales and mins unpacked to bytes (sub-block s's 4 rows at 512 + 4 s and 544 + 4 s), then d and
-dmin f16 [4]: 592 bytes for the file's 576. Values (d sc) code - (dmin m).
+dmin f16 [4]: 592 bytes for the file's 576. Values (d sc) code - (dmin m). Q2_K records (336 bytes, the
+file's own): a packed vector per activation block b (byte 8r + i: value 32 b + 8 j + i's code at bits 2 j),
+the file's scale bytes (16-value sub-block t's 4 rows at 256 + 4 t: scale | min << 4), d and dmin f16 [4];
+values (d sc) code - (dmin m) per 16, the min term as FMAs of the activations' lane sums.
 
 Q2_0 (64 values a block) and Q1_0 (128) records span one file block of 4 rows, so 2 or 4 activation
 blocks: 2 packed vectors of 32 bytes, then d f16 [4] (72 bytes, the file's own size). Code vector v
@@ -50,7 +53,7 @@ from bitserve.kernels.cpu.isa import Isa
 
 QK = 32  # values per activation block
 # the `kind` literal the kernels take; Q2_0 / Q1_0 records: kernels/cpu/low_bit_records.py, Q5_0 / Q5_1:
-# five_bit_records.py, Q4_K / Q5_K / Q6_K: k_quant_records.py (their IR: k_quant_tile.py)
+# five_bit_records.py, Q2_K / Q4_K / Q5_K / Q6_K: k_quant_records.py (their IR: k_quant_tile.py)
 (
     KIND_Q4_1,
     KIND_Q4_0,
@@ -62,15 +65,16 @@ QK = 32  # values per activation block
     KIND_Q4_K,
     KIND_Q6_K,
     KIND_Q5_K,
-) = range(1, 11)
+    KIND_Q2_K,
+) = range(1, 12)
 GROUP_ROWS = 4  # rows interleaved in one record
 CODE_VECTORS = 4  # 32-byte code vectors per 32-value block after unpacking (2 lanes of each row each)
 # by kind: bytes per file block; bytes per record (4 rows' file blocks); where d f16 [4] sits (Q4_1's and
 # Q5_1's m, Q4_K's dmin after it); the 32-value activation blocks a record spans
-TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24, 144, 210, 176)
-RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112, 592, 840, 720)
-SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96, 576, 832, 576)
-BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4, 1, 1, 8, 8, 8)
+TYPE_SIZES = (0, 20, 18, 34, 18, 18, 22, 24, 144, 210, 176, 84)
+RECORD_BYTES = (0, 80, 72, 136, 72, 72, 104, 112, 592, 840, 720, 336)
+SCALES_AT = (0, 64, 64, 128, 64, 64, 96, 96, 576, 832, 576, 320)
+BLOCKS_PER_RECORD = (0, 1, 1, 1, 2, 4, 1, 1, 8, 8, 8, 8)
 ROWS_PER_TASK = 16  # rows per prange task (4 records per block): a multiple of every tile's rows
 TOKEN_BLOCK = 32  # tokens per pass over a task's rows
 _AVX2, _VNNI = ISA_CODES[Isa.AVX2], ISA_CODES[Isa.VNNI]
@@ -138,6 +142,7 @@ KINDS = {
     "q4_k": KIND_Q4_K,
     "q6_k": KIND_Q6_K,
     "q5_k": KIND_Q5_K,
+    "q2_k": KIND_Q2_K,
 }
 
 
@@ -184,6 +189,10 @@ class _InterleavedTileEmitter:
                 return packed, lambda sub: k_quant_tile.q6_k_scales(self, ptr, start, sub, d4), None, None
             dmin4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind] + 8), _V4xF16), _V4xF32)
             return packed, lambda sub: k_quant_tile.q4_k_scales(self, ptr, start, sub, d4, dmin4), None, None
+        if self.kind == KIND_Q2_K:  # a packed vector per activation block; scales and mins per 16 values
+            packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(8)]
+            dmin4 = b.fpext(self.load(ptr, self.offset(start, SCALES_AT[self.kind] + 8), _V4xF16), _V4xF32)
+            return packed, lambda sub: k_quant_tile.q2_k_scales(self, ptr, start, sub, d4, dmin4), None, None
         if self.kind in (KIND_Q2_0, KIND_Q1_0):
             packed = [self.load(ptr, self.offset(start, 32 * p), _V32xI8) for p in range(2)]
             if self.kind == KIND_Q1_0:  # (2c - 1) d: the code's scale is 2d, exact
@@ -213,7 +222,7 @@ class _InterleavedTileEmitter:
     def block_codes(self, vectors: list, sub: int, signs: list | None) -> tuple[list, list | None]:
         """(the CODE_VECTORS u8 code vectors, their signs or None) of activation block `sub` of a record
         (record()'s vectors and signs)."""
-        if self.kind == KIND_Q2_0:
+        if self.kind in (KIND_Q2_0, KIND_Q2_K):
             return [self.field(vectors[sub], 2 * j, 3) for j in range(CODE_VECTORS)], None
         if self.kind == KIND_Q1_0:
             return [self.field(vectors[sub // 2], 4 * (sub % 2) + j, 1) for j in range(CODE_VECTORS)], None
@@ -289,26 +298,34 @@ class _InterleavedTileEmitter:
         sx_lanes = ir.Constant(min_type, [ir.Constant(_F32, 0.0)] * min_type.count)
         for t, (q_ptr, dx_ptr, sx_ptr) in enumerate(self.tok_ptrs):
             dx = b.load(b.gep(dx_ptr, [block]))
-            toks.append((self.token_acts(q_ptr, block), _splat_value(b, dx, _V8xF32)))
-            if self.kind not in (KIND_Q8_0, KIND_Q6_K):  # kinds with a min term
+            acts = self.token_acts(q_ptr, block)
+            # Q2_K's min is per 16 values: it meets the activations' lane sums (a dot with ones, exact)
+            sums = None
+            if self.kind == KIND_Q2_K:
+                sums = [b.sitofp(self.integer_dot(_splat(_V32xI8, 1), a), _V8xF32) for a in acts]
+            toks.append((acts, _splat_value(b, dx, _V8xF32), sums))
+            if self.kind not in (KIND_Q8_0, KIND_Q6_K, KIND_Q2_K):  # kinds with a min term per 32 values
                 sx = b.load(b.gep(sx_ptr, [block]))
                 for r in range(GROUP_ROWS):
                     sx_lanes = b.insert_element(sx_lanes, sx, ir.Constant(_I32, t * GROUP_ROWS + r))
         for g, (vectors, d8, m4, signs) in enumerate(records):
             if callable(d8):  # K-quants: scales per sub-block
                 d8, m4 = d8(sub)
-            per_vector = d8 if isinstance(d8, list) else [d8, d8]  # Q6_K: a scale per 16 values
+            per_vector = d8 if isinstance(d8, list) else [d8, d8]  # Q6_K, Q2_K: a scale per 16 values
+            half_mins, m4 = (m4, None) if isinstance(m4, list) else (None, m4)  # Q2_K: -(dmin m) per 16
             codes, signs = self.block_codes(vectors, sub, signs)
-            for t, (acts, dx8) in enumerate(toks):
+            for t, (acts, dx8, sums) in enumerate(toks):
                 scales = [b.fmul(d, dx8) for d in per_vector]  # d * dx of each slot's row, per lane
                 for j in range(CODE_VECTORS):
-                    scale = scales[j // 2]
                     a = acts[j]
                     if signs is not None:  # Q8_0: |w| * (q with w's sign); w = 0 gives 0 either way
                         a = b.call(psign, [a, signs[j]])
                     lanes = b.sitofp(self.integer_dot(codes[j], a), _V8xF32)
                     slot = accs[(g, t, j)]
-                    b.store(b.call(fma, [scale, lanes, b.load(slot)]), slot)
+                    acc = b.call(fma, [scales[j // 2], lanes, b.load(slot)])
+                    if half_mins is not None:
+                        acc = b.call(fma, [b.fmul(half_mins[j // 2], dx8), sums[j], acc])
+                    b.store(acc, slot)
             if m4 is not None:
                 rows_again = list(range(GROUP_ROWS)) * num_toks
                 repeat = ir.Constant(ir.VectorType(_I32, min_type.count), rows_again)

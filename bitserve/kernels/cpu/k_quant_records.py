@@ -1,4 +1,4 @@
-"""Q4_K / Q5_K / Q6_K weights in 4-row interleaved records (the int8 tile of kernels/cpu/interleaved.py
+"""Q2_K / Q4_K / Q5_K / Q6_K weights in 4-row interleaved records (the int8 tile of kernels/cpu/interleaved.py
 runs them, its K-quant IR in k_quant_tile.py): the repack at load, the sub-block scales for the f32
 paths, and the f32 rows decoded back from the records. A record is one 256-value super-block of 4 rows.
 
@@ -16,6 +16,10 @@ Q6_K (210 bytes): ql[128], qh[64], scales[16] int8, d f16. Value v = 128 n + 32 
 4 p + j, byte 8 r + i: the low nibbles of values 64 p + 8 j + i and 64 p + 32 + 8 j + i), 8 high planes
 (plane b, byte 8 r + i: the top bits of value 32 b + 8 j + i at bits 2 j), the int8 scales (16-value
 sub-block t's 4 rows at 768 + 4 t), d f16 [4].
+
+Q2_K (84 bytes): scales[16] (scale | min << 4 per 16 values), qs[64], d f16, dmin f16. Value
+v = 128 n + 32 j + 16 h + l has the code (qs[32 n + 16 h + l] >> 2 j) & 3 and equals (d sc_{v / 16}) code -
+(dmin m_{v / 16}). Record (336 bytes, the file's own): interleaved.py's docstring.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from numba import njit, prange
 
 from bitserve.kernels.cpu.interleaved import (
     GROUP_ROWS,
+    KIND_Q2_K,
     KIND_Q4_K,
     KIND_Q5_K,
     KIND_Q6_K,
@@ -36,6 +41,7 @@ from bitserve.kernels.cpu.interleaved import (
     record_slot,
 )
 from bitserve.kernels.cpu.k_quant_tile import (
+    Q2_K_SCALES_AT,
     Q4_K_MINS_AT,
     Q4_K_SCALES_AT,
     Q5_K_HIGH_AT,
@@ -202,3 +208,50 @@ def decode_q6_k_rows(w: np.ndarray, d: np.ndarray, r0: int, buf: np.ndarray) -> 
                 top = (np.int32(w[g, blk, Q6_K_HIGH_AT + 32 * b + slot + k]) >> np.int32(2 * j)) & 3
                 value = blk * SUPER_BLOCK + v
                 buf[i, value] = np.float32((low | (top << 4)) - 32) * d[r, value // 16]
+
+
+@njit(nogil=True, cache=True)
+def repack_q2_k(rows: np.ndarray) -> np.ndarray:
+    """File rows uint8 [M, nb * 84] -> records uint8 [ceil(M / 4), nb, 336]."""
+    type_size = TYPE_SIZES[KIND_Q2_K]
+    out = empty_records(rows.shape[0], rows.shape[1] // type_size, KIND_Q2_K)
+    for row in range(rows.shape[0]):
+        g, r = row // GROUP_ROWS, row % GROUP_ROWS
+        for blk in range(out.shape[1]):
+            src = blk * type_size
+            for v in range(SUPER_BLOCK):
+                n, j, half, lane = v // 128, (v % 128) // 32, (v % 32) // 16, v % 16
+                code = (rows[row, src + 16 + 32 * n + 16 * half + lane] >> (2 * j)) & 3
+                out[g, blk, 32 * (v // QK) + 8 * r + v % 8] |= code << (2 * ((v % QK) // 8))
+            for t in range(16):
+                out[g, blk, Q2_K_SCALES_AT + 4 * t + r] = rows[row, src + t]
+            for i in range(2):
+                out[g, blk, SCALES_AT[KIND_Q2_K] + 2 * r + i] = rows[row, src + 80 + i]  # d
+                out[g, blk, SCALES_AT[KIND_Q2_K] + 8 + 2 * r + i] = rows[row, src + 82 + i]  # dmin
+    return out
+
+
+def q2_k_sub_block_scales(rows: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """File rows uint8 [M, nb * 84] -> (d sc, -(dmin m)) f32 [M, K / 16]: the per-16-value scale and min
+    the f32 rows decode with (the reference decoder's products)."""
+    blocks = rows.reshape(-1, TYPE_SIZES[KIND_Q2_K])
+    packed = blocks[:, :16].to(torch.int32)  # [N, 16]
+    d, dmin = f16_to_f32(blocks[:, 80:82]), f16_to_f32(blocks[:, 82:84])  # [N, 1]
+    scale = (d * (packed & 15).float()).reshape(rows.shape[0], num_cols // 16)
+    minimum = (dmin * (packed >> 4).float()).neg_().reshape(rows.shape[0], num_cols // 16)
+    return scale, minimum
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def decode_q2_k_rows(w: np.ndarray, d: np.ndarray, m: np.ndarray, r0: int, buf: np.ndarray) -> None:
+    """Rows r0 .. r0 + len(buf) of Q2_K records w -> buf f32 [rows, K]; d, m f32 [M, K / 16] from
+    q2_k_sub_block_scales: code (d sc) - dmin m, ggml's values bit for bit."""
+    for i in prange(buf.shape[0]):
+        r = r0 + i
+        g, slot = record_slot(r)
+        for blk in range(w.shape[1]):
+            for v in range(SUPER_BLOCK):
+                byte = np.int32(w[g, blk, 32 * (v // QK) + slot + v % 8])
+                code = (byte >> np.int32(2 * ((v % QK) // 8))) & np.int32(3)
+                value = blk * SUPER_BLOCK + v
+                buf[i, value] = np.float32(code) * d[r, value // 16] + m[r, value // 16]

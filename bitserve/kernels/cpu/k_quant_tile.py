@@ -1,5 +1,5 @@
 """The K-quant parts of the interleaved int8 tile's IR (kernels/cpu/interleaved._InterleavedTileEmitter):
-per-sub-block scales and code vectors of the Q4_K and Q6_K records (layouts: k_quant_records.py).
+per-sub-block scales and code vectors of the Q4_K, Q5_K, Q6_K and Q2_K records (layouts: k_quant_records.py).
 
 Both records span one 256-value super-block of 4 rows, 8 activation blocks of 32 values; `sub` below is
 the activation block. Every scale product is exact in f32 (an f16 times a 6- or 8-bit integer), so the
@@ -17,6 +17,7 @@ from bitserve.kernels.cpu.int8dot import _declare
 Q4_K_SCALES_AT, Q4_K_MINS_AT = 512, 544  # sub-block s's 6-bit scales of the 4 rows at + 4 s, mins likewise
 Q5_K_HIGH_AT = 592  # Q5_K: a Q4_K record, then 4 high-bit planes (plane g: sub-blocks 2g, 2g + 1)
 Q6_K_HIGH_AT, Q6_K_SCALES_AT = 512, 768  # the 2-bit high planes; 16-value sub-block t's int8 scales at + 4 t
+Q2_K_SCALES_AT = 256  # 16-value sub-block t's 4 bytes (scale | min << 4, as in the file) at + 4 t
 # the byte offset of each 32-byte vector a record() loads, by kind (Q4_K 8, Q6_K 9, Q5_K 10)
 _NIBBLES = tuple(32 * p for p in range(16))
 VECTORS_AT = {
@@ -76,3 +77,17 @@ def q6_k_codes(e: Any, vectors: list, sub: int) -> tuple[list, list]:
         high = b.shl(e.field(vectors[16 + sub], 2 * j, 3), ir.Constant(_V32xI8, [ir.Constant(_I8, 4)] * 32))
         signed.append(b.sub(b.or_(low, high), ir.Constant(_V32xI8, [ir.Constant(_I8, 32)] * 32)))
     return [b.call(absolute, [w, ir.Constant(ir.IntType(1), 0)]) for w in signed], signed
+
+
+def q2_k_scales(e: Any, ptr: ir.Value, start: ir.Value, sub: int, d4: ir.Value, dmin4: ir.Value) -> tuple:
+    """Q2_K: ([d sc per slot] of the block's first 16 values, of its last 16; [-(dmin m) per slot] the
+    same), each <8 x f32>."""
+    b = e.b
+    low, shift = (ir.Constant(_V4xI8, [ir.Constant(_I8, v)] * 4) for v in (15, 4))
+    scales, mins = [], []
+    for half in range(2):
+        packed = e.load(ptr, e.offset(start, Q2_K_SCALES_AT + 4 * (2 * sub + half)), _V4xI8)
+        sc, mn = b.uitofp(b.and_(packed, low), _V4xF32), b.uitofp(b.lshr(packed, shift), _V4xF32)
+        scales.append(_per_slot(b, b.fmul(d4, sc)))
+        mins.append(_per_slot(b, b.fneg(b.fmul(dmin4, mn))))
+    return scales, mins

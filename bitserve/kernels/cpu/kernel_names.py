@@ -4,7 +4,7 @@ type gains its name here when it gains a kernel there."""
 
 from __future__ import annotations
 
-from bitserve.kernels.cpu.backend import BLOCK_TYPE_SIZES, K_QUANT_LAYOUTS
+from bitserve.kernels.cpu.backend import BLOCK_TYPE_SIZES, FIVE_BIT_LAYOUTS, K_QUANT_LAYOUTS
 from bitserve.kernels.cpu.isa import INT8_BLOCK_ACTIVATIONS, Isa
 from bitserve.kernels.packed import LOW_BIT_LAYOUTS, TERNARY_FILE_LAYOUTS, Layout
 
@@ -26,7 +26,9 @@ def projection_kernel(type_name: str, isa: Isa, block_activations: str) -> str:
     if layout in LOW_BIT_LAYOUTS:
         packed = tile if on_tile else "dequantized to f32 at load (no f32 kernel)"
         return f"{packed}; on bitnet archs with one scale, the int8 ternary kernels"
-    if layout in BLOCK_TYPE_SIZES or layout in K_QUANT_LAYOUTS:
+    if layout in K_QUANT_LAYOUTS or layout in FIVE_BIT_LAYOUTS:
+        return tile if on_tile else "dequantized to f32 at load (no f32 kernel)"
+    if layout in BLOCK_TYPE_SIZES:
         return tile if on_tile else "f32 block kernels (exact f32 activations)"
     if layout is not None:
         return "dequantized to f32 at load, torch linear (no packed kernel yet)"

@@ -440,6 +440,9 @@ class Int8BlockLinear(BlockLinear):
         if kind == interleaved.KIND_Q6_K:
             k_quant_records.decode_q6_k_rows(self._codes, self._d, r0, out)
             return
+        if kind == interleaved.KIND_Q2_K:
+            k_quant_records.decode_q2_k_rows(self._codes, self._d, self._m_np, r0, out)
+            return
         if kind in five_bit_records.FIVE_BIT_KINDS:
             five_bit_records.decode_five_bit_rows(self._codes, self._d, self._m_np, kind, r0, out)
             return
@@ -455,7 +458,7 @@ class Int8BlockLinear(BlockLinear):
 
     @property
     def kernel_format(self) -> str:
-        """Which blockdot kernels read the records: q4_1, q4_0, q8_0, q2_0, q1_0, q5_*, q4_k, q5_k or q6_k."""
+        """Which blockdot kernels read the records: q4_1, q4_0, q8_0, q2_0, q1_0, q5_*, q2_k, q4_k .. q6_k."""
         return self.layout.name.lower()
 
     def run_quantized(self, acts: tuple[np.ndarray, np.ndarray, np.ndarray], num_tokens: int) -> np.ndarray:
