@@ -12,6 +12,10 @@ or TQ2_0: the same weights in llama.cpp's types (arch `bitnet`).
 `smollm2`: a SmolLM2-135M-shaped llama (30 layers, hidden 576, FFN 1536, 9 heads / 3 KV heads, vocab
 49,152, tied Q8_0 embedding) with seeded random Q4_1 projections from gguf's numpy quantizer: the same
 bytes per token as the real file, random weights (its tokens mean nothing; its speed is the point).
+`--mix q4_k_m`: the same shape with each projection in the type llama.cpp's Q4_K_M gives SmolLM2 (Q5_0
+where K = 576 is no whole super-block; attn_v Q8_0 / Q5_0 and ffn_down Q6_K / Q4_K by layer, as
+llama_model_quantize chose for the real file); the K-quant tensors are random valid super-blocks
+(bitserve/testing/mixed_formats.random_k_quant: gguf-py cannot write K-quants).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks.make_2b4t_model import smollm2_path, write_2b4t_model  # noqa: E402
 from bitserve.loader.gguf_types import GGMLType, GGUFValueType  # noqa: E402
 from bitserve.loader.gguf_writer import GGUFBuilder  # noqa: E402
+from bitserve.testing.mixed_formats import random_k_quant  # noqa: E402
 from bitserve.testing.synthetic import SyntheticConfig, model_metadata, tokenizer_metadata  # noqa: E402
 
 SMOLLM2 = SyntheticConfig(
@@ -42,6 +47,21 @@ SMOLLM2 = SyntheticConfig(
     architecture="llama",
 )
 SMOLLM2_VOCAB = 49152
+# the layers whose attn_v / ffn_down llama.cpp's Q4_K_M gives more bits on SmolLM2 (its use_more_bits rule
+# over 30 layers; read from the real file's tensor types)
+MORE_BITS_LAYERS = frozenset({0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29})
+
+
+def projection_type(mix: str, name: str, layer: int) -> str:
+    """The GGUF type of blk.<layer>.<name>.weight in the SmolLM2-shaped file of `mix` (q4_1 or q4_k_m)."""
+    if mix == "q4_1":
+        return "Q4_1"
+    more = layer in MORE_BITS_LAYERS
+    if name == "attn_v":
+        return "Q8_0" if more else "Q5_0"
+    if name == "ffn_down":
+        return "Q6_K" if more else "Q4_K"
+    return "Q5_0"
 
 
 def write_vocab(path: Path) -> Path:
@@ -60,7 +80,7 @@ def _quantized(rng: np.random.Generator, rows: int, cols: int, qtype_name: str, 
     return gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype_name]).tobytes()
 
 
-def write_smollm2(path: Path, tokenizer_source: Path, seed: int = 0) -> Path:
+def write_smollm2(path: Path, tokenizer_source: Path, seed: int = 0, mix: str = "q4_1") -> Path:
     config = SMOLLM2
     rng = np.random.default_rng(seed)
     builder = GGUFBuilder()
@@ -79,8 +99,12 @@ def write_smollm2(path: Path, tokenizer_source: Path, seed: int = 0) -> Path:
             builder.add_tensor(f"blk.{layer}.{norm}.weight", (hidden,), int(GGMLType.F32), ones)
         for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             rows, cols = config.projection_shape(name)
-            data = _quantized(rng, rows, cols, "Q4_1", 1.0 / np.sqrt(cols))
-            builder.add_tensor(f"blk.{layer}.{name}.weight", (cols, rows), int(GGMLType.Q4_1), data)
+            type_name = projection_type(mix, name, layer)
+            if type_name in ("Q4_K", "Q6_K"):
+                data = random_k_quant(rows, cols, type_name, seed=1000 * layer + rows).tobytes()
+            else:
+                data = _quantized(rng, rows, cols, type_name, 1.0 / np.sqrt(cols))
+            builder.add_tensor(f"blk.{layer}.{name}.weight", (cols, rows), int(GGMLType[type_name]), data)
     builder.write(path)
     return path
 
@@ -94,6 +118,7 @@ def main() -> None:
     parser.add_argument("--tokenizer-from", type=Path, default=None, help="a vocab file written by `vocab`")
     parser.add_argument("--layers", type=int, default=30, help="2b4t only")
     parser.add_argument("--format", default="I2_S", choices=("I2_S", "TQ2_0", "Q2_0"), help="2b4t only")
+    parser.add_argument("--mix", default="q4_1", choices=("q4_1", "q4_k_m"), help="smollm2 only")
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -106,7 +131,7 @@ def main() -> None:
     else:
         if args.tokenizer_from is None:
             parser.error("smollm2 needs --tokenizer-from (a file written by `vocab`)")
-        path = write_smollm2(args.output, args.tokenizer_from)
+        path = write_smollm2(args.output, args.tokenizer_from, mix=args.mix)
     sys.stdout.write(f"wrote {path} ({path.stat().st_size:,} bytes) in {time.perf_counter() - start:.1f} s\n")
 
 

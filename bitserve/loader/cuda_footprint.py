@@ -6,13 +6,13 @@ projections grow ~6x (the packed blocks plus the f32 copy cuBLAS runs for long s
 projections become f32. Per tensor (n values, M rows), as kernels/cuda/backend.py and
 kernels/cuda/decoder.py lay them out:
 - ternary (I2_S, TQ1_0, TQ2_0, TL1, TL2): n / 4 bytes of planes + an f32 scale per row;
-- Q4_0 / Q4_1 / Q8_0 matrices: kernels/cuda/block_layout.py's packed form (codes, f32 d and m per 32
-  values) + the f32 copy;
+- block matrices (Q4_*, Q5_*, Q8_0, Q2_0 / Q1_0, the K-quants): kernels/cuda/block_layout.py's packed
+  forms (codes, f32 d and m per 32 or 16 values) + the f32 copy;
 - other matrices: f32 (dequantized at load);
 - the token table: as stored when F16 / BF16 / F32, else f32; a tied head reuses a float table and adds
   a block weight for a Q4 / Q8 one; a separate F16 / BF16 head stays half;
 - vectors (norms): f32;
-- a head the CUDA decoder keeps as a float matrix (any but Q4_0 / Q4_1 / Q8_0 blocks, separate or the
+- a head the CUDA decoder keeps as a float matrix (any but the block types above, separate or the
   tied table) adds its greedy-head copy (kernels/cuda/greedy_head.py) where that takes its width (a
   multiple of 128 up to 4,096: greedy_head.supports_hidden): one int8 per value, an f32 scale per row, and
   the two passes' scratch (an f32 approximate logit and an int32 candidate slot per row and launch row;
@@ -38,8 +38,15 @@ GREEDY_HEAD_MAX_WIDTH = 4096  # kernels/cuda/greedy_head.MAX_HIDDEN
 # per head row: its f32 scale, and per launch row (greedy_head.MAX_ROWS, 2) an f32 approximate logit and
 # an int32 slot of the rescoring pass's candidate list
 GREEDY_HEAD_ROW_BYTES = 4 + 2 * (4 + 4)
-# packed bytes per value in block_layout.py's form: Q4 codes 0.5 + f32 d and m per 32 values; Q8_0 1 + d
-BLOCK_PACKED_BYTES = {GGMLType.Q4_0: 0.75, GGMLType.Q4_1: 0.75, GGMLType.Q8_0: 1.125}
+# packed bytes per value in block_layout.py's forms: nibble codes 0.5 + f32 d and m per 32 values (Q4_*,
+# Q2_0, Q1_0, Q4_K) or per 16 (Q2_K, Q3_K); int8 codes 1 + d per 32 (Q8_0, Q5_0), + m (Q5_1, Q5_K), d per
+# 16 (Q6_K)
+BLOCK_PACKED_BYTES = {
+    **dict.fromkeys((GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q2_0, GGMLType.Q1_0, GGMLType.Q4_K), 0.75),
+    **dict.fromkeys((GGMLType.Q2_K, GGMLType.Q3_K), 1.0),
+    **dict.fromkeys((GGMLType.Q8_0, GGMLType.Q5_0), 1.125),
+    **dict.fromkeys((GGMLType.Q5_1, GGMLType.Q5_K, GGMLType.Q6_K), 1.25),
+}
 F32_BYTES = 4
 TOKEN_TABLE = "token_embd.weight"
 HEAD = "output.weight"

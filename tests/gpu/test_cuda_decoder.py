@@ -7,6 +7,7 @@ the same kernels, slowly, so the integration is checked on machines without a GP
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,55 @@ def test_embeddings_on_the_compiled_forward_equal_the_reference(b158_file: Path)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-4, atol=1e-5)
     reference.close()
     loaded.close()
+
+
+@pytest.fixture(scope="module")
+def kquant_mix_files(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The K-quant golden files (llama.cpp's own Q4_K_M / Q5_K_M / Q3_K_M / Q6_K / Q2_K tensors,
+    tests/fixtures/golden), rebuilt from their F32 source."""
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from bitserve.testing.kquant_golden import MIXES, f32_source, rebuild_mix
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
+    golden = json.loads((fixtures / "kquant.json").read_text(encoding="utf-8"))
+    folder = tmp_path_factory.mktemp("kquant-cuda")
+    source = f32_source(tokenizer_source, folder)
+    tensors = np.load(fixtures / "kquant_tensors.npz")
+    return {
+        mix: rebuild_mix(source, mix, golden["mixes"][mix]["types"], tensors, folder / f"{mix}.gguf")
+        for mix in MIXES
+    }
+
+
+@ON_DEVICE_ONLY
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q2_K"])
+def test_kquant_mixes_run_the_block_gemv_and_match_the_full_forward(kquant_mix_files, mix: str) -> None:  # noqa: ANN001
+    """Every K-quant (and Q5_x / Q8_0) projection of llama.cpp's mixes is held in a block GEMV form
+    (kernels/cuda/block_layout.py): logits of a prefill and two decode steps equal the reference backend's
+    full forward within f32 summation-order tolerance, and so do the argmaxes."""
+    from bitserve.kernels.cuda.block_layout import FORMS
+
+    got, expected, decoder = prefill_then_decode_logits(kquant_mix_files[mix], torch.float32)
+    blocks = [w for layer in decoder.layers for w in layer.block.values() if w is not None]
+    assert blocks and all(w.layout in FORMS for w in blocks)
+    assert any(layer.block["down"] is not None for layer in decoder.layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))
+
+
+@ON_DEVICE_ONLY
+def test_eleven_block_formats_in_one_model_match_the_full_forward(
+    tokenizer_source: Path, tmp_path: Path
+) -> None:
+    """bitserve/testing/mixed_formats.py's model (q / k / v of three formats side by side, Q1_0 / Q2_0 /
+    Q5_x / Q2_K .. Q6_K): the compiled CUDA forward equals the reference's full forward."""
+    pytest.importorskip("transformers")
+    from bitserve.testing.mixed_formats import mixed_format_gguf
+
+    got, expected, _ = prefill_then_decode_logits(
+        mixed_format_gguf("llama", tokenizer_source, tmp_path), torch.float32
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bitserve.kernels.cuda.block_layout import block_tile, repack_blocks
+from bitserve.kernels.cuda.block_layout import FORMS, HELD_AS, block_tile, form_values, repack_for_gemv
 from bitserve.kernels.packed import Layout
 from bitserve.testing.kernel_device import kernel_test_device
 
@@ -65,22 +65,15 @@ def _check(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def _device_parts(rows: torch.Tensor, layout: Layout, cols: int) -> dict[str, torch.Tensor]:
-    return {name: t.to(DEVICE) for name, t in repack_blocks(rows, layout, cols).items()}
+    return {name: t.to(DEVICE) for name, t in repack_for_gemv(rows, layout, cols)[1].items()}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_repacked_blocks_hold_the_file_values(layout: Layout) -> None:
     """codes, d (and m) rebuild exactly the values gguf dequantizes."""
     rows, dense = _file_rows(layout, 5, 96, seed=1)
-    parts = repack_blocks(rows, layout, 96)
-    d = parts["d"].repeat_interleave(32, dim=1)
-    if layout is Layout.Q8_0:
-        rebuilt = parts["codes"].float() * d
-    else:
-        low, high = (parts["codes"] & 15).reshape(5, 3, 16), (parts["codes"] >> 4).reshape(5, 3, 16)
-        codes = torch.cat([low, high], dim=2).reshape(5, 96).float()
-        rebuilt = codes * d + parts["m"].repeat_interleave(32, dim=1)
-    torch.testing.assert_close(rebuilt, dense, rtol=0, atol=0)
+    _, parts = repack_for_gemv(rows, layout, 96)
+    torch.testing.assert_close(form_values(parts, 96), dense, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -183,31 +176,32 @@ def test_backend_block_linear_rejects_a_short_tensor() -> None:
         CudaBackend(DEVICE).prepare_block(short)
 
 
+@pytest.mark.parametrize("form", list(FORMS), ids=lambda form: form.name)
 @pytest.mark.parametrize("num_tokens", [1, 3, 6])
-def test_low_bit_and_q4_k_weights_run_the_q4_gemv_and_stack(num_tokens: int) -> None:
-    """Q2_0 / Q1_0 (PrismML's Bonsai types) and Q4_K weights are held in the Q4 form
-    (block_layout.repack_as_q4) and run the block GEMV (the f32 copy past it); q / k / v of the three
-    stack into one weight. Against the reference decoders' values."""
-    from bitserve.kernels.cuda.block_layout import Q4_FORM_LAYOUTS
+def test_every_layout_runs_the_gemv_in_its_form_and_stacks(form: Layout, num_tokens: int) -> None:
+    """Every layout a form holds (block_layout.HELD_AS: Q2_0 / Q1_0 / Q4_K in the Q4_1 form, Q2_K / Q3_K with
+    scales per 16, Q5_0 as Q8_0, Q5_1 / Q5_K int8 with a min, Q6_K int8 per 16) runs the block GEMV (the f32
+    copy past it), with the RMSNorm and the residual; the weights of one form stack into one. Against the
+    reference decoders' values."""
     from bitserve.kernels.reference.dequant import dequantize
-    from bitserve.loader.low_bit_quantize import QUANTIZERS
-    from bitserve.testing.mixed_formats import random_k_quant
+    from bitserve.testing.block_files import block_file_rows
 
     backend = CudaBackend(DEVICE)
     prepared, dense = [], []
-    for index, layout in enumerate(Q4_FORM_LAYOUTS):
+    for index, layout in enumerate(layout for layout, held in HELD_AS.items() if held is form):
         m, k = 32 * (index + 1), 512
-        if layout is Layout.Q4_K:
-            rows = torch.from_numpy(random_k_quant(m, k, "Q4_K", seed=index))
-        else:
-            values = np.random.default_rng(index).normal(0.0, 0.05, size=(m, k)).astype(np.float32)
-            rows = torch.from_numpy(QUANTIZERS[layout.name](values).reshape(m, -1))
+        rows = torch.from_numpy(block_file_rows(layout, m, k, seed=index))
         weight = PackedWeight(rows.reshape(-1).contiguous(), (m, k), layout, layout.name)
         prepared.append(backend.prepare_block(weight))
         dense.append(dequantize(weight))
-    assert all(isinstance(p, CudaBlockLinear) and p.layout is Layout.Q4_1 for p in prepared)
-    fused = backend.fuse_group(prepared)  # type: ignore[arg-type]
-    assert fused is not None and fused[1] == [0, 32, 96]
+    assert all(isinstance(p, CudaBlockLinear) and p.layout is form for p in prepared)
+    fused = backend.fuse_group(prepared) if len(prepared) > 1 else (prepared[0], [0])  # type: ignore[arg-type]
+    assert fused is not None
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, 512, generator=gen)
-    _check(fused[0](x.to(DEVICE)), _reference(x, torch.cat(dense), None, None, None))
+    norm_weight = torch.rand(512, generator=gen) + 0.5
+    residual = torch.randn(num_tokens, fused[0].out_features, generator=gen)
+    y = fused[0].run_fused(  # type: ignore[attr-defined]
+        x.to(DEVICE), norm_weight.to(DEVICE), EPS, residual=residual.to(DEVICE).clone()
+    )
+    _check(y, _reference(x, torch.cat(dense), norm_weight, None, residual))

@@ -49,9 +49,12 @@ def test_the_token_table_and_the_head() -> None:
     greedy_head = values + 4 * M + 2 * (4 + 4) * M
     table = _tensor("token_embd.weight", GGMLType.F16, (wide, M), nbytes=2 * values)
     assert cuda_weight_bytes([table]) == 2 * values + greedy_head
-    # a Q6_K head is dequantized to f32 (dense()) and gets the copy too
+    # a Q6_K head (the K-quant mixes') is a block weight in the Q6_K form (1.25 bytes a value) with its
+    # f32 copy, and no greedy copy; an F32 head is a float matrix and gets it
     head_q6k = _tensor("output.weight", GGMLType.Q6_K, (wide, M))
-    assert cuda_weight_bytes([table, head_q6k]) == 2 * values + 4 * values + greedy_head
+    assert cuda_weight_bytes([table, head_q6k]) == 2 * values + int(1.25 * values) + 4 * values
+    head_f32 = _tensor("output.weight", GGMLType.F32, (wide, M), nbytes=4 * values)
+    assert cuda_weight_bytes([table, head_f32]) == 2 * values + 4 * values + greedy_head
 
 
 def test_a_q4_file_is_estimated_at_several_times_its_size(smollm2_path: Path) -> None:

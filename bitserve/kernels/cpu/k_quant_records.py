@@ -48,8 +48,7 @@ from bitserve.kernels.cpu.k_quant_tile import (
     Q6_K_HIGH_AT,
     Q6_K_SCALES_AT,
 )
-from bitserve.kernels.reference.k_quants import q3_k_codes, scale_min_k4
-from bitserve.kernels.reference.packed_bytes import f16_to_f32
+from bitserve.kernels.reference.k_quants import k4_scales, q2_k_scales, q3_k_codes, q6_k_scales
 
 SUPER_BLOCK = 256
 SUB_BLOCKS = SUPER_BLOCK // QK  # 8 sub-blocks of 32 values
@@ -103,13 +102,8 @@ def repack_q4_k(rows: np.ndarray, kind: int) -> np.ndarray:
 def sub_block_scales(rows: torch.Tensor, num_cols: int, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
     """File rows uint8 [M, nb * 144] (Q4_K) or [M, nb * 176] (Q5_K) -> (d sc, -(dmin m)) f32 [M, K / 32]:
     the per-32-value scale and min the f32 rows decode with (the reference decoder's products)."""
-    num_rows = rows.shape[0]
-    blocks = rows.reshape(-1, TYPE_SIZES[kind])
-    d, dmin = f16_to_f32(blocks[:, :2]), f16_to_f32(blocks[:, 2:4])  # [N, 1]
-    sc, mn = scale_min_k4(blocks[:, 4:16])  # int32 [N, 8]
-    scale = (d * sc.float()).reshape(num_rows, num_cols // QK)
-    minimum = (dmin * mn.float()).neg_().reshape(num_rows, num_cols // QK)
-    return scale, minimum
+    scale, minimum = k4_scales(rows.reshape(-1, TYPE_SIZES[kind]))  # [N, 8]
+    return scale.reshape(rows.shape[0], num_cols // QK), minimum.neg_().reshape(rows.shape[0], num_cols // QK)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -189,9 +183,7 @@ def q3_k_as_q6_k(rows: torch.Tensor) -> torch.Tensor:
 def q6_k_sub_block_scales(rows: torch.Tensor, num_cols: int) -> torch.Tensor:
     """File rows uint8 [M, nb * 210] -> d sc f32 [M, K / 16]: the per-16-value scale the f32 rows decode
     with (the reference decoder's product)."""
-    blocks = rows.reshape(-1, TYPE_SIZES[KIND_Q6_K])
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]
-    return (f16_to_f32(blocks[:, 208:210]) * scales).reshape(rows.shape[0], num_cols // 16)
+    return q6_k_scales(rows.reshape(-1, TYPE_SIZES[KIND_Q6_K])).reshape(rows.shape[0], num_cols // 16)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -234,12 +226,8 @@ def repack_q2_k(rows: np.ndarray) -> np.ndarray:
 def q2_k_sub_block_scales(rows: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """File rows uint8 [M, nb * 84] -> (d sc, -(dmin m)) f32 [M, K / 16]: the per-16-value scale and min
     the f32 rows decode with (the reference decoder's products)."""
-    blocks = rows.reshape(-1, TYPE_SIZES[KIND_Q2_K])
-    packed = blocks[:, :16].to(torch.int32)  # [N, 16]
-    d, dmin = f16_to_f32(blocks[:, 80:82]), f16_to_f32(blocks[:, 82:84])  # [N, 1]
-    scale = (d * (packed & 15).float()).reshape(rows.shape[0], num_cols // 16)
-    minimum = (dmin * (packed >> 4).float()).neg_().reshape(rows.shape[0], num_cols // 16)
-    return scale, minimum
+    scale, minimum = q2_k_scales(rows.reshape(-1, TYPE_SIZES[KIND_Q2_K]))  # [N, 16]
+    return scale.reshape(rows.shape[0], num_cols // 16), minimum.neg_().reshape(rows.shape[0], num_cols // 16)
 
 
 @njit(parallel=True, nogil=True, cache=True)

@@ -10,9 +10,10 @@ Runtime layouts:
   epilogue, so outputs are bit-identical to the reference backend's for any batch size.
 - anything else (float / llamacpp-tq modes, per-block scales, odd K): the reference backend's weight
   with its tensors on the device. Correct, slow (f64 integer matmuls), and logged once at load.
-- Q4_0 / Q4_1 / Q8_0 weights: kept packed for steps of up to GEMV_MAX_TOKENS tokens (block_gemv.py: one
-  PDL launch that also takes the RMSNorm, the gated activation and the residual), plus an f32 copy that
-  cuBLAS runs for longer steps (prefill, batched decode).
+- block weights (Q4_*, Q5_*, Q8_0, Q2_0 / Q1_0 and the K-quants, in block_layout.py's forms): kept packed
+  for steps of up to GEMV_MAX_TOKENS tokens (block_gemv.py: one PDL launch that also takes the RMSNorm,
+  the gated activation and the residual), plus an f32 copy that cuBLAS runs for longer steps (prefill,
+  batched decode).
 - dense (F16 / BF16 / F32) weights: f32 on the device; F.linear with TF32 and reduced-precision
   reductions off, so results stay within fp32 summation-order tolerance of the CPU backends.
 """
@@ -26,7 +27,7 @@ import torch
 
 from bitserve.errors import UnsupportedModel
 from bitserve.kernels.backend import FusedOps, KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.cuda.block_layout import BLOCK_LAYOUTS, Q4_FORM_LAYOUTS, repack_as_q4, repack_blocks
+from bitserve.kernels.cuda.block_layout import HELD_AS, repack_for_gemv
 from bitserve.kernels.cuda.linears import CudaBlockLinear, CudaDenseLinear, CudaTernaryLinear
 from bitserve.kernels.cuda.ternary_pack import GROUP, pack_ternary_planes
 from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes
@@ -98,19 +99,16 @@ class CudaBackend(KernelBackend):
         return CudaDenseLinear(m, k, Layout.DENSE, None, data, None, self.name)
 
     def prepare_block(self, weight: PackedWeight) -> PreparedLinear | None:
-        """Q4_0 / Q4_1 / Q8_0, and Q2_0 / Q1_0 / Q4_K in the Q4 form (block_layout.Q4_FORM_LAYOUTS) ->
-        CudaBlockLinear (packed for the GEMV, f32 for cuBLAS); None otherwise."""
-        if weight.layout not in BLOCK_LAYOUTS and weight.layout not in Q4_FORM_LAYOUTS:
+        """Every block layout with a GEMV form (block_layout.HELD_AS: Q4_*, Q5_*, Q8_0, Q2_0 / Q1_0, the
+        K-quants) -> CudaBlockLinear (packed for the GEMV, f32 for cuBLAS), its layout the form's name;
+        None otherwise."""
+        if weight.layout not in HELD_AS:
             return None
         m, k = weight.shape
-        if weight.layout in Q4_FORM_LAYOUTS:
-            parts = repack_as_q4(block_rows(weight), weight.layout, k)
-        else:
-            parts = repack_blocks(block_rows(weight), weight.layout, k)
+        layout, parts = repack_for_gemv(block_rows(weight), weight.layout, k)
         extras = {"dense": dequantize(weight).to(self.device).contiguous()}
         if "m" in parts:
             extras["m"] = parts["m"].to(self.device)
-        layout = Layout.Q8_0 if weight.layout is Layout.Q8_0 else Layout.Q4_1
         codes, d = parts["codes"].to(self.device), parts["d"].to(self.device)
         return CudaBlockLinear(m, k, layout, None, codes, d, self.name, extras)
 

@@ -1,4 +1,5 @@
-"""Block-quantized (Q4_0 / Q4_1 / Q8_0) GEMV for decode steps of a few tokens, dequantizing in registers.
+"""Block-quantized GEMV for decode steps of a few tokens, dequantizing in registers (every block layout
+block_layout.HELD_AS names: Q4_0 / Q4_1 / Q8_0, Q5_*, Q2_0 / Q1_0 and the K-quants).
 
 Why: at batch 1 a SmolLM2-sized layer is a chain of ~2-6 µs kernels. Its dense projections ran as cuBLAS
 f32 GEMVs on weights dequantized at load (6.4x the Q4_1 bytes), behind a separate RMSNorm launch and,
@@ -8,7 +9,8 @@ dependent launch (pdl.py), so each one paid a full launch and drain. This kernel
 gated activation to x in its prologue and adds the residual in its epilogue: one PDL launch per
 projection.
 
-Weights in block_layout.py's runtime layout (codes, d f32 per block, Q4's m f32 per block).
+Weights in one of block_layout.py's forms: nibble or int8 codes, d (and m) f32 per 32 or per 16 values; a
+block's two halves of 16 values each take their own scale in the per-16 forms (the K-quants' sub-blocks).
 
 One program owns BLOCK_M output rows and the whole K (padded to a power of two) for every token of the
 step: its weight tile (two [BLOCK_M, NB, 16] halves) and norm weight are loaded once, before the PDL
@@ -45,11 +47,24 @@ def _gated_input(x_row, cols, mask, num_cols, ACT: tl.constexpr):
 
 
 @triton.jit
+def _half_scales(ptr, field, mask, PER_16: tl.constexpr):
+    """The scales (or mins) of each block's first and last 16 values, [BLOCK_M, NB, 1] each: one per block
+    (field: the block's index), or one per half at 2 field and 2 field + 1 in the per-16 forms."""
+    if PER_16:
+        low = tl.load(ptr + 2 * field, mask=mask, other=0.0)
+        high = tl.load(ptr + 2 * field + 1, mask=mask, other=0.0)
+        return low[:, :, None], high[:, :, None]
+    both = tl.load(ptr + field, mask=mask, other=0.0)[:, :, None]
+    return both, both
+
+
+@triton.jit
 def _block_gemv_kernel(
     x_ptr, codes_ptr, d_ptr, m_ptr, norm_ptr, res_ptr, out_ptr,
     num_rows, num_cols, x_stride, res_stride, out_stride, eps,
-    IS_Q4: tl.constexpr, HAS_NORM: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    NUM_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr,
+    IS_Q4: tl.constexpr, HAS_MIN: tl.constexpr, PER_16: tl.constexpr, HAS_NORM: tl.constexpr,
+    ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+    NB: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # a block's 32 values as two halves of 16: Q4's low / high nibbles of its 16 bytes, Q8's two runs
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -58,8 +73,8 @@ def _block_gemv_kernel(
     num_blocks = num_cols // 32
     block_mask = (rows[:, None] < num_rows) & (blocks[None, :] < num_blocks)  # [BLOCK_M, NB]
     tile_mask = block_mask[:, :, None]  # [BLOCK_M, NB, 1]
-    field = rows[:, None] * num_blocks + blocks[None, :]  # [BLOCK_M, NB]: index into d / m
-    d = tl.load(d_ptr + field, mask=block_mask, other=0.0)
+    field = rows[:, None] * num_blocks + blocks[None, :]  # [BLOCK_M, NB]: index into d / m per 32
+    d_lo, d_hi = _half_scales(d_ptr, field, block_mask, PER_16)  # [BLOCK_M, NB, 1] each
     cols_lo = blocks[:, None] * 32 + lanes[None, :]  # [NB, 16]: values 0-15 of each block; +16: 16-31
     col_mask = cols_lo < num_cols
     # the weights dequantized in registers as the reference does (d q + m; Q8_0: d q), before the wait:
@@ -67,13 +82,16 @@ def _block_gemv_kernel(
     if IS_Q4:
         byte = rows[:, None, None] * (num_cols // 2) + (blocks[:, None] * 16 + lanes[None, :])[None, :, :]
         packed = tl.load(codes_ptr + byte, mask=tile_mask, other=0)  # uint8 [BLOCK_M, NB, 16]
-        mins = tl.load(m_ptr + field, mask=block_mask, other=0.0)[:, :, None]
-        w_lo = d[:, :, None] * (packed & 15).to(tl.float32) + mins  # f32 [BLOCK_M, NB, 16]
-        w_hi = d[:, :, None] * (packed >> 4).to(tl.float32) + mins
+        w_lo = d_lo * (packed & 15).to(tl.float32)  # f32 [BLOCK_M, NB, 16]
+        w_hi = d_hi * (packed >> 4).to(tl.float32)
     else:
         index = rows[:, None, None] * num_cols + cols_lo[None, :, :]
-        w_lo = d[:, :, None] * tl.load(codes_ptr + index, mask=tile_mask, other=0).to(tl.float32)
-        w_hi = d[:, :, None] * tl.load(codes_ptr + index + 16, mask=tile_mask, other=0).to(tl.float32)
+        w_lo = d_lo * tl.load(codes_ptr + index, mask=tile_mask, other=0).to(tl.float32)
+        w_hi = d_hi * tl.load(codes_ptr + index + 16, mask=tile_mask, other=0).to(tl.float32)
+    if HAS_MIN:
+        m_lo, m_hi = _half_scales(m_ptr, field, block_mask, PER_16)
+        w_lo = w_lo + m_lo
+        w_hi = w_hi + m_hi
     if HAS_NORM:  # a weight: read before the wait
         norm_lo = tl.load(norm_ptr + cols_lo, mask=col_mask, other=0.0)
         norm_hi = tl.load(norm_ptr + cols_lo + 16, mask=col_mask, other=0.0)
@@ -109,8 +127,8 @@ def block_gemv(
 ) -> torch.Tensor:
     """residual + W @ norm(act(x)) for T <= GEMV_MAX_TOKENS tokens.
 
-    x f32 [T, K] (under `activation`, [T, 2K]: gate columns then up), unit column stride; weight from
-    block_layout.repack_blocks for an [num_rows, K] matrix; norm_weight f32 [K]; residual f32 [T, M]
+    x f32 [T, K] (under `activation`, [T, 2K]: gate columns then up), unit column stride; weight the parts
+    of block_layout.repack_for_gemv for an [num_rows, K] matrix; norm_weight f32 [K]; residual f32 [T, M]
     -> f32 [T, M]. tile: block_tile's choice unless given (benchmarks sweep it).
     """
     num_tokens = x.shape[0]
@@ -120,6 +138,7 @@ def block_gemv(
         raise ValueError(f"block_gemv: {num_tokens} tokens of K={num_cols} is outside the kernel's range")
     codes, d = weight["codes"], weight["d"]
     is_q4 = codes.dtype == torch.uint8
+    per_16 = d.shape[1] * 16 == num_cols  # the K-quant forms' scales per 16 values
     out = torch.empty((num_tokens, num_rows), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
@@ -129,7 +148,8 @@ def block_gemv(
         x, codes, d, weight.get("m", d), d if norm_weight is None else norm_weight,
         out if residual is None else residual, out,
         num_rows, num_cols, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), eps,
-        IS_Q4=is_q4, HAS_NORM=norm_weight is not None, ACT=act, HAS_RESIDUAL=residual is not None,
+        IS_Q4=is_q4, HAS_MIN="m" in weight, PER_16=per_16, HAS_NORM=norm_weight is not None, ACT=act,
+        HAS_RESIDUAL=residual is not None,
         NUM_TOKENS=num_tokens, BLOCK_M=tile.block_m, NB=tile.nb, num_warps=tile.num_warps,
         **launch_options(x.device),
     )  # fmt: skip

@@ -1,9 +1,19 @@
-"""The runtime layout of Q4_0 / Q4_1 / Q8_0 weights on a CUDA device and block_gemv's tile config.
+"""The runtime forms of block-quantized weights on a CUDA device, and block_gemv's tile config.
 
-Torch only (no Triton import), so the backend can prepare weights and choose paths on any machine.
-Layout: codes uint8 [M, K / 2] (Q4: each block's 16 `qs` bytes, low nibble = value j, high nibble = value
-j + 16, as in the file) or int8 [M, K] (Q8_0); d f32 [M, K / 32]; for Q4, m f32 [M, K / 32] (Q4_0 is
-stored as Q4_1 with m = -8 d, exact, as the CPU backend does). Per row, so weights stack row-wise.
+Torch only (no Triton import), so the backend can prepare weights and choose paths on any machine. Every
+form holds, per row (so weights stack row-wise), integer codes and f32 scales whose products are the
+reference decoder's values: value = code * d + m, with d (and m) per 32 or per 16 values. Each form is
+named by the file layout it was first built for (FORMS); HELD_AS says which form each file layout takes:
+- Q4_1 form: nibble codes uint8 [M, K / 2] (per 32 values, low nibble value j, high nibble value j + 16,
+  as Q4 files store them), d and m f32 [M, K / 32]. Q4_0 (m = -8 d), Q4_1, Q2_0 ((c - 1) d = c d - d, d per
+  64 values), Q1_0 (c 2d - d, d per 128), Q4_K ((d sc_s) c - (dmin m_s) per 32-value sub-block s).
+- Q2_K form: the same nibble codes with d and m per 16 values [M, K / 16]: Q2_K ((d sc) c - dmin m),
+  Q3_K ((d sc) c for c in -4..3, held as (d sc)(c + 4) - 4 (d sc)).
+- Q8_0 form: int8 codes [M, K], d f32 [M, K / 32]: Q8_0, Q5_0 (c - 16).
+- Q5_1 form: int8 codes [M, K], d and m per 32: Q5_1, Q5_K (codes 0..31).
+- Q6_K form: int8 codes [M, K], d per 16: Q6_K (code - 32, d sc per 16 values).
+Every product is exact in f32 (an f16 times small integers), so each form holds the file's values.
+Bytes a weight: 0.75 (Q4_1 form), 1.0 (Q2_K), 1.125 (Q8_0), 1.25 (Q5_1, Q6_K), against f32's 4.
 """
 
 from __future__ import annotations
@@ -12,13 +22,12 @@ from typing import NamedTuple
 
 import torch
 
-from bitserve.kernels.cpu.blockquant import QK, block_field_f32
+from bitserve.kernels.cpu.blockquant import QK
 from bitserve.kernels.packed import Layout
+from bitserve.kernels.reference import k_quants
 from bitserve.kernels.reference.dequant import BLOCK_GEOMETRY, low_bit_codes
-from bitserve.kernels.reference.k_quants import scale_min_k4
 from bitserve.kernels.reference.packed_bytes import f16_to_f32
 
-BLOCK_LAYOUTS = (Layout.Q4_0, Layout.Q4_1, Layout.Q8_0)  # the file layouts this form holds
 GEMV_MAX_TOKENS = 4  # steps of more tokens run cuBLAS on the f32 copy (one grid row per token there)
 MAX_TILE_VALUES = 16384  # BLOCK_M * padded K: the weight tile one program holds in registers
 # BLOCK_M = 2 T (T rounded up to a power of two): the fastest tile at T = 1 and 4 on an H100 (RESULTS.md)
@@ -26,55 +35,107 @@ ROWS_PER_TOKEN = 2
 WIDE_K = 2048  # a padded K from which 8 warps beat 4
 HEAD_ROWS = 16384  # an LM head's rows (vocabularies): tiled for bandwidth, not latency
 HEAD_TILE_VALUES = 8192
-MAX_INT32_INDEX = 2**31  # the kernel indexes codes with int32 offsets (M * K values for Q8_0)
+MAX_INT32_INDEX = 2**31  # the kernel indexes codes with int32 offsets (M * K values for the int8 forms)
 
 
-def repack_blocks(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str, torch.Tensor]:
-    """A Q4_0 / Q4_1 / Q8_0 weight's file rows uint8 [M, K / 32 * type_size] -> {"codes", "d"(, "m")} in the
-    kernel's layout (module docstring). Copies: the file's pages may be released afterwards."""
-    num_rows, num_blocks = rows.shape[0], num_cols // QK
-    type_size = BLOCK_GEOMETRY[layout][1]  # bytes per 32-value block in the file
-    blocks = rows.reshape(num_rows, num_blocks, type_size)
-    d = block_field_f32(rows, type_size, 0)  # [M, nb]
+class GemvForm(NamedTuple):
+    """How a form stores its codes and scales (module docstring)."""
+
+    nibbles: bool  # uint8 [M, K / 2] of 4-bit codes, else int8 [M, K]
+    values_per_scale: int  # 32 or 16
+    has_min: bool
+
+
+FORMS = {
+    Layout.Q4_1: GemvForm(True, 32, True),
+    Layout.Q2_K: GemvForm(True, 16, True),
+    Layout.Q8_0: GemvForm(False, 32, False),
+    Layout.Q5_1: GemvForm(False, 32, True),
+    Layout.Q6_K: GemvForm(False, 16, False),
+}
+HELD_AS = {
+    **dict.fromkeys((Layout.Q4_0, Layout.Q4_1, Layout.Q2_0, Layout.Q1_0, Layout.Q4_K), Layout.Q4_1),
+    **dict.fromkeys((Layout.Q2_K, Layout.Q3_K), Layout.Q2_K),
+    **dict.fromkeys((Layout.Q8_0, Layout.Q5_0), Layout.Q8_0),
+    **dict.fromkeys((Layout.Q5_1, Layout.Q5_K), Layout.Q5_1),
+    Layout.Q6_K: Layout.Q6_K,
+}
+
+
+def _codes_and_scales(
+    blocks: torch.Tensor, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """File blocks uint8 [N, type_size] -> (codes [N, values] as the form stores them, d f32 [N, S], m f32
+    [N, S] or None) with S scales a block."""
+    d = f16_to_f32(blocks[:, :2])  # [N, 1]: d leads the 32-value types and Q2_0 / Q1_0
     if layout is Layout.Q8_0:
-        codes = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(num_rows, num_cols)
-        return {"codes": codes, "d": d}
-    # Q4_0: m = -8 d is exact (a power-of-two multiple of an f16 value)
-    minimum = block_field_f32(rows, type_size, 2) if layout is Layout.Q4_1 else d * -8.0
-    codes = blocks[:, :, type_size - QK // 2 :].reshape(num_rows, num_cols // 2).clone()
-    return {"codes": codes, "d": d, "m": minimum}
+        return blocks[:, 2:].contiguous().view(torch.int8), d, None
+    if layout in (Layout.Q4_0, Layout.Q4_1):
+        codes = k_quants.low_high(blocks[:, -QK // 2 :])
+        return codes, d, f16_to_f32(blocks[:, 2:4]) if layout is Layout.Q4_1 else d * -8.0  # -8 d: exact
+    if layout in (Layout.Q2_0, Layout.Q1_0):
+        signed = low_bit_codes(blocks, layout)  # int8 [N, values]: Q2_0 code - 1, Q1_0 +-1
+        codes = signed + 1 if layout is Layout.Q2_0 else (signed + 1) // 2
+        return codes, d if layout is Layout.Q2_0 else d * 2.0, -d
+    if layout in (Layout.Q5_0, Layout.Q5_1):
+        codes = k_quants.five_bit_codes(blocks[:, -20:-16], blocks[:, -16:])
+        if layout is Layout.Q5_0:
+            return (codes.to(torch.int16) - 16).to(torch.int8), d, None
+        return codes, d, f16_to_f32(blocks[:, 2:4])
+    if layout in (Layout.Q4_K, Layout.Q5_K):
+        codes = k_quants.q4_k_codes(blocks) if layout is Layout.Q4_K else k_quants.q5_k_codes(blocks)
+        scale, minimum = k_quants.k4_scales(blocks)
+        return codes, scale, minimum.neg_()
+    if layout is Layout.Q2_K:
+        scale, minimum = k_quants.q2_k_scales(blocks)
+        return k_quants.q2_k_codes(blocks), scale, minimum.neg_()
+    if layout is Layout.Q3_K:
+        codes, scales = k_quants.q3_k_codes(blocks)
+        scale = f16_to_f32(blocks[:, 108:110]) * scales.float()
+        return codes + 4, scale, scale * -4.0  # (d sc) c = (d sc)(c + 4) - 4 (d sc), exact
+    return (
+        (k_quants.q6_k_codes(blocks).to(torch.int16) - 32).to(torch.int8),
+        k_quants.q6_k_scales(blocks),
+        None,
+    )
 
 
-# File layouts whose every value is exactly code * d + m with a code < 16 and (d, m) per 32 values: held
-# in the Q4 form above and run by the same GEMV. Q2_0: (c - 1) d, d per 64 values; Q1_0: c (2 d) - d, d
-# per 128; Q4_K: (d sc_s) c - (dmin m_s) per 32-value sub-block s. Every product is exact in f32 (an f16
-# times a small integer), so the form holds the reference decoder's values.
-Q4_FORM_LAYOUTS = (Layout.Q2_0, Layout.Q1_0, Layout.Q4_K)
-
-
-def repack_as_q4(rows: torch.Tensor, layout: Layout, num_cols: int) -> dict[str, torch.Tensor]:
-    """A Q2_0 / Q1_0 / Q4_K weight's file rows uint8 [M, row bytes] -> {"codes", "d", "m"} of the Q4 form
-    (codes uint8 [M, K / 2]: per 32 values, low nibble value j, high nibble value j + 16)."""
+def repack_for_gemv(
+    rows: torch.Tensor, layout: Layout, num_cols: int
+) -> tuple[Layout, dict[str, torch.Tensor]]:
+    """A weight's file rows uint8 [M, row bytes] in a HELD_AS layout -> (its form, {"codes", "d"(, "m")}
+    in that form). Copies: the file's pages may be released afterwards."""
+    form_name = HELD_AS[layout]
+    form = FORMS[form_name]
     num_rows = rows.shape[0]
     values, type_size = BLOCK_GEOMETRY[layout]
-    blocks = rows.reshape(-1, type_size)  # [M * K / values, type_size]
-    if layout is Layout.Q4_K:
-        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # group g: sub-block 2 g low nibbles, 2 g + 1 high
-        codes = torch.cat((qs & 15, qs >> 4), dim=2).reshape(num_rows, num_cols)
-        d, dmin = f16_to_f32(blocks[:, :2]), f16_to_f32(blocks[:, 2:4])  # [N, 1]
-        sc, mn = scale_min_k4(blocks[:, 4:16])  # int32 [N, 8]
-        scale = (d * sc.float()).reshape(num_rows, num_cols // QK)
-        minimum = (dmin * mn.float()).neg_().reshape(num_rows, num_cols // QK)
+    codes, d, minimum = _codes_and_scales(rows.reshape(-1, type_size), layout)
+    repeat = values // d.shape[1] // form.values_per_scale  # Q2_0's one d per 64 values: 2 per 32
+    num_scales = num_cols // form.values_per_scale
+    parts = {"d": d.repeat_interleave(repeat, dim=1).reshape(num_rows, num_scales).contiguous()}
+    if form.has_min:
+        parts["m"] = minimum.repeat_interleave(repeat, dim=1).reshape(num_rows, num_scales).contiguous()
+    if form.nibbles:
+        halves = codes.to(torch.uint8).reshape(num_rows, num_cols // QK, 2, QK // 2)
+        packed = halves[:, :, 0] | (halves[:, :, 1] << 4)
+        parts["codes"] = packed.reshape(num_rows, num_cols // 2).contiguous()
     else:
-        signed = low_bit_codes(blocks, layout)  # int8 [N, values]: Q2_0 code - 1, Q1_0 +-1
-        codes = (signed + 1 if layout is Layout.Q2_0 else (signed + 1) // 2).to(torch.uint8)
-        codes = codes.reshape(num_rows, num_cols)
-        d = f16_to_f32(blocks[:, :2]).repeat_interleave(values // QK, dim=1).reshape(num_rows, num_cols // QK)
-        scale = d if layout is Layout.Q2_0 else d * 2.0
-        minimum = -d
-    halves = codes.reshape(num_rows, num_cols // QK, 2, QK // 2)
-    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(num_rows, num_cols // 2)
-    return {"codes": packed.contiguous(), "d": scale.contiguous(), "m": minimum.contiguous()}
+        parts["codes"] = codes.to(torch.int8).reshape(num_rows, num_cols).contiguous()
+    return form_name, parts
+
+
+def form_values(parts: dict[str, torch.Tensor], num_cols: int) -> torch.Tensor:
+    """The values f32 [M, K] a form's parts hold (what block_gemv multiplies): code * d + m."""
+    codes = parts["codes"]
+    num_rows = codes.shape[0]
+    if codes.dtype == torch.uint8:
+        pairs = codes.reshape(num_rows, num_cols // QK, QK // 2)
+        codes = torch.cat([pairs & 15, pairs >> 4], dim=2).reshape(num_rows, num_cols)
+    per = num_cols // parts["d"].shape[1]
+    values = codes.float() * parts["d"].repeat_interleave(per, dim=1)
+    if "m" in parts:
+        values = values + parts["m"].repeat_interleave(per, dim=1)
+    return values
 
 
 class GemvTile(NamedTuple):

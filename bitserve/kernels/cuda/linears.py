@@ -22,8 +22,9 @@ class CudaDenseLinear(PreparedLinear):
 
 
 class CudaBlockLinear(PreparedLinear):
-    """A Q4_0 / Q4_1 / Q8_0 weight: data = codes, scale = d, extras["m"] (Q4) in block_gemv's layout, and
-    extras["dense"] f32 [M, K] for steps of more than GEMV_MAX_TOKENS tokens (cuBLAS)."""
+    """A block weight in a block_layout form (its layout the form's name): data = codes, scale = d,
+    extras["m"] (the forms with a min), and extras["dense"] f32 [M, K] for steps of more than
+    GEMV_MAX_TOKENS tokens (cuBLAS)."""
 
     __slots__ = ()
 

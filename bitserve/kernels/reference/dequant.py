@@ -84,10 +84,7 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    num_blocks = blocks.shape[0]
-    bit_ids = torch.arange(8, dtype=torch.uint8, device=blocks.device)
-    high = ((blocks[:, 2:6, None] >> bit_ids) & 1).reshape(num_blocks, 32)  # bit j of LE u32 qh
-    q = _low_nibbles_first(blocks[:, 6:]) | (high << 4)
+    q = k_quants.five_bit_codes(blocks[:, 2:6], blocks[:, 6:])  # qh a little-endian u32
     return q.float().sub_(16).mul_(f16_to_f32(blocks[:, :2]))
 
 
