@@ -32,23 +32,32 @@ _HELPERS = ("_load_index", "_save_index", "_save_data", "_data_name")  # numba's
 
 
 def _locked_save(self: Any, key: Any, data: Any) -> None:
-    """IndexDataCacheFile.save under the index's lock, data before index."""
-    with open(self._index_path + ".lock", "ab") as lock:
+    """IndexDataCacheFile.save under the index's lock, data before index. Where the lock file cannot be
+    made (numba chose a directory it can write, so this is rare), the same order without the lock."""
+    try:
+        lock = open(self._index_path + ".lock", "ab")  # noqa: SIM115 - held across the save below
+    except OSError:
+        _save_data_first(self, key, data)
+        return
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            overloads = self._load_index()
-            data_name = overloads.get(key)
-            if data_name is None:
-                existing = set(overloads.values())
-                data_name = next(
-                    name for name in map(self._data_name, itertools.count(1)) if name not in existing
-                )
-            self._save_data(data_name, data)
-            if overloads.get(key) != data_name:
-                overloads[key] = data_name
-                self._save_index(overloads)
+            _save_data_first(self, key, data)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _save_data_first(cache: Any, key: Any, data: Any) -> None:
+    """Numba's save (its own helpers), the data file written before the index entry that names it."""
+    overloads = cache._load_index()
+    data_name = overloads.get(key)
+    if data_name is None:
+        existing = set(overloads.values())
+        data_name = next(name for name in map(cache._data_name, itertools.count(1)) if name not in existing)
+    cache._save_data(data_name, data)
+    if overloads.get(key) != data_name:
+        overloads[key] = data_name
+        cache._save_index(overloads)
 
 
 def install() -> bool:
