@@ -68,6 +68,16 @@ def _codes(codes_ptr, base, values, mask, CODE_BITS: tl.constexpr):
 
 
 @triton.jit
+def _low_bit_weights(codes_ptr, base, values, mask, d, CODE_BITS: tl.constexpr):
+    """Values `values` [16] of each (row, block) of a Q2_0 / Q1_0 form: (c - 1) d or (2 c - 1) d, as
+    c (scale d) - d, f32 [BLOCK_M, NB, 16] (d [BLOCK_M, NB, 1])."""
+    codes = _codes(codes_ptr, base, values, mask, CODE_BITS)
+    if CODE_BITS == 1:
+        return (d * 2.0) * codes - d
+    return d * codes - d
+
+
+@triton.jit
 def _block_gemv_kernel(
     x_ptr, codes_ptr, d_ptr, m_ptr, norm_ptr, res_ptr, out_ptr,
     num_rows, num_cols, x_stride, res_stride, out_stride, eps,
@@ -95,14 +105,8 @@ def _block_gemv_kernel(
         w_hi = d_hi * (packed >> 4).to(tl.float32)
     elif CODE_BITS < 4:  # Q2_0 / Q1_0 forms (4 CODE_BITS bytes a block): d the file's f16, c (scale d) - d
         base = rows[:, None, None] * (num_cols // 8 * CODE_BITS) + (blocks * (4 * CODE_BITS))[None, :, None]
-        c_lo = _codes(codes_ptr, base, lanes, tile_mask, CODE_BITS)  # f32 [BLOCK_M, NB, 16]
-        c_hi = _codes(codes_ptr, base, lanes + 16, tile_mask, CODE_BITS)
-        if CODE_BITS == 1:  # (2c - 1) d
-            w_lo = (d_lo * 2.0) * c_lo - d_lo
-            w_hi = (d_hi * 2.0) * c_hi - d_hi
-        else:  # (c - 1) d
-            w_lo = d_lo * c_lo - d_lo
-            w_hi = d_hi * c_hi - d_hi
+        w_lo = _low_bit_weights(codes_ptr, base, lanes, tile_mask, d_lo, CODE_BITS)  # f32 [BLOCK_M, NB, 16]
+        w_hi = _low_bit_weights(codes_ptr, base, lanes + 16, tile_mask, d_hi, CODE_BITS)
     else:
         index = rows[:, None, None] * num_cols + cols_lo[None, :, :]
         w_lo = d_lo * tl.load(codes_ptr + index, mask=tile_mask, other=0).to(tl.float32)
