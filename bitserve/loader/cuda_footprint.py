@@ -38,13 +38,11 @@ GREEDY_HEAD_MAX_WIDTH = 4096  # kernels/cuda/greedy_head.MAX_HIDDEN
 # per head row: its f32 scale, and per launch row (greedy_head.MAX_ROWS, 2) an f32 approximate logit and
 # an int32 slot of the rescoring pass's candidate list
 GREEDY_HEAD_ROW_BYTES = 4 + 2 * (4 + 4)
-# packed bytes per value in block_layout.py's forms: 2- / 1-bit codes 0.25 / 0.125 + an f16 d per 32 values
-# (Q2_0, Q1_0); nibble codes 0.5 + f32 d and m per 32 values (Q4_*, Q4_K) or per 16 (Q2_K, Q3_K); int8 codes
-# 1 + d per 32 (Q8_0, Q5_0), + m (Q5_1, Q5_K), d per 16 (Q6_K)
+# packed bytes per value in block_layout.py's forms: nibble codes 0.5 + f32 d and m per 32 values (Q4_*,
+# Q2_0, Q1_0, Q4_K) or per 16 (Q2_K, Q3_K); int8 codes 1 + d per 32 (Q8_0, Q5_0), + m (Q5_1, Q5_K), d per
+# 16 (Q6_K)
 BLOCK_PACKED_BYTES = {
-    GGMLType.Q2_0: 0.3125,
-    GGMLType.Q1_0: 0.1875,
-    **dict.fromkeys((GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K), 0.75),
+    **dict.fromkeys((GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q2_0, GGMLType.Q1_0, GGMLType.Q4_K), 0.75),
     **dict.fromkeys((GGMLType.Q2_K, GGMLType.Q3_K), 1.0),
     **dict.fromkeys((GGMLType.Q8_0, GGMLType.Q5_0), 1.125),
     **dict.fromkeys((GGMLType.Q5_1, GGMLType.Q5_K, GGMLType.Q6_K), 1.25),

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, GemvTile, block_tile, code_bits
+from bitserve.kernels.cuda.block_layout import GEMV_MAX_TOKENS, GemvTile, block_tile
 from bitserve.kernels.cuda.elementwise import ACTIVATIONS, activate, inv_rms
 from bitserve.kernels.cuda.pdl import launch_options, pdl_enter
 
@@ -54,34 +54,15 @@ def _half_scales(ptr, field, mask, PER_16: tl.constexpr):
         low = tl.load(ptr + 2 * field, mask=mask, other=0.0)
         high = tl.load(ptr + 2 * field + 1, mask=mask, other=0.0)
         return low[:, :, None], high[:, :, None]
-    both = tl.load(ptr + field, mask=mask, other=0.0).to(tl.float32)[:, :, None]  # the 2-/1-bit forms: f16
+    both = tl.load(ptr + field, mask=mask, other=0.0)[:, :, None]
     return both, both
-
-
-@triton.jit
-def _codes(codes_ptr, base, values, mask, CODE_BITS: tl.constexpr):
-    """The CODE_BITS-bit codes of block values `values` [16] of every (row, block) at byte `base`
-    [BLOCK_M, NB, 1] (block_layout.pack_codes' layout), as f32 [BLOCK_M, NB, 16]."""
-    packed = tl.load(codes_ptr + base + (values % (4 * CODE_BITS))[None, None, :], mask=mask, other=0)
-    shift = (CODE_BITS * (values // (4 * CODE_BITS)))[None, None, :]
-    return ((packed.to(tl.int32) >> shift) & ((1 << CODE_BITS) - 1)).to(tl.float32)
-
-
-@triton.jit
-def _low_bit_weights(codes_ptr, base, values, mask, d, CODE_BITS: tl.constexpr):
-    """Values `values` [16] of each (row, block) of a Q2_0 / Q1_0 form: (c - 1) d or (2 c - 1) d, as
-    c (scale d) - d, f32 [BLOCK_M, NB, 16] (d [BLOCK_M, NB, 1])."""
-    codes = _codes(codes_ptr, base, values, mask, CODE_BITS)
-    if CODE_BITS == 1:
-        return (d * 2.0) * codes - d
-    return d * codes - d
 
 
 @triton.jit
 def _block_gemv_kernel(
     x_ptr, codes_ptr, d_ptr, m_ptr, norm_ptr, res_ptr, out_ptr,
     num_rows, num_cols, x_stride, res_stride, out_stride, eps,
-    CODE_BITS: tl.constexpr, HAS_MIN: tl.constexpr, PER_16: tl.constexpr, HAS_NORM: tl.constexpr,
+    IS_Q4: tl.constexpr, HAS_MIN: tl.constexpr, PER_16: tl.constexpr, HAS_NORM: tl.constexpr,
     ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NUM_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
     NB: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -98,15 +79,11 @@ def _block_gemv_kernel(
     col_mask = cols_lo < num_cols
     # the weights dequantized in registers as the reference does (d q + m; Q8_0: d q), before the wait:
     # only weights are read, so this overlaps the previous kernel
-    if CODE_BITS == 4:
+    if IS_Q4:
         byte = rows[:, None, None] * (num_cols // 2) + (blocks[:, None] * 16 + lanes[None, :])[None, :, :]
         packed = tl.load(codes_ptr + byte, mask=tile_mask, other=0)  # uint8 [BLOCK_M, NB, 16]
         w_lo = d_lo * (packed & 15).to(tl.float32)  # f32 [BLOCK_M, NB, 16]
         w_hi = d_hi * (packed >> 4).to(tl.float32)
-    elif CODE_BITS < 4:  # Q2_0 / Q1_0 forms (4 CODE_BITS bytes a block): d the file's f16, c (scale d) - d
-        base = rows[:, None, None] * (num_cols // 8 * CODE_BITS) + (blocks * (4 * CODE_BITS))[None, :, None]
-        w_lo = _low_bit_weights(codes_ptr, base, lanes, tile_mask, d_lo, CODE_BITS)  # f32 [BLOCK_M, NB, 16]
-        w_hi = _low_bit_weights(codes_ptr, base, lanes + 16, tile_mask, d_hi, CODE_BITS)
     else:
         index = rows[:, None, None] * num_cols + cols_lo[None, :, :]
         w_lo = d_lo * tl.load(codes_ptr + index, mask=tile_mask, other=0).to(tl.float32)
@@ -160,6 +137,7 @@ def block_gemv(
     if tile is None or num_tokens > GEMV_MAX_TOKENS or x.stride(1) != 1:
         raise ValueError(f"block_gemv: {num_tokens} tokens of K={num_cols} is outside the kernel's range")
     codes, d = weight["codes"], weight["d"]
+    is_q4 = codes.dtype == torch.uint8
     per_16 = d.shape[1] * 16 == num_cols  # the K-quant forms' scales per 16 values
     out = torch.empty((num_tokens, num_rows), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
@@ -170,8 +148,8 @@ def block_gemv(
         x, codes, d, weight.get("m", d), d if norm_weight is None else norm_weight,
         out if residual is None else residual, out,
         num_rows, num_cols, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), eps,
-        CODE_BITS=code_bits(codes, num_cols), HAS_MIN="m" in weight, PER_16=per_16,
-        HAS_NORM=norm_weight is not None, ACT=act, HAS_RESIDUAL=residual is not None,
+        IS_Q4=is_q4, HAS_MIN="m" in weight, PER_16=per_16, HAS_NORM=norm_weight is not None, ACT=act,
+        HAS_RESIDUAL=residual is not None,
         NUM_TOKENS=num_tokens, BLOCK_M=tile.block_m, NB=tile.nb, num_warps=tile.num_warps,
         **launch_options(x.device),
     )  # fmt: skip

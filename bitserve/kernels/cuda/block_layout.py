@@ -5,20 +5,15 @@ form holds, per row (so weights stack row-wise), integer codes and f32 scales wh
 reference decoder's values: value = code * d + m, with d (and m) per 32 or per 16 values. Each form is
 named by the file layout it was first built for (FORMS); HELD_AS says which form each file layout takes:
 - Q4_1 form: nibble codes uint8 [M, K / 2] (per 32 values, low nibble value j, high nibble value j + 16,
-  as Q4 files store them), d and m f32 [M, K / 32]. Q4_0 (m = -8 d), Q4_1, Q4_K ((d sc_s) c - (dmin m_s)
-  per 32-value sub-block s).
-- Q2_0 / Q1_0 forms (PrismML's Bonsai types): 2- or 1-bit codes, uint8 [M, K / 4] or [M, K / 8]: per 32
-  values B = 8 or 4 bytes, value v's code in byte v % B at bits bits * (v // B); the file's d f16 per 32
-  values [M, K / 32] (Q2_0's one d per 64 twice, Q1_0's per 128 four times) and no stored min: values
-  c d - d (Q2_0: (c - 1) d) and c (2 d) - d (Q1_0: (2 c - 1) d).
+  as Q4 files store them), d and m f32 [M, K / 32]. Q4_0 (m = -8 d), Q4_1, Q2_0 ((c - 1) d = c d - d, d per
+  64 values), Q1_0 (c 2d - d, d per 128), Q4_K ((d sc_s) c - (dmin m_s) per 32-value sub-block s).
 - Q2_K form: the same nibble codes with d and m per 16 values [M, K / 16]: Q2_K ((d sc) c - dmin m),
   Q3_K ((d sc) c for c in -4..3, held as (d sc)(c + 4) - 4 (d sc)).
 - Q8_0 form: int8 codes [M, K], d f32 [M, K / 32]: Q8_0, Q5_0 (c - 16).
 - Q5_1 form: int8 codes [M, K], d and m per 32: Q5_1, Q5_K (codes 0..31).
 - Q6_K form: int8 codes [M, K], d per 16: Q6_K (code - 32, d sc per 16 values).
 Every product is exact in f32 (an f16 times small integers), so each form holds the file's values.
-Bytes a weight: 0.1875 (Q1_0 form), 0.3125 (Q2_0), 0.75 (Q4_1), 1.0 (Q2_K), 1.125 (Q8_0), 1.25 (Q5_1,
-Q6_K), against f32's 4.
+Bytes a weight: 0.75 (Q4_1 form), 1.0 (Q2_K), 1.125 (Q8_0), 1.25 (Q5_1, Q6_K), against f32's 4.
 """
 
 from __future__ import annotations
@@ -46,25 +41,20 @@ MAX_INT32_INDEX = 2**31  # the kernel indexes codes with int32 offsets (M * K va
 class GemvForm(NamedTuple):
     """How a form stores its codes and scales (module docstring)."""
 
-    code_bits: int  # 8: int8 [M, K]; 4: nibbles uint8 [M, K / 2]; 2 / 1: uint8 [M, K bits / 8]
+    nibbles: bool  # uint8 [M, K / 2] of 4-bit codes, else int8 [M, K]
     values_per_scale: int  # 32 or 16
-    has_min: bool  # a stored m (the 2- and 1-bit forms' min, -d, is made in the kernel)
+    has_min: bool
 
 
 FORMS = {
-    Layout.Q4_1: GemvForm(4, 32, True),
-    Layout.Q2_K: GemvForm(4, 16, True),
-    Layout.Q8_0: GemvForm(8, 32, False),
-    Layout.Q5_1: GemvForm(8, 32, True),
-    Layout.Q6_K: GemvForm(8, 16, False),
-    Layout.Q2_0: GemvForm(2, 32, False),
-    Layout.Q1_0: GemvForm(1, 32, False),
+    Layout.Q4_1: GemvForm(True, 32, True),
+    Layout.Q2_K: GemvForm(True, 16, True),
+    Layout.Q8_0: GemvForm(False, 32, False),
+    Layout.Q5_1: GemvForm(False, 32, True),
+    Layout.Q6_K: GemvForm(False, 16, False),
 }
-LOW_BIT_SCALE = {2: 1.0, 1: 2.0}  # by code bits: the code's scale in d (the min is -d in both)
 HELD_AS = {
-    Layout.Q2_0: Layout.Q2_0,
-    Layout.Q1_0: Layout.Q1_0,
-    **dict.fromkeys((Layout.Q4_0, Layout.Q4_1, Layout.Q4_K), Layout.Q4_1),
+    **dict.fromkeys((Layout.Q4_0, Layout.Q4_1, Layout.Q2_0, Layout.Q1_0, Layout.Q4_K), Layout.Q4_1),
     **dict.fromkeys((Layout.Q2_K, Layout.Q3_K), Layout.Q2_K),
     **dict.fromkeys((Layout.Q8_0, Layout.Q5_0), Layout.Q8_0),
     **dict.fromkeys((Layout.Q5_1, Layout.Q5_K), Layout.Q5_1),
@@ -83,9 +73,10 @@ def _codes_and_scales(
     if layout in (Layout.Q4_0, Layout.Q4_1):
         codes = k_quants.low_high(blocks[:, -QK // 2 :])
         return codes, d, f16_to_f32(blocks[:, 2:4]) if layout is Layout.Q4_1 else d * -8.0  # -8 d: exact
-    if layout in (Layout.Q2_0, Layout.Q1_0):  # the file's d and codes (the form makes the min, -d)
+    if layout in (Layout.Q2_0, Layout.Q1_0):
         signed = low_bit_codes(blocks, layout)  # int8 [N, values]: Q2_0 code - 1, Q1_0 +-1
-        return signed + 1 if layout is Layout.Q2_0 else (signed + 1) // 2, d, None
+        codes = signed + 1 if layout is Layout.Q2_0 else (signed + 1) // 2
+        return codes, d if layout is Layout.Q2_0 else d * 2.0, -d
     if layout in (Layout.Q5_0, Layout.Q5_1):
         codes = k_quants.five_bit_codes(blocks[:, -20:-16], blocks[:, -16:])
         if layout is Layout.Q5_0:
@@ -124,51 +115,27 @@ def repack_for_gemv(
     parts = {"d": d.repeat_interleave(repeat, dim=1).reshape(num_rows, num_scales).contiguous()}
     if form.has_min:
         parts["m"] = minimum.repeat_interleave(repeat, dim=1).reshape(num_rows, num_scales).contiguous()
-    if form.code_bits < 4:  # the file's f16 d, exact (f16_to_f32 widened it)
-        parts["d"] = parts["d"].to(torch.float16)
-    parts["codes"] = pack_codes(codes.reshape(num_rows, num_cols), form.code_bits)
+    if form.nibbles:
+        halves = codes.to(torch.uint8).reshape(num_rows, num_cols // QK, 2, QK // 2)
+        packed = halves[:, :, 0] | (halves[:, :, 1] << 4)
+        parts["codes"] = packed.reshape(num_rows, num_cols // 2).contiguous()
+    else:
+        parts["codes"] = codes.to(torch.int8).reshape(num_rows, num_cols).contiguous()
     return form_name, parts
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [M, K] -> the form's storage: int8 [M, K] (8 bits) or uint8 [M, K bits / 8], per 32 values
-    B = 4 bits bytes, value v at bits bits * (v // B) of byte v % B (4 bits: low nibble value j, high
-    nibble j + 16)."""
-    num_rows, num_cols = codes.shape
-    if bits == 8:
-        return codes.to(torch.int8).contiguous()
-    per_block = 4 * bits
-    fields = codes.to(torch.uint8).reshape(num_rows, num_cols // QK, 8 // bits, per_block)
-    packed = torch.zeros(num_rows, num_cols // QK, per_block, dtype=torch.uint8)
-    for field in range(8 // bits):
-        packed |= fields[:, :, field] << (bits * field)
-    return packed.reshape(num_rows, num_cols * bits // 8)
-
-
 def form_values(parts: dict[str, torch.Tensor], num_cols: int) -> torch.Tensor:
-    """The values f32 [M, K] a form's parts hold (what block_gemv multiplies): code * d + m (the 2- and
-    1-bit forms: code * (scale d) - d)."""
+    """The values f32 [M, K] a form's parts hold (what block_gemv multiplies): code * d + m."""
     codes = parts["codes"]
     num_rows = codes.shape[0]
-    bits = code_bits(codes, num_cols)
-    if bits < 8:
-        per_block = 4 * bits
-        packed = codes.reshape(num_rows, num_cols // QK, 1, per_block)
-        shifts = (torch.arange(8 // bits, dtype=torch.uint8) * bits).view(1, 1, -1, 1)
-        codes = ((packed >> shifts) & ((1 << bits) - 1)).reshape(num_rows, num_cols)
+    if codes.dtype == torch.uint8:
+        pairs = codes.reshape(num_rows, num_cols // QK, QK // 2)
+        codes = torch.cat([pairs & 15, pairs >> 4], dim=2).reshape(num_rows, num_cols)
     per = num_cols // parts["d"].shape[1]
-    d = parts["d"].float().repeat_interleave(per, dim=1)
-    if bits < 4:
-        return codes.float() * (d * LOW_BIT_SCALE[bits]) - d
-    values = codes.float() * d
+    values = codes.float() * parts["d"].repeat_interleave(per, dim=1)
     if "m" in parts:
         values = values + parts["m"].repeat_interleave(per, dim=1)
     return values
-
-
-def code_bits(codes: torch.Tensor, num_cols: int) -> int:
-    """A form's code width from its storage: int8 [M, K] is 8, uint8 [M, K bits / 8] is bits."""
-    return 8 if codes.dtype == torch.int8 else codes.shape[1] * 8 // num_cols
 
 
 class GemvTile(NamedTuple):
