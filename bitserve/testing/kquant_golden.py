@@ -42,3 +42,19 @@ def rebuild_mix(
 
     rewrite_gguf(source, target, encode, FILE_TYPES[mix])
     return target
+
+
+def golden_mix_files(tokenizer_source: Path, fixtures: Path, folder: Path) -> tuple[str, dict[str, Path]]:
+    """(the F32 source's sha256, every mix's file) rebuilt in `folder` from the fixtures in `fixtures`
+    (kquant.json, kquant_tensors.npz: scripts/make_kquant_golden.py)."""
+    import hashlib
+    import json
+
+    golden = json.loads((fixtures / "kquant.json").read_text(encoding="utf-8"))
+    source = f32_source(tokenizer_source, folder)
+    tensors = np.load(fixtures / "kquant_tensors.npz")
+    files = {
+        mix: rebuild_mix(source, mix, golden["mixes"][mix]["types"], tensors, folder / f"{mix}.gguf")
+        for mix in MIXES
+    }
+    return hashlib.sha256(source.read_bytes()).hexdigest(), files

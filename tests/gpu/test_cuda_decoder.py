@@ -7,7 +7,6 @@ the same kernels, slowly, so the integration is checked on machines without a GP
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.loader.model_loader import LoadOptions, load_model
 from bitserve.testing.kernel_device import kernel_test_device
+from bitserve.testing.kquant_golden import MIXES, golden_mix_files
 
 pytestmark = pytest.mark.gpu
 
@@ -138,23 +138,12 @@ def kquant_mix_files(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFa
     """The K-quant golden files (llama.cpp's own Q4_K_M / Q5_K_M / Q3_K_M / Q6_K / Q2_K tensors,
     tests/fixtures/golden), rebuilt from their F32 source."""
     pytest.importorskip("transformers")
-    import numpy as np
-
-    from bitserve.testing.kquant_golden import MIXES, f32_source, rebuild_mix
-
     fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
-    golden = json.loads((fixtures / "kquant.json").read_text(encoding="utf-8"))
-    folder = tmp_path_factory.mktemp("kquant-cuda")
-    source = f32_source(tokenizer_source, folder)
-    tensors = np.load(fixtures / "kquant_tensors.npz")
-    return {
-        mix: rebuild_mix(source, mix, golden["mixes"][mix]["types"], tensors, folder / f"{mix}.gguf")
-        for mix in MIXES
-    }
+    return golden_mix_files(tokenizer_source, fixtures, tmp_path_factory.mktemp("kquant-cuda"))[1]
 
 
 @ON_DEVICE_ONLY
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q2_K"])
+@pytest.mark.parametrize("mix", MIXES)
 def test_kquant_mixes_run_the_block_gemv_and_match_the_full_forward(kquant_mix_files, mix: str) -> None:  # noqa: ANN001
     """Every K-quant (and Q5_x / Q8_0) projection of llama.cpp's mixes is held in a block GEMV form
     (kernels/cuda/block_layout.py): logits of a prefill and two decode steps equal the reference backend's

@@ -12,7 +12,6 @@ to its first near-tie."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
-from bitserve.testing.kquant_golden import MIXES, f32_source, rebuild_mix
+from bitserve.testing.kquant_golden import MIXES, golden_mix_files
 from bitserve.testing.teacher_forced import NEAR_TIE, teacher_forced_misses
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "golden"
@@ -32,15 +31,9 @@ PROMPTS = ["The capital of France is Paris, and", "def add(a, b):\n    return", 
 @pytest.fixture(scope="module")
 def mix_files(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("kquant")
-    source = f32_source(tokenizer_source, folder)
-    sha = hashlib.sha256(source.read_bytes()).hexdigest()
+    sha, files = golden_mix_files(tokenizer_source, FIXTURES, tmp_path_factory.mktemp("kquant"))
     assert sha == GOLDEN["source_sha256"], "the F32 conversion changed: rerun scripts/make_kquant_golden.py"
-    tensors = np.load(FIXTURES / "kquant_tensors.npz")
-    return {
-        mix: rebuild_mix(source, mix, GOLDEN["mixes"][mix]["types"], tensors, folder / f"{mix}.gguf")
-        for mix in MIXES
-    }
+    return files
 
 
 def _first_near_tie(expected: dict) -> int:

@@ -63,22 +63,16 @@ _POW3 = (1, 3, 9, 27, 81)
 
 
 # ------------------------------------------------------------------------------------- block formats
-def _low_nibbles_first(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_0/Q4_1/Q5_0 low bits, uint8 [N, 16] -> [N, 32]: value j < 16 is the low nibble of qs[j],
-    j+16 the high."""
-    return torch.cat((qs & 15, qs >> 4), dim=1)
-
-
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(f16_to_f32(blocks[:, :2]))
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _low_nibbles_first(blocks[:, 2:]).float().sub_(8).mul_(f16_to_f32(blocks[:, :2]))
+    return k_quants.low_high(blocks[:, 2:]).float().sub_(8).mul_(f16_to_f32(blocks[:, :2]))
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    q = _low_nibbles_first(blocks[:, 4:]).float()
+    q = k_quants.low_high(blocks[:, 4:]).float()
     # q*d + m, two roundings as in ggml
     return q.mul_(f16_to_f32(blocks[:, :2])).add_(f16_to_f32(blocks[:, 2:4]))
 
