@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     generate = sub.add_parser("generate", help="generate text offline")
-    generate.add_argument("--model", default=DEFAULT_MODEL, help="catalog name or GGUF path")
+    generate.add_argument("--model", default=DEFAULT_MODEL, help="catalog name, GGUF path or HF directory")
     generate.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--system", default=None, help="system message (with --chat)")
@@ -94,10 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from bitserve.cli.bench import add_bench_parser
+    from bitserve.cli.convert import add_convert_parser
     from bitserve.cli.keys import add_keys_parsers
     from bitserve.cli.models import add_models_parsers
 
     add_bench_parser(sub)
+    add_convert_parser(sub)
     add_models_parsers(sub)
     add_keys_parsers(sub)
     add_serve_parser(sub)
@@ -114,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from bitserve.cli import bench, commands, keys, models
+    from bitserve.cli import bench, commands, convert, keys, models
 
     handlers = {
         "bench": bench.run_bench,
@@ -122,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inspect": commands.run_inspect,
         "verify": commands.run_verify,
         "quantize": commands.run_quantize,
+        "convert": convert.run_convert,
         "crossval": commands.run_crossval,
         "serve": run_serve,
         "models": models.run_models,

@@ -19,8 +19,8 @@ from typing import Protocol
 from bitserve.config import EngineConfig, kv_cache_budget_estimate
 from bitserve.errors import InvalidModelFile, InvalidRequest
 from bitserve.loader.catalog import resolve_model
+from bitserve.loader.checkpoint_file import open_model_file
 from bitserve.loader.cuda_footprint import cuda_weight_bytes
-from bitserve.loader.gguf_reader import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +238,8 @@ def estimated_device_bytes(path: Path, config: EngineConfig) -> int:
     graph pools and library workspaces. A file that does not parse counts at its size (its load then
     fails with the parser's error)."""
     try:
-        with read_gguf(path) as gguf:
-            weights = cuda_weight_bytes(gguf.tensors.values())
+        with open_model_file(path) as model_file:
+            weights = cuda_weight_bytes(model_file.tensors.values())
     except InvalidModelFile:
         weights = path.stat().st_size
     return weights + kv_cache_budget_estimate(config)

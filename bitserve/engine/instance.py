@@ -262,6 +262,7 @@ class ModelInstance(ServedModelParts):
             i2s_variant=model_config.i2s_variant,
             tl_config=model_config.tl_config,
             hidden_act=model_config.hidden_act,
+            tokenizer_pre=model_config.tokenizer_pre,
         )
         loaded = load_model(path, options)
         try:

@@ -84,3 +84,14 @@ class TernaryCodes:
     @property
     def is_per_tensor(self) -> bool:
         return self.scale.dim() == 0
+
+
+def ternary_codes_of(dense: torch.Tensor) -> TernaryCodes | None:
+    """If every value of dense [M, K] is in {-s, 0, +s} for one s > 0, return those codes and s."""
+    scale = dense.abs().max()
+    if not torch.isfinite(scale) or scale <= 0:
+        return None
+    values = torch.sign(dense).to(torch.int8)
+    if not torch.equal(values.to(torch.float32) * scale, dense):
+        return None
+    return TernaryCodes(values=values, scale=scale.to(torch.float32))

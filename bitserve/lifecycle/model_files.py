@@ -22,6 +22,7 @@ from typing import Any
 
 from bitserve.errors import Forbidden, InvalidModelFile, InvalidRequest, ModelNotFound
 from bitserve.loader.catalog import CATALOG, resolve_model
+from bitserve.loader.checkpoint_dir import checkpoint_files, is_checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -199,14 +200,14 @@ class ModelFiles:
                 param="model",
                 hint="use a registered model name (the model list shows them) or a path inside a model root",
             )
-        if not resolved.is_file():
+        if not (resolved.is_file() or is_checkpoint_dir(resolved)):
             raise ModelNotFound(
                 f"no model file at {reference!r}", param="model", hint=f"available: {', '.join(self.names)}"
             )
         for model in self._models.values():
             if model.path == resolved:
                 return model
-        return ModelFile(resolved.stem, resolved)
+        return ModelFile(_model_name(resolved), resolved)
 
     def trusted(self, reference: str) -> ModelFile:
         """The operator's own startup model (CLI / config): a catalog name (fetched if missing) or any
@@ -218,7 +219,7 @@ class ModelFiles:
             if model.path == resolved:
                 return model
         sidecar = _read_sidecar(resolved)
-        name = reference if reference in CATALOG else str(sidecar.get("alias") or resolved.stem)
+        name = reference if reference in CATALOG else str(sidecar.get("alias") or _model_name(resolved))
         return _registered(name, resolved, sidecar, resolved)
 
     @staticmethod
@@ -235,7 +236,17 @@ class ModelFiles:
         return digest
 
 
+def _model_name(path: Path) -> str:
+    """A file's stem (model.gguf -> model); a checkpoint directory's whole name (Qwen3-0.6B)."""
+    return path.name if path.is_dir() else path.stem
+
+
 def file_sha256(path: Path) -> str:
+    """The model's version: a file's sha256, or for a checkpoint directory the sha256 of its files'
+    names and sha256s (loader/hf_checkpoint.checkpoint_files), so a changed shard or config shows."""
+    if path.is_dir():
+        listing = "".join(f"{item.name} {file_sha256(item)}\n" for item in checkpoint_files(path))
+        return hashlib.sha256(listing.encode()).hexdigest()
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 22):  # hashlib releases the GIL on chunks this size

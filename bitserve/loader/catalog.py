@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bitserve.errors import ModelNotFound, ModelUnavailable
+from bitserve.loader.checkpoint_dir import is_checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +110,10 @@ def _fetch(entry: CatalogEntry, cache_dir: Path) -> Path:
 
 
 def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, fetch: bool = True) -> Path:
-    """A GGUF path for a catalog name or an existing file path. Raises ModelNotFound / ModelUnavailable."""
+    """A GGUF path for a catalog name or an existing file path (or checkpoint directory). Raises
+    ModelNotFound / ModelUnavailable."""
     path = Path(os.path.expanduser(name_or_path))
-    if path.is_file():
+    if path.is_file() or is_checkpoint_dir(path):
         return path
     entry = CATALOG.get(name_or_path)
     if entry is None:

@@ -7,7 +7,6 @@ and in each backend's `prepare_weight`.
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +16,7 @@ import torch
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.kernels.reference.dequant import I2S_VARIANTS, i2s_geometry_error, tl_geometry_error
+from bitserve.loader.byte_views import as_uint8_tensor  # noqa: F401 - re-exported
 from bitserve.loader.tl_config import TLConfigTable
 
 if TYPE_CHECKING:
@@ -53,25 +53,6 @@ def matrix_shape(ggml_shape: tuple[int, ...]) -> tuple[int, int]:
     for dim in ggml_shape[1:]:
         num_rows *= dim
     return (num_rows, ggml_shape[0])
-
-
-def as_uint8_tensor(raw: np.ndarray) -> torch.Tensor:
-    """uint8 [n] torch view of `raw` without copying.
-
-    A view of a read-only mmap stays read-only memory (writing to it would fault): nothing in bitserve writes
-    to file-layout data, the decoders only read it, so torch's "not writable" warning is silenced for exactly
-    this call (`catch_warnings` swaps the process-wide filters for its duration; loads tolerate that). A
-    reader that maps the file copy-on-write (mmap ACCESS_COPY) hands over writable views and skips this.
-    """
-    if raw.dtype != np.uint8 or raw.ndim != 1:
-        raise ValueError(f"raw tensor bytes must be a 1-D uint8 array, got {raw.dtype} {raw.shape}")
-    if raw.flags.writeable:
-        return torch.from_numpy(raw)
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="The given NumPy array is not writable", category=UserWarning
-        )
-        return torch.from_numpy(raw)
 
 
 def _tl_params(info: TensorInfo, shape: tuple[int, int], options: DecodeOptions) -> dict[str, int]:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from bitserve.loader.gguf_cursor import (
     read_value_type,
 )
 from bitserve.loader.gguf_types import Dialect, GGMLType, GGUFValueType, pad_to
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +290,7 @@ class GGUFFile:
         self.path = path
         self._mm: mmap.mmap | None = mm
         self._fd = fd  # the same open file as the mapping, for read_rows; owned (closed by close())
+        self._whole: torch.Tensor | None = None  # the mapping as one torch tensor (tensor_bytes)
         self.file_size = file_size
         end = file_size if max_metadata_bytes is None else min(file_size, max_metadata_bytes)
         cur = Cursor(mm, 0, end, file_size, path)
@@ -346,6 +350,17 @@ class GGUFFile:
             )
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.file_offset)
 
+    def tensor_bytes(self, name: str) -> torch.Tensor:
+        """uint8 [nbytes] of a tensor as a torch view over the mapping. Every tensor is a slice of one
+        whole-file tensor (made on first use), so weights read in place share one storage (a backend may
+        stack them without a copy)."""
+        from bitserve.loader.byte_views import as_uint8_tensor  # torch only for the loader, not for inspect
+
+        if self._whole is None:
+            self._whole = as_uint8_tensor(self.file_bytes())
+        info = self.tensors[name]
+        return self._whole[info.file_offset : info.file_offset + info.nbytes]
+
     def file_bytes(self) -> np.ndarray:
         """uint8 [file_size], a read-only zero-copy view of the whole mapping. Tensors sliced from one
         such view share its buffer, so a backend can address several of them through one array."""
@@ -400,6 +415,7 @@ class GGUFFile:
     def close(self) -> None:
         """Release the mapping; tensor views still alive keep it mapped until they are dropped."""
         mm, self._mm = self._mm, None
+        self._whole = None
         if mm is not None:
             _close_quietly(mm)
         fd, self._fd = self._fd, None

@@ -16,15 +16,21 @@ import torch
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.backend import KernelBackend, LinearMode, PreparedLinear
-from bitserve.kernels.packed import LOW_BIT_LAYOUTS, TERNARY_FILE_LAYOUTS, Layout, PackedWeight, TernaryCodes
+from bitserve.kernels.packed import (
+    LOW_BIT_LAYOUTS,
+    TERNARY_FILE_LAYOUTS,
+    Layout,
+    PackedWeight,
+    ternary_codes_of,
+)
 from bitserve.kernels.reference.dequant import (
     dequantize,
     one_scale_ternary_codes,
     row_bytes_of,
     unpack_ternary,
 )
-from bitserve.loader.decode import DecodeOptions, as_uint8_tensor, make_packed_weight
-from bitserve.loader.gguf_reader import GGUFFile, read_gguf
+from bitserve.loader.checkpoint_file import ModelFile, open_model_file
+from bitserve.loader.decode import DecodeOptions, make_packed_weight
 from bitserve.loader.host_memory import available_host_memory_bytes
 from bitserve.loader.model_spec import spec_from_metadata
 from bitserve.loader.requantize import quantize_q8_0
@@ -48,13 +54,15 @@ class LoadOptions:
     i2s_variant: str = "A"
     tl_config: str | None = None  # path to a kernel_config.ini, or "preset:<name>"
     hidden_act: str | None = None  # the FFN activation, over the file's or the evidence's (--hidden-act)
+    tokenizer_pre: str | None = None  # a checkpoint directory's pre-tokenizer name, over tokenizer.json's
 
 
 @dataclass
 class GGUFWeightSource:
-    """WeightSource over one open GGUFFile; remembers which tensors the model consumed."""
+    """WeightSource over one open model file (a GGUFFile, or a checkpoint directory in its shape:
+    loader/checkpoint_file.py); remembers which tensors the model consumed."""
 
-    gguf: GGUFFile
+    gguf: ModelFile
     backend: KernelBackend
     linear_mode: LinearMode
     decode_options: DecodeOptions
@@ -62,9 +70,6 @@ class GGUFWeightSource:
     used: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)  # tensors whose pages head() gave back, read by file_rows
     dense_fallbacks: set[Layout] = field(default_factory=set)  # quantized layouts run as f32 (said once each)
-    # the whole mapping as one torch tensor, made on first use: every tensor's bytes are a slice of it,
-    # so weights read in place share one storage (a backend may stack them without a copy)
-    _file: torch.Tensor | None = None
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -81,10 +86,7 @@ class GGUFWeightSource:
                 hint="the file does not match its architecture's tensor layout",
             )
         self.used.add(name)
-        if self._file is None:
-            self._file = as_uint8_tensor(self.gguf.file_bytes())
-        raw = self._file[info.file_offset : info.file_offset + info.nbytes]
-        return make_packed_weight(info, raw, options=self.decode_options)
+        return make_packed_weight(info, self.gguf.tensor_bytes(name), options=self.decode_options)
 
     def vector(self, name: str) -> torch.Tensor:
         return dequantize(self.packed(name)).reshape(-1)
@@ -194,18 +196,7 @@ class GGUFWeightSource:
         return self.backend.prepare_dense(dense)
 
 
-def ternary_codes_of(dense: torch.Tensor) -> TernaryCodes | None:
-    """If every value of dense [M, K] is in {-s, 0, +s} for one s > 0, return those codes and s."""
-    scale = dense.abs().max()
-    if not torch.isfinite(scale) or scale <= 0:
-        return None
-    values = torch.sign(dense).to(torch.int8)
-    if not torch.equal(values.to(torch.float32) * scale, dense):
-        return None
-    return TernaryCodes(values=values, scale=scale.to(torch.float32))
-
-
-def tl_configs_for(path: Path, option: str | None, gguf: GGUFFile) -> TLConfigTable | None:
+def tl_configs_for(path: Path, option: str | None, gguf: ModelFile) -> TLConfigTable | None:
     """The TL tile table: explicit option, else the `<model>.kernel_config.ini` sidecar, else none."""
     if option is not None and option.startswith("preset:"):
         kinds = {info.ggml_type.name.lower() for info in gguf.tensors.values()} & {"tl1", "tl2"}
@@ -236,7 +227,7 @@ def _glibc() -> ctypes.CDLL | None:
 @dataclass
 class LoadResult:
     path: Path
-    gguf: GGUFFile
+    gguf: ModelFile
     spec: ModelSpec
     model: DecoderModel
     backend: KernelBackend
@@ -250,10 +241,11 @@ class LoadResult:
 
 
 def load_model(path: str | Path, options: LoadOptions) -> LoadResult:
-    """Parse and validate `path`, build its model on `options.backend`. Raises InvalidModelFile."""
+    """Parse and validate `path` (a GGUF file or a checkpoint directory), build its model on
+    `options.backend`. Raises InvalidModelFile."""
     start = time.perf_counter()
     path = Path(path)
-    gguf = read_gguf(path)
+    gguf = open_model_file(path, i2s_variant=options.i2s_variant, tokenizer_pre=options.tokenizer_pre)
     try:
         spec = spec_from_metadata(gguf.metadata, tensor_names=set(gguf.tensors), path=str(path))
         if options.hidden_act is not None:

@@ -52,6 +52,22 @@ def quantize_i2s(weights: np.ndarray, variant: str = "A") -> bytes:
     wide = w.astype(np.float64).reshape(-1)
     scale = float(np.max(np.abs(wide))) if wide.size else 0.0
     q8 = np.where(np.abs(wide) < 1e-6, 1, np.where(wide * scale > 0, 2, 0)).astype(np.uint8)
+    return _i2s_bytes(q8, num_rows, num_cols, variant) + _scale_slot(scale)
+
+
+def i2s_from_codes(codes: np.ndarray, scale: float, variant: str = "A") -> bytes:
+    """int8 codes [M, K] in {-1, 0, +1} and the value of code 1 -> I2_S bytes (the bytes quantize_i2s
+    writes for codes * scale)."""
+    num_rows, num_cols = codes.shape
+    problem = i2s_geometry_error(variant, num_rows, num_cols)
+    if problem:
+        raise ValueError(problem)
+    q8 = (np.asarray(codes, dtype=np.int8).reshape(-1) + 1).astype(np.uint8)
+    return _i2s_bytes(q8, num_rows, num_cols, variant) + _scale_slot(scale)
+
+
+def _i2s_bytes(q8: np.ndarray, num_rows: int, num_cols: int, variant: str) -> bytes:
+    """Codes + 1, uint8 [M * K] row-major -> the packed I2_S code bytes of `variant`."""
     if variant == "C":
         # one byte per column for each group of 4 rows: rows 4g..4g+3 at shifts 6, 4, 2, 0
         rows = q8.reshape(num_rows // 4, 4, num_cols)
@@ -63,7 +79,21 @@ def quantize_i2s(weights: np.ndarray, variant: str = "A") -> bytes:
         packed = np.zeros((blocks.shape[0], group), dtype=np.uint8)
         for group_idx in range(4):
             packed |= blocks[:, group_idx * group : (group_idx + 1) * group] << (6 - 2 * group_idx)
-    return packed.astype(np.uint8).tobytes() + _scale_slot(scale)
+    return packed.astype(np.uint8).tobytes()
+
+
+def tq2_0_from_codes(codes: np.ndarray, scale: float) -> bytes:
+    """int8 codes [M, K] (K a multiple of 256) and the value of code 1 -> TQ2_0 blocks, the bytes ggml's
+    quantize_row_tq2_0_ref writes for codes * scale: per 256 values, 64 bytes of codes + 1 (qs[32h + m]
+    holds value 128h + 32l + m at bits 2l) and d = f16(scale), or 0 for a block of zeros (amax 0)."""
+    num_rows, num_cols = codes.shape
+    if num_cols % 256:
+        raise ValueError(f"TQ2_0 needs rows of whole 256-value blocks, got {num_cols} values")
+    blocks = (np.asarray(codes, dtype=np.int8).reshape(-1, 2, 4, 32) + 1).astype(np.uint8)  # [N, h, l, m]
+    qs = blocks[:, :, 0] | blocks[:, :, 1] << 2 | blocks[:, :, 2] << 4 | blocks[:, :, 3] << 6  # [N, h, m]
+    nonzero = (blocks != 1).reshape(-1, 256).any(axis=1)
+    d = np.where(nonzero, np.float16(scale), np.float16(0)).astype(np.float16)
+    return np.concatenate([qs.reshape(-1, 64), d.reshape(-1, 1).view(np.uint8)], axis=1).tobytes()
 
 
 # ------------------------------------------------------------------------------------------ TL1 / TL2

@@ -22,6 +22,7 @@ _SHAPES: dict[str, dict[str, Any]] = {
     "llama": {"head_dim": 16, "tie_word_embeddings": False},
     "qwen2": {"head_dim": 16, "tie_word_embeddings": False},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
+    "bitnet": {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "relu2"},  # 2B-4T's: tied, ReLU²
 }
 
 
@@ -34,7 +35,8 @@ def random_checkpoint(
     num_layers: int = 2,
     width: int | None = None,
 ) -> torch.nn.Module:
-    """A float32 `arch` model (llama | qwen2 | qwen3) of `num_layers` layers, 64 wide (wide: 128, every
+    """A float32 `arch` model (llama | qwen2 | qwen3 | bitnet: plain float linears) of `num_layers`
+    layers, 64 wide (wide: 128, every
     projection's input a multiple of 128 as Q1_0 needs), 4 heads over 2 KV heads, in eval mode, with
     seeded weights. `width` (a multiple of 4) sets the hidden size instead, the intermediate size 2 x width
     and head_dim width / 4: 256 makes every projection's input whole K-quant super-blocks."""
@@ -44,6 +46,7 @@ def random_checkpoint(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "bitnet": (transformers.BitNetConfig, transformers.BitNetForCausalLM),
     }
     config_class, model_class = classes[arch]
     config = config_class(
@@ -95,3 +98,105 @@ def hf_gguf_case(
     path = Path(folder) / f"{arch}-{weight_type}.gguf"
     write_gguf(path, checkpoint_config(model), model.state_dict(), tokenizer, weight_type=weight_type)
     return model, path
+
+
+# BitNet checkpoint layouts: config.json's quantization_config, and how the projections are stored
+BITNET_LAYOUTS = {
+    # float master weights, ternarized in every forward (microsoft/bitnet-b1.58-2B-4T-bf16's layout)
+    "online": {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"},
+    # uint8 [M / 4, K] codes + 1 and a weight_scale (microsoft/bitnet-b1.58-2B-4T's), output / weight_scale
+    "packed": {"quant_method": "bitnet", "linear_class": "bitlinear", "quantization_mode": "offline"},
+}
+
+
+def _is_projection(name: str) -> bool:
+    return name.endswith("_proj.weight") and name.startswith("model.layers.")
+
+
+def bitnet_state(model: torch.nn.Module, layout: str) -> dict[str, torch.Tensor]:
+    """The state dict a BitNet checkpoint of `layout` stores for `model`'s float weights: for "packed",
+    each projection ternarized as transformers' WeightQuant does, packed with transformers' own pack_weights,
+    and its weight_scale (1 / mean |W|, which BitLinear divides the output by)."""
+    from transformers.integrations.bitnet import pack_weights
+
+    state = dict(model.state_dict())
+    if layout == "online":
+        return state
+    for name in [name for name in state if _is_projection(name)]:
+        weight = state[name]
+        inverse_scale = 1.0 / weight.abs().mean().clamp(min=1e-5)
+        codes = (weight * inverse_scale).round().clamp(-1, 1)
+        state[name] = pack_weights(codes)  # it stores codes + 1
+        state[name.removesuffix(".weight") + ".weight_scale"] = inverse_scale.reshape(1).to(weight.dtype)
+    return state
+
+
+def bitnet_reference(model: torch.nn.Module, layout: str) -> torch.nn.Module:
+    """transformers' own quantized BitNet model for `layout`: its BitLinear / AutoBitLinear modules
+    (replace_with_bitnet_linear, as from_pretrained would build them) holding bitnet_state's tensors."""
+    import copy
+
+    from transformers.integrations.bitnet import replace_with_bitnet_linear
+    from transformers.utils.quantization_config import BitNetQuantConfig
+
+    reference = copy.deepcopy(model)
+    settings = {k: v for k, v in BITNET_LAYOUTS[layout].items() if k != "quant_method"}
+    replace_with_bitnet_linear(reference, ["lm_head"], BitNetQuantConfig(**settings))
+    reference.load_state_dict(bitnet_state(model, layout), strict=False, assign=True)
+    reference.tie_weights()
+    return reference.eval()
+
+
+def save_checkpoint_dir(
+    model: torch.nn.Module, folder: Path, tokenizer_source: Path, *, bitnet_layout: str | None = None
+) -> Path:
+    """`model` written as a Hugging Face checkpoint directory: config.json, model.safetensors (as
+    save_pretrained lays it out; a BitNet model in `bitnet_layout`), and tokenizer.json +
+    tokenizer_config.json rebuilt from the GGUF `tokenizer_source`'s vocabulary and chat template."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = checkpoint_config(model)
+    state = model.state_dict()
+    if bitnet_layout is not None:
+        config["quantization_config"] = BITNET_LAYOUTS[bitnet_layout]
+        state = bitnet_state(model, bitnet_layout)
+    if config.get("tie_word_embeddings"):
+        state = {name: value for name, value in state.items() if name != "lm_head.weight"}
+    save_file({name: value.contiguous() for name, value in state.items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    write_tokenizer_files(tokenizer_source, folder)
+    return folder
+
+
+def write_tokenizer_files(tokenizer_source: Path, folder: Path) -> None:
+    """tokenizer.json (a byte-level BPE built from the GGUF's tokens, merges and pre-tokenizer) and a
+    tokenizer_config.json with its special tokens and chat template, as save_pretrained writes them."""
+    import json
+
+    from bitserve.loader.gguf_reader import read_gguf
+    from bitserve.tokenizer.backends import build_byte_level_bpe, pre_tokenizer_spec
+
+    with read_gguf(tokenizer_source) as gguf:
+        metadata = gguf.metadata
+        tokens = [str(token) for token in metadata["tokenizer.ggml.tokens"]]
+        merges = [str(merge) for merge in metadata["tokenizer.ggml.merges"]]
+        spec = pre_tokenizer_spec(str(metadata["tokenizer.ggml.pre"]))
+        bos, eos = int(metadata["tokenizer.ggml.bos_token_id"]), int(metadata["tokenizer.ggml.eos_token_id"])
+        template = metadata.get("tokenizer.chat_template")
+        types = list(metadata["tokenizer.ggml.token_type"])
+    from tokenizers import AddedToken, decoders
+
+    backend = build_byte_level_bpe(tokens, merges, spec)
+    backend.decoder = decoders.ByteLevel()  # as transformers' byte-level tokenizer.json files have it
+
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True) for i, kind in enumerate(types) if kind == 3]
+    )
+    backend.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {"bos_token": tokens[bos], "eos_token": tokens[eos], "add_bos_token": False}
+    if template:
+        tokenizer_config["chat_template"] = str(template)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))

@@ -71,22 +71,20 @@ def mixed_format_gguf(arch: str, tokenizer_source: Path, folder: Path) -> Path:
     format (embedding, head, norms F32)."""
     from bitserve.loader.gguf_types import GGMLType
     from bitserve.loader.gguf_writer import GGUFBuilder
-    from bitserve.loader.hf_convert import gguf_architecture, gguf_metadata, gguf_tensors
-    from bitserve.models.architectures import ARCHITECTURES
+    from bitserve.loader.hf_convert import checkpoint_metadata, checkpoint_tensors, saved_checkpoint
     from bitserve.testing.hf_checkpoints import checkpoint_config, random_checkpoint
     from bitserve.testing.synthetic import tokenizer_metadata
 
     tokenizer = tokenizer_metadata(tokenizer_source)
     vocab_size = len(tokenizer["tokenizer.ggml.tokens"][1])
     model = random_checkpoint(arch, vocab_size, wide=True, num_layers=NUM_LAYERS)
-    config = checkpoint_config(model)
-    gguf_arch = gguf_architecture(config)
     builder = GGUFBuilder()
-    for key, (value_type, value, array_type) in (gguf_metadata(gguf_arch, config) | dict(tokenizer)).items():
-        builder.add_kv(key, value_type, value, array_type)
-    with torch.no_grad():
-        state = model.state_dict()
-    tensors = gguf_tensors(ARCHITECTURES[gguf_arch], config, state, "F32")
+    with torch.no_grad(), saved_checkpoint(checkpoint_config(model), model.state_dict()) as checkpoint:
+        for key, (value_type, value, array_type) in checkpoint_metadata(
+            checkpoint, tokenizer=tokenizer
+        ).items():
+            builder.add_kv(key, value_type, value, array_type)
+        tensors = list(checkpoint_tensors(checkpoint, "F32"))
     for seed, (name, shape, type_id, data) in enumerate(tensors):
         parts = name.split(".")
         if parts[0] == "blk" and parts[2] in MIXED_TYPES:

@@ -27,6 +27,12 @@ LLAMA3_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Qwen2's (Qwen2.5, Qwen3, PrismML's Bonsai): Llama-3's with single digits (llama.cpp's QWEN2 type)
+QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class PreTokenizerSpec:
@@ -46,6 +52,7 @@ _DEFAULT = PreTokenizerSpec("default", (r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\
 _LLAMA3 = PreTokenizerSpec("llama-bpe", (LLAMA3_REGEX,), ignore_merges=True, default_add_bos=True)
 _LLAMA3_REGEX_ONLY = PreTokenizerSpec("dbrx", (LLAMA3_REGEX,))
 _SMOLLM = PreTokenizerSpec("smollm", (r"\p{N}", GPT2_REGEX))
+_QWEN2 = PreTokenizerSpec("qwen2", (QWEN2_REGEX,))
 _GPT2 = PreTokenizerSpec("gpt-2", (GPT2_REGEX,))
 
 # `tokenizer.ggml.pre` value -> spec. Only names whose llama.cpp behaviour (regexes, ignore_merges,
@@ -70,6 +77,7 @@ _PRE_TOKENIZERS: Mapping[str, PreTokenizerSpec] = MappingProxyType(
             _LLAMA3,
         ),
         **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_REGEX_ONLY),
+        **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2),
         **dict.fromkeys(
             ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
             _SMOLLM,

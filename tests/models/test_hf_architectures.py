@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bitserve.llm import LLM
-from bitserve.loader.hf_convert import name_map
+from bitserve.loader.hf_checkpoint import name_map
 from bitserve.models.architectures import ARCHITECTURES
 
 pytest.importorskip("transformers")

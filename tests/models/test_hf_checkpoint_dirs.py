@@ -1,0 +1,137 @@
+"""Serving and converting Hugging Face checkpoint directories (loader/hf_checkpoint.py, checkpoint_file.py,
+hf_convert.py) against transformers' own forward of the same checkpoint.
+
+Each case is a random-init model (bitserve/testing/hf_checkpoints.py) written as save_pretrained lays a
+directory out: config.json, model.safetensors, tokenizer.json and tokenizer_config.json. bitserve serves the
+directory itself (`LLM(DIR)`) and the GGUF `bitserve convert` writes from it; both must give transformers'
+logits and greedy tokens. BitNet is checked in both published layouts: float master weights ternarized at
+load as AutoBitLinear (online) does, and 2B-4T's packed uint8 codes with BitLinear's weight_scale, against
+transformers' own BitLinear / AutoBitLinear modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bitserve.llm import LLM
+
+pytest.importorskip("transformers")
+
+PROMPTS = ["The capital of France is Paris, and", "def add(a, b):\n    return", "émigré 東京 🙂 1 2 3"]
+# both sides compute in f32 from the same weights (BitNet: the same ternary codes and int8 activation
+# codes); only summation order differs (~6e-7 of a max logit ~1 seen, BitNet included); a wrong q/k
+# permutation, a missing norm or a BitNet scale applied the wrong way moves logits by far more
+MAX_DIFF_FRACTION = 1e-5
+CASES = [("llama", None), ("qwen3", None), ("qwen2", None), ("bitnet", "online"), ("bitnet", "packed")]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """get(arch, bitnet_layout) -> (transformers' reference model, the checkpoint directory)."""
+    from bitserve.loader.gguf_reader import read_gguf
+    from bitserve.testing.hf_checkpoints import bitnet_reference, random_checkpoint, save_checkpoint_dir
+
+    with read_gguf(tokenizer_source) as gguf:
+        vocab_size = len(gguf.metadata["tokenizer.ggml.tokens"])
+    made: dict[tuple[str, str | None], tuple[torch.nn.Module, Path]] = {}
+
+    def get(arch: str, layout: str | None) -> tuple[torch.nn.Module, Path]:
+        if (arch, layout) not in made:
+            # BitNet 256 wide: every projection whole TQ2_0 blocks (and I2_S ones)
+            model = random_checkpoint(arch, vocab_size, width=256 if arch == "bitnet" else None)
+            folder = tmp_path_factory.mktemp(f"{arch}-{layout or 'float'}")
+            save_checkpoint_dir(model, folder, tokenizer_source, bitnet_layout=layout)
+            reference = bitnet_reference(model, layout) if layout else model
+            made[(arch, layout)] = (reference, folder)
+        return made[(arch, layout)]
+
+    return get
+
+
+def _hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode(), torch._dynamo.config.patch(disable=True):  # BitLinear's torch.compile
+        return model(torch.tensor([token_ids])).logits[0]  # [T, vocab]
+
+
+def _bitserve_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    model = llm.instance.loaded.model
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(token_ids), torch.arange(len(token_ids))))
+
+
+def _assert_matches(reference: torch.nn.Module, llm: LLM, fraction: float, what: str) -> None:
+    for prompt in PROMPTS:
+        token_ids = llm.encode(prompt)
+        expected, actual = _hf_logits(reference, token_ids), _bitserve_logits(llm, token_ids)
+        assert expected.std().item() > 0.05  # not degenerate
+        diff = (expected - actual).abs().max().item()
+        assert diff <= fraction * expected.abs().max().item(), f"{what} {prompt!r}: max |diff| {diff:.3g}"
+        top2 = expected.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 0.01 * (expected.max(-1).values - expected.min(-1).values)
+        assert torch.equal(expected.argmax(-1)[decisive], actual.argmax(-1)[decisive]), what
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize(("arch", "layout"), CASES)
+def test_served_directory_equals_transformers(
+    checkpoint_dir, arch: str, layout: str | None, backend: str
+) -> None:  # noqa: ANN001
+    reference, folder = checkpoint_dir(arch, layout)
+    llm = LLM(str(folder), backend=backend)
+    try:
+        loaded = llm.instance.loaded
+        expected_arch = "bitnet-b1.58" if arch == "bitnet" else arch
+        assert loaded.spec.architecture == expected_arch
+        assert loaded.unused_tensors == []
+        if layout is not None:
+            assert {
+                loaded.gguf.tensors[f"blk.0.{p}.weight"].ggml_type.name for p in ("attn_q", "ffn_down")
+            } == {"I2_S"}
+            assert loaded.spec.activation == "relu2"
+        _assert_matches(reference, llm, MAX_DIFF_FRACTION, f"{arch}/{layout} {backend}")
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "weight_type"),
+    [
+        ("llama", None, "F32"),
+        ("qwen3", None, "F16"),
+        ("bitnet", "online", "I2_S"),
+        ("bitnet", "packed", "TQ2_0"),
+    ],
+)
+def test_converted_gguf_gives_the_directory_tokens(
+    checkpoint_dir, tmp_path: Path, arch: str, layout: str | None, weight_type: str
+) -> None:  # noqa: ANN001
+    """`bitserve convert` of the directory, served: the same greedy tokens as the directory itself."""
+    from bitserve.loader.hf_convert import convert_checkpoint
+    from bitserve.sampling_params import SamplingParams
+
+    _, folder = checkpoint_dir(arch, layout)
+    path = convert_checkpoint(folder, tmp_path / f"{arch}.gguf", weight_type=weight_type)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outputs = []
+    for source in (folder, path):
+        llm = LLM(str(source), backend="cpu")
+        try:
+            prompts = [llm.encode(prompt) for prompt in PROMPTS]
+            outputs.append([r.outputs[0].token_ids for r in llm.generate(prompts, params)])
+            if source == path:
+                assert llm.instance.loaded.unused_tensors == []
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
+
+
+def test_a_non_ternary_checkpoint_is_refused_as_i2s(checkpoint_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    from bitserve.errors import InvalidModelFile
+    from bitserve.loader.hf_convert import convert_checkpoint
+
+    _, folder = checkpoint_dir("llama", None)
+    with pytest.raises(InvalidModelFile, match=r"model\.layers\.0\.\S+_proj\.weight is not ternary"):
+        convert_checkpoint(folder, tmp_path / "x.gguf", weight_type="I2_S")
+    assert not (tmp_path / "x.gguf").exists()
