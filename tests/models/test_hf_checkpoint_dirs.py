@@ -20,10 +20,16 @@ from bitserve.llm import LLM
 pytest.importorskip("transformers")
 
 PROMPTS = ["The capital of France is Paris, and", "def add(a, b):\n    return", "émigré 東京 🙂 1 2 3"]
-# both sides compute in f32 from the same weights (BitNet: the same ternary codes and int8 activation
-# codes); only summation order differs (~6e-7 of a max logit ~1 seen, BitNet included); a wrong q/k
-# permutation, a missing norm or a BitNet scale applied the wrong way moves logits by far more
+# both sides compute in f32 from the same weights; only summation order differs (~6e-7 of a max logit
+# ~1 seen); a wrong q/k permutation, a missing norm or a BitNet scale applied the wrong way moves logits
+# by far more, at every position
 MAX_DIFF_FRACTION = 1e-5
+# BitNet's int8 activation codes round f32 values: where one lies within an ulp of a rounding midpoint the
+# two sides may round it apart, and every later position moves (measured on this model: scaling each
+# weight_scale by 1 + 1e-6 moved 1 of 30 positions by 0.4% of the max logit). So BitNet must match within
+# MAX_DIFF_FRACTION at most positions, and within BITNET_FLIP_FRACTION at all of them.
+BITNET_FLIP_FRACTION = 5e-2
+BITNET_EXACT_POSITIONS = 0.75
 CASES = [("llama", None), ("qwen3", None), ("qwen2", None), ("bitnet", "online"), ("bitnet", "packed")]
 
 
@@ -61,13 +67,21 @@ def _bitserve_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(token_ids), torch.arange(len(token_ids))))
 
 
-def _assert_matches(reference: torch.nn.Module, llm: LLM, fraction: float, what: str) -> None:
+def _assert_matches(reference: torch.nn.Module, llm: LLM, bitnet: bool, what: str) -> None:
     for prompt in PROMPTS:
         token_ids = llm.encode(prompt)
         expected, actual = _hf_logits(reference, token_ids), _bitserve_logits(llm, token_ids)
         assert expected.std().item() > 0.05  # not degenerate
-        diff = (expected - actual).abs().max().item()
-        assert diff <= fraction * expected.abs().max().item(), f"{what} {prompt!r}: max |diff| {diff:.3g}"
+        max_logit = expected.abs().max().item()
+        per_position = (expected - actual).abs().max(dim=-1).values / max_logit  # [T]
+        exact = (per_position <= MAX_DIFF_FRACTION).float().mean().item()
+        worst = per_position.max().item()
+        if bitnet:
+            assert exact >= BITNET_EXACT_POSITIONS and worst <= BITNET_FLIP_FRACTION, (
+                f"{what} {prompt!r}: {worst:.3g}"
+            )
+        else:
+            assert worst <= MAX_DIFF_FRACTION, f"{what} {prompt!r}: max |diff| {worst:.3g} of the max logit"
         top2 = expected.topk(2, dim=-1).values
         decisive = (top2[:, 0] - top2[:, 1]) > 0.01 * (expected.max(-1).values - expected.min(-1).values)
         assert torch.equal(expected.argmax(-1)[decisive], actual.argmax(-1)[decisive]), what
@@ -90,7 +104,7 @@ def test_served_directory_equals_transformers(
                 loaded.gguf.tensors[f"blk.0.{p}.weight"].ggml_type.name for p in ("attn_q", "ffn_down")
             } == {"I2_S"}
             assert loaded.spec.activation == "relu2"
-        _assert_matches(reference, llm, MAX_DIFF_FRACTION, f"{arch}/{layout} {backend}")
+        _assert_matches(reference, llm, layout is not None, f"{arch}/{layout} {backend}")
     finally:
         llm.close()
 
@@ -107,24 +121,32 @@ def test_served_directory_equals_transformers(
 def test_converted_gguf_gives_the_directory_tokens(
     checkpoint_dir, tmp_path: Path, arch: str, layout: str | None, weight_type: str
 ) -> None:  # noqa: ANN001
-    """`bitserve convert` of the directory, served: the same greedy tokens as the directory itself."""
+    """`bitserve convert` of the directory, served: over the directory's greedy continuation of each prompt,
+    the same logits where the file holds the same values (F32; I2_S is how the directory's BitNet weights
+    are served), and the same argmax at every decisive position where it rounds them (F16, TQ2_0's f16
+    scale)."""
     from bitserve.loader.hf_convert import convert_checkpoint
     from bitserve.sampling_params import SamplingParams
 
     _, folder = checkpoint_dir(arch, layout)
     path = convert_checkpoint(folder, tmp_path / f"{arch}.gguf", weight_type=weight_type)
-    params = SamplingParams(max_tokens=12, temperature=0.0)
-    outputs = []
-    for source in (folder, path):
-        llm = LLM(str(source), backend="cpu")
-        try:
-            prompts = [llm.encode(prompt) for prompt in PROMPTS]
-            outputs.append([r.outputs[0].token_ids for r in llm.generate(prompts, params)])
-            if source == path:
-                assert llm.instance.loaded.unused_tensors == []
-        finally:
-            llm.close()
-    assert outputs[0] == outputs[1]
+    directory, converted = LLM(str(folder), backend="cpu"), LLM(str(path), backend="cpu")
+    try:
+        assert converted.instance.loaded.unused_tensors == []
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        for prompt in PROMPTS:
+            token_ids = directory.encode(prompt)
+            continuation = directory.generate([token_ids], params)[0].outputs[0].token_ids
+            sequence = token_ids + list(continuation)
+            expected, actual = _bitserve_logits(directory, sequence), _bitserve_logits(converted, sequence)
+            if weight_type in ("F32", "I2_S"):
+                assert torch.equal(expected, actual), prompt
+            top2 = expected.topk(2, dim=-1).values
+            decisive = (top2[:, 0] - top2[:, 1]) > 0.01 * (expected.max(-1).values - expected.min(-1).values)
+            assert torch.equal(expected.argmax(-1)[decisive], actual.argmax(-1)[decisive]), prompt
+    finally:
+        directory.close()
+        converted.close()
 
 
 def test_a_non_ternary_checkpoint_is_refused_as_i2s(checkpoint_dir, tmp_path: Path) -> None:  # noqa: ANN001
