@@ -96,10 +96,10 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 def run_inspect(args: argparse.Namespace) -> int:
     from bitserve.kernels.select import cpu_kernel_choices
-    from bitserve.loader.gguf_reader import read_gguf
+    from bitserve.loader.checkpoint_file import open_model_file
     from bitserve.loader.inspect import format_summary, spec_or_problem, summarize
 
-    with read_gguf(resolve_model(args.model, fetch=False)) as gguf:
+    with open_model_file(resolve_model(args.model, fetch=False)) as gguf:
         spec = spec_or_problem(gguf)
         summary = summarize(gguf, spec)
         summary["cpu_kernels"] = cpu_kernel_choices(summary["tensor_types"])  # this machine's, not the file's

@@ -146,16 +146,20 @@ class ModelFiles:
         self.refresh()
 
     def refresh(self) -> None:
-        """Discover the GGUF files of every root (not following symlinked folders out of it)."""
+        """Discover the GGUF files and checkpoint directories (a folder with a config.json) of every root
+        (not following symlinked folders out of it)."""
         models: dict[str, ModelFile] = {}
         for root in self.roots:
-            for path in sorted(root.rglob("*.gguf")):
+            directories = [
+                config.parent for config in root.rglob("config.json") if is_checkpoint_dir(config.parent)
+            ]
+            for path in sorted([*root.rglob("*.gguf"), *directories]):
                 if not self._is_inside_roots(path.resolve()):
                     logger.warning("skipping %s: it resolves outside the model roots", path)
                     continue
                 try:
                     sidecar = _read_sidecar(path)
-                    name = str(sidecar.get("alias") or path.stem)
+                    name = str(sidecar.get("alias") or _model_name(path))
                     model = _registered(name, path.resolve(), sidecar, path)
                 except InvalidModelFile as exc:
                     logger.warning("skipping %s: %s", path, exc)

@@ -22,6 +22,7 @@ import torch
 from bitserve.errors import InvalidModelFile
 from bitserve.kernels.packed import TernaryCodes
 from bitserve.kernels.reference.dequant import i2s_geometry_error
+from bitserve.loader.checkpoint_dir import checkpoint_files
 from bitserve.loader.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from bitserve.loader.gguf_types import Dialect, GGMLType, tensor_nbytes
 from bitserve.loader.hf_checkpoint import Checkpoint
@@ -45,8 +46,9 @@ def open_model_file(
 class CheckpointFile:
     """An open checkpoint directory in GGUFFile's shape (see the module docstring)."""
 
-    version = 3
+    version = 3  # the GGUF version a conversion writes
     dialect = Dialect.BITNET_CPP  # I2_S is bitnet.cpp's type id
+    alignment = 32
 
     def __init__(
         self, directory: str | Path, *, i2s_variant: str = "A", tokenizer_pre: str | None = None
@@ -64,6 +66,7 @@ class CheckpointFile:
             self.checkpoint.close()
             raise
         self._made: dict[str, torch.Tensor] = {}  # bytes of transformed tensors, made on first use
+        self.file_size = sum(path.stat().st_size for path in checkpoint_files(Path(directory)))
 
     def _packs_as_i2s(self, name: str) -> bool:
         if not self.checkpoint.is_ternary(name):

@@ -35,6 +35,7 @@ def summarize(gguf: GGUFFile, spec: ModelSpec | str) -> dict[str, Any]:
     tokens = metadata.get("tokenizer.ggml.tokens")
     summary: dict[str, Any] = {
         "path": str(gguf.path),
+        "format": "hf-checkpoint" if Path(gguf.path).is_dir() else "gguf",
         "file_size": gguf.file_size,
         "gguf_version": gguf.version,
         "dialect": gguf.dialect.value,
@@ -67,9 +68,14 @@ def summarize(gguf: GGUFFile, spec: ModelSpec | str) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    container = (
+        "Hugging Face checkpoint directory, served as its converted GGUF"
+        if summary.get("format") == "hf-checkpoint"
+        else f"GGUF v{summary['gguf_version']}, {summary['dialect']} dialect, "
+        f"alignment {summary['alignment']}"
+    )
     lines = [
-        f"file          {Path(summary['path']).name}  ({summary['file_size'] / 1e6:.1f} MB, "
-        f"GGUF v{summary['gguf_version']}, {summary['dialect']} dialect, alignment {summary['alignment']})",
+        f"file          {Path(summary['path']).name}  ({summary['file_size'] / 1e6:.1f} MB, {container})",
         f"architecture  {summary['architecture']}  name={summary['name']}  file_type={summary['file_type']}",
         f"parameters    {summary['num_parameters']:,} in {summary['num_tensors']} tensors",
         "hyperparameters",
