@@ -144,3 +144,28 @@ def hf_gguf(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory):  
         return made[(arch, weight_type)]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint_dir(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """get(arch, bitnet_layout) -> (transformers' reference model, the random-init checkpoint written as a
+    Hugging Face directory: bitserve/testing/hf_checkpoints.save_checkpoint_dir), each made once a session."""
+    pytest.importorskip("transformers")
+    from bitserve.loader.gguf_reader import read_gguf
+    from bitserve.testing.hf_checkpoints import bitnet_reference, random_checkpoint, save_checkpoint_dir
+
+    with read_gguf(tokenizer_source) as gguf:
+        vocab_size = len(gguf.metadata["tokenizer.ggml.tokens"])
+    made: dict[tuple[str, str | None], tuple] = {}
+
+    def get(arch: str, layout: str | None) -> tuple:
+        if (arch, layout) not in made:
+            # ternary 256 wide: every projection whole TQ2_0 blocks (and I2_S ones)
+            model = random_checkpoint(arch, vocab_size, width=256 if layout else None)
+            folder = tmp_path_factory.mktemp(f"{arch}-{layout or 'float'}")
+            save_checkpoint_dir(model, folder, tokenizer_source, bitnet_layout=layout)
+            reference = bitnet_reference(model, layout) if layout else model
+            made[(arch, layout)] = (reference, folder)
+        return made[(arch, layout)]
+
+    return get

@@ -172,3 +172,19 @@ def test_eleven_block_formats_in_one_model_match_the_full_forward(
     )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))
+
+
+@ON_DEVICE_ONLY
+@pytest.mark.parametrize(
+    ("arch", "layout"), [("qwen3", None), ("llama", None), ("bitnet", "packed"), ("llama", "packed")]
+)
+def test_checkpoint_directories_on_the_compiled_forward(
+    hf_checkpoint_dir, arch: str, layout: str | None
+) -> None:  # noqa: ANN001
+    """A Hugging Face checkpoint directory served on CUDA (loader/checkpoint_file.py: the same tensors the
+    CPU serves, BitNet packed as I2_S): the compiled forward's prefill and decode logits equal the
+    reference backend's full forward of the same directory."""
+    _, folder = hf_checkpoint_dir(arch, layout)
+    got, expected, _ = prefill_then_decode_logits(folder, torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))

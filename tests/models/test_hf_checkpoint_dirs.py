@@ -43,29 +43,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoint_dir(tokenizer_source: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    """get(arch, bitnet_layout) -> (transformers' reference model, the checkpoint directory)."""
-    from bitserve.loader.gguf_reader import read_gguf
-    from bitserve.testing.hf_checkpoints import bitnet_reference, random_checkpoint, save_checkpoint_dir
-
-    with read_gguf(tokenizer_source) as gguf:
-        vocab_size = len(gguf.metadata["tokenizer.ggml.tokens"])
-    made: dict[tuple[str, str | None], tuple[torch.nn.Module, Path]] = {}
-
-    def get(arch: str, layout: str | None) -> tuple[torch.nn.Module, Path]:
-        if (arch, layout) not in made:
-            # ternary 256 wide: every projection whole TQ2_0 blocks (and I2_S ones)
-            model = random_checkpoint(arch, vocab_size, width=256 if layout else None)
-            folder = tmp_path_factory.mktemp(f"{arch}-{layout or 'float'}")
-            save_checkpoint_dir(model, folder, tokenizer_source, bitnet_layout=layout)
-            reference = bitnet_reference(model, layout) if layout else model
-            made[(arch, layout)] = (reference, folder)
-        return made[(arch, layout)]
-
-    return get
-
-
 def _hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode(), torch._dynamo.config.patch(disable=True):  # BitLinear's torch.compile
         return model(torch.tensor([token_ids])).logits[0]  # [T, vocab]
@@ -96,9 +73,9 @@ def _assert_matches(reference: torch.nn.Module, llm: LLM, ternary: bool, what: s
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize(("arch", "layout"), CASES)
 def test_served_directory_equals_transformers(
-    checkpoint_dir, arch: str, layout: str | None, backend: str
+    hf_checkpoint_dir, arch: str, layout: str | None, backend: str
 ) -> None:  # noqa: ANN001
-    reference, folder = checkpoint_dir(arch, layout)
+    reference, folder = hf_checkpoint_dir(arch, layout)
     llm = LLM(str(folder), backend=backend)
     try:
         loaded = llm.instance.loaded
@@ -125,7 +102,7 @@ def test_served_directory_equals_transformers(
     ],
 )
 def test_converted_gguf_gives_the_directory_tokens(
-    checkpoint_dir, tmp_path: Path, arch: str, layout: str | None, weight_type: str
+    hf_checkpoint_dir, tmp_path: Path, arch: str, layout: str | None, weight_type: str
 ) -> None:  # noqa: ANN001
     """`bitserve convert` of the directory, served: over the directory's greedy continuation of each prompt,
     the same logits where the file holds the same values (F32; I2_S is how the directory's BitNet weights
@@ -134,7 +111,7 @@ def test_converted_gguf_gives_the_directory_tokens(
     from bitserve.loader.hf_convert import convert_checkpoint
     from bitserve.sampling_params import SamplingParams
 
-    _, folder = checkpoint_dir(arch, layout)
+    _, folder = hf_checkpoint_dir(arch, layout)
     path = convert_checkpoint(folder, tmp_path / f"{arch}.gguf", weight_type=weight_type)
     directory, converted = LLM(str(folder), backend="cpu"), LLM(str(path), backend="cpu")
     try:
@@ -155,23 +132,23 @@ def test_converted_gguf_gives_the_directory_tokens(
         converted.close()
 
 
-def test_a_non_ternary_checkpoint_is_refused_as_i2s(checkpoint_dir, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_non_ternary_checkpoint_is_refused_as_i2s(hf_checkpoint_dir, tmp_path: Path) -> None:  # noqa: ANN001
     from bitserve.errors import InvalidModelFile
     from bitserve.loader.hf_convert import convert_checkpoint
 
-    _, folder = checkpoint_dir("llama", None)
+    _, folder = hf_checkpoint_dir("llama", None)
     with pytest.raises(InvalidModelFile, match=r"model\.layers\.0\.\S+_proj\.weight is not ternary"):
         convert_checkpoint(folder, tmp_path / "x.gguf", weight_type="I2_S")
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_cli_converts_and_inspects_a_directory(checkpoint_dir, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_cli_converts_and_inspects_a_directory(hf_checkpoint_dir, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     import json
 
     from bitserve.cli.main import main
     from bitserve.loader.gguf_reader import read_gguf
 
-    _, folder = checkpoint_dir("bitnet", "packed")
+    _, folder = hf_checkpoint_dir("bitnet", "packed")
     target = tmp_path / "b158.gguf"
     assert main(["convert", str(folder), str(target), "--type", "I2_S", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -187,13 +164,13 @@ def test_cli_converts_and_inspects_a_directory(checkpoint_dir, tmp_path: Path, c
     assert inspected["tensor_types"]["I2_S"]["count"] == 14  # 7 projections x 2 layers
 
 
-def test_directory_version_hashes_its_files(checkpoint_dir, tmp_path: Path) -> None:  # noqa: ANN001
+def test_directory_version_hashes_its_files(hf_checkpoint_dir, tmp_path: Path) -> None:  # noqa: ANN001
     """A served directory's version (the admin API's and /v1/models') changes when any of its files does."""
     import shutil
 
     from bitserve.lifecycle.model_files import ModelFiles, file_sha256
 
-    _, folder = checkpoint_dir("qwen3", None)
+    _, folder = hf_checkpoint_dir("qwen3", None)
     copy = tmp_path / "Qwen3-tiny.v2"
     shutil.copytree(folder, copy)
     before = file_sha256(copy)
