@@ -457,3 +457,30 @@ def test_load_progress_is_visible_while_loading(
             time.sleep(0.05)
         assert httpx.get(f"{server.url}{operation_url}").json()["state"] == "succeeded"
         assert asyncio.run(_one(server.url, "second")).versions == {version_of(model_root.files["v2"])}
+
+
+# ----------------------------------------------------------------- checkpoint directories
+
+
+def test_a_checkpoint_directory_in_a_root_loads_and_serves(
+    hf_checkpoint_dir: Any, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """A Hugging Face checkpoint directory in a model root: listed by its folder name, loaded over the admin
+    API, and served by alias, its version the hash of its files (lifecycle/model_files.file_sha256)."""
+    import shutil
+
+    from lifecycle_testing import build_model_root
+
+    from bitserve.lifecycle.model_files import file_sha256
+
+    root = build_model_root(tmp_path, smollm2_path)
+    _, folder = hf_checkpoint_dir("bitnet", "packed")
+    shutil.copytree(folder, root.root / "bitnet-tiny")
+    version = file_sha256(root.root / "bitnet-tiny")[:12]
+    with lifecycle_server(root) as server:
+        loaded = admin(server.url, "/v1/models/load", {"model": "bitnet-tiny", "alias": "hf", "wait": True})
+        assert loaded.status_code == 200, loaded.text
+        result = asyncio.run(_one(server.url, "hf"))
+        assert result.status == 200 and result.has_done and result.versions == {version}
+        listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        assert "I2_S" in listed["hf"]["quant_formats"]
