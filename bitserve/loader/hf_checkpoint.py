@@ -35,6 +35,16 @@ from bitserve.models.architectures import ARCHITECTURES
 from bitserve.models.recipe import ArchitectureRecipe, TensorNames
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
+# the sizes the name maps and the GGUF keys are built from: each must be a positive int (and bounded, so a
+# hostile config cannot ask for a billion layers of names before any tensor is checked)
+REQUIRED_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+MAX_SIZE = 1 << 24
 # config.json "architectures" -> the GGUF architecture its checkpoint converts to
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -114,6 +124,14 @@ def read_config(directory: Path) -> dict[str, Any]:
     config = read_json(path, MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise InvalidModelFile("config.json is not a JSON object", path=str(path))
+    for key in REQUIRED_SIZES:
+        value = config.get(key)
+        if type(value) is not int or not 0 < value <= MAX_SIZE:
+            raise InvalidModelFile(
+                f"config.json {key} is {value!r}, not a size in [1, {MAX_SIZE}]",
+                path=str(path),
+                hint="a transformers config.json of a decoder-only model holds it",
+            )
     return config
 
 

@@ -182,3 +182,33 @@ def test_directory_version_hashes_its_files(hf_checkpoint_dir, tmp_path: Path) -
     assert "Qwen3-tiny.v2" in files.names  # discovered in the root
     resolved = files.resolve("Qwen3-tiny.v2")
     assert resolved.path == copy.resolve() and resolved.name == "Qwen3-tiny.v2"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+        ({"hidden_size": "576"}, "hidden_size"),
+        ({"architectures": ["MambaForCausalLM"]}, "has no converter"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "gptq"),
+        ({"quantization_config": {"quant_method": "bitnet", "use_rms_norm": True}}, "use_rms_norm"),
+    ],
+)
+def test_configs_it_cannot_serve_are_refused_by_name(
+    hf_checkpoint_dir, tmp_path: Path, change: dict, message: str
+) -> None:  # noqa: ANN001
+    """A config.json bitserve cannot honour fails the load with its key named, before any weight is read,
+    never silently ignored (a scaled RoPE or a per-projection norm would give wrong answers)."""
+    import json
+    import shutil
+
+    from bitserve.errors import BitserveError
+
+    _, folder = hf_checkpoint_dir("qwen3", None)
+    copy = tmp_path / "ck"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text()) | change
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BitserveError, match=message):
+        LLM(str(copy), backend="cpu")
