@@ -1,24 +1,30 @@
-"""A checkpoint directory's tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja) ->
-the GGUF `tokenizer.*` keys llama.cpp's converter (convert_hf_to_gguf.py, `_set_vocab_gpt2` and gguf-py's
-SpecialVocab) writes for a byte-level BPE vocabulary, so a directory is tokenized exactly as its converted
-GGUF is (tokenizer/gguf_vocab.py reads the keys either way).
+"""A checkpoint directory's tokenizer files -> the GGUF `tokenizer.*` keys llama.cpp's converter
+(convert_hf_to_gguf.py: `_set_vocab_gpt2` = `get_vocab_base` + gguf-py's SpecialVocab) writes for a byte-level
+BPE vocabulary, so a directory is served, and converted, with the tokenizer its llama.cpp GGUF would have
+(tokenizer/gguf_vocab.py reads the keys either way).
 
-- tokens in id order, padded to config.json's vocab_size with `[PAD{i}]` (type UNUSED, as llama.cpp);
-  added tokens marked special are CONTROL, other added tokens USER_DEFINED, the rest NORMAL;
-- merges as "a b" strings (tokenizer.json holds strings or pairs);
-- the pre-tokenizer's llama.cpp name, recognized from tokenizer.json's pre_tokenizer pieces (HF's own
-  spellings of the Llama-3, Qwen2, GPT-2 and StarCoder / SmolLM splits, or llama.cpp's regexes as
-  bitserve's tables hold them); an unrecognized one is refused unless the caller names it (--tokenizer-pre);
-- bos / eos / unk / pad ids from tokenizer_config.json's tokens (a string or {"content": ...}), else
-  config.json's ids; add_bos_token / add_eos_token when tokenizer_config.json says;
-- the chat template from tokenizer_config.json (a string, or named templates: "default"), else
-  chat_template.jinja (transformers 5 writes it there).
-Only byte-level BPE is converted; a SentencePiece-style (byte_fallback), Unigram or WordPiece tokenizer.json
-is refused by name.
+- tokens in id order (the BPE vocabulary with tokenizer.json's added tokens over it), padded to config.json's
+  vocab_size with `[PAD{i}]` tokens of type UNUSED; an added token marked special, or that looks special
+  (`<|...|>`, `<｜...｜>`, `<unused...>`, `<pad>`, `<mask>`...), is CONTROL, any other added token
+  USER_DEFINED with U+2581 written as a space; a non-normalized added token is written as it decodes (the
+  byte-level decoder: "café" becomes "caf" + U+FFFD), as get_vocab_base's encode/decode round trip has it;
+  tokenizer_config.json's added_tokens_decoder overrides tokenizer.json's special / normalized flags, as
+  transformers does when it loads the tokenizer;
+- merges as "a b" strings (tokenizer.json holds strings or pairs; a space inside a pair's part is written
+  as U+0120), else merges.txt's;
+- `tokenizer.ggml.pre`: llama.cpp names the pre-tokenizer by hashing the tokenizer's output for known
+  models; here it is recognized from tokenizer.json's pre_tokenizer steps, compared with the regexes of
+  bitserve's pre-tokenizer table (tokenizer/backends.py) and the model's ignore_merges. An unrecognized
+  one is refused unless the caller names it (`pre`, the CLI's --tokenizer-pre);
+- special ids, add_*_token flags and chat templates: loader/hf_special_vocab.py (SpecialVocab's rules).
+Only byte-level BPE is converted: a SentencePiece-style BPE (byte_fallback), Unigram or WordPiece
+tokenizer.json is refused, naming what it holds.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,59 +33,103 @@ import numpy as np
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.loader.checkpoint_dir import read_json
-from bitserve.loader.gguf_types import GGUFValueType
-from bitserve.tokenizer.backends import SUPPORTED_PRE_TOKENIZERS, pre_tokenizer_spec
+from bitserve.loader.gguf_types import SCALAR_FORMATS, GGUFValueType
+from bitserve.loader.hf_special_vocab import read_special_vocab, read_text, special_vocab_metadata
+from bitserve.tokenizer.backends import (
+    GPT2_REGEX,
+    SUPPORTED_PRE_TOKENIZERS,
+    gpt2_byte_to_unicode,
+    pre_tokenizer_spec,
+)
+from bitserve.tokenizer.base import TokenType
 
-MAX_TOKENIZER_BYTES = 64 * 1024 * 1024  # Llama 3's tokenizer.json is 9 MB
-MAX_TEMPLATE_BYTES = 1024 * 1024
+logger = logging.getLogger(__name__)
+
+MAX_TOKENIZER_JSON_BYTES = 64 * 1024 * 1024  # Gemma 3's, among the largest published, is ~33 MB
+MAX_TOKENIZER_CONFIG_BYTES = 16 * 1024 * 1024  # one with a full added_tokens_decoder reaches a few MB
+MAX_MERGES_TXT_BYTES = 64 * 1024 * 1024
+MAX_VOCAB_SIZE = 1 << 22  # token ids at or over this are refused (the largest vocabularies hold ~262k)
 MetadataValue = tuple[GGUFValueType, Any, GGUFValueType | None]
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5  # llama.cpp's token types
 
-_CONTRACTIONS_HF = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-# pre_tokenizer pieces as transformers' tokenizer.json spells them -> llama.cpp's pre-tokenizer name
-_HF_PIECES: dict[tuple[tuple[str, Any], ...], str] = {
-    (
-        ("split", _CONTRACTIONS_HF + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL),
-        ("bytelevel", False),
-    ): "llama-bpe",
-    (("split", _CONTRACTIONS_HF + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL), ("bytelevel", False)): "qwen2",
-    (("bytelevel", True),): "gpt-2",
-    (("digits", True), ("bytelevel", True)): "smollm",
-}
-# a name picked when several of bitserve's tables hold the same regexes (aliases of one behaviour)
+_STRING, _ARRAY = GGUFValueType.STRING, GGUFValueType.ARRAY
+# llama.cpp's regex engine has no (?i:...) groups: it spells tokenizer.json's contraction group case by case
+# (ASCII only, where HF's Oniguruma also folds e.g. U+017F to s); the GGUF tokenizes llama.cpp's way
+_HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_BYTE_LEVEL = ("byte_level",)
+# the name picked when several names of bitserve's table split alike (aliases of one behaviour)
 _PREFERRED = ("llama-bpe", "qwen2", "smollm", "gpt-2", "default", "dbrx")
+# added tokens get_vocab_base treats as control tokens whatever their `special` flag says
+_SPECIAL_LOOKING = frozenset(("<pad>", "<mask>", "<2mass>", "[@BOS@]"))
+_SPECIAL_LOOKING_ENDS = (("<|", "|>"), ("<｜", "｜>"), ("<unused", ">"))
 
 
-def _pieces(pre_tokenizer: Any) -> tuple[tuple[str, Any], ...]:
-    """tokenizer.json's pre_tokenizer -> (kind, setting) per step: Split regexes, ByteLevel's use_regex,
-    Digits' individual_digits; any other step is kept by its type name (and matches nothing)."""
-    if not isinstance(pre_tokenizer, dict):
-        return ()
-    if pre_tokenizer.get("type") == "Sequence":
-        return tuple(p for step in pre_tokenizer.get("pretokenizers") or [] for p in _pieces(step))
-    kind = pre_tokenizer.get("type")
-    if kind == "Split":
-        pattern = pre_tokenizer.get("pattern") or {}
-        return (("split", pattern.get("Regex", pattern.get("String"))),)
-    if kind == "ByteLevel":
-        return (("bytelevel", bool(pre_tokenizer.get("use_regex", True))),)
-    if kind == "Digits":
-        return (("digits", bool(pre_tokenizer.get("individual_digits", False))),)
-    return ((str(kind), None),)
+def tokenizer_metadata_from_dir(
+    directory: Path, config: Mapping[str, Any], *, pre: str | None = None
+) -> dict[str, MetadataValue]:
+    """GGUF tokenizer.* keys (typed triples, ready for GGUFBuilder.add_kv) from DIR's tokenizer.json,
+    tokenizer_config.json (optional), chat_template.jinja (optional), and `config` (config.json's dict, for
+    vocab_size and the bos_token_id / eos_token_id fallbacks). `pre` names llama.cpp's pre-tokenizer
+    instead of recognizing it. Raises UnsupportedModel / InvalidModelFile (see the module docstring)."""
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    data = _read_tokenizer_json(directory)
+    tokenizer_config = _read_tokenizer_config(directory)
+    model = data["model"]
+    if pre is None:
+        pre = _recognized_pre(data, path)
+    pre_tokenizer_spec(pre)  # an unknown name is refused here, listing the known ones
+    if data.get("normalizer"):
+        logger.warning(
+            "tokenizer.json's normalizer (%s) is not applied: llama.cpp's byte-level BPE applies none",
+            _describe(data["normalizer"]),
+        )
+    tokens, token_types = _vocab(data, tokenizer_config, _config_vocab_size(config), path)
+    values: dict[str, MetadataValue] = {
+        "tokenizer.ggml.model": (_STRING, "gpt2", None),
+        "tokenizer.ggml.pre": (_STRING, pre, None),
+        "tokenizer.ggml.tokens": (_ARRAY, tokens, _STRING),
+        "tokenizer.ggml.token_type": (_ARRAY, token_types, GGUFValueType.INT32),
+    }
+    merges = _merges(directory, model, path)
+    if merges:
+        values["tokenizer.ggml.merges"] = (_ARRAY, merges, _STRING)
+    else:
+        logger.warning("%s has no BPE merges (nor merges.txt): the vocabulary cannot tokenize", path)
+    values |= special_vocab_metadata(read_special_vocab(directory, data, tokenizer_config, config))
+    return values
+
+
+def plain_metadata(values: Mapping[str, MetadataValue]) -> dict[str, Any]:
+    """The keys as GGUFFile.metadata holds them once written and read back (gguf_cursor.py): scalars as
+    Python values, string arrays as lists of str, bool arrays and number arrays as numpy arrays of the
+    element type (little-endian)."""
+    plain: dict[str, Any] = {}
+    for key, (value_type, value, array_type) in values.items():
+        if value_type is _ARRAY:
+            plain[key] = _plain_array(value, array_type)
+        elif value_type is GGUFValueType.BOOL:
+            plain[key] = bool(value)
+        elif value_type is _STRING:
+            plain[key] = str(value)
+        else:
+            plain[key] = value
+    return plain
 
 
 def detect_pre_tokenizer(pre_tokenizer: Any, ignore_merges: bool) -> str | None:
-    """llama.cpp's pre-tokenizer name for tokenizer.json's pre_tokenizer, or None when none matches."""
-    pieces = _pieces(pre_tokenizer)
-    if pieces in _HF_PIECES:
-        return _HF_PIECES[pieces]
-    matches = []
-    for name in SUPPORTED_PRE_TOKENIZERS:
-        spec = pre_tokenizer_spec(name)
-        if pieces == (*(("split", regex) for regex in spec.regexes), ("bytelevel", False)):
-            matches.append((spec.ignore_merges == ignore_merges, name in _PREFERRED, name))
-    return max(matches)[2] if matches else None
+    """llama.cpp's pre-tokenizer name for tokenizer.json's `pre_tokenizer` (with the BPE model's
+    ignore_merges): the one of bitserve's table that splits the same way, or None."""
+    names = _names_splitting_as(_steps(pre_tokenizer))
+    return _preferred([name for name in names if pre_tokenizer_spec(name).ignore_merges == ignore_merges])
+
+
+def _plain_array(value: Any, array_type: GGUFValueType | None) -> Any:
+    if array_type is GGUFValueType.BOOL:
+        return np.asarray(value, dtype=np.bool_)
+    if array_type is not None and array_type in SCALAR_FORMATS:
+        return np.asarray(value, dtype=np.dtype(SCALAR_FORMATS[array_type][0]))
+    return list(value)  # strings (and nested arrays, which the tokenizer keys never hold)
 
 
 def _read_tokenizer_json(directory: Path) -> dict[str, Any]:
@@ -88,143 +138,288 @@ def _read_tokenizer_json(directory: Path) -> dict[str, Any]:
         raise UnsupportedModel(
             "the checkpoint directory has no tokenizer.json",
             path=str(directory),
-            hint="save the tokenizer beside the model (tokenizer.save_pretrained(DIR))",
+            hint="save the (fast) tokenizer beside the model: tokenizer.save_pretrained(DIR)",
         )
-    data = read_json(path, MAX_TOKENIZER_BYTES)
+    data = read_json(path, MAX_TOKENIZER_JSON_BYTES)
     model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
-        raise InvalidModelFile("tokenizer.json has no model.vocab", path=str(path))
-    if model.get("type") != "BPE" or model.get("byte_fallback") or not _is_byte_level(data):
-        found = f"{model.get('type')}{' with byte_fallback' if model.get('byte_fallback') else ''}"
+    if not isinstance(model, dict):
+        raise InvalidModelFile("tokenizer.json has no model object", path=str(path))
+    kind = model.get("type", "BPE" if "merges" in model else None)  # old files may leave out the type
+    byte_fallback = bool(model.get("byte_fallback"))
+    if kind != "BPE" or byte_fallback or not _is_byte_level(data):
+        if kind != "BPE":
+            found = f"a {kind} model" if isinstance(kind, str) else "a model of no known type"
+        elif byte_fallback:
+            found = "a SentencePiece-style BPE model (byte_fallback)"
+        else:
+            found = "a BPE model without a ByteLevel pre-tokenizer or decoder"
         raise UnsupportedModel(
-            f"tokenizer.json holds a {found} tokenizer; only byte-level BPE (GPT-2 style) is converted",
+            f"tokenizer.json holds {found}; only byte-level BPE (GPT-2 style, llama.cpp's 'gpt2' "
+            "vocabulary) is converted from a checkpoint directory",
             path=str(path),
             hint="convert the checkpoint with llama.cpp's convert_hf_to_gguf.py and serve the GGUF",
         )
+    if not isinstance(model.get("vocab"), dict):
+        raise InvalidModelFile("tokenizer.json's BPE model has no vocab object", path=str(path))
     return data
 
 
-def _is_byte_level(data: Mapping[str, Any]) -> bool:
-    decoder = data.get("decoder") or {}
-    return decoder.get("type") == "ByteLevel" or any(
-        kind == "bytelevel" for kind, _ in _pieces(data.get("pre_tokenizer"))
-    )
-
-
-def _merges(model: Mapping[str, Any]) -> list[str]:
-    merges = model.get("merges") or []
-    return [merge if isinstance(merge, str) else " ".join(merge) for merge in merges]
-
-
-def _tokens(data: Mapping[str, Any], vocab_size: int) -> tuple[list[str], list[int]]:
-    """Tokens in id order with their types, padded to vocab_size (llama.cpp's get_vocab_base)."""
-    by_id = {int(token_id): token for token, token_id in data["model"]["vocab"].items()}
-    types = dict.fromkeys(by_id, NORMAL)
-    for added in data.get("added_tokens") or []:
-        token_id = int(added["id"])
-        by_id[token_id] = str(added["content"])
-        types[token_id] = CONTROL if added.get("special") else USER_DEFINED
-    size = max(vocab_size, max(by_id) + 1 if by_id else 0)
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
-    return tokens, [types.get(i, UNUSED) for i in range(size)]
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _special_ids(
-    tokenizer_config: Mapping[str, Any], config: Mapping[str, Any], id_of: Mapping[str, int]
-) -> dict[str, int]:
-    ids: dict[str, int] = {}
-    for kind, key in (
-        ("bos", "bos_token"),
-        ("eos", "eos_token"),
-        ("unknown", "unk_token"),
-        ("padding", "pad_token"),
-    ):
-        text = _token_text(tokenizer_config.get(key))
-        if text is not None and text in id_of:
-            ids[kind] = id_of[text]
-            continue
-        fallback = config.get(f"{key}_id")
-        fallback = fallback[0] if isinstance(fallback, list) and fallback else fallback
-        if isinstance(fallback, int) and 0 <= fallback < len(id_of):
-            ids[kind] = fallback
-    return ids
-
-
-def _chat_template(directory: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
-    template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        template = named.get("default")
-    if isinstance(template, str):
-        return template
-    path = directory / "chat_template.jinja"
-    if path.is_file():
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
-            raise InvalidModelFile(f"chat_template.jinja is over {MAX_TEMPLATE_BYTES} bytes", path=str(path))
-        return path.read_text(encoding="utf-8")
-    return None
-
-
-def tokenizer_metadata_from_dir(
-    directory: Path, config: Mapping[str, Any], *, pre: str | None = None
-) -> dict[str, MetadataValue]:
-    """The GGUF tokenizer.* keys (typed triples, for GGUFBuilder.add_kv) of DIR's tokenizer files; `pre`
-    names the pre-tokenizer instead of recognizing it (see the module docstring)."""
-    directory = Path(directory)
-    data = _read_tokenizer_json(directory)
-    config_path = directory / "tokenizer_config.json"
-    tokenizer_config = read_json(config_path, MAX_TOKENIZER_BYTES) if config_path.is_file() else {}
+def _read_tokenizer_config(directory: Path) -> dict[str, Any] | None:
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    tokenizer_config = read_json(path, MAX_TOKENIZER_CONFIG_BYTES)
     if not isinstance(tokenizer_config, dict):
-        raise InvalidModelFile("tokenizer_config.json is not a JSON object", path=str(config_path))
-    if pre is None:
-        pre = detect_pre_tokenizer(data.get("pre_tokenizer"), bool(data["model"].get("ignore_merges")))
-    if pre is None:
-        raise UnsupportedModel(
-            f"tokenizer.json's pre-tokenizer {_pieces(data.get('pre_tokenizer'))!r} is not recognized",
-            path=str(directory / "tokenizer.json"),
-            hint="name llama.cpp's pre-tokenizer with --tokenizer-pre (one of "
-            f"{', '.join(SUPPORTED_PRE_TOKENIZERS)})",
+        raise InvalidModelFile("tokenizer_config.json is not a JSON object", path=str(path))
+    return tokenizer_config
+
+
+def _types_in(node: Any, nested: str) -> list[Any]:
+    """The `type` of a tokenizer.json component and of its steps when it is a Sequence."""
+    if not isinstance(node, dict):
+        return []
+    steps = node.get(nested) if node.get("type") == "Sequence" else None
+    if isinstance(steps, list):
+        return [kind for step in steps for kind in _types_in(step, nested)]
+    return [node.get("type")]
+
+
+def _is_byte_level(data: Mapping[str, Any]) -> bool:
+    return "ByteLevel" in _types_in(data.get("pre_tokenizer"), "pretokenizers") or _decodes_byte_level(data)
+
+
+def _decodes_byte_level(data: Mapping[str, Any]) -> bool:
+    return "ByteLevel" in _types_in(data.get("decoder"), "decoders")
+
+
+def _config_vocab_size(config: Mapping[str, Any]) -> int:
+    """config.json's vocab_size (its text_config's for multimodal configs); 0 when it has none."""
+    size = config.get("vocab_size")
+    text_config = config.get("text_config")
+    if size is None and isinstance(text_config, Mapping):
+        size = text_config.get("vocab_size")
+    if size is None:
+        return 0
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_VOCAB_SIZE:
+        raise InvalidModelFile(
+            f"config.json vocab_size={size!r}", expected=f"an int in [0, {MAX_VOCAB_SIZE}]"
         )
-    pre_tokenizer_spec(pre)  # an unknown name is refused here, listing the known ones
-    tokens, types = _tokens(data, int(config.get("vocab_size") or 0))
-    string, u32, boolean, i32 = (
-        GGUFValueType.STRING,
-        GGUFValueType.UINT32,
-        GGUFValueType.BOOL,
-        GGUFValueType.INT32,
+    return size
+
+
+# --- pre-tokenizer recognition ---------------------------------------------------------------------------
+
+
+def _canonical_regex(regex: str) -> str:
+    """A split regex in llama.cpp's spelling. GPT-2 style patterns lose their final `|\\s+`, which llama.cpp
+    leaves out and isolated splitting does not need (a lone unmatched whitespace is its own piece anyway)."""
+    regex = regex.replace(_HF_CONTRACTIONS, _LLAMA_CONTRACTIONS)
+    return regex.removesuffix(r"|\s+") if regex.endswith(r"\s+(?!\S)|\s+") else regex
+
+
+def _steps(pre_tokenizer: Any) -> list[tuple[str, ...]]:
+    """tokenizer.json's pre_tokenizer as llama.cpp's steps: ("split", regex) for each isolated regex split,
+    ("byte_level",) for the byte map; a step llama.cpp has no equivalent of is ("unmatched", its JSON)."""
+    if pre_tokenizer is None:
+        return []
+    if not isinstance(pre_tokenizer, dict):
+        return [("unmatched", _describe(pre_tokenizer))]
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence" and isinstance(pre_tokenizer.get("pretokenizers"), list):
+        return [step for inner in pre_tokenizer["pretokenizers"] for step in _steps(inner)]
+    if kind == "Split":
+        pattern = pre_tokenizer.get("pattern")
+        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        if (
+            isinstance(regex, str)
+            and pre_tokenizer.get("behavior") == "Isolated"
+            and not pre_tokenizer.get("invert")
+        ):
+            return [("split", _canonical_regex(regex))]
+    elif kind == "ByteLevel" and not pre_tokenizer.get("add_prefix_space", True):
+        # use_regex: GPT-2's split first, in its own ByteLevel step
+        split = [("split", _canonical_regex(GPT2_REGEX))] if pre_tokenizer.get("use_regex", True) else []
+        return [*split, _BYTE_LEVEL]
+    elif kind == "Digits":  # Rust's char::is_numeric is \p{N}
+        return [("split", r"\p{N}" if pre_tokenizer.get("individual_digits") else r"\p{N}+")]
+    return [("unmatched", _describe(pre_tokenizer))]
+
+
+def _names_splitting_as(steps: list[tuple[str, ...]]) -> list[str]:
+    """The names of bitserve's table whose regexes (then the byte map) are exactly `steps`."""
+    return [
+        name
+        for name in SUPPORTED_PRE_TOKENIZERS
+        if steps == [*(("split", _canonical_regex(r)) for r in pre_tokenizer_spec(name).regexes), _BYTE_LEVEL]
+    ]
+
+
+def _preferred(names: list[str]) -> str | None:
+    return next((name for name in _PREFERRED if name in names), names[0] if names else None)
+
+
+def _recognized_pre(data: Mapping[str, Any], path: Path) -> str:
+    """The pre-tokenizer name for tokenizer.json, or UnsupportedModel naming what it holds."""
+    ignore_merges = bool(data["model"].get("ignore_merges"))
+    name = detect_pre_tokenizer(data.get("pre_tokenizer"), ignore_merges)
+    if name is not None:
+        return name
+    steps = _steps(data.get("pre_tokenizer"))
+    alike = _preferred(_names_splitting_as(steps))
+    if alike is not None:
+        message = (
+            f"tokenizer.json's pre-tokenizer splits as {alike!r} does, but its BPE model has "
+            f"ignore_merges={ignore_merges} where {alike!r} has {not ignore_merges}"
+        )
+    else:
+        found = "; ".join(f"Split {s[1]!r}" if s[0] == "split" else " ".join(s) for s in steps) or "none"
+        message = f"tokenizer.json's pre-tokenizer is not one bitserve recognizes: {found}"
+    raise UnsupportedModel(
+        message,
+        path=str(path),
+        hint="if it splits text as one of llama.cpp's pre-tokenizers, name that one with --tokenizer-pre "
+        f"(one of {', '.join(SUPPORTED_PRE_TOKENIZERS)})",
     )
-    values: dict[str, MetadataValue] = {
-        "tokenizer.ggml.model": (string, "gpt2", None),
-        "tokenizer.ggml.pre": (string, pre, None),
-        "tokenizer.ggml.tokens": (GGUFValueType.ARRAY, tokens, string),
-        "tokenizer.ggml.token_type": (GGUFValueType.ARRAY, types, i32),
-        "tokenizer.ggml.merges": (GGUFValueType.ARRAY, _merges(data["model"]), string),
-    }
-    id_of = {token: token_id for token_id, token in enumerate(tokens)}
-    for kind, token_id in _special_ids(tokenizer_config, config, id_of).items():
-        values[f"tokenizer.ggml.{kind}_token_id"] = (u32, token_id, None)
-    for flag in ("add_bos_token", "add_eos_token"):
-        if isinstance(tokenizer_config.get(flag), bool):
-            values[f"tokenizer.ggml.{flag}"] = (boolean, tokenizer_config[flag], None)
-    template = _chat_template(directory, tokenizer_config)
-    if template is not None:
-        values["tokenizer.chat_template"] = (string, template, None)
-    return values
 
 
-def plain_metadata(values: Mapping[str, MetadataValue]) -> dict[str, Any]:
-    """The keys as GGUFFile.metadata holds them once read back: string arrays as lists, number arrays as
-    numpy arrays, scalars as Python values."""
-    plain: dict[str, Any] = {}
-    for key, (value_type, value, array_type) in values.items():
-        if value_type is GGUFValueType.ARRAY and array_type is not GGUFValueType.STRING:
-            plain[key] = np.asarray(value, dtype=np.int32 if array_type is GGUFValueType.INT32 else None)
+def _describe(node: Any) -> str:
+    text = json.dumps(node, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# --- tokens, types, merges ------------------------------------------------------------------------------
+
+
+def _added_tokens(
+    data: Mapping[str, Any], tokenizer_config: Mapping[str, Any] | None, path: Path
+) -> dict[int, dict[str, Any]]:
+    """tokenizer.json's added tokens by id ({content, special, normalized}), with tokenizer_config.json's
+    added_tokens_decoder flags over them where it names the same token (transformers' precedence)."""
+    entries = data.get("added_tokens") or []
+    if not isinstance(entries, list):
+        raise InvalidModelFile("tokenizer.json's added_tokens is not a list", path=str(path))
+    added: dict[int, dict[str, Any]] = {}
+    for entry in entries:
+        token_id = entry.get("id") if isinstance(entry, dict) else None
+        if (
+            isinstance(token_id, bool)
+            or not isinstance(token_id, int)
+            or not isinstance(entry.get("content"), str)
+        ):
+            raise InvalidModelFile(f"tokenizer.json added token {_describe(entry)}", path=str(path))
+        special = bool(entry.get("special"))
+        added[token_id] = {
+            "content": entry["content"],
+            "special": special,
+            "normalized": bool(entry.get("normalized", not special)),
+        }
+    overrides = (tokenizer_config or {}).get("added_tokens_decoder")
+    for key, entry in overrides.items() if isinstance(overrides, dict) else ():
+        token_id = int(key) if isinstance(key, str) and key.isdigit() else None
+        if (
+            token_id in added
+            and isinstance(entry, dict)
+            and entry.get("content") == added[token_id]["content"]
+        ):
+            for flag in ("special", "normalized"):
+                if isinstance(entry.get(flag), bool):
+                    added[token_id][flag] = entry[flag]
+    return added
+
+
+def _id_to_token(
+    vocab: Mapping[str, Any], added: Mapping[int, Mapping[str, Any]], path: Path
+) -> dict[int, str]:
+    """transformers' get_vocab() reversed: the BPE vocabulary with the added tokens over it (an id whose
+    text an added token took elsewhere ends up with no token: a [PAD] entry, as in llama.cpp)."""
+    id_of = dict(vocab)
+    id_of.update((entry["content"], token_id) for token_id, entry in added.items())
+    by_id: dict[int, str] = {}
+    for token, token_id in id_of.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < MAX_VOCAB_SIZE:
+            raise InvalidModelFile(
+                f"tokenizer.json token {token!r} has id {token_id!r}",
+                path=str(path),
+                expected=f"an int in [0, {MAX_VOCAB_SIZE})",
+            )
+        by_id[token_id] = token
+    return by_id
+
+
+def _vocab(
+    data: Mapping[str, Any], tokenizer_config: Mapping[str, Any] | None, vocab_size: int, path: Path
+) -> tuple[list[str], list[int]]:
+    """get_vocab_base: tokens in id order with their llama.cpp token types, padded to vocab_size."""
+    added = _added_tokens(data, tokenizer_config, path)
+    by_id = _id_to_token(data["model"]["vocab"], added, path)
+    round_trip = _decodes_byte_level(data)
+    tokens: list[str] = []
+    token_types: list[int] = []
+    for token_id in range(max(vocab_size, max(by_id, default=-1) + 1)):
+        token = by_id.get(token_id)
+        entry = added.get(token_id)
+        if token is None:
+            token, token_type = f"[PAD{token_id}]", TokenType.UNUSED
+        elif entry is None or entry["content"] != token:
+            token_type = TokenType.NORMAL
         else:
-            plain[key] = value
-    return plain
+            if not entry["normalized"] and round_trip:
+                token = _byte_level_decoded(token)
+            if entry["special"] or _looks_special(token):
+                token_type = TokenType.CONTROL
+            else:
+                token, token_type = token.replace("\u2581", " "), TokenType.USER_DEFINED
+        tokens.append(token)
+        token_types.append(int(token_type))
+    return tokens, token_types
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in enumerate(gpt2_byte_to_unicode())}
+
+
+def _byte_level_decoded(token: str) -> str:
+    """The text HF's ByteLevel decoder gives for one token: the bytes its characters stand for (invalid
+    UTF-8 as U+FFFD); a token with a character outside the byte map is kept as it is."""
+    if all(char in _BYTE_OF_CHAR for char in token):
+        return bytes(_BYTE_OF_CHAR[char] for char in token).decode("utf-8", errors="replace")
+    return token
+
+
+def _looks_special(token: str) -> bool:
+    """get_vocab_base's does_token_look_special: added tokens some models forget to mark special."""
+    return token in _SPECIAL_LOOKING or any(
+        token.startswith(head) and token.endswith(tail) for head, tail in _SPECIAL_LOOKING_ENDS
+    )
+
+
+def _merges(directory: Path, model: Mapping[str, Any], path: Path) -> list[str]:
+    """SpecialVocab's merges: model.merges as "a b" strings (pairs joined, a space in a part as U+0120,
+    the byte map's space), else merges.txt's lines."""
+    merges = model.get("merges")
+    if isinstance(merges, list) and merges:
+        if all(isinstance(merge, str) for merge in merges):
+            return list(merges)
+        if all(
+            isinstance(merge, list) and len(merge) == 2 and all(isinstance(part, str) for part in merge)
+            for merge in merges
+        ):
+            return [" ".join(part.replace(" ", "\u0120") for part in merge) for merge in merges]
+        raise InvalidModelFile(
+            'tokenizer.json\'s model.merges is neither "a b" strings nor [a, b] pairs', path=str(path)
+        )
+    return _merges_txt(directory / "merges.txt")
+
+
+def _merges_txt(path: Path) -> list[str]:
+    """merges.txt: one "a b" per line, a leading "#version" line skipped, malformed lines dropped."""
+    if not path.is_file():
+        return []
+    lines = read_text(path, MAX_MERGES_TXT_BYTES).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if lines and lines[0].strip().startswith("#"):
+        lines = lines[1:]
+    merges = []
+    for line in lines:
+        parts = line.strip().split(None, 3)
+        if len(parts) == 2:
+            merges.append(f"{parts[0]} {parts[1]}")
+    return merges

@@ -27,7 +27,8 @@ LLAMA3_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Qwen2's (Qwen2.5, Qwen3, PrismML's Bonsai): Llama-3's with single digits (llama.cpp's QWEN2 type)
+# Qwen2's (Qwen2.5, Qwen3, PrismML's Bonsai): Llama-3's with single digits. llama.cpp's QWEN2 type, which
+# sets neither ignore_merges nor add_bos (only clean_spaces = false, a detokenizer option bitserve has not)
 QWEN2_REGEX = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -77,7 +78,8 @@ _PRE_TOKENIZERS: Mapping[str, PreTokenizerSpec] = MappingProxyType(
             _LLAMA3,
         ),
         **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3_REGEX_ONLY),
-        **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2),
+        # the names llama.cpp's vocabulary loader maps to its QWEN2 type
+        **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2),
         **dict.fromkeys(
             ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
             _SMOLLM,

@@ -104,6 +104,30 @@ def test_falcon_e_files_split_as_llama3() -> None:
     assert falcon_e.encode(text) == llama3.encode(text)
 
 
+def test_qwen2_splits_digits_one_by_one() -> None:
+    """Qwen2's split (Qwen2.5, Qwen3, Bonsai; llama.cpp's QWEN2 type) is Llama-3's with single digits and
+    neither ignore_merges nor a BOS by default: "12345" is five digits where llama-bpe splits "123" + "45"."""
+    from bitserve.tokenizer.backends import gpt2_byte_to_unicode
+
+    tokens = ["<|endoftext|>", "<|user|>", *gpt2_byte_to_unicode(), "he", "hel", "12", "123", "45"]
+    metadata = _tiny_bpe_metadata(
+        **{
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": np.array([3, 4] + [1] * (len(tokens) - 2), dtype=np.int32),
+            "tokenizer.ggml.merges": ["h e", "he l", "1 2", "12 3", "4 5"],
+        }
+    )
+    qwen2 = tokenizer_from_gguf(metadata | {"tokenizer.ggml.pre": "qwen2"})
+    llama3 = tokenizer_from_gguf(metadata | {"tokenizer.ggml.pre": "llama-bpe"})
+    pieces = [qwen2.id_to_piece(i) for i in qwen2.encode("x 12345", add_special=False)]
+    assert pieces == ["x", "Ġ", *"12345"]
+    pieces = [llama3.id_to_piece(i) for i in llama3.encode("x 12345", add_special=False)]
+    assert pieces == ["x", "Ġ", "123", "45"]
+    alias = tokenizer_from_gguf(metadata | {"tokenizer.ggml.pre": "deepseek-r1-qwen"})
+    assert alias.encode("hello 2024's 12345") == qwen2.encode("hello 2024's 12345")
+    assert (qwen2.add_bos, llama3.add_bos) == (False, True)
+
+
 @pytest.mark.parametrize(
     ("overrides", "error", "fragment"),
     [
