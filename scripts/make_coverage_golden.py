@@ -40,6 +40,7 @@ CASES = [
     ("llama", "F32"),
     ("qwen2", "F32"),
     ("qwen3", "F32"),
+    ("gemma3", "F32"),
     ("llama", "Q1_0"),
     ("llama", "Q2_0"),
     ("qwen3", "Q1_0"),

@@ -5,9 +5,9 @@ its module forward from it: the oracle every backend runs. The same recipe, with
 prepared, is handed to the backend as a `DecoderPlan`: per layer the norm vectors and the `Projection`s
 in the recipe's order (norm -> q|k|v [+ biases, per-head q/k norms] -> RoPE + cache -> attention ->
 sub-norm -> Wo + residual -> norm -> gate|up -> act * up -> sub-norm -> Wdown + residual), and the
-model-wide facts (heads, activation,
-RoPE tables, head). A backend compiles it into its fast forward (the cpu backend's one-call numba layer
-loop, the cuda backend's fused Triton chain) or declines (None): then the module forward runs. So
+model-wide facts (heads, activation, RoPE tables, head), with Gemma's post-norms, sliding windows and
+scales where the recipe has them. A backend compiles it into its fast forward (the cpu backend's one-call
+numba layer loop, the cuda backend's fused Triton chain) or declines (None): then the module forward runs. So
 neither fast forward reaches into nn.Modules, and models/ never names a backend or a weight class.
 
 Imports only torch and kernels/ records (no layers/, no models/).
@@ -86,6 +86,14 @@ class LayerPlan:
     gate_up: Projection  # gate, up rows
     ffn_sub_norm: torch.Tensor | None  # [intermediate] (BitNet), before Wdown
     down: Projection
+    attn_post_norm: torch.Tensor | None = None  # [hidden] (Gemma): RMSNorm of Wo's output before the add
+    ffn_post_norm: torch.Tensor | None = None  # [hidden] (Gemma): RMSNorm of Wdown's output before the add
+    sliding_window: int = 0  # > 0: attends to the last that many positions only (its RoPE: sliding_rope)
+
+    @property
+    def beyond_llama(self) -> bool:
+        """Parts past the llama / qwen / bitnet layer (Gemma's): a fast forward without them declines."""
+        return self.attn_post_norm is not None or self.ffn_post_norm is not None or self.sliding_window > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +123,12 @@ class DecoderPlan:
     final_norm: torch.Tensor  # [hidden]
     head: PreparedLinear | torch.Tensor  # the LM head: prepared weight, or float matrix [vocab, hidden]
     tie_word_embeddings: bool
+    sliding_rope: RopeTables | None = None  # the sliding layers' RoPE where it differs from `rope`
+    embedding_scale: float = 1.0  # embeddings x this before layer 0 (the caller of run_layers applies it)
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) where > 0
+
+    def layer_rope(self, layer: LayerPlan) -> RopeTables:
+        return self.sliding_rope if layer.sliding_window and self.sliding_rope is not None else self.rope
 
 
 class CompiledDecoder(Protocol):

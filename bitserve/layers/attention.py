@@ -29,8 +29,15 @@ class PagedAttention(nn.Module):
         head_dim: int,
         fused: FusedOps | None = None,
         ggml_numerics: bool = False,
+        *,
+        scale: float = 0.0,
+        sliding_window: int = 0,
     ) -> None:
+        """scale: the softmax scale (0: 1 / sqrt(head_dim)); sliding_window: each token attends to the last
+        that many positions, its own included (0: to its whole context)."""
         super().__init__()
+        if sliding_window and ggml_numerics:
+            raise ValueError("ggml numerics (bitnet.cpp's rounding) have no sliding-window attention")
         self.fused = fused  # the backend's paged decode kernel, used for f32 KV caches
         # bitnet.cpp on x86 (ggml without flash attention, llamafile sgemm on): an F16 KV cache, Q
         # rounded to F16, ggml's f32 summation orders, its polynomial exp and, in a one-token batch,
@@ -41,7 +48,8 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.scale = scale or 1.0 / math.sqrt(head_dim)
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -75,7 +83,8 @@ class PagedAttention(nn.Module):
             seq_ids = range(metadata.num_seqs)  # every sequence on its own, decodes included
         elif schedule.decode is not None:
             decode = schedule.decode
-            if self.fused is not None and kv_cache.dtype == torch.float32:
+            windowed = self.sliding_window and max(schedule.seq_lens) > self.sliding_window
+            if self.fused is not None and kv_cache.dtype == torch.float32 and not windowed:
                 out[decode.token_rows] = self.fused.paged_decode_attention(
                     q[decode.token_rows],
                     key_pages,
@@ -123,7 +132,11 @@ class PagedAttention(nn.Module):
         values = value_pages[batch.block_table].flatten(1, 2).to(torch.float32)
         queries = q[batch.token_rows].view(num_decodes, self.num_kv_heads, group, self.head_dim)
         scores = torch.einsum("nkgd,nlkd->nkgl", queries, keys) * self.scale  # [n, kv_heads, group, max_keys]
-        scores = scores.masked_fill(~batch.key_mask[:, None, None, :], float("-inf"))
+        key_mask = batch.key_mask  # [num_decodes, max_keys]
+        if self.sliding_window:  # only the last sliding_window keys of each sequence
+            key_ids = torch.arange(key_mask.shape[1], device=key_mask.device)
+            key_mask = key_mask & (key_ids[None, :] >= batch.seq_lens[:, None] - self.sliding_window)
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
         out = torch.einsum("nkgl,nlkd->nkgd", torch.softmax(scores, dim=-1), values)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
@@ -149,7 +162,8 @@ class PagedAttention(nn.Module):
         keys = keys.to(torch.float32)
         values = values.to(torch.float32)
         if not self.ggml_numerics:
-            return causal_attention(q, keys, values, self.scale)  # [num_queries, num_heads, head_dim]
+            # [num_queries, num_heads, head_dim]
+            return causal_attention(q, keys, values, self.scale, self.sliding_window)
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)  # [num_context, num_heads, head_dim]

@@ -6,6 +6,7 @@ those transforms, shared by serving a directory (loader/checkpoint_file.py) and 
 The transforms:
 - q/k rows permuted for a NORM-RoPE architecture (llama: HF stores rotate-half rows);
 - a tied head dropped (the GGUF has no output.weight);
+- Gemma's RMSNorm weights w (transformers computes x * (1 + w)) written as 1 + w, in f32;
 - BitNet projections (config.json `quantization_config.quant_method = "bitnet"`: BitNetForCausalLM, and
   Llama checkpoints such as Falcon3-1.58bit) become ternary codes and one scale, exactly as transformers'
   BitNet layers compute them (integrations/bitnet.py):
@@ -30,6 +31,7 @@ from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.kernels.packed import TernaryCodes
 from bitserve.layers.rotary import RopeStyle
 from bitserve.loader.checkpoint_dir import read_json
+from bitserve.loader.hf_config import check_gemma3, check_rope, num_kv_heads
 from bitserve.loader.safetensors_dir import SafetensorsDir, StoredTensor
 from bitserve.models.architectures import ARCHITECTURES
 from bitserve.models.recipe import ArchitectureRecipe, TensorNames
@@ -51,8 +53,20 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "BitNetForCausalLM": "bitnet-b1.58",  # Microsoft's 2B-4T: bitnet.cpp's architecture name
+    "Gemma3ForCausalLM": "gemma3",  # the text-only Gemma 3 (model_type gemma3_text)
 }
 PROJECTION_FIELDS = ("qkv", "attn_output", "gate_up", "ffn_down")
+NORM_FIELDS = (
+    "output_norm",
+    "attn_norm",
+    "attn_q_norm",
+    "attn_k_norm",
+    "attn_sub_norm",
+    "attn_post_norm",
+    "ffn_norm",
+    "ffn_sub_norm",
+    "ffn_post_norm",
+)
 # buffers some checkpoints carry that no GGUF holds (llama.cpp's converter skips them too)
 SKIPPED_SUFFIXES = (".rotary_emb.inv_freq",)
 WeightValue = torch.Tensor | TernaryCodes
@@ -73,6 +87,7 @@ def absent_parts(recipe: ArchitectureRecipe) -> set[str]:
     """The TensorNames fields naming parts this architecture does not have."""
     absent = set() if recipe.qkv_biases else {"qkv_biases"}
     absent |= set() if recipe.qk_norms else {"attn_q_norm", "attn_k_norm"}
+    absent |= set() if recipe.post_norms else {"attn_post_norm", "ffn_post_norm"}
     return absent | (set() if recipe.sub_norms else {"attn_sub_norm", "ffn_sub_norm"})
 
 
@@ -96,23 +111,6 @@ def name_map(
             for layer in layers:
                 mapping[hf_template.format(layer=layer)] = gguf_template.format(layer=layer)
     return mapping
-
-
-def num_kv_heads(config: Mapping[str, Any]) -> int:
-    return int(config.get("num_key_value_heads") or config["num_attention_heads"])
-
-
-def check_rope(config: Mapping[str, Any]) -> None:
-    """Only plain RoPE converts: a scaled one (Llama 3's frequency factors, YaRN, ...) would need tensors or
-    keys not written here, and ignoring it would give wrong answers past the first few hundred tokens."""
-    for key in ("rope_parameters", "rope_scaling"):
-        parameters = config.get(key) or {}
-        kind = parameters.get("rope_type", parameters.get("type", "default"))
-        if kind not in ("default", None):
-            raise UnsupportedModel(
-                f"config.json {key}.rope_type {kind!r} is not converted (plain RoPE only)",
-                hint="convert it with llama.cpp's convert_hf_to_gguf.py and serve the GGUF",
-            )
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -197,7 +195,9 @@ class Checkpoint:
         self.config = read_config(self.directory)
         self.architecture = gguf_architecture(self.config)
         self.recipe = ARCHITECTURES[self.architecture]
-        check_rope(self.config)
+        check_rope(self.architecture, self.config)
+        if self.architecture == "gemma3":
+            check_gemma3(self.config)
         self.quantization = BitNetQuantization.of(self.config)
         self.num_layers = int(self.config["num_hidden_layers"])
         self.store = SafetensorsDir(self.directory)
@@ -208,6 +208,11 @@ class Checkpoint:
             raise
         self._permuted = self._permuted_heads()
         self._projections = set(name_map(self.recipe, self.num_layers, PROJECTION_FIELDS).values())
+        # RMSNorm weights stored minus the recipe's offset (Gemma's 1 + w): written with it added
+        offset = self.recipe.hf_norm_offset
+        self._offset_norms = (
+            set(name_map(self.recipe, self.num_layers, NORM_FIELDS).values()) if offset else set()
+        )
 
     def _map_names(self, order: Sequence[str]) -> dict[str, str]:
         """GGUF name -> HF name for every stored tensor; a stored tensor without a GGUF name is refused."""
@@ -271,12 +276,16 @@ class Checkpoint:
 
     def is_view(self, gguf_name: str) -> bool:
         """True when value() is the stored bytes themselves (no transform, no copy)."""
-        return not self.is_ternary(gguf_name) and gguf_name not in self._permuted
+        return not (
+            self.is_ternary(gguf_name) or gguf_name in self._permuted or gguf_name in self._offset_norms
+        )
 
     def value(self, gguf_name: str) -> WeightValue:
         """The tensor as the GGUF holds it: a view over the mapping, a permuted copy, or ternary codes."""
         hf_name = self._sources[gguf_name]
         stored = self.store.tensor(hf_name)
+        if gguf_name in self._offset_norms:  # f32: a bf16 1 + w would round w away
+            return stored.to(torch.float32) + self.recipe.hf_norm_offset
         value: WeightValue = self._ternary(hf_name, stored) if self.is_ternary(gguf_name) else stored
         heads = self._permuted.get(gguf_name)
         if heads is None:

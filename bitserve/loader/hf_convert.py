@@ -29,7 +29,8 @@ from bitserve.kernels.packed import Layout, PackedWeight, TernaryCodes, ternary_
 from bitserve.kernels.reference.dequant import i2s_geometry_error
 from bitserve.loader.gguf_types import GGMLType, GGUFValueType
 from bitserve.loader.gguf_writer import GGUFBuilder
-from bitserve.loader.hf_checkpoint import Checkpoint, WeightValue, num_kv_heads
+from bitserve.loader.hf_checkpoint import Checkpoint, WeightValue
+from bitserve.loader.hf_config import MetadataValue, gguf_metadata
 from bitserve.loader.hf_tokenizer import tokenizer_metadata_from_dir
 from bitserve.loader.low_bit_quantize import QUANTIZERS
 from bitserve.loader.requantize import quantize_q8_0
@@ -46,7 +47,6 @@ WEIGHT_TYPES = {
 }
 TERNARY_WEIGHT_TYPES = ("TQ2_0", "I2_S")
 STORED_FLOAT_TYPES = {torch.float32: GGMLType.F32, torch.float16: GGMLType.F16, torch.bfloat16: GGMLType.BF16}
-MetadataValue = tuple[GGUFValueType, Any, GGUFValueType | None]
 EncodedTensor = tuple[str, tuple[int, ...], int, bytes]
 Progress = Callable[[int, int, str], None]  # (tensors done, total, name just written)
 
@@ -57,36 +57,6 @@ def output_architecture(checkpoint: Checkpoint, weight_type: str) -> str:
     if checkpoint.architecture == "bitnet-b1.58" and weight_type != "I2_S":
         return "bitnet"
     return checkpoint.architecture
-
-
-def _rope_theta(config: Mapping[str, Any]) -> float:
-    parameters = config.get("rope_parameters") or {}
-    return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
-
-
-def gguf_metadata(arch: str, config: Mapping[str, Any]) -> dict[str, MetadataValue]:
-    """The architecture keys llama.cpp's loader reads, from config.json."""
-    u32, f32, string = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    values: dict[str, MetadataValue] = {
-        "general.architecture": (string, arch, None),
-        "general.name": (string, str(config.get("_name_or_path") or arch), None),
-        f"{arch}.context_length": (u32, int(config.get("max_position_embeddings", 4096)), None),
-        f"{arch}.embedding_length": (u32, int(config["hidden_size"]), None),
-        f"{arch}.block_count": (u32, int(config["num_hidden_layers"]), None),
-        f"{arch}.feed_forward_length": (u32, int(config["intermediate_size"]), None),
-        f"{arch}.attention.head_count": (u32, int(config["num_attention_heads"]), None),
-        f"{arch}.attention.head_count_kv": (u32, num_kv_heads(config), None),
-        f"{arch}.attention.key_length": (u32, head_dim, None),
-        f"{arch}.attention.value_length": (u32, head_dim, None),
-        f"{arch}.attention.layer_norm_rms_epsilon": (f32, float(config.get("rms_norm_eps", 1e-6)), None),
-        f"{arch}.rope.freq_base": (f32, _rope_theta(config), None),
-        f"{arch}.rope.dimension_count": (u32, head_dim, None),
-        f"{arch}.vocab_size": (u32, int(config["vocab_size"]), None),
-    }
-    if config.get("hidden_act"):
-        values[f"{arch}.hidden_act"] = (string, str(config["hidden_act"]), None)
-    return values
 
 
 def checkpoint_metadata(
@@ -220,8 +190,9 @@ def write_checkpoint(
     builder = GGUFBuilder()
     metadata = checkpoint_metadata(checkpoint, weight_type=weight_type, tokenizer=tokenizer, pre=pre)
     arch = output_architecture(checkpoint, weight_type)
-    activation = checkpoint.config.get("hidden_act") or checkpoint.recipe.default_activation
-    metadata[f"{arch}.hidden_act"] = (GGUFValueType.STRING, str(activation), None)
+    if f"{arch}.hidden_act" not in metadata:  # always written: `bitnet`'s default is not the model's
+        activation = checkpoint.config.get("hidden_act") or checkpoint.recipe.default_activation
+        metadata[f"{arch}.hidden_act"] = (GGUFValueType.STRING, str(activation), None)
     for key, (value_type, value, array_type) in metadata.items():
         builder.add_kv(key, value_type, value, array_type)
     names = checkpoint.gguf_names

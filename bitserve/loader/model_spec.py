@@ -6,6 +6,7 @@ models.architectures.ARCHITECTURES).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,6 +81,41 @@ def _rope_position_scale(metadata: Mapping[str, Any], arch: str, path: str | Non
     )
 
 
+def _sliding_layers(
+    metadata: Mapping[str, Any], arch: str, recipe: ArchitectureRecipe, num_layers: int, path: str | None
+) -> tuple[int, tuple[int, ...]]:
+    """(window, the layers attending over it) of a recipe with sliding layers: the window from
+    `<arch>.attention.sliding_window` (required there, as llama.cpp requires it), the layers from
+    `<arch>.attention.sliding_window_pattern` (a period, or a bool per layer) else the recipe's period:
+    layer i slides unless (i + 1) % period == 0."""
+    if not recipe.sliding_window_period:
+        return 0, ()
+    window = _positive_int(metadata, f"{arch}.attention.sliding_window", path)
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", recipe.sliding_window_period)
+    if isinstance(pattern, list | tuple):
+        if len(pattern) != num_layers or not all(isinstance(flag, bool) for flag in pattern):
+            raise InvalidModelFile(
+                f"metadata {arch}.attention.sliding_window_pattern is not one bool per layer", path=path
+            )
+        return window, tuple(i for i, sliding in enumerate(pattern) if sliding)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+        raise InvalidModelFile(
+            f"metadata {arch}.attention.sliding_window_pattern = {pattern!r}", path=path, expected="a period"
+        )
+    return window, tuple(i for i in range(num_layers) if (i + 1) % pattern)
+
+
+def _refuse_attention_softcap(metadata: Mapping[str, Any], arch: str, path: str | None) -> None:
+    """Soft-capped attention scores (Gemma 2's tanh inside the softmax) have no kernel: refused, never
+    ignored."""
+    cap = metadata.get(f"{arch}.attn_logit_softcapping")
+    if cap:
+        raise UnsupportedModel(
+            f"attention logit soft-capping ({arch}.attn_logit_softcapping = {cap}) is not supported",
+            path=path,
+        )
+
+
 def spec_from_metadata(
     metadata: Mapping[str, Any], *, tensor_names: set[str], path: str | None = None
 ) -> ModelSpec:
@@ -103,10 +139,14 @@ def spec_from_metadata(
         raise InvalidModelFile(
             f"head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}", path=path
         )
+    _refuse_attention_softcap(metadata, arch, path)
+    num_layers = _positive_int(metadata, f"{arch}.block_count", path)
+    window, sliding_layers = _sliding_layers(metadata, arch, recipe, num_layers, path)
+    scale_of = recipe.attention_scale
     return ModelSpec(
         architecture=arch,
         name=str(metadata.get("general.name", arch)),
-        num_layers=_positive_int(metadata, f"{arch}.block_count", path),
+        num_layers=num_layers,
         hidden_size=hidden_size,
         intermediate_size=_positive_int(metadata, f"{arch}.feed_forward_length", path),
         num_heads=num_heads,
@@ -123,4 +163,10 @@ def spec_from_metadata(
         activation_reason=activation_reason,
         has_sub_norms=recipe.sub_norms,
         tie_word_embeddings="output.weight" not in tensor_names,
+        embedding_scale=math.sqrt(hidden_size) if recipe.scaled_embedding else 1.0,
+        attention_scale=scale_of(num_layers, hidden_size, num_heads, head_dim) if scale_of else 0.0,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        sliding_rope_theta=float(metadata.get(f"{arch}.rope.freq_base_swa", recipe.sliding_rope_base)),
+        final_logit_softcap=float(metadata.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
     )

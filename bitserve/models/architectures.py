@@ -4,6 +4,7 @@ supported architectures (loader/model_spec.py reads each one's traits from it)."
 from __future__ import annotations
 
 from bitserve.models.bitnet import BITNET, BITNET_B158
+from bitserve.models.gemma import GEMMA3
 from bitserve.models.llama import LLAMA
 from bitserve.models.qwen import QWEN2, QWEN3
 from bitserve.models.recipe import ArchitectureRecipe
@@ -15,4 +16,5 @@ ARCHITECTURES: dict[str, ArchitectureRecipe] = {
     "bitnet-25": BITNET_B158,
     "qwen2": QWEN2,
     "qwen3": QWEN3,
+    "gemma3": GEMMA3,
 }

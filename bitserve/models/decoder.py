@@ -52,6 +52,10 @@ class _LayerBuilder:
         """A BitNet sub-norm, None for a recipe without them."""
         return self.layer_norm(template, layer) if self.recipe.sub_norms else None
 
+    def post_norm(self, template: str, layer: int) -> RMSNorm | None:
+        """A Gemma norm on a block's output before its residual add, None for a recipe without them."""
+        return self.layer_norm(template, layer) if self.recipe.post_norms else None
+
     def _scale(self, weight_name: str) -> float | None:
         name = TensorNames.scale_of(weight_name)
         if not self.recipe.output_scales or not self.weights.has(name):
@@ -94,16 +98,25 @@ class DecoderLayer(nn.Module):
         self.qkv = build.group(names.qkv, layer_id)
         self.qkv_bias = build.qkv_bias(layer_id)  # f32 [(H + 2 KVH) * D] or None
         self.q_norm, self.k_norm = build.qk_norms(layer_id)
+        self.sliding = spec.is_sliding(layer_id)  # attends over the last spec.sliding_window positions
         self.attn = PagedAttention(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, build.fused, ggml_numerics=build.ggml
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            build.fused,
+            ggml_numerics=build.ggml,
+            scale=spec.attention_scale,
+            sliding_window=spec.sliding_window if self.sliding else 0,
         )
         self.attn_sub_norm = build.sub_norm(names.attn_sub_norm, layer_id)
         self.o_proj = build.linear(names.attn_output, layer_id)
+        self.attn_post_norm = build.post_norm(names.attn_post_norm, layer_id)
         self.ffn_norm = build.layer_norm(names.ffn_norm, layer_id)
         self.gate_up = build.group(names.gate_up, layer_id)
         self.act_and_mul = act_and_mul
         self.ffn_sub_norm = build.sub_norm(names.ffn_sub_norm, layer_id)
         self.down_proj = build.linear(names.ffn_down, layer_id)
+        self.ffn_post_norm = build.post_norm(names.ffn_post_norm, layer_id)
 
     def forward(
         self,
@@ -118,12 +131,12 @@ class DecoderLayer(nn.Module):
         attn_out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
         if self.attn_sub_norm is not None:
             attn_out = self.attn_sub_norm(attn_out)
-        hidden_states = hidden_states + self.o_proj(attn_out)
+        hidden_states = hidden_states + _post_normed(self.o_proj(attn_out), self.attn_post_norm)
         gate, up = self.gate_up(self.ffn_norm(hidden_states))
         ffn_out = self.act_and_mul(gate, up)  # [num_tokens, intermediate_size]
         if self.ffn_sub_norm is not None:
             ffn_out = self.ffn_sub_norm(ffn_out)
-        return hidden_states + self.down_proj(ffn_out)
+        return hidden_states + _post_normed(self.down_proj(ffn_out), self.ffn_post_norm)
 
     def _qkv(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """normed f32 [T, hidden] -> q [T, H, D], k and v [T, KVH, D]: biases added, heads of q and k
@@ -160,7 +173,14 @@ class DecoderLayer(nn.Module):
             gate_up=self.gate_up.projection,
             ffn_sub_norm=weight_of(self.ffn_sub_norm),
             down=self.down_proj.projection,
+            attn_post_norm=weight_of(self.attn_post_norm),
+            ffn_post_norm=weight_of(self.ffn_post_norm),
+            sliding_window=self.attn.sliding_window,
         )
+
+
+def _post_normed(out: torch.Tensor, post_norm: RMSNorm | None) -> torch.Tensor:
+    return out if post_norm is None else post_norm(out)
 
 
 def gated_activation(spec: ModelSpec, recipe: ArchitectureRecipe, weights: WeightSource) -> GatedActivation:
@@ -189,6 +209,7 @@ class DecoderModel(nn.Module):
         act_and_mul = gated_activation(spec, recipe, weights)
         self.embed_tokens = TokenEmbedding(weights.packed(names.token_embedding))
         self.rotary = self._rotary(build)
+        self.sliding_rotary = self._sliding_rotary(build)  # the sliding layers' own RoPE, or None
         self.layers = nn.ModuleList(DecoderLayer(build, i, act_and_mul) for i in range(spec.num_layers))
         self.norm = build.norm(names.output_norm)
         head_name = names.token_embedding if spec.tie_word_embeddings else names.output
@@ -214,9 +235,27 @@ class DecoderModel(nn.Module):
             ggml_numerics=build.ggml,
         )
 
+    def _sliding_rotary(self, build: _LayerBuilder) -> RotaryEmbedding | None:
+        """Sliding layers with a RoPE base of their own (Gemma 3: 10000, unscaled), else None."""
+        spec = self.spec
+        if not spec.sliding_layers or not spec.sliding_rope_theta:
+            return None
+        return RotaryEmbedding(
+            spec.rope_dim,
+            spec.sliding_rope_theta,
+            spec.max_model_len,
+            spec.rope_style,
+            fused=build.fused,
+            ggml_numerics=build.ggml,
+        )
+
+    def _layer_rotary(self, layer: DecoderLayer) -> RotaryEmbedding:
+        return self.sliding_rotary if layer.sliding and self.sliding_rotary is not None else self.rotary
+
     def plan(self) -> DecoderPlan:
         """This model lowered to data for the backend to compile (kernels/plan.py)."""
         spec, rotary = self.spec, self.rotary
+        sliding = self.sliding_rotary
         return DecoderPlan(
             layers=tuple(layer.plan() for layer in self.layers),
             num_heads=spec.num_heads,
@@ -232,6 +271,11 @@ class DecoderModel(nn.Module):
             final_norm=self.norm.weight.detach(),
             head=self.lm_head.weight,
             tie_word_embeddings=spec.tie_word_embeddings,
+            sliding_rope=None
+            if sliding is None
+            else RopeTables(sliding.cos, sliding.sin, sliding.rope_dim, sliding.style is RopeStyle.NEOX),
+            embedding_scale=spec.embedding_scale,
+            final_logit_softcap=spec.final_logit_softcap,
         )
 
     def forward(
@@ -246,15 +290,20 @@ class DecoderModel(nn.Module):
         Without kv_caches / attn_metadata the batch is one sequence from position 0 (golden path).
         """
         hidden_states = self.embed_tokens(input_ids)
+        if self.spec.embedding_scale != 1.0:
+            hidden_states = hidden_states * self.spec.embedding_scale
         compiled = self.compiled
         if compiled is not None and compiled.applies(input_ids.shape[0], kv_caches, attn_metadata):
             assert kv_caches is not None  # invariant: applies() holds only with caches and metadata
             return self.norm(compiled.run_layers(hidden_states, positions, kv_caches, attn_metadata))
         for layer_id, layer in enumerate(self.layers):
             kv_cache = kv_caches[layer_id] if kv_caches is not None else None
-            hidden_states = layer(hidden_states, positions, self.rotary, kv_cache, attn_metadata)
+            rotary = self._layer_rotary(layer)
+            hidden_states = layer(hidden_states, positions, rotary, kv_cache, attn_metadata)
         return self.norm(hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32."""
-        return self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states)
+        cap = self.spec.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

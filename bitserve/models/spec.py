@@ -32,3 +32,12 @@ class ModelSpec:
     has_sub_norms: bool
     tie_word_embeddings: bool
     activation_reason: str = "the architecture's default"  # why `activation` (inspect and the load log)
+    embedding_scale: float = 1.0  # token embeddings are multiplied by it before layer 0 (Gemma: sqrt(hidden))
+    attention_scale: float = 0.0  # the softmax scale; 0: 1 / sqrt(head_dim)
+    sliding_window: int = 0  # a sliding layer's token attends to the last that many positions (its own incl.)
+    sliding_layers: tuple[int, ...] = ()  # the layers attending over the window; the others see everything
+    sliding_rope_theta: float = 0.0  # the sliding layers' RoPE base, unscaled (0: rope_theta, scaled)
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) where > 0 (Gemma 2)
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window > 0 and layer in self.sliding_layers

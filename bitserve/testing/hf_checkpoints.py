@@ -23,7 +23,21 @@ _SHAPES: dict[str, dict[str, Any]] = {
     "qwen2": {"head_dim": 16, "tie_word_embeddings": False},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
     "bitnet": {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "relu2"},  # 2B-4T's: tied, ReLU²
+    # Gemma 3: tied; a window of 5 positions, shorter than the tests' prompts, so sliding layers differ
+    # from full ones; its sliding layers' RoPE base 10000, the full layer's 1e6 (the real models')
+    "gemma3": {
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": 5,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+    },
 }
+# layers when the caller names none: Gemma 3's pattern needs six for one full-attention layer
+_DEFAULT_LAYERS = {"gemma3": 6}
 
 
 def random_checkpoint(
@@ -32,11 +46,11 @@ def random_checkpoint(
     seed: int = 0,
     *,
     wide: bool = False,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     width: int | None = None,
 ) -> torch.nn.Module:
-    """A float32 `arch` model (llama | qwen2 | qwen3 | bitnet: plain float linears) of `num_layers`
-    layers, 64 wide (wide: 128, every
+    """A float32 `arch` model (llama | qwen2 | qwen3 | bitnet | gemma3: plain float linears) of
+    `num_layers` layers (default 2, gemma3 6), 64 wide (wide: 128, every
     projection's input a multiple of 128 as Q1_0 needs), 4 heads over 2 KV heads, in eval mode, with
     seeded weights. `width` (a multiple of 4) sets the hidden size instead, the intermediate size 2 x width
     and head_dim width / 4: 256 makes every projection's input whole K-quant super-blocks."""
@@ -47,23 +61,27 @@ def random_checkpoint(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "bitnet": (transformers.BitNetConfig, transformers.BitNetForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_class, model_class = classes[arch]
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=width or (128 if wide else 64),
         intermediate_size=2 * width if width else (256 if wide else 160),
-        num_hidden_layers=num_layers,
+        num_hidden_layers=num_layers or _DEFAULT_LAYERS.get(arch, 2),
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
         dtype=torch.float32,
-        **(_SHAPES[arch] | ({"head_dim": 32} if wide else {}) | ({"head_dim": width // 4} if width else {})),
+        **(
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+            | _SHAPES[arch]
+            | _head_dim(arch, wide, width)
+        ),
     )
     model = model_class(config)
     generator = torch.Generator().manual_seed(seed)
@@ -77,6 +95,14 @@ def random_checkpoint(
                 values = torch.randn(parameter.shape, generator=generator) * 0.02
             parameter.copy_(values)
     return model.eval()
+
+
+def _head_dim(arch: str, wide: bool, width: int | None) -> dict[str, int]:
+    """The head_dim override of a wide / `width` model (and Gemma's query_pre_attn_scalar, kept equal)."""
+    dim = width // 4 if width else 32 if wide else None
+    if dim is None:
+        return {}
+    return {"head_dim": dim} | ({"query_pre_attn_scalar": dim} if arch == "gemma3" else {})
 
 
 def checkpoint_config(model: torch.nn.Module) -> dict[str, Any]:

@@ -3,7 +3,8 @@ checkpoint (bitserve/testing/hf_checkpoints.py, seeded norms and biases) convert
 loader/hf_convert.py through the recipes' two name maps, then bitserve's forward on it against the
 transformers forward of the same model: logits over every prompt position, on the reference and cpu
 backends. qwen2 adds q/k/v biases, qwen3 per-head q/k RMSNorms and a head_dim that is not hidden/heads;
-llama checks the converter's q/k permutation for NORM RoPE."""
+llama checks the converter's q/k permutation for NORM RoPE; gemma3 its four norms a layer (stored as w,
+run as 1 + w), scaled embedding, GELU-tanh and sliding-window layers with their own RoPE base."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _bitserve_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "gemma3"])
 def test_logits_equal_transformers(hf_gguf, arch: str, backend: str) -> None:  # noqa: ANN001
     hf_model, path = hf_gguf(arch)
     llm = LLM(str(path), backend=backend)
@@ -53,7 +54,13 @@ def test_logits_equal_transformers(hf_gguf, arch: str, backend: str) -> None:  #
 
 
 @pytest.mark.parametrize(
-    ("arch", "part"), [("qwen2", "self_attn.q_proj.bias"), ("qwen3", "self_attn.k_norm")]
+    ("arch", "part"),
+    [
+        ("qwen2", "self_attn.q_proj.bias"),
+        ("qwen3", "self_attn.k_norm"),
+        ("gemma3", "post_attention_layernorm"),
+        ("gemma3", "post_feedforward_layernorm"),
+    ],
 )
 def test_the_new_parts_change_the_logits(hf_gguf, arch: str, part: str) -> None:  # noqa: ANN001
     """The comparison above could not pass by ignoring a bias or a q/k norm: dropping one (in transformers'

@@ -37,6 +37,7 @@ CASES = [
     ("llama", None),
     ("qwen3", None),
     ("qwen2", None),
+    ("gemma3", None),
     ("bitnet", "online"),
     ("bitnet", "packed"),
     ("llama", "packed"),
@@ -97,6 +98,7 @@ def test_served_directory_equals_transformers(
     [
         ("llama", None, "F32"),
         ("qwen3", None, "F16"),
+        ("gemma3", None, "F32"),
         ("bitnet", "online", "I2_S"),
         ("bitnet", "packed", "TQ2_0"),
     ],
@@ -200,12 +202,36 @@ def test_configs_it_cannot_serve_are_refused_by_name(
 ) -> None:  # noqa: ANN001
     """A config.json bitserve cannot honour fails the load with its key named, before any weight is read,
     never silently ignored (a scaled RoPE or a per-projection norm would give wrong answers)."""
+    _assert_refused(hf_checkpoint_dir, "qwen3", tmp_path, change, message)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"query_pre_attn_scalar": 7}, "query_pre_attn_scalar 7"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"layer_types": ["full_attention"] * 6}, "layer_types"),
+        ({"hidden_activation": "gelu"}, "tanh GELU"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 8.0}}},
+            "Gemma 3 RoPE 'yarn'",
+        ),
+    ],
+)
+def test_gemma3_configs_it_cannot_serve_are_refused_by_name(
+    hf_checkpoint_dir, tmp_path: Path, change: dict, message: str
+) -> None:  # noqa: ANN001
+    """What a gemma3 GGUF cannot carry (llama.cpp derives the softmax scale and the layer pattern itself)."""
+    _assert_refused(hf_checkpoint_dir, "gemma3", tmp_path, change, message)
+
+
+def _assert_refused(hf_checkpoint_dir, arch: str, tmp_path: Path, change: dict, message: str) -> None:  # noqa: ANN001
     import json
     import shutil
 
     from bitserve.errors import BitserveError
 
-    _, folder = hf_checkpoint_dir("qwen3", None)
+    _, folder = hf_checkpoint_dir(arch, None)
     copy = tmp_path / "ck"
     shutil.copytree(folder, copy)
     config = json.loads((copy / "config.json").read_text()) | change

@@ -94,8 +94,8 @@ class FastCpuDecode:
     def build(cls, plan: DecoderPlan, relu2: bool) -> FastCpuDecode | None:
         """Once, at load: the fast step when every layer qualifies, else None. relu2: the module
         forward's activation is the glue's relu2 (False: its SiLU)."""
-        if plan.ggml_numerics:
-            return None
+        if plan.ggml_numerics or any(layer.beyond_llama for layer in plan.layers):
+            return None  # Gemma's post-norms and sliding windows: the module forward runs them
         layers = [step_layer(layer) for layer in plan.layers]
         if None in layers or len({type(layer.qkv[0]) for layer in layers}) != 1:  # type: ignore[union-attr]
             return None

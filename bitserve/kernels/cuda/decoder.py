@@ -58,6 +58,12 @@ class CudaDecoder:
                 "the bitnetcpp linear mode (bitnet.cpp's CPU rounding) is not implemented on CUDA",
                 hint="use --linear-mode bitnet on a GPU (the same ternary linears, bit for bit)",
             )
+        gemma_parts = plan.embedding_scale != 1.0 or plan.final_logit_softcap
+        if gemma_parts or any(layer.beyond_llama for layer in plan.layers):
+            raise UnsupportedModel(
+                "Gemma's scaled embedding, post-norms and sliding-window attention have no CUDA path yet",
+                hint="serve this model on the cpu backend (--device cpu)",
+            )
         self.device = device
         self.num_heads, self.num_kv_heads, self.head_dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
         self.eps = plan.rms_norm_eps

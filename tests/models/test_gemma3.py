@@ -1,0 +1,71 @@
+"""Gemma 3 (`gemma3`) through the serving path: greedy generation (prefill, then one-token decode steps
+over the paged KV cache, several prompts batched, again from the prefix cache) equals llama.cpp's golden
+continuation of the converted random-init checkpoint (tests/fixtures/golden/coverage.json), up to
+llama.cpp's own near-ties. Its sliding window (5 positions, bitserve/testing/hf_checkpoints.py) is shorter
+than every prompt + continuation, so the decode steps' windowed attention is what is checked; the module
+forward's full-sequence path is checked against llama.cpp in test_coverage_golden.py and against
+transformers in test_hf_architectures.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bitserve.llm import LLM
+from bitserve.sampling_params import SamplingParams
+from bitserve.testing.teacher_forced import NEAR_TIE
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = json.loads((ROOT / "tests" / "fixtures" / "golden" / "coverage.json").read_text(encoding="utf-8"))
+CASE = next(c for c in GOLDEN["cases"] if (c["arch"], c["weight_type"]) == ("gemma3", "F32"))
+
+
+def _agrees_up_to_a_near_tie(ours: list[int], golden: dict) -> bool:
+    """Our greedy continuation is llama.cpp's, or leaves it first where llama.cpp's own top-2 margin is
+    under NEAR_TIE of its logit range (after that the two continue from different tokens)."""
+    prompt_length = len(golden["ids"])
+    for step, (mine, theirs) in enumerate(zip(ours, golden["continuation"], strict=True)):
+        if mine != theirs:
+            position = prompt_length - 1 + step
+            return golden["margins"][position] < NEAR_TIE * golden["ranges"][position]
+    return True
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_batched_generation_equals_llamacpp(hf_gguf, backend: str) -> None:  # noqa: ANN001
+    _, path = hf_gguf("gemma3")
+    llm = LLM(str(path), backend=backend)
+    try:
+        spec = llm.instance.loaded.model.spec
+        assert spec.sliding_window == 5 and spec.sliding_layers == (0, 1, 2, 3, 4)
+        prompts = [case["ids"] for case in CASE["prompts"]]
+        assert min(len(ids) for ids in prompts) > spec.sliding_window
+        params = SamplingParams(max_tokens=GOLDEN["num_tokens"], temperature=0.0, ignore_eos=True)
+        for attempt in ("cold", "prefix cache"):
+            outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+            for ours, golden in zip(outputs, CASE["prompts"], strict=True):
+                assert _agrees_up_to_a_near_tie(list(ours), golden), f"{attempt}: {ours} vs {golden}"
+            assert sum(o == g["continuation"] for o, g in zip(outputs, CASE["prompts"], strict=True)) >= 2
+    finally:
+        llm.close()
+
+
+def test_the_window_changes_the_answer(hf_gguf) -> None:  # noqa: ANN001
+    """The comparisons could not pass with the window ignored: transformers' logits with every layer
+    attending to the whole context differ from the windowed ones by far more than their tolerances."""
+    hf_model, _ = hf_gguf("gemma3")
+    token_ids = CASE["prompts"][0]["ids"] + CASE["prompts"][0]["continuation"]
+    with torch.inference_mode():
+        windowed = hf_model(torch.tensor([token_ids])).logits[0]
+        hf_model.config.sliding_window = 4096
+        try:
+            full = hf_model(torch.tensor([token_ids])).logits[0]
+        finally:
+            hf_model.config.sliding_window = 5
+    moved = (windowed - full).abs().max().item()
+    assert moved > 0.05 * (windowed.max() - windowed.min()).item()
