@@ -41,6 +41,7 @@ CASES = [
     ("qwen2", "F32"),
     ("qwen3", "F32"),
     ("gemma3", "F32"),
+    ("minicpm", "F32"),
     ("llama", "Q1_0"),
     ("llama", "Q2_0"),
     ("qwen3", "Q1_0"),

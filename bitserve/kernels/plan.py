@@ -89,11 +89,14 @@ class LayerPlan:
     attn_post_norm: torch.Tensor | None = None  # [hidden] (Gemma): RMSNorm of Wo's output before the add
     ffn_post_norm: torch.Tensor | None = None  # [hidden] (Gemma): RMSNorm of Wdown's output before the add
     sliding_window: int = 0  # > 0: attends to the last that many positions only (its RoPE: sliding_rope)
+    residual_scale: float = 1.0  # each block's output x this before its residual add (MiniCPM)
 
     @property
     def beyond_llama(self) -> bool:
-        """Parts past the llama / qwen / bitnet layer (Gemma's): a fast forward without them declines."""
-        return self.attn_post_norm is not None or self.ffn_post_norm is not None or self.sliding_window > 0
+        """Parts past the llama / qwen / bitnet layer (Gemma's, MiniCPM's): a fast forward without them
+        declines."""
+        gemma = self.attn_post_norm is not None or self.ffn_post_norm is not None or self.sliding_window > 0
+        return gemma or self.residual_scale != 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,7 @@ class DecoderPlan:
     sliding_rope: RopeTables | None = None  # the sliding layers' RoPE where it differs from `rope`
     embedding_scale: float = 1.0  # embeddings x this before layer 0 (the caller of run_layers applies it)
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) where > 0
+    logit_scale: float = 1.0  # logits divided by it before the softcap (MiniCPM)
 
     def layer_rope(self, layer: LayerPlan) -> RopeTables:
         return self.sliding_rope if layer.sliding_window and self.sliding_rope is not None else self.rope

@@ -54,6 +54,7 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "BitNetForCausalLM": "bitnet-b1.58",  # Microsoft's 2B-4T: bitnet.cpp's architecture name
     "Gemma3ForCausalLM": "gemma3",  # the text-only Gemma 3 (model_type gemma3_text)
+    "MiniCPMForCausalLM": "minicpm",  # OpenBMB's remote-code class: llama's tensors, three scales
 }
 PROJECTION_FIELDS = ("qkv", "attn_output", "gate_up", "ffn_down")
 NORM_FIELDS = (

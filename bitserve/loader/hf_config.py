@@ -116,6 +116,22 @@ def _gemma3_keys(config: Mapping[str, Any]) -> dict[str, MetadataValue]:
     return values
 
 
+def _minicpm_keys(config: Mapping[str, Any]) -> dict[str, MetadataValue]:
+    """MiniCPM's three scales, as llama.cpp's converter derives them from config.json."""
+    f32 = GGUFValueType.FLOAT32
+    try:
+        scales = {
+            "embedding_scale": float(config["scale_emb"]),
+            "residual_scale": float(config["scale_depth"]) / math.sqrt(int(config["num_hidden_layers"])),
+            "logit_scale": int(config["hidden_size"]) / float(config["dim_model_base"]),
+        }
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        raise UnsupportedModel(
+            f"a MiniCPM config.json needs numeric scale_emb, scale_depth and dim_model_base ({error!r})"
+        ) from error
+    return {f"minicpm.{key}": (f32, value, None) for key, value in scales.items()}
+
+
 def gguf_metadata(arch: str, config: Mapping[str, Any]) -> dict[str, MetadataValue]:
     """The architecture keys llama.cpp's loader reads, from config.json."""
     u32, f32, string = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
@@ -142,4 +158,6 @@ def gguf_metadata(arch: str, config: Mapping[str, Any]) -> dict[str, MetadataVal
         values[f"{arch}.hidden_act"] = (string, str(config["hidden_act"]), None)
     if arch == "gemma3":
         values |= _gemma3_keys(config)
+    if arch == "minicpm":
+        values |= _minicpm_keys(config)
     return values

@@ -12,6 +12,7 @@ from typing import Any
 
 from bitserve.errors import InvalidModelFile, UnsupportedModel
 from bitserve.models.architectures import ARCHITECTURES
+from bitserve.models.minicpm import LONGROPE_TENSORS
 from bitserve.models.recipe import ArchitectureRecipe
 from bitserve.models.spec import ModelSpec
 
@@ -116,6 +117,31 @@ def _refuse_attention_softcap(metadata: Mapping[str, Any], arch: str, path: str 
         )
 
 
+def _file_scales(
+    metadata: Mapping[str, Any],
+    arch: str,
+    recipe: ArchitectureRecipe,
+    tensor_names: set[str],
+    path: str | None,
+) -> tuple[float, float, float]:
+    """(embedding, residual, logit) scales of a recipe that reads them from the file (MiniCPM), each a
+    finite positive float as llama.cpp requires the keys; (1, 1, 1) otherwise."""
+    if not recipe.file_scales:
+        return 1.0, 1.0, 1.0
+    longrope = [name for name in LONGROPE_TENSORS if name in tensor_names]
+    if longrope:
+        raise UnsupportedModel(f"LongRoPE ({', '.join(longrope)}) is not supported", path=path)
+    scales = []
+    for key in ("embedding_scale", "residual_scale", "logit_scale"):
+        value = _require(metadata, f"{arch}.{key}", path)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+            raise InvalidModelFile(
+                f"metadata {arch}.{key} = {value!r}", path=path, expected="a positive float"
+            )
+        scales.append(float(value))
+    return scales[0], scales[1], scales[2]
+
+
 def spec_from_metadata(
     metadata: Mapping[str, Any], *, tensor_names: set[str], path: str | None = None
 ) -> ModelSpec:
@@ -143,6 +169,9 @@ def spec_from_metadata(
     num_layers = _positive_int(metadata, f"{arch}.block_count", path)
     window, sliding_layers = _sliding_layers(metadata, arch, recipe, num_layers, path)
     scale_of = recipe.attention_scale
+    embedding_scale, residual_scale, logit_scale = _file_scales(metadata, arch, recipe, tensor_names, path)
+    if recipe.scaled_embedding:
+        embedding_scale = math.sqrt(hidden_size)
     return ModelSpec(
         architecture=arch,
         name=str(metadata.get("general.name", arch)),
@@ -163,7 +192,9 @@ def spec_from_metadata(
         activation_reason=activation_reason,
         has_sub_norms=recipe.sub_norms,
         tie_word_embeddings="output.weight" not in tensor_names,
-        embedding_scale=math.sqrt(hidden_size) if recipe.scaled_embedding else 1.0,
+        embedding_scale=embedding_scale,
+        residual_scale=residual_scale,
+        logit_scale=logit_scale,
         attention_scale=scale_of(num_layers, hidden_size, num_heads, head_dim) if scale_of else 0.0,
         sliding_window=window,
         sliding_layers=sliding_layers,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from bitserve.models.bitnet import BITNET, BITNET_B158
 from bitserve.models.gemma import GEMMA3
 from bitserve.models.llama import LLAMA
+from bitserve.models.minicpm import MINICPM
 from bitserve.models.qwen import QWEN2, QWEN3
 from bitserve.models.recipe import ArchitectureRecipe
 
@@ -17,4 +18,5 @@ ARCHITECTURES: dict[str, ArchitectureRecipe] = {
     "qwen2": QWEN2,
     "qwen3": QWEN3,
     "gemma3": GEMMA3,
+    "minicpm": MINICPM,
 }

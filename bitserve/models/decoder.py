@@ -117,6 +117,7 @@ class DecoderLayer(nn.Module):
         self.ffn_sub_norm = build.sub_norm(names.ffn_sub_norm, layer_id)
         self.down_proj = build.linear(names.ffn_down, layer_id)
         self.ffn_post_norm = build.post_norm(names.ffn_post_norm, layer_id)
+        self.residual_scale = spec.residual_scale  # each block's output x this before its add (MiniCPM)
 
     def forward(
         self,
@@ -131,12 +132,19 @@ class DecoderLayer(nn.Module):
         attn_out = self.attn(q, k, v, kv_cache, attn_metadata)  # [num_tokens, num_heads * head_dim]
         if self.attn_sub_norm is not None:
             attn_out = self.attn_sub_norm(attn_out)
-        hidden_states = hidden_states + _post_normed(self.o_proj(attn_out), self.attn_post_norm)
+        hidden_states = hidden_states + self._block_output(self.o_proj(attn_out), self.attn_post_norm)
         gate, up = self.gate_up(self.ffn_norm(hidden_states))
         ffn_out = self.act_and_mul(gate, up)  # [num_tokens, intermediate_size]
         if self.ffn_sub_norm is not None:
             ffn_out = self.ffn_sub_norm(ffn_out)
-        return hidden_states + _post_normed(self.down_proj(ffn_out), self.ffn_post_norm)
+        return hidden_states + self._block_output(self.down_proj(ffn_out), self.ffn_post_norm)
+
+    def _block_output(self, out: torch.Tensor, post_norm: RMSNorm | None) -> torch.Tensor:
+        """An attention or FFN block's output [T, hidden] as it is added to the residual: post-normed
+        (Gemma), scaled (MiniCPM)."""
+        if post_norm is not None:
+            out = post_norm(out)
+        return out if self.residual_scale == 1.0 else out * self.residual_scale
 
     def _qkv(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """normed f32 [T, hidden] -> q [T, H, D], k and v [T, KVH, D]: biases added, heads of q and k
@@ -176,11 +184,8 @@ class DecoderLayer(nn.Module):
             attn_post_norm=weight_of(self.attn_post_norm),
             ffn_post_norm=weight_of(self.ffn_post_norm),
             sliding_window=self.attn.sliding_window,
+            residual_scale=self.residual_scale,
         )
-
-
-def _post_normed(out: torch.Tensor, post_norm: RMSNorm | None) -> torch.Tensor:
-    return out if post_norm is None else post_norm(out)
 
 
 def gated_activation(spec: ModelSpec, recipe: ArchitectureRecipe, weights: WeightSource) -> GatedActivation:
@@ -276,6 +281,7 @@ class DecoderModel(nn.Module):
             else RopeTables(sliding.cos, sliding.sin, sliding.rope_dim, sliding.style is RopeStyle.NEOX),
             embedding_scale=spec.embedding_scale,
             final_logit_softcap=spec.final_logit_softcap,
+            logit_scale=spec.logit_scale,
         )
 
     def forward(
@@ -305,5 +311,7 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [num_sampled, hidden_size] -> logits [num_sampled, vocab_size] float32."""
         logits = self.lm_head(hidden_states)
+        if self.spec.logit_scale != 1.0:
+            logits = logits / self.spec.logit_scale
         cap = self.spec.final_logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap

@@ -116,6 +116,9 @@ class ArchitectureRecipe:
     sliding_rope_base: float = 0.0  # the sliding layers' own unscaled RoPE base when the file names none
     # (num_layers, hidden, heads, head_dim) -> the softmax scale; None: 1 / sqrt(head_dim)
     attention_scale: Callable[[int, int, int, int], float] | None = None
+    # MiniCPM's scales, read from `<arch>.embedding_scale` / `.residual_scale` / `.logit_scale` (required):
+    # embeddings x embedding_scale, each block's output x residual_scale before its add, logits / logit_scale
+    file_scales: bool = False
     # a transformers checkpoint stores each RMSNorm weight minus this (Gemma's x * (1 + w)); the GGUF
     # holds the full weight (llama.cpp's converter adds it)
     hf_norm_offset: float = 0.0

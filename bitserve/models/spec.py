@@ -38,6 +38,8 @@ class ModelSpec:
     sliding_layers: tuple[int, ...] = ()  # the layers attending over the window; the others see everything
     sliding_rope_theta: float = 0.0  # the sliding layers' RoPE base, unscaled (0: rope_theta, scaled)
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) where > 0 (Gemma 2)
+    residual_scale: float = 1.0  # each block's output x this before its residual add (MiniCPM)
+    logit_scale: float = 1.0  # logits are divided by it (MiniCPM: hidden / dim_model_base)
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window > 0 and layer in self.sliding_layers

@@ -17,12 +17,16 @@ import torch
 # weight types whose blocks need every projection's input a multiple of 128 values (random_checkpoint wide)
 WIDE_TYPES = ("Q1_0", "Q2_0")
 
+# MiniCPM (OpenBMB's remote code, no transformers class): a Llama checkpoint with its three scales in
+# config.json, saved as MiniCPMForCausalLM; llama.cpp is its reference
+_MINICPM_SCALES = {"scale_emb": 0.5, "scale_depth": 8.0, "dim_model_base": 32}
 # small dims; qwen3's head_dim (32) is not hidden / heads (16), as in the real Qwen3 models
 _SHAPES: dict[str, dict[str, Any]] = {
     "llama": {"head_dim": 16, "tie_word_embeddings": False},
     "qwen2": {"head_dim": 16, "tie_word_embeddings": False},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
     "bitnet": {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "relu2"},  # 2B-4T's: tied, ReLU²
+    "minicpm": {"head_dim": 16, "tie_word_embeddings": True} | _MINICPM_SCALES,
     # Gemma 3: tied; a window of 5 positions, shorter than the tests' prompts, so sliding layers differ
     # from full ones; its sliding layers' RoPE base 10000, the full layer's 1e6 (the real models')
     "gemma3": {
@@ -62,6 +66,7 @@ def random_checkpoint(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "bitnet": (transformers.BitNetConfig, transformers.BitNetForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "minicpm": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }
     config_class, model_class = classes[arch]
     config = config_class(
@@ -106,8 +111,11 @@ def _head_dim(arch: str, wide: bool, width: int | None) -> dict[str, int]:
 
 
 def checkpoint_config(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's config.json contents, as save_pretrained writes them (it adds `architectures`)."""
-    return model.config.to_dict() | {"architectures": [type(model).__name__]}
+    """The model's config.json contents, as save_pretrained writes them (it adds `architectures`); a
+    Llama carrying MiniCPM's scales is saved as MiniCPMForCausalLM."""
+    config = model.config.to_dict()
+    name = "MiniCPMForCausalLM" if "scale_emb" in config else type(model).__name__
+    return config | {"architectures": [name]}
 
 
 def hf_gguf_case(

@@ -37,3 +37,30 @@ def teacher_forced_misses(
             if ours[position] != theirs:
                 wrong.append((prompt, position))
     return decisive, compared, wrong
+
+
+def logit_range_error(llm: object, prompts: Sequence[str], expected: Sequence[dict]) -> float:
+    """The largest |bitserve's logit range - llama.cpp's| / llama.cpp's over every teacher-forced position:
+    what the argmax cannot show (a logit scale or soft-cap applied or not moves every range)."""
+    model = llm.instance.loaded.model  # type: ignore[attr-defined]
+    worst = 0.0
+    for _prompt, case in zip(prompts, expected, strict=True):
+        sequence = case["ids"] + case["continuation"][:-1]
+        with torch.inference_mode():
+            logits = model.compute_logits(model(torch.tensor(sequence), torch.arange(len(sequence))))
+        ours = (logits.max(dim=-1).values - logits.min(dim=-1).values).tolist()
+        for mine, theirs in zip(ours, case["ranges"], strict=True):
+            worst = max(worst, abs(mine - theirs) / theirs)
+    return worst
+
+
+def continuation_agrees(ours: Sequence[int], golden: dict) -> bool:
+    """A greedy continuation through the serving path is llama.cpp's (`golden`: one prompt's ids,
+    continuation, margins, ranges), or leaves it first where llama.cpp's own top-2 margin is under
+    NEAR_TIE of its logit range (after that the two continue from different tokens)."""
+    prompt_length = len(golden["ids"])
+    for step, (mine, theirs) in enumerate(zip(ours, golden["continuation"], strict=True)):
+        if mine != theirs:
+            position = prompt_length - 1 + step
+            return golden["margins"][position] < NEAR_TIE * golden["ranges"][position]
+    return True

@@ -16,24 +16,13 @@ import torch
 
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
-from bitserve.testing.teacher_forced import NEAR_TIE
+from bitserve.testing.teacher_forced import continuation_agrees
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((ROOT / "tests" / "fixtures" / "golden" / "coverage.json").read_text(encoding="utf-8"))
 CASE = next(c for c in GOLDEN["cases"] if (c["arch"], c["weight_type"]) == ("gemma3", "F32"))
-
-
-def _agrees_up_to_a_near_tie(ours: list[int], golden: dict) -> bool:
-    """Our greedy continuation is llama.cpp's, or leaves it first where llama.cpp's own top-2 margin is
-    under NEAR_TIE of its logit range (after that the two continue from different tokens)."""
-    prompt_length = len(golden["ids"])
-    for step, (mine, theirs) in enumerate(zip(ours, golden["continuation"], strict=True)):
-        if mine != theirs:
-            position = prompt_length - 1 + step
-            return golden["margins"][position] < NEAR_TIE * golden["ranges"][position]
-    return True
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -49,7 +38,7 @@ def test_batched_generation_equals_llamacpp(hf_gguf, backend: str) -> None:  # n
         for attempt in ("cold", "prefix cache"):
             outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
             for ours, golden in zip(outputs, CASE["prompts"], strict=True):
-                assert _agrees_up_to_a_near_tie(list(ours), golden), f"{attempt}: {ours} vs {golden}"
+                assert continuation_agrees(list(ours), golden), f"{attempt}: {ours} vs {golden}"
             assert sum(o == g["continuation"] for o, g in zip(outputs, CASE["prompts"], strict=True)) >= 2
     finally:
         llm.close()

@@ -99,6 +99,7 @@ def test_served_directory_equals_transformers(
         ("llama", None, "F32"),
         ("qwen3", None, "F16"),
         ("gemma3", None, "F32"),
+        ("minicpm", None, "F32"),  # no transformers class: llama.cpp checks its GGUF (test_coverage_golden)
         ("bitnet", "online", "I2_S"),
         ("bitnet", "packed", "TQ2_0"),
     ],
