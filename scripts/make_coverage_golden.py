@@ -42,6 +42,7 @@ CASES = [
     ("qwen3", "F32"),
     ("gemma3", "F32"),
     ("minicpm", "F32"),
+    ("bitnet-silu", "TQ2_0"),  # a BitNet checkpoint converted to llama.cpp's `bitnet` arch and ternary type
     ("llama", "Q1_0"),
     ("llama", "Q2_0"),
     ("qwen3", "Q1_0"),

@@ -26,6 +26,9 @@ _SHAPES: dict[str, dict[str, Any]] = {
     "qwen2": {"head_dim": 16, "tie_word_embeddings": False},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
     "bitnet": {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "relu2"},  # 2B-4T's: tied, ReLU²
+    # 1bitLLM's activation: llama.cpp's `bitnet` graph runs SiLU whatever the file says, so this is the
+    # BitNet llama.cpp can check (the 2B-4T's ReLU² is checked against transformers and bitnet.cpp)
+    "bitnet-silu": {"head_dim": 32, "tie_word_embeddings": True, "hidden_act": "silu"},
     "minicpm": {"head_dim": 16, "tie_word_embeddings": True} | _MINICPM_SCALES,
     # Gemma 3: tied; a window of 5 positions, shorter than the tests' prompts, so sliding layers differ
     # from full ones; its sliding layers' RoPE base 10000, the full layer's 1e6 (the real models')
@@ -53,7 +56,8 @@ def random_checkpoint(
     num_layers: int | None = None,
     width: int | None = None,
 ) -> torch.nn.Module:
-    """A float32 `arch` model (llama | qwen2 | qwen3 | bitnet | gemma3: plain float linears) of
+    """A float32 `arch` model (llama | qwen2 | qwen3 | bitnet | bitnet-silu | gemma3 | minicpm: plain float
+    linears) of
     `num_layers` layers (default 2, gemma3 6), 64 wide (wide: 128, every
     projection's input a multiple of 128 as Q1_0 needs), 4 heads over 2 KV heads, in eval mode, with
     seeded weights. `width` (a multiple of 4) sets the hidden size instead, the intermediate size 2 x width
@@ -65,6 +69,7 @@ def random_checkpoint(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "bitnet": (transformers.BitNetConfig, transformers.BitNetForCausalLM),
+        "bitnet-silu": (transformers.BitNetConfig, transformers.BitNetForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "minicpm": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }
@@ -128,9 +133,15 @@ def hf_gguf_case(
 
     tokenizer = tokenizer_metadata(tokenizer_source)
     vocab_size = len(tokenizer["tokenizer.ggml.tokens"][1])
-    model = random_checkpoint(arch, vocab_size, wide=weight_type in WIDE_TYPES)
+    config: dict[str, Any] = {}
+    if arch.startswith("bitnet"):  # 256 wide: whole TQ2_0 blocks; float masters ternarized as transformers'
+        model = random_checkpoint(arch, vocab_size, width=256)
+        config["quantization_config"] = BITNET_LAYOUTS["online"]
+    else:
+        model = random_checkpoint(arch, vocab_size, wide=weight_type in WIDE_TYPES)
     path = Path(folder) / f"{arch}-{weight_type}.gguf"
-    write_gguf(path, checkpoint_config(model), model.state_dict(), tokenizer, weight_type=weight_type)
+    config = checkpoint_config(model) | config
+    write_gguf(path, config, model.state_dict(), tokenizer, weight_type=weight_type)
     return model, path
 
 

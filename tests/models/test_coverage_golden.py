@@ -1,6 +1,7 @@
 """bitserve against llama.cpp on the 2026 coverage cases (fixtures from scripts/make_coverage_golden.py):
 the qwen2 / qwen3 / llama / gemma3 / minicpm architectures converted from transformers checkpoints (minicpm:
-a Llama checkpoint with MiniCPM's three scales), and llama.cpp's 1- and
+a Llama checkpoint with MiniCPM's three scales), a BitNet checkpoint (SiLU, as llama.cpp's `bitnet` graph
+runs) converted to TQ2_0, and llama.cpp's 1- and
 2-bit weight types Q1_0 / Q2_0, byte for byte and token for token.
 
 Tokens are teacher-forced: at every position of llama.cpp's prompt + greedy continuation, bitserve's
