@@ -146,16 +146,19 @@ def run_crossval(args: argparse.Namespace) -> int:
     --bitnet-cpp."""
     tests = Path(__file__).resolve().parents[2] / "tests"
     env = None
-    target = tests
+    targets = [tests]
     if args.bitnet_cpp:
         env = {**os.environ, "BITNET_CPP": str(args.bitnet_cpp)}
-        target = tests / "models" / "test_bitnetcpp_crossval.py"
+        # its own synthetic files, and the I2_S file `bitserve convert` writes from a BitNet checkpoint
+        targets = [
+            tests / "models" / name for name in ("test_bitnetcpp_crossval.py", "test_converted_bitnetcpp.py")
+        ]
         emit(f"bitnet.cpp crossval ({bitnet_cpp_mode(Path(args.bitnet_cpp))}): {args.bitnet_cpp}")
     command = [
         sys.executable,
         "-m",
         "pytest",
-        str(target),
+        *map(str, targets),
         "-m",
         "crossval",
         "-p",

@@ -245,3 +245,20 @@ def write_tokenizer_files(tokenizer_source: Path, folder: Path) -> None:
     if template:
         tokenizer_config["chat_template"] = str(template)
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def converted_bitnet_i2s(tokenizer_source: Path, folder: Path) -> Path:
+    """A random-init BitNet checkpoint in the 2B-4T release's layout (packed uint8 codes + weight_scale,
+    ReLU², tied F16 embedding) saved as a directory in `folder`, then `bitserve convert`ed to I2_S
+    (bitnet.cpp's `bitnet-b1.58`): the file scripts/make_converted_bitnetcpp_golden.py runs bitnet.cpp on."""
+    from bitserve.loader.gguf_reader import read_gguf
+    from bitserve.loader.hf_convert import convert_checkpoint
+
+    with read_gguf(tokenizer_source) as gguf:
+        vocab_size = len(gguf.metadata["tokenizer.ggml.tokens"])
+    model = random_checkpoint("bitnet", vocab_size, width=256)  # whole I2_S blocks
+    model.model.embed_tokens.to(torch.float16)  # an F16 tied head, as bitnet.cpp's 2B-4T files have
+    directory = save_checkpoint_dir(
+        model, Path(folder) / "bitnet-packed", tokenizer_source, bitnet_layout="packed"
+    )
+    return convert_checkpoint(directory, Path(folder) / "bitnet-packed-I2_S.gguf", weight_type="I2_S")
