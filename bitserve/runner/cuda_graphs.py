@@ -142,7 +142,10 @@ class DecodeGraphs:
     def _step(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
         size, width, greedy = key
         inputs, table, decoder = self.inputs(size), self.block_table(size, width), self.decoder
-        embedded = prepare_decode_step(inputs, table, decoder.embedding, self.block_size)  # [size, hidden]
+        # [size, hidden], times the model's embedding scale (Gemma) as CudaDecoder.forward does
+        embedded = prepare_decode_step(
+            inputs, table, decoder.embedding, self.block_size, decoder.embedding_scale
+        )
         hidden = decoder.run_layers(embedded, inputs[POSITIONS], self.kv_caches, self._metadata(size, width))
         feed = StepFeed(inputs, table, self.scratch_block, self.host_tokens[:, :size])
         # f32 [size, vocab], int64 [size]

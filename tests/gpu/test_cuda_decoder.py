@@ -44,32 +44,42 @@ def prefill_then_decode_logits(
 ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(the compiled forward's logits of 7 tokens: a 5-token prefill, then two decode steps over the
     paged cache, the reference backend's full-sequence logits of the same tokens, the CudaDecoder)."""
+    return chunked_logits(path, kv_dtype, [5, 900, 17, 4242, 31, 77, 1000], (5, 1, 1))
+
+
+def chunked_logits(
+    path: Path, kv_dtype: torch.dtype, ids: list[int], chunks: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(the compiled forward's logits of `ids` run as consecutive steps of `chunks` tokens over one paged
+    cache of 4-token blocks: a prefill, chunks over the cached prefix, one-token decode steps; the
+    reference backend's full-sequence logits of the same tokens; the CudaDecoder)."""
     device = kernel_device()  # first: skips where neither CUDA nor the interpreter can run Triton
     from bitserve.kernels.cuda.backend import CudaBackend
     from bitserve.kernels.cuda.decoder import CudaDecoder
 
+    assert sum(chunks) == len(ids)
     reference = load_model(path, LoadOptions(backend=ReferenceBackend(), linear_mode=LinearMode.BITNET))
     loaded = load_model(path, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
     decoder = loaded.model.compiled  # compiled at load by the cuda backend
     assert isinstance(decoder, CudaDecoder)
     spec = loaded.spec
-    block_size, ids = 4, [5, 900, 17, 4242, 31, 77, 1000]
+    block_size = 4
+    num_blocks = -(-len(ids) // block_size) + 1
     caches = [
-        torch.zeros(2, 8, block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=device)
+        torch.zeros(
+            2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=kv_dtype, device=device
+        )
         for _ in range(spec.num_layers)
     ]
+    got, start = [], 0
     with torch.inference_mode():
         expected = reference.model.compute_logits(reference.model(torch.tensor(ids), torch.arange(len(ids))))
-        prefill = torch.tensor(ids[:5], device=device)
-        hidden = decoder(
-            prefill, torch.arange(5, device=device), caches, metadata_for(0, 5, block_size, device)
-        )
-        got = [decoder.compute_logits(hidden).cpu()]
-        for position in (5, 6):
-            token = torch.tensor([ids[position]], device=device)
-            pos = torch.tensor([position], device=device)
-            hidden = decoder(token, pos, caches, metadata_for(position, 1, block_size, device))
+        for size in chunks:
+            tokens = torch.tensor(ids[start : start + size], device=device)
+            positions = torch.arange(start, start + size, device=device)
+            hidden = decoder(tokens, positions, caches, metadata_for(start, size, block_size, device))
             got.append(decoder.compute_logits(hidden).cpu())
+            start += size
     reference.close()
     loaded.close()
     return torch.cat(got), expected, decoder
@@ -188,3 +198,67 @@ def test_checkpoint_directories_on_the_compiled_forward(
     got, expected, _ = prefill_then_decode_logits(folder, torch.float32)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))
+
+
+GEMMA3_IDS = [5, 900, 17, 4242, 31, 77, 1000, 3, 9, 12, 4000, 250, 60, 8, 321]  # 15 tokens, window 5
+
+
+@pytest.mark.parametrize("weight_type", ["F32", pytest.param("Q8_0", marks=ON_DEVICE_ONLY)])
+@pytest.mark.parametrize(
+    "chunks",
+    [(9, 1, 1, 1, 1, 1, 1), (3, 6, 4, 1, 1)],
+    ids=["prefill-then-decode", "chunks-over-a-prefix"],
+)
+def test_gemma3_matches_the_full_forward(hf_gguf, weight_type: str, chunks: tuple[int, ...]) -> None:  # noqa: ANN001
+    """Gemma 3 (random-init, 6 layers, layers 0-4 sliding over 5 positions with their own RoPE base,
+    post-norms, GELU-tanh, sqrt(hidden)-scaled embeddings, per-head q/k norms) on the dense (cuBLAS) and
+    block (block_gemv) paths: a prompt longer than the window, chunks over a cached prefix and decode
+    steps past the window give the reference backend's full-forward logits within f32 summation-order
+    tolerance, and its argmaxes."""
+    _, path = hf_gguf("gemma3", weight_type)
+    got, expected, decoder = chunked_logits(path, torch.float32, GEMMA3_IDS, chunks)
+    assert [layer.window for layer in decoder.layers] == [5, 5, 5, 5, 5, 0]
+    assert all(
+        layer.attn_post_norm is not None and layer.ffn_post_norm is not None for layer in decoder.layers
+    )
+    assert decoder.embedding_scale == pytest.approx(8.0)  # sqrt(64)
+    sliding_cos, full_cos = decoder.layer_ropes[0][0], decoder.layer_ropes[5][0]
+    assert full_cos is decoder.cos and not torch.equal(sliding_cos, full_cos)  # bases 10000 and 1e6
+    if weight_type == "Q8_0":
+        assert all(layer.block["down"] is not None for layer in decoder.layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))
+
+
+def test_gemma3_soft_cap_and_refusals(hf_gguf) -> None:  # noqa: ANN001
+    """A plan's final_logit_softcap caps every logit handed back (compute_logits, and the decode graphs'
+    norm_logits_and_argmax, whose argmax is the capped logits'); MiniCPM's residual and logit scales,
+    not implemented on CUDA, are refused at load."""
+    import dataclasses
+
+    from bitserve.errors import UnsupportedModel
+    from bitserve.kernels.cuda.backend import CudaBackend
+    from bitserve.kernels.cuda.decoder import CudaDecoder
+
+    device = kernel_device()
+    _, path = hf_gguf("gemma3", "F32")
+    loaded = load_model(path, LoadOptions(backend=CudaBackend(device), linear_mode=LinearMode.BITNET))
+    plan = loaded.model.plan()
+    plain, cap = loaded.model.compiled, 0.05  # a cap below the random model's logits: it moves them
+    capped = CudaDecoder(dataclasses.replace(plan, final_logit_softcap=cap), torch.device(device))
+    hidden = torch.randn(3, plan.final_norm.shape[0], generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.inference_mode():
+        raw = plain.compute_logits(plain.final_norm(hidden))
+        expected = torch.tanh(raw / cap) * cap
+        assert not torch.allclose(raw, expected)
+        assert torch.equal(capped.compute_logits(capped.final_norm(hidden)), expected)
+        logits, tokens = capped.norm_logits_and_argmax(hidden)
+        assert torch.equal(logits, expected) and torch.equal(tokens, expected.argmax(dim=1))
+    scaled_layer = dataclasses.replace(plan.layers[0], residual_scale=1.4)
+    for refused in (
+        dataclasses.replace(plan, logit_scale=2.0),
+        dataclasses.replace(plan, layers=(scaled_layer, *plan.layers[1:])),
+    ):
+        with pytest.raises(UnsupportedModel, match="MiniCPM"):
+            CudaDecoder(refused, torch.device(device))
+    loaded.close()

@@ -10,6 +10,7 @@ they are compared with a CPU engine that also keeps an f16 cache (both round K/V
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ pytestmark = [
 ]
 
 ENGINE_GOLDEN = Path(__file__).resolve().parent.parent / "engine" / "test_engine_golden.py"
+COVERAGE_GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden" / "coverage.json"
 
 
 def _golden_helpers():  # noqa: ANN202 - the CPU golden test's prompt set and staggered driver
@@ -34,6 +36,14 @@ def _golden_helpers():  # noqa: ANN202 - the CPU golden test's prompt set and st
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+def _gemma3_golden() -> tuple[int, list[dict]]:
+    """(tokens per continuation, the prompts of llama.cpp's gemma3 F32 case: ids, continuation, margins,
+    ranges), tests/fixtures/golden/coverage.json."""
+    golden = json.loads(COVERAGE_GOLDEN.read_text(encoding="utf-8"))
+    case = next(c for c in golden["cases"] if (c["arch"], c["weight_type"]) == ("gemma3", "F32"))
+    return golden["num_tokens"], case["prompts"]
 
 
 def engine_config(
@@ -195,3 +205,63 @@ def test_dense_q4_model_matches_cpu(tmp_path: Path, tokenizer_source: Path, grap
             rtol=1e-4,
             atol=1e-4,
         )
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
+def test_gemma3_equals_cpu_reference(hf_gguf, weight_type: str) -> None:  # noqa: ANN001
+    """Gemma 3 (sliding layers over 5 positions, post-norms, GELU-tanh, scaled embeddings) in F32 and
+    Q8_0 (block GEMV): staggered requests with chunked prefill and prefix caching, CUDA graphs on, give
+    the CPU reference backend's greedy tokens; every prompt and continuation passes the window."""
+    _, path = hf_gguf("gemma3", weight_type)
+    expected = staggered_tokens(engine_config(path, "cpu", kv="float32", backend="reference"))
+    assert staggered_tokens(engine_config(path, "cuda", kv="float32")) == expected
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gemma3_batched_generation_equals_llamacpp(hf_gguf, graphs: bool) -> None:  # noqa: ANN001
+    """The three golden prompts (8-15 tokens, window 5) batched, then again from the prefix cache: the
+    greedy continuations are llama.cpp's (tests/fixtures/golden/coverage.json) up to its own near-ties
+    (tests/models/test_gemma3.py's rule), with the decode steps in CUDA graphs (launched ahead) or eager."""
+    from bitserve.testing.teacher_forced import continuation_agrees
+
+    num_tokens, cases = _gemma3_golden()
+    _, path = hf_gguf("gemma3")
+    llm = LLM(config=engine_config(path, "cuda", kv="float32", graphs=graphs))
+    try:
+        prompts = [case["ids"] for case in cases]
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+        for attempt in ("cold", "prefix cache"):
+            outputs = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
+            for ours, case in zip(outputs, cases, strict=True):
+                assert continuation_agrees(ours, case), f"{attempt}: {ours} vs {case}"
+            assert sum(o == c["continuation"] for o, c in zip(outputs, cases, strict=True)) >= 2
+        if graphs:
+            assert llm.instance.engine.runner.lookahead_stats.hits > 0  # the graphs' decode steps ran
+    finally:
+        llm.close()
+
+
+def test_gemma3_logprobs_equal_cpu_reference(hf_gguf) -> None:  # noqa: ANN001
+    """Each step's top-5 logprobs of the golden prompts, batched (prefill, then decode steps in CUDA
+    graphs: the decode graphs' embedding scale and windows), within f32 tolerance of the CPU reference's."""
+    _, path = hf_gguf("gemma3")
+    prompts = [case["ids"] for case in _gemma3_golden()[1]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
+    outputs = {}
+    for device, backend in (("cpu", "reference"), ("cuda", "auto")):
+        llm = LLM(config=engine_config(path, device, kv="float32", backend=backend))
+        try:
+            outputs[device] = [out.outputs[0] for out in llm.generate(prompts, params)]
+        finally:
+            llm.close()
+    for cuda, cpu in zip(outputs["cuda"], outputs["cpu"], strict=True):
+        assert cuda.token_ids == cpu.token_ids
+        for step_cuda, step_cpu in zip(cuda.logprobs, cpu.logprobs, strict=True):
+            top_cuda, top_cpu = step_cuda.top_logprobs, step_cpu.top_logprobs
+            assert [t for t, _ in top_cuda] == [t for t, _ in top_cpu]
+            torch.testing.assert_close(
+                torch.tensor([lp for _, lp in top_cuda]),
+                torch.tensor([lp for _, lp in top_cpu]),
+                rtol=1e-4,
+                atol=1e-4,
+            )

@@ -19,7 +19,7 @@ if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").
     pytest.skip("this Triton wheel carries no ptxas", allow_module_level=True)
 
 from benchmarks.sass_count_gemv import PROJECTIONS, compile_for_sm90, compile_projection  # noqa: E402
-from bitserve.kernels.cuda import greedy_head, paged_attention  # noqa: E402
+from bitserve.kernels.cuda import greedy_head, paged_attention, paged_prefill  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -34,17 +34,32 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, **options):  # noq
     return compile_for_sm90(kernel, signature, constexprs, **options)
 
 
-def test_decode_attention_compiles() -> None:
+@pytest.mark.parametrize("window", [0, 512])  # 0: full attention; 512: a sliding layer (Gemma 3 1B's)
+def test_decode_attention_compiles(window: int) -> None:
     pointers = dict.fromkeys(("q_ptr", "out_ptr", "lse_ptr"), "*fp32")
     pointers |= {"k_ptr": "*fp16", "v_ptr": "*fp16", "table_ptr": "*i32", "lens_ptr": "*i32"}
     strides = [name for name in paged_attention._decode_kernel.arg_names if "stride" in name]
     types = pointers | dict.fromkeys(strides, "i32") | {"qk_scale": "fp32"}
     constexprs = {
         "GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "NUM_SPLITS": 4, "BLOCK_G": 16, "BLOCK_D": 128,
-        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "USE_PDL": True,
+        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "USE_PDL": True, "WINDOW": window,
     }  # fmt: skip
     ptx = _compile(paged_attention._decode_kernel, types, constexprs, num_warps=4, num_stages=2).asm["ptx"]
     assert "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.parametrize("window", [0, 512])
+def test_prefill_attention_compiles(window: int) -> None:
+    """The varlen prefill kernel, and its sliding-window variant (a band-masked loop before the others)."""
+    pointers = {"q_ptr": "*fp32", "out_ptr": "*fp32", "k_ptr": "*fp16", "v_ptr": "*fp16"}
+    pointers |= {"table_ptr": "*i32", "lens_ptr": "*i32", "starts_ptr": "*i32"}
+    strides = [name for name in paged_prefill._prefill_kernel.arg_names if "stride" in name]
+    types = pointers | dict.fromkeys(strides, "i32") | {"qk_scale": "fp32"}
+    constexprs = {
+        "GROUP": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "GROUP_PAD": 4, "BLOCK_M": 64, "BLOCK_D": 128,
+        "BLOCK_N": 64, "TERMS": 2, "P_SCALE": 16384.0, "WINDOW": window,
+    }  # fmt: skip
+    _compile(paged_prefill._prefill_kernel, types, constexprs, num_warps=4, num_stages=2)
 
 
 def test_decode_reduce_compiles() -> None:

@@ -95,16 +95,17 @@ def attend_tile(
     q0, q1, q2, unscale, m_i, l_i, acc,  # query terms [M, D], [M]; running max / sum [M]; acc [M, D]
     k_head_ptr, v_head_ptr, pages, keys, key_end, positions, kv_stride_blk, kv_stride_pos,
     dims, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, TERMS: tl.constexpr,
-    P_SCALE: tl.constexpr,
+    P_SCALE: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
-    """One tile of keys [N] (< key_end; with CAUSAL, key <= the row's position) through online softmax
-    (base 2: the scores carry log2(e)). pages [N]: each key's cache block (`tile_pages`), read in place."""
+    """One tile of keys [N] (< key_end; with CAUSAL, key <= the row's position, and with a WINDOW > 0
+    also key > position - WINDOW) through online softmax (base 2: the scores carry log2(e)). pages [N]:
+    each key's cache block (`tile_pages`), read in place."""
     key_ok = keys < key_end
     rows = kv_rows(pages, keys, kv_stride_blk, kv_stride_pos, BLOCK_SIZE)  # [N] element offsets
     kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
     k = tl.load(k_head_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
     m_new, alpha, l_i, p = online_softmax(q0, q1, q2, unscale, m_i, l_i, k, keys, key_end, positions,
-                                           CAUSAL, TERMS)  # fmt: skip
+                                           CAUSAL, TERMS, WINDOW)  # fmt: skip
     v = tl.load(v_head_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
     return m_new, l_i, accumulate(acc, alpha, p, v, TERMS, P_SCALE)
 
@@ -117,20 +118,30 @@ def kv_rows(pages, keys, kv_stride_blk, kv_stride_pos, BLOCK_SIZE: tl.constexpr)
 
 @triton.jit
 def online_softmax(
-    q0, q1, q2, unscale, m_i, l_i, k, keys, key_end, positions, CAUSAL: tl.constexpr, TERMS: tl.constexpr
+    q0, q1, q2, unscale, m_i, l_i, k, keys, key_end, positions, CAUSAL: tl.constexpr, TERMS: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     """Scores of a K tile [N, D] and the online-softmax update: (new max, the old terms' factor alpha,
-    new sum [M], weights p [M, N])."""
+    new sum [M], weights p [M, N]). WINDOW > 0 (with CAUSAL): a sliding layer's band, keys older than
+    position - WINDOW + 1 hidden too."""
     key_ok = keys < key_end
     scores = _dot(q0, q1, q2, tl.trans(k), TERMS) * unscale[:, None]  # [M, N]
     if CAUSAL:
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
+        if WINDOW > 0:
+            visible = visible & (keys[None, :] > positions[:, None] - WINDOW)
     else:
         visible = key_ok[None, :]
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every row sees key 0 in its first tile
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    if WINDOW > 0:
+        # a band's rows can see no key of a tile before their own: keep their max -inf but shift by 0,
+        # so alpha and p are 0, not exp2(-inf - -inf) = NaN
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        shift = m_new
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(scores - shift[:, None])
     return m_new, alpha, l_i * alpha + tl.sum(p, axis=1), p
 
 

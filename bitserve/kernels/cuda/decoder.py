@@ -12,6 +12,10 @@ each layer's weights are 1.6-8.8 MB; kernels/cuda/decoder_layer.py chooses each 
 Q4_0 / Q4_1 / Q8_0 projections (SmolLM2) take their RMSNorm, the gated activation before Wdown and the
 residual into one `block_gemv` launch (CudaBlockLinear.run_fused) on steps of up to 4 tokens; dense float
 projections run a Triton RMSNorm and cuBLAS; anything else the projection's own call.
+Gemma 3's parts: embeddings times plan.embedding_scale wherever tokens are embedded (forward, and the
+decode graphs' first kernel, decode_inputs.py), post-norms (decoder_layer.py), each layer's RoPE tables
+and sliding window (the attention kernels' `window`: older KV blocks are not read) and the logit
+soft-cap; MiniCPM's residual / logit scales are refused at load.
 Numerics: ternary linears are bit-identical to the reference backend; norms, RoPE and attention are fp32
 with the GPU's summation order (tokens equal the reference's on the golden tests).
 
@@ -53,17 +57,7 @@ class CudaDecoder:
     def __init__(
         self, plan: DecoderPlan, device: torch.device, tuning: KernelTuning = DEFAULT_TUNING
     ) -> None:
-        if plan.ggml_numerics:
-            raise UnsupportedModel(
-                "the bitnetcpp linear mode (bitnet.cpp's CPU rounding) is not implemented on CUDA",
-                hint="use --linear-mode bitnet on a GPU (the same ternary linears, bit for bit)",
-            )
-        gemma_parts = plan.embedding_scale != 1.0 or plan.final_logit_softcap
-        if gemma_parts or any(layer.beyond_llama for layer in plan.layers):
-            raise UnsupportedModel(
-                "Gemma's scaled embedding, post-norms and sliding-window attention have no CUDA path yet",
-                hint="serve this model on the cpu backend (--device cpu)",
-            )
+        _refuse_unimplemented(plan)
         self.device = device
         self.num_heads, self.num_kv_heads, self.head_dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
         self.eps = plan.rms_norm_eps
@@ -82,7 +76,11 @@ class CudaDecoder:
         rope = plan.rope
         self.cos, self.sin = rope.cos.to(device), rope.sin.to(device)  # [max_pos, rope_dim / 2]
         self.rope_dim, self.is_neox = rope.rope_dim, rope.is_neox
+        # each layer's (cos, sin, rope_dim, is_neox): Gemma's sliding layers have tables of their own
+        self.layer_ropes = _layer_ropes(plan, device, (self.cos, self.sin))
         self.scale = plan.attn_scale
+        self.embedding_scale = plan.embedding_scale  # Gemma: sqrt(hidden); 1.0: no multiply
+        self.softcap = plan.final_logit_softcap  # > 0: logits = cap * tanh(logits / cap)
 
     def enable_greedy_head(self) -> None:
         """Build the greedy head (an int8 copy of a float head) where it applies (_greedy_head)."""
@@ -104,6 +102,8 @@ class CudaDecoder:
     ) -> torch.Tensor:
         """input_ids, positions int64 [T] -> hidden_states f32 [T, hidden] (final norm applied)."""
         hidden = self.embedding[input_ids].to(torch.float32)  # [T, hidden]
+        if self.embedding_scale != 1.0:  # the module forward's f32 row * f32(scale)
+            hidden = hidden * self.embedding_scale
         return self.final_norm(self.run_layers(hidden, positions, kv_caches, metadata))
 
     __call__ = forward
@@ -137,7 +137,8 @@ class CudaDecoder:
         """hidden f32 [T, hidden] (the tokens' embeddings), positions int64 [T] -> the last layer's output
         f32 [T, hidden], before the final norm."""
         num_tokens = hidden.shape[0]
-        for cuda_layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        layers = zip(self.layers, self.layer_ropes, kv_caches, strict=True)
+        for cuda_layer, (cos, sin, rope_dim, is_neox), kv_cache in layers:
             qkv = cuda_layer.qkv_out(hidden)  # [T, (H + 2 KVH) * D]
             q_end, k_end = cuda_layer.q_width, cuda_layer.q_width + cuda_layer.kv_width
             q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
@@ -145,10 +146,9 @@ class CudaDecoder:
             v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = cuda_layer.normed_heads(q, k)
             rotary_and_cache_(
-                q, k, v, positions, self.cos, self.sin, self.rope_dim, self.is_neox, kv_cache,
-                metadata.slot_mapping,
+                q, k, v, positions, cos, sin, rope_dim, is_neox, kv_cache, metadata.slot_mapping
             )  # fmt: skip
-            attn = self._attend(q, kv_cache, metadata).view(num_tokens, -1)  # [T, H * D]
+            attn = self._attend(q, kv_cache, metadata, cuda_layer.window).view(num_tokens, -1)  # [T, H * D]
             hidden = cuda_layer.attn_out(attn, hidden)
             hidden = cuda_layer.ffn(hidden)
         return hidden
@@ -157,7 +157,10 @@ class CudaDecoder:
         """The model's last RMSNorm: f32 [T, hidden] -> [T, hidden] in out_dtype."""
         return rms_norm(hidden, self.final_norm_weight, self.eps, out_dtype)
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, window: int
+    ) -> torch.Tensor:
+        """q f32 [T, H, D] over the layer's cache -> f32 [T, H, D]; window > 0: a sliding layer's."""
         if metadata.decode_only:
             return paged_decode_attention(
                 q,
@@ -166,6 +169,7 @@ class CudaDecoder:
                 metadata.seq_lens,
                 self.scale,
                 tile=self.decode_tile,
+                window=window,
             )
         return paged_prefill_attention(
             q,
@@ -175,11 +179,17 @@ class CudaDecoder:
             metadata.query_start_loc,
             self.scale,
             metadata.max_query_len,
+            window=window,
         )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states f32 [n, hidden] -> logits f32 [n, vocab]."""
-        return self.head(hidden_states).to(torch.float32)
+        """hidden_states f32 [n, hidden] -> logits f32 [n, vocab] (soft-capped where the model caps)."""
+        return self._capped(self.head(hidden_states).to(torch.float32))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """f32 logits [n, vocab] -> cap * tanh(logits / cap) (the module forward's expression, in its
+        order) where the model soft-caps them; else the same tensor."""
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     def greedy_head_fits(self, num_rows: int) -> bool:
         """Whether norm_logits_and_argmax(..., greedy=True) takes the greedy head at this many rows."""
@@ -196,11 +206,47 @@ class CudaDecoder:
         greedy=True (rows that only take the argmax) runs the greedy head where it fits
         (greedy_head_fits): the argmax from an int8 copy of the head plus the exact logits of the rows
         that could reach it, every other logit -inf, so these logits are not for sampling
-        (kernels/cuda/greedy_head.py)."""
+        (kernels/cuda/greedy_head.py). Those rows stay uncapped (capping is monotonic: the same argmax,
+        up to two logits that the cap rounds to one value); the full head's logits are soft-capped, in
+        f32, before the argmax, which so takes the module forward's capped logits."""
         normed = self.final_norm(hidden, self.head_input_dtype)
         if greedy and self.greedy_head_fits(normed.shape[0]):
             return cast_argmax_rows(self.greedy_head(normed), feed)  # type: ignore[misc]
-        return cast_argmax_rows(self.head(normed), feed)
+        logits = self.head(normed)  # [n, vocab] in the head's dtype
+        if self.softcap:
+            logits = self._capped(logits.to(torch.float32))
+        return cast_argmax_rows(logits, feed)
+
+
+def _refuse_unimplemented(plan: DecoderPlan) -> None:
+    """UnsupportedModel, at load, for what of a plan this forward does not compute: bitnet.cpp's CPU
+    rounding and MiniCPM's residual and logit scales."""
+    if plan.ggml_numerics:
+        raise UnsupportedModel(
+            "the bitnetcpp linear mode (bitnet.cpp's CPU rounding) is not implemented on CUDA",
+            hint="use --linear-mode bitnet on a GPU (the same ternary linears, bit for bit)",
+        )
+    if plan.logit_scale != 1.0 or any(layer.residual_scale != 1.0 for layer in plan.layers):
+        raise UnsupportedModel(
+            "MiniCPM's residual and logit scales have no CUDA path yet",
+            hint="serve this model on the cpu backend (--device cpu)",
+        )
+
+
+def _layer_ropes(
+    plan: DecoderPlan, device: torch.device, main: tuple[torch.Tensor, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
+    """Each layer's RoPE (cos, sin f32 [max_pos, rope_dim / 2] on the device, rope_dim, is_neox):
+    plan.layer_rope's tables, the model's own (`main`, already on the device) or the sliding layers'
+    (moved once, shared by those layers)."""
+    sliding = plan.sliding_rope
+    sliding_tables = None if sliding is None else (sliding.cos.to(device), sliding.sin.to(device))
+    ropes = []
+    for layer in plan.layers:
+        rope = plan.layer_rope(layer)
+        cos, sin = sliding_tables if sliding_tables is not None and rope is sliding else main
+        ropes.append((cos, sin, rope.rope_dim, rope.is_neox))
+    return ropes
 
 
 def _device_embedding(table: PackedWeight, device: torch.device) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Each projection's path is chosen once, at load, from the weight the backend prepared: ternary (norm +
 int8 quantization in one `norm_quantize` launch, then the W2A8 kernel adding the residual), block-
 quantized (norm, activation and residual in the block GEMV), plain dense (Triton norm, cuBLAS, residual
-via addmm), or the projection's own call (output scales, reference fallbacks).
+via addmm), or the projection's own call (output scales, reference fallbacks). Where the layer has a
+post-norm (Gemma: an RMSNorm of Wo's and of Wdown's output before each residual add) the projection runs
+without its residual epilogue and one rms_norm launch normalizes its output and adds the residual.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class CudaLayer:
         self.ffn_norm, self.ffn_sub_norm = _to(layer.ffn_norm, device), _to(layer.ffn_sub_norm, device)
         self.qkv_bias = _to(layer.qkv_bias, device)  # f32 [(H + 2 KVH) * D] (Qwen2) or None
         self.q_norm, self.k_norm = _to(layer.q_norm, device), _to(layer.k_norm, device)  # [D] (Qwen3)
+        # [hidden] (Gemma): RMSNorm of Wo's / Wdown's output before the residual add, or None
+        self.attn_post_norm = _to(layer.attn_post_norm, device)
+        self.ffn_post_norm = _to(layer.ffn_post_norm, device)
+        self.window = layer.sliding_window  # > 0: attends to its last that many positions (Gemma)
         fused_act = _FUSED_ACTIVATIONS.get(activation)
         self.projections = {"qkv": layer.qkv, "o": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down}
         for projection in self.projections.values():
@@ -130,33 +136,49 @@ class CudaLayer:
         return q_normed, rms_norm(k.reshape(-1, head_dim), self.k_norm, self.eps).view(k.shape)
 
     def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attn f32 [T, H * D] -> residual + Wo(sub_norm(attn))."""
-        return self._project("o", attn, self.attn_sub_norm, residual)
+        """attn f32 [T, H * D] -> residual + post_norm(Wo(sub_norm(attn))) (no post-norm: the residual
+        added in Wo's epilogue)."""
+        post_norm = self.attn_post_norm
+        out = self._project("o", attn, self.attn_sub_norm, residual if post_norm is None else None)
+        return out if post_norm is None else self._post_normed(out, post_norm, residual)
 
     def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden f32 [T, hidden] -> hidden + Wdown(sub_norm(act(gate) * up))."""
+        """hidden f32 [T, hidden] -> hidden + post_norm(Wdown(sub_norm(act(gate) * up))) (no post-norm:
+        the residual added in Wdown's epilogue)."""
+        post_norm = self.ffn_post_norm
+        out = self._ffn_down(hidden, hidden if post_norm is None else None)  # [T, hidden]
+        return out if post_norm is None else self._post_normed(out, post_norm, hidden)
+
+    def _post_normed(
+        self, out: torch.Tensor, post_norm: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:
+        """A block's output f32 [T, hidden] -> residual + rms_norm(out) (one launch)."""
+        return rms_norm(out, post_norm, self.eps, residual=residual)
+
+    def _ffn_down(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """hidden f32 [T, hidden] -> Wdown(sub_norm(act(gate) * up)) f32 [T, hidden] (+ residual)."""
         down, sub_norm = self.ternary["down"], self.ffn_sub_norm
         if self.gate_pair is not None:
             gate_up = self.ternary["gate_up"]
             assert gate_up is not None and down is not None  # invariant: _pair_gate_up's condition
             ffn_act = self._norm_linear(gate_up, hidden, self.ffn_norm, pair=self.gate_pair)  # type: ignore[arg-type]
-            return self._norm_linear(down, ffn_act, sub_norm, residual=hidden)  # type: ignore[arg-type]
+            return self._norm_linear(down, ffn_act, sub_norm, residual=residual)  # type: ignore[arg-type]
         gate_up_out = self._project("gate_up", hidden, self.ffn_norm)  # [T, 2 * I]
         if down is not None:
             return self._norm_linear(
                 down,
                 gate_up_out,
                 sub_norm,
-                residual=hidden,
+                residual=residual,
                 activation=self.fused_act,  # type: ignore[arg-type]
             )
         block_down = self.block["down"]
         if block_down is not None:  # act(gate) * up, sub-norm and residual in the GEMV (or its fallback)
             return block_down.run_fused(  # type: ignore[attr-defined]
-                gate_up_out, sub_norm, self.eps, activation=self.activation, residual=hidden
+                gate_up_out, sub_norm, self.eps, activation=self.activation, residual=residual
             )
         ffn_out = act_and_mul(gate_up_out, self.activation)  # [T, I]
-        return self._project("down", ffn_out, sub_norm, hidden)
+        return self._project("down", ffn_out, sub_norm, residual)
 
     def _norm_linear(
         self,

@@ -43,8 +43,9 @@ def activate(gate, ACT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
-):
+    x_ptr, w_ptr, res_ptr, out_ptr, n_cols, x_stride, res_stride, out_stride, eps, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,26 +55,43 @@ def _rms_norm_kernel(
     wide = x.to(tl.float64)
     scale = inv_rms(tl.sum(wide * wide, axis=0), n_cols, eps)
     normed = (x * scale) * w
+    if HAS_RESIDUAL:  # Gemma's post-norm: residual + rms_norm(block output), as the module adds it
+        normed = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0) + normed
     tl.store(out_ptr + row * out_stride + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x f32 [T, N] (unit column stride), weight f32 [N] -> [T, N] in out_dtype: f32, or f16 / bf16
     rounded to nearest even from the f32 result (what .to(out_dtype) of the f32 output gives, in the
-    same launch: the decode graphs' final norm feeds an F16 LM head so)."""
+    same launch: the decode graphs' final norm feeds an F16 LM head so). residual f32 [T, N] (unit
+    column stride), when given: residual + the f32 norm, in the same launch (f32 output only)."""
     num_rows, num_cols = x.shape
     if num_cols > MAX_ROW_BLOCK:
         raise ValueError(f"rms_norm rows of {num_cols} values exceed {MAX_ROW_BLOCK}")
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"rms_norm writes f32, f16 or bf16, not {out_dtype}")
+    if residual is not None and (
+        residual.shape != x.shape
+        or residual.dtype != torch.float32
+        or residual.stride(1) != 1
+        or out_dtype != torch.float32
+    ):
+        raise ValueError(f"rms_norm's residual must be f32 {tuple(x.shape)} with unit column stride")
     out = torch.empty((num_rows, num_cols), dtype=out_dtype, device=x.device)
     if num_rows:
         block = triton.next_power_of_2(num_cols)
+        res, res_stride = (x, 0) if residual is None else (residual, residual.stride(0))
         _rms_norm_kernel[(num_rows,)](
-            x, weight, out, num_cols, x.stride(0), out.stride(0), eps, BLOCK=block, **launch_options(x.device)
-        )
+            x, weight, res, out, num_cols, x.stride(0), res_stride, out.stride(0), eps, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, **launch_options(x.device),
+        )  # fmt: skip
     return out
 
 

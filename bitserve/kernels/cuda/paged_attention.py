@@ -37,12 +37,20 @@ MAX_SPLITS = 32
 
 
 @triton.jit
-def _split_bounds(lens_ptr, seq, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_bounds(
+    lens_ptr, seq, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr
+):  # fmt: skip
     """(seq_len, start, end) of split `split` of the sequence's keys: the splits divide its own length,
-    each a whole number of BLOCK_N tiles."""
+    each a whole number of BLOCK_N tiles. WINDOW > 0 (a sliding layer): they divide only its last WINDOW
+    keys, the ones the query (position seq_len - 1) sees, so older blocks are never read."""
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+        chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = first + split * chunk
+    else:
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * chunk
     return seq_len, start, tl.minimum(start + chunk, seq_len)
 
 
@@ -68,16 +76,17 @@ def _decode_kernel(
     out_stride_b, out_stride_h, out_stride_s, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TERMS: tl.constexpr,
-    P_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+    P_SCALE: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Program (seq, kv_head, split): the GROUP query heads of one KV head (rows padded to BLOCK_G, so
-    each K / V tile is read once for the group) over split `split` of the sequence's keys. With
-    NUM_SPLITS 1 the output is final; else each split writes its normalized partial and log2-sum-exp.
-    The first tile's keys older than the newest (seq_len - 1) are read before the PDL wait."""
+    each K / V tile is read once for the group) over split `split` of the sequence's keys (its last
+    WINDOW keys where WINDOW > 0: every key of the splits is then visible, no mask beyond the length).
+    With NUM_SPLITS 1 the output is final; else each split writes its normalized partial and
+    log2-sum-exp. The first tile's keys older than the newest (seq_len - 1) are read before the PDL wait."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # seq_lens and the block table are the step's inputs: the split's bounds and its first tile's pages
     # (two dependent reads) are taken before the PDL wait (see pdl.py); q and the cache come after it
-    seq_len, start, end = _split_bounds(lens_ptr, seq, split, NUM_SPLITS, BLOCK_N)
+    seq_len, start, end = _split_bounds(lens_ptr, seq, split, NUM_SPLITS, BLOCK_N, WINDOW)
     table_row = table_ptr + seq.to(tl.int64) * table_stride
     first_keys = start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -158,10 +167,29 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_keys: int, device: torch.device) -> int:
     """Flash-decoding splits from host-known sizes only: enough (seq, kv head, split) programs to fill
-    the GPU about twice, never a split shorter than MIN_KEYS_PER_SPLIT keys of the widest table row."""
+    the GPU about twice, never a split shorter than MIN_KEYS_PER_SPLIT keys of the widest table row (or
+    of the window, for a sliding layer: the caller passes the smaller)."""
     programs = num_seqs * num_kv_heads
     wanted = -(-2 * _sm_count(device) // programs)
     return max(1, min(wanted, max_keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def _split_count(
+    num_splits: int | None,
+    num_seqs: int,
+    num_kv_heads: int,
+    table_keys: int,
+    window: int,
+    device: torch.device,
+) -> int:
+    """The decode kernel's split count: num_splits where given, else decode_num_splits over the keys a
+    query can read (the table's width, or a sliding layer's window)."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: the whole context), got {window}")
+    if num_splits is not None:
+        return num_splits
+    max_keys = min(table_keys, window) if window else table_keys
+    return decode_num_splits(num_seqs, num_kv_heads, max_keys, device)
 
 
 def _decode_config(
@@ -205,6 +233,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     tile: tuple[int, int, int] | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query per sequence over the paged cache -> f32 [B, H, D] (`out` when given).
 
@@ -213,7 +242,9 @@ def paged_decode_attention(
     blocks are never read); seq_lens int32 / int64 [B] on the device, keys per sequence including this
     step's (0 gives a zero row). No host sync: capturable in a CUDA graph, grid from B, H and
     max_blocks. num_splits (tests, tuning) overrides the flash-decoding split count; 1 = one kernel; tile
-    (BLOCK_N, num_warps, num_stages) the f16 / bf16 tile choice.
+    (BLOCK_N, num_warps, num_stages) the f16 / bf16 tile choice. window > 0 (a sliding layer): the query
+    (position seq_len - 1) sees only the keys at seq_len - window .. seq_len - 1, and the blocks before
+    them are not read; 0: the whole context (a compile-time constant: that kernel is unchanged).
     Under PDL the first tile's keys other than each sequence's newest (position seq_len - 1) are read
     before the kernel waits for the one launched before it, which may write those newest slots only (as
     rotary_and_cache_ does); cache entries written otherwise must come from a kernel further back.
@@ -226,9 +257,8 @@ def paged_decode_attention(
     check_rows("out", out, torch.float32)
     if num_seqs == 0:
         return out
-    if num_splits is None:
-        max_keys = block_table.shape[1] * block_size
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_keys, q.device)
+    table_keys = block_table.shape[1] * block_size
+    num_splits = _split_count(num_splits, num_seqs, num_kv_heads, table_keys, window, q.device)
     group = num_heads // num_kv_heads
     programs = num_seqs * num_kv_heads * num_splits
     block_n, num_warps, num_stages = _decode_config(head_dim, kv_cache.dtype, programs, q.device, tile)
@@ -241,7 +271,7 @@ def paged_decode_attention(
         block_table.stride(0), *target_strides, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        TERMS=split_terms(kv_cache), P_SCALE=weight_scale(kv_cache.dtype),
+        TERMS=split_terms(kv_cache), P_SCALE=weight_scale(kv_cache.dtype), WINDOW=window,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1:
