@@ -230,13 +230,12 @@ def test_gemma3_matches_the_full_forward(hf_gguf, weight_type: str, chunks: tupl
     assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))
 
 
-def test_gemma3_soft_cap_and_refusals(hf_gguf) -> None:  # noqa: ANN001
+def test_gemma3_soft_cap_and_logit_scale(hf_gguf) -> None:  # noqa: ANN001
     """A plan's final_logit_softcap caps every logit handed back (compute_logits, and the decode graphs'
-    norm_logits_and_argmax, whose argmax is the capped logits'); MiniCPM's residual and logit scales,
-    not implemented on CUDA, are refused at load."""
+    norm_logits_and_argmax, whose argmax is the capped logits'); a logit_scale (MiniCPM) divides them
+    first, as the module forward does."""
     import dataclasses
 
-    from bitserve.errors import UnsupportedModel
     from bitserve.kernels.cuda.backend import CudaBackend
     from bitserve.kernels.cuda.decoder import CudaDecoder
 
@@ -254,11 +253,24 @@ def test_gemma3_soft_cap_and_refusals(hf_gguf) -> None:  # noqa: ANN001
         assert torch.equal(capped.compute_logits(capped.final_norm(hidden)), expected)
         logits, tokens = capped.norm_logits_and_argmax(hidden)
         assert torch.equal(logits, expected) and torch.equal(tokens, expected.argmax(dim=1))
-    scaled_layer = dataclasses.replace(plan.layers[0], residual_scale=1.4)
-    for refused in (
-        dataclasses.replace(plan, logit_scale=2.0),
-        dataclasses.replace(plan, layers=(scaled_layer, *plan.layers[1:])),
-    ):
-        with pytest.raises(UnsupportedModel, match="MiniCPM"):
-            CudaDecoder(refused, torch.device(device))
+        scaled = CudaDecoder(
+            dataclasses.replace(plan, logit_scale=2.0, final_logit_softcap=cap), torch.device(device)
+        )
+        both = torch.tanh(raw / 2.0 / cap) * cap
+        assert torch.equal(scaled.compute_logits(scaled.final_norm(hidden)), both)
+        assert torch.equal(scaled.norm_logits_and_argmax(hidden)[0], both)
     loaded.close()
+
+
+@pytest.mark.parametrize(
+    "chunks", [(9, 1, 1, 1, 1, 1, 1), (3, 6, 4, 1, 1)], ids=["prefill-then-decode", "chunks-over-a-prefix"]
+)
+def test_minicpm_matches_the_full_forward(hf_gguf, chunks: tuple[int, ...]) -> None:  # noqa: ANN001
+    """MiniCPM (a Llama with embeddings x 0.5, each block's output x 5.66 before its add, logits / 2):
+    the compiled forward's logits are the reference backend's full forward's within f32 tolerance."""
+    _, path = hf_gguf("minicpm", "F32")
+    got, expected, decoder = chunked_logits(path, torch.float32, GEMMA3_IDS, chunks)
+    assert decoder.embedding_scale == pytest.approx(0.5) and decoder.logit_scale == pytest.approx(2.0)
+    assert all(layer.residual_scale == pytest.approx(8.0 / 2**0.5) for layer in decoder.layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(dim=1), expected.argmax(dim=1))

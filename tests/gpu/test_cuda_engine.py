@@ -207,6 +207,14 @@ def test_dense_q4_model_matches_cpu(tmp_path: Path, tokenizer_source: Path, grap
         )
 
 
+def test_minicpm_equals_cpu_reference(hf_gguf) -> None:  # noqa: ANN001
+    """MiniCPM's three scales through the engine: staggered requests, CUDA graphs on, give the CPU
+    reference backend's greedy tokens."""
+    _, path = hf_gguf("minicpm")
+    expected = staggered_tokens(engine_config(path, "cpu", kv="float32", backend="reference"))
+    assert staggered_tokens(engine_config(path, "cuda", kv="float32")) == expected
+
+
 @pytest.mark.parametrize("weight_type", ["F32", "Q8_0"])
 def test_gemma3_equals_cpu_reference(hf_gguf, weight_type: str) -> None:  # noqa: ANN001
     """Gemma 3 (sliding layers over 5 positions, post-norms, GELU-tanh, scaled embeddings) in F32 and

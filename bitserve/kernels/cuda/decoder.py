@@ -81,6 +81,7 @@ class CudaDecoder:
         self.scale = plan.attn_scale
         self.embedding_scale = plan.embedding_scale  # Gemma: sqrt(hidden); 1.0: no multiply
         self.softcap = plan.final_logit_softcap  # > 0: logits = cap * tanh(logits / cap)
+        self.logit_scale = plan.logit_scale  # MiniCPM: logits / logit_scale, before the cap
 
     def enable_greedy_head(self) -> None:
         """Build the greedy head (an int8 copy of a float head) where it applies (_greedy_head)."""
@@ -187,8 +188,11 @@ class CudaDecoder:
         return self._capped(self.head(hidden_states).to(torch.float32))
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
-        """f32 logits [n, vocab] -> cap * tanh(logits / cap) (the module forward's expression, in its
-        order) where the model soft-caps them; else the same tensor."""
+        """f32 logits [n, vocab] -> logits / logit_scale, then cap * tanh(logits / cap) (the module
+        forward's expressions, in its order) where the model scales or soft-caps them; else the same
+        tensor."""
+        if self.logit_scale != 1.0:
+            logits = logits / self.logit_scale
         return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     def greedy_head_fits(self, num_rows: int) -> bool:
@@ -213,23 +217,18 @@ class CudaDecoder:
         if greedy and self.greedy_head_fits(normed.shape[0]):
             return cast_argmax_rows(self.greedy_head(normed), feed)  # type: ignore[misc]
         logits = self.head(normed)  # [n, vocab] in the head's dtype
-        if self.softcap:
+        if self.softcap or self.logit_scale != 1.0:
             logits = self._capped(logits.to(torch.float32))
         return cast_argmax_rows(logits, feed)
 
 
 def _refuse_unimplemented(plan: DecoderPlan) -> None:
     """UnsupportedModel, at load, for what of a plan this forward does not compute: bitnet.cpp's CPU
-    rounding and MiniCPM's residual and logit scales."""
+    rounding."""
     if plan.ggml_numerics:
         raise UnsupportedModel(
             "the bitnetcpp linear mode (bitnet.cpp's CPU rounding) is not implemented on CUDA",
             hint="use --linear-mode bitnet on a GPU (the same ternary linears, bit for bit)",
-        )
-    if plan.logit_scale != 1.0 or any(layer.residual_scale != 1.0 for layer in plan.layers):
-        raise UnsupportedModel(
-            "MiniCPM's residual and logit scales have no CUDA path yet",
-            hint="serve this model on the cpu backend (--device cpu)",
         )
 
 

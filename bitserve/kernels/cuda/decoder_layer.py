@@ -75,6 +75,7 @@ class CudaLayer:
         # [hidden] (Gemma): RMSNorm of Wo's / Wdown's output before the residual add, or None
         self.attn_post_norm = _to(layer.attn_post_norm, device)
         self.ffn_post_norm = _to(layer.ffn_post_norm, device)
+        self.residual_scale = layer.residual_scale  # MiniCPM: each block's output x this before its add
         self.window = layer.sliding_window  # > 0: attends to its last that many positions (Gemma)
         fused_act = _FUSED_ACTIVATIONS.get(activation)
         self.projections = {"qkv": layer.qkv, "o": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down}
@@ -139,21 +140,29 @@ class CudaLayer:
         """attn f32 [T, H * D] -> residual + post_norm(Wo(sub_norm(attn))) (no post-norm: the residual
         added in Wo's epilogue)."""
         post_norm = self.attn_post_norm
-        out = self._project("o", attn, self.attn_sub_norm, residual if post_norm is None else None)
-        return out if post_norm is None else self._post_normed(out, post_norm, residual)
+        fused_add = post_norm is None and self.residual_scale == 1.0  # the residual in Wo's epilogue
+        out = self._project("o", attn, self.attn_sub_norm, residual if fused_add else None)
+        return out if fused_add else self._block_output(out, post_norm, residual)
 
     def ffn(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden f32 [T, hidden] -> hidden + post_norm(Wdown(sub_norm(act(gate) * up))) (no post-norm:
         the residual added in Wdown's epilogue)."""
         post_norm = self.ffn_post_norm
-        out = self._ffn_down(hidden, hidden if post_norm is None else None)  # [T, hidden]
-        return out if post_norm is None else self._post_normed(out, post_norm, hidden)
+        fused_add = post_norm is None and self.residual_scale == 1.0
+        out = self._ffn_down(hidden, hidden if fused_add else None)  # [T, hidden]
+        return out if fused_add else self._block_output(out, post_norm, hidden)
 
-    def _post_normed(
-        self, out: torch.Tensor, post_norm: torch.Tensor, residual: torch.Tensor
+    def _block_output(
+        self, out: torch.Tensor, post_norm: torch.Tensor | None, residual: torch.Tensor
     ) -> torch.Tensor:
-        """A block's output f32 [T, hidden] -> residual + rms_norm(out) (one launch)."""
-        return rms_norm(out, post_norm, self.eps, residual=residual)
+        """A block's output f32 [T, hidden] -> residual + rms_norm(out) (Gemma: one launch), or
+        residual + out * residual_scale (MiniCPM), in the module forward's order."""
+        if self.residual_scale == 1.0:
+            assert post_norm is not None  # invariant: the callers fused the plain add
+            return rms_norm(out, post_norm, self.eps, residual=residual)
+        if post_norm is not None:
+            out = rms_norm(out, post_norm, self.eps)
+        return residual + out * self.residual_scale
 
     def _ffn_down(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """hidden f32 [T, hidden] -> Wdown(sub_norm(act(gate) * up)) f32 [T, hidden] (+ residual)."""
