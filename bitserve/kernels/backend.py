@@ -65,9 +65,10 @@ class FusedOps(Protocol):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """One query per sequence over f32 KV pages [num_blocks, block_size, kv_heads, D]
-        -> f32 [n, heads, D]."""
+        -> f32 [n, heads, D]; window > 0: each over its last `window` keys only (a sliding layer)."""
         ...
 
 

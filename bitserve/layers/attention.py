@@ -83,8 +83,8 @@ class PagedAttention(nn.Module):
             seq_ids = range(metadata.num_seqs)  # every sequence on its own, decodes included
         elif schedule.decode is not None:
             decode = schedule.decode
-            windowed = self.sliding_window and max(schedule.seq_lens) > self.sliding_window
-            if self.fused is not None and kv_cache.dtype == torch.float32 and not windowed:
+            if self.fused is not None and kv_cache.dtype == torch.float32:
+                # the window in the kernel: the cpu backend's compiled step calls the same one (bit-equal)
                 out[decode.token_rows] = self.fused.paged_decode_attention(
                     q[decode.token_rows],
                     key_pages,
@@ -92,6 +92,7 @@ class PagedAttention(nn.Module):
                     decode.block_table,
                     decode.seq_lens,
                     self.scale,
+                    self.sliding_window,
                 )
             else:
                 out[decode.token_rows] = self._attend_decodes(q, key_pages, value_pages, decode)

@@ -12,6 +12,7 @@ the reference backend's (bitnet mode is bit-exact across backends).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -22,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+from bitserve.kernels.cpu.backend import CpuBackend
 from bitserve.kernels.cpu.block_step import BlockStep
+from bitserve.kernels.cpu.fast_decode import FastCpuDecode
 from bitserve.kernels.cpu.isa import Isa, supported_isas
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
@@ -42,15 +45,18 @@ def smollm2_q8(smollm2_path: Path) -> LLM:
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "Hello"]
 
 
-def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ...] = (3, 1)) -> None:
+def assert_fast_step_matches_module_forward(
+    llm: LLM, batch_sizes: tuple[int, ...] = (3, 1), max_tokens: int = 8
+) -> int:
     """Generate batches of each size (one prompt each, repeated with a number to make more); every step
-    runs both ways from the same KV cache."""
+    runs both ways from the same KV cache. Returns the last position a fast step decoded."""
     model = llm.instance.loaded.model
     runner = llm.engine.runner
     fast = model.compiled
     assert fast is not None
     forward_logits, fast_forward = runner.forward_logits, fast.run_layers
     compared: list[int] = []
+    positions: list[int] = []  # the last position of each fast step
 
     def both_ways(requests):  # noqa: ANN001, ANN202 - the runner's own signature
         snapshot = [cache.clone() for cache in runner.kv_caches]
@@ -65,16 +71,18 @@ def assert_fast_step_matches_module_forward(llm: LLM, batch_sizes: tuple[int, ..
 
     def counted(hidden, *args):  # noqa: ANN001, ANN002, ANN202
         compared.append(hidden.shape[0])
+        positions.append(int(args[0].max()))
         return fast_forward(hidden, *args)
 
     runner.forward_logits, fast.run_layers = both_ways, counted
     try:
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for size in batch_sizes:
             llm.generate([f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(size)], params)
     finally:
         runner.forward_logits, fast.run_layers = forward_logits, fast_forward
     assert set(batch_sizes) <= set(compared)  # every batch size's decode steps took the fast path
+    return max(positions)
 
 
 @pytest.mark.parametrize("isa", supported_isas()[:-1])  # every int8 variant this CPU runs (not GENERIC)
@@ -154,6 +162,8 @@ def test_block_step_takes_the_mixed_step_for_mixed_formats_and_refuses_changing_
             attn_sub_norm=None,
             qkv_bias=None,
             q_norm=None,
+            attn_post_norm=None,
+            sliding_window=0,
         )
 
     assert type(BlockStep.build([layer("q4_1"), layer("q4_1")])) is BlockStep
@@ -344,7 +354,6 @@ def test_ternary_weights_far_apart_are_consolidated_for_the_one_call_step(
 def test_cpu_relu2_rounds_as_torch() -> None:
     """The cpu backend's numba relu2 (both forwards use it) equals layers.activation's torch relu2 to the
     bit, so bitnet mode stays bit-exact with the reference backend."""
-    from bitserve.kernels.cpu.backend import CpuBackend
     from bitserve.layers.activation import relu2_and_mul
 
     generator = torch.Generator().manual_seed(0)
@@ -366,6 +375,42 @@ def test_qkv_biases_and_head_norms_in_the_fast_step_match_the_module_forward(hf_
         biases, head_norms = step.model[6]
         assert (biases is not None) == (arch == "qwen2") and (head_norms is not None) == (arch == "qwen3")
         assert_fast_step_matches_module_forward(llm)
+    finally:
+        llm.close()
+
+
+def test_gemma3_post_norms_windows_and_gelu_in_the_fast_step_match_the_module_forward(hf_gguf) -> None:  # noqa: ANN001
+    """Gemma 3 on Q8_0 weights: GELU-tanh (decode_glue.gelu_mul, the module forward's too), post-norms on
+    o_proj's and down's outputs, q/k head norms, and five sliding layers of six (window 5, their own RoPE
+    table) in the one-call step; 16 decode steps of prompts of different lengths (batches of 3, 1 and 16)
+    run past the window, and the logits equal the module forward's to the bit."""
+    from bitserve.kernels.cpu import decode_glue
+
+    hf_model, path = hf_gguf("gemma3", "Q8_0")
+    window = hf_model.config.sliding_window
+    llm = LLM(str(path), backend="cpu", block_activations="q8")
+    try:
+        model = llm.instance.loaded.model
+        fast = model.compiled
+        assert fast is not None and fast.activation == decode_glue.GELU
+        assert model.layers[0].act_and_mul.__func__ is CpuBackend.gelu_and_mul  # the same numba GELU
+        step = fast.step
+        assert isinstance(step, BlockStep)
+        post_norms, windows = step.model[7], step.model[8]
+        assert post_norms is not None and post_norms[0].shape == (6, 64)
+        assert windows.tolist() == [window] * 5 + [0]
+        cos, _, _, _, rope_of_layer = fast.rope
+        assert len(cos) == 2 and rope_of_layer.tolist() == [1] * 5 + [0]  # the sliding layers' own table
+        last_position = assert_fast_step_matches_module_forward(llm, batch_sizes=(3, 1, 16), max_tokens=16)
+        assert last_position >= 2 * window  # the fast steps' keys reached well past the window
+        # what the step lacks declines: a residual scale (MiniCPM's), post-norms in some layers only
+        plan = model.plan()
+        assert FastCpuDecode.build(plan, decode_glue.GELU) is not None
+        for layers in (
+            tuple(dataclasses.replace(layer, residual_scale=1.4) for layer in plan.layers),
+            (dataclasses.replace(plan.layers[0], ffn_post_norm=None), *plan.layers[1:]),
+        ):
+            assert FastCpuDecode.build(dataclasses.replace(plan, layers=layers), decode_glue.GELU) is None
     finally:
         llm.close()
 

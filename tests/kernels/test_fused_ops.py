@@ -45,8 +45,11 @@ def test_rotary_is_bit_identical(style: RopeStyle, head_dim: int, rope_dim: int)
     assert torch.equal(actual_q, expected_q) and torch.equal(actual_k, expected_k)
 
 
+@pytest.mark.parametrize("window", [0, 5])  # 5: a sliding layer's (Gemma), shorter than most sequences
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4), (8, 1)])
-def test_paged_decode_attention_matches_the_eager_path(num_heads: int, num_kv_heads: int) -> None:
+def test_paged_decode_attention_matches_the_eager_path(
+    num_heads: int, num_kv_heads: int, window: int
+) -> None:
     head_dim, block_size, num_blocks = 16, 4, 32
     gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
@@ -68,8 +71,10 @@ def test_paged_decode_attention_matches_the_eager_path(num_heads: int, num_kv_he
         torch.tensor(slots), block_table, seq_lens, query_start_loc, block_size
     )
     assert metadata.host is not None and metadata.host.other_seq_ids == ()  # all four batched as decodes
-    eager = PagedAttention(num_heads, num_kv_heads, head_dim)(q, k_new, v_new, kv_cache.clone(), metadata)
-    fused = PagedAttention(num_heads, num_kv_heads, head_dim, BACKEND)(
+    eager = PagedAttention(num_heads, num_kv_heads, head_dim, sliding_window=window)(
+        q, k_new, v_new, kv_cache.clone(), metadata
+    )
+    fused = PagedAttention(num_heads, num_kv_heads, head_dim, BACKEND, sliding_window=window)(
         q, k_new, v_new, kv_cache.clone(), metadata
     )
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)

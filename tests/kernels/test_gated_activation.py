@@ -4,6 +4,8 @@ give the same bits on either side of it."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,7 +13,11 @@ from bitserve.kernels.cpu import decode_glue
 from bitserve.kernels.cpu.backend import CpuBackend
 
 THRESHOLD = decode_glue.PARALLEL_GATE_TOKENS
-KERNELS = {"silu": ("silu_mul", "silu_and_mul"), "relu2": ("relu2_mul", "relu2_and_mul")}
+KERNELS = {
+    "silu": ("silu_mul", "silu_and_mul"),
+    "relu2": ("relu2_mul", "relu2_and_mul"),
+    "gelu": ("gelu_mul", "gelu_and_mul"),
+}
 
 
 @pytest.mark.parametrize("activation", KERNELS)
@@ -35,3 +41,22 @@ def test_the_rule_picks_the_kernel_and_both_give_the_same_bits(
     parallel = num_tokens >= THRESHOLD
     assert decode_glue.is_parallel_gate(num_tokens) is parallel
     assert ran == [f"{serial_name}_parallel" if parallel else serial_name]
+
+
+def test_gelu_is_the_tanh_gelu_to_f32_rounding() -> None:
+    """decode_glue.gelu_mul is torch's GELU-tanh formula with libm's f32 tanh (torch's vector code has
+    Sleef's), so it is not torch's to the bit; both are the f64 formula's value to a few f32 roundings of
+    |gate * up| (where tanh nears -1, 1 + tanh keeps only those). The backend hands it out for gelu on
+    int8 projections only (elsewhere torch's GELU runs)."""
+    from bitserve.layers.activation import gelu_and_mul
+
+    generator = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(7, 333, generator=generator) * 4, torch.randn(7, 333, generator=generator)
+    g, u = gate.double(), up.double()
+    exact = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+    bound = 4 * torch.finfo(torch.float32).eps * (g * u).abs()
+    for gelu in (CpuBackend().gelu_and_mul, gelu_and_mul):
+        assert ((gelu(gate, up).double() - exact).abs() <= bound).all()
+    backend = CpuBackend()
+    assert backend.gated_activation("gelu", int8_projections=True) == backend.gelu_and_mul
+    assert backend.gated_activation("gelu", int8_projections=False) is None

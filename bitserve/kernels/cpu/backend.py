@@ -398,37 +398,44 @@ class CpuBackend(KernelBackend):
         self, name: str, *, int8_projections: bool
     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """The compiled decode step's numba activations (decode_glue), so that both forwards agree to the
-        bit: relu2 always (rounded as torch's, so the reference backend agrees too); SiLU where the step
-        may run, i.e. on int8 projections (rounded unlike torch's, so such a model's SiLU differs from the
-        reference backend's in last bits); None otherwise (torch's SiLU, GELU)."""
+        bit: relu2 always (rounded as torch's, so the reference backend agrees too); SiLU and GELU-tanh
+        where the step may run, i.e. on int8 projections (rounded unlike torch's, so such a model's
+        activation differs from the reference backend's in last bits); None otherwise (torch's)."""
         if name in RELU2_NAMES:
             return self.relu2_and_mul
         if name == "silu" and int8_projections:
             return self.silu_and_mul
+        if name == "gelu" and int8_projections:
+            return self.gelu_and_mul
         return None
 
     def compile_decoder(self, plan: DecoderPlan) -> CompiledDecoder | None:
         """The one-call numba decode step (kernels/cpu/fast_decode.py) where the model qualifies: its
         activation one of the glue's (gated_activation gave it), int8 projections, no ggml numerics."""
-        if plan.act_and_mul == self.relu2_and_mul:
-            relu2 = True
-        elif plan.act_and_mul == self.silu_and_mul:
-            relu2 = False
-        else:
+        glue = {
+            self.silu_and_mul: decode_glue.SILU,
+            self.relu2_and_mul: decode_glue.RELU2,
+            self.gelu_and_mul: decode_glue.GELU,
+        }
+        activation = glue.get(plan.act_and_mul)
+        if activation is None:
             return None  # the module forward's activation is torch's: the step's glue would differ
-        return FastCpuDecode.build(plan, relu2)
+        return FastCpuDecode.build(plan, activation)
 
     def silu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """f32 [T, I] each -> silu(gate) * up, with the fast decode step's arithmetic (decode_glue.silu_mul):
         the q8 mode's module forward uses it so that both forwards agree to the bit."""
-        parallel = decode_glue.is_parallel_gate(gate.shape[0])
-        return _gated(decode_glue.silu_mul_parallel if parallel else decode_glue.silu_mul, gate, up)
+        return _gated(decode_glue.SILU, gate, up)
 
     def relu2_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """f32 [T, I] each -> relu(gate)^2 * up by decode_glue.relu2_mul: the fast decode step's relu2,
         rounded as layers.activation.relu2_and_mul (torch) is, so the reference backend agrees too."""
-        parallel = decode_glue.is_parallel_gate(gate.shape[0])
-        return _gated(decode_glue.relu2_mul_parallel if parallel else decode_glue.relu2_mul, gate, up)
+        return _gated(decode_glue.RELU2, gate, up)
+
+    def gelu_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """f32 [T, I] each -> gelu_tanh(gate) * up by decode_glue.gelu_mul, the fast decode step's GELU
+        (Gemma), for the q8 mode's module forward: both forwards agree to the bit."""
+        return _gated(decode_glue.GELU, gate, up)
 
     def rotary_(
         self,
@@ -454,8 +461,10 @@ class CpuBackend(KernelBackend):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """q f32 [n, heads, D], f32 pages [num_blocks, block_size, kv_heads, D] -> f32 [n, heads, D]."""
+        """q f32 [n, heads, D], f32 pages [num_blocks, block_size, kv_heads, D] -> f32 [n, heads, D];
+        window > 0: each query over its sequence's last `window` keys (a sliding layer)."""
         if self.num_threads is not None:
             numba.set_num_threads(self.num_threads)
         out = torch.empty_like(q)
@@ -466,13 +475,25 @@ class CpuBackend(KernelBackend):
             block_table.numpy(),
             seq_lens.numpy(),
             scale,
+            window,
             out.numpy(),
         )
         return out
 
 
-def _gated(kernel: Callable[..., None], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """A decode_glue gated activation (gate, up, out: f32 [T, I]) on torch tensors."""
+# each activation code's serial and parallel decode_glue kernel (gate, up, out: f32 [T, I])
+_GATED_KERNELS = {
+    decode_glue.SILU: ("silu_mul", "silu_mul_parallel"),
+    decode_glue.RELU2: ("relu2_mul", "relu2_mul_parallel"),
+    decode_glue.GELU: ("gelu_mul", "gelu_mul_parallel"),
+}
+
+
+def _gated(activation: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A decode_glue gated activation on torch tensors f32 [T, I]: parallel over tokens by the step's own
+    rule (decode_glue.is_parallel_gate), so the two forwards run the same kernel."""
+    serial, parallel = _GATED_KERNELS[activation]
+    kernel = getattr(decode_glue, parallel if decode_glue.is_parallel_gate(gate.shape[0]) else serial)
     out = torch.empty(gate.shape, dtype=torch.float32)
     kernel(gate.contiguous().numpy(), up.contiguous().numpy(), out.numpy())
     return out

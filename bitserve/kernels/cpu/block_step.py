@@ -25,7 +25,7 @@ import numpy as np
 
 from bitserve.kernels.cpu.decode_step import BLOCK_DECODE_LAYERS, MIXED_DECODE_LAYERS
 from bitserve.kernels.cpu.interleaved import KINDS
-from bitserve.kernels.cpu.step_layers import StepLayer, projection_columns, stacked_norms, stacked_qkv_extras
+from bitserve.kernels.cpu.step_layers import StepLayer, projection_columns, shared_tables
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,7 @@ class BlockStep(_OneCall):
     ) -> None:
         records = tuple(tuple(w.kernel_records for w in column) for column in weights)
         rows = tuple(column[0].out_features for column in weights)
-        norms, sub_norms = stacked_norms(layers)
-        self.model = (records, rows, None, None, norms, sub_norms, stacked_qkv_extras(layers))
+        self.model = (records, rows, None, None, *shared_tables(layers))
         self.decode_layers = BLOCK_DECODE_LAYERS[(weights[0][0].tuning.isa, block_format)]
 
 
@@ -109,8 +108,7 @@ class MixedBlockStep(_OneCall):
                     records.append(weight.kernel_records)
                     start += weight.out_features
         rows = tuple(sum(w.out_features for w in column[0]) for column in columns)
-        norms, sub_norms = stacked_norms(layers)
-        self.model = (tuple(records), table, rows, None, norms, sub_norms, stacked_qkv_extras(layers))
+        self.model = (tuple(records), table, rows, None, *shared_tables(layers))
         isa = layers[0].qkv[0].tuning.isa
         self.decode_layers = MIXED_DECODE_LAYERS[isa]
         self.formats = sorted({w.kernel_format for column in columns for parts in column for w in parts})

@@ -7,7 +7,8 @@ of ~40 torch / numba ones. Two kinds of weights take two kinds of activations, c
 (blockdot.quantize_block_q8: q int8 [Tp, K], dx / sx f32 [Tp, nb]), the padded width Kp (an int) for the
 ternary int8 kernels (int8dot.quantize_int8: q int8 [Tp, Kp], s_act f32 [T], q_sum int32
 [T]). The norm, RoPE and attention arithmetic is the fused kernels' (kernels/cpu/fused.py); the gated
-activations are silu_mul / relu2_mul below, which the module forward on the cpu backend calls too.
+activations are silu_mul / relu2_mul / gelu_mul below, which the module forward on the cpu backend calls
+too.
 """
 
 from __future__ import annotations
@@ -84,6 +85,28 @@ def _relu2_mul_row(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
         out[i] = (r * r) * up[i]
 
 
+# GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), computed as the equal
+# g / (1 + exp(-2 sqrt(2 / pi) (g + 0.044715 g^3))) (1 + tanh(z) = 2 / (1 + e^-2z)): libm's scalar expf
+# is ~3x faster here than its tanhf (3.8 against 12.3 ns an element: tanhf cost ~4% of a Gemma step), and
+# where tanh nears -1 this form keeps the bits 1 + tanh(z) cancels. torch's constants (f32 of sqrt(2 / pi)
+# and of 0.044715); the doubling is exact.
+GELU_TWO_BETA = np.float32(2.0) * np.float32(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5)
+GELU_KAPPA = np.float32(0.044715)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _gelu_mul_row(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    one = np.float32(1.0)
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        inner = GELU_TWO_BETA * (g + GELU_KAPPA * (g * g * g))
+        out[i] = g / (one + np.float32(math.exp(-inner))) * up[i]
+
+
+# The step's activation codes (gated_quantize's `activation`): ints, not names, in compiled code
+SILU, RELU2, GELU = 0, 1, 2
+
+
 @njit(nogil=True, cache=True)
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     """out = silu(gate) * up, all f32 [T, I] C-contiguous; silu(g) = g / (1 + e^-g) in f32. The one SiLU of
@@ -101,6 +124,15 @@ def relu2_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     forwards (CpuBackend.relu2_and_mul)."""
     for t in range(gate.shape[0]):
         _relu2_mul_row(gate[t], up[t], out[t])
+
+
+@njit(nogil=True, cache=True)
+def gelu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """out = gelu_tanh(gate) * up, all f32 [T, I] C-contiguous, in f32 by the sigmoid form above (SiLU's
+    shape: last bits differ from torch's tanh form). The cpu backend's GELU for both forwards
+    (CpuBackend.gelu_and_mul), so they agree to the bit."""
+    for t in range(gate.shape[0]):
+        _gelu_mul_row(gate[t], up[t], out[t])
 
 
 # From this many tokens the gated activation (SiLU's scalar exp: ~0.2 ms a layer at 16 tokens) runs on
@@ -127,11 +159,38 @@ def relu2_mul_parallel(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> Non
         _relu2_mul_row(gate[t], up[t], out[t])
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def gelu_mul_parallel(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """gelu_mul over tokens in parallel (is_parallel_gate), the same elementwise arithmetic."""
+    for t in prange(gate.shape[0]):
+        _gelu_mul_row(gate[t], up[t], out[t])
+
+
+@njit(nogil=True, cache=True)
+def gated_mul(activation: int, parallel: bool, gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """out = act(gate) * up (f32 [T, I] each) for an activation code (SILU, RELU2, GELU), on numba's
+    threads where `parallel`."""
+    if activation == RELU2:
+        if parallel:
+            relu2_mul_parallel(gate, up, out)
+        else:
+            relu2_mul(gate, up, out)
+    elif activation == GELU:
+        if parallel:
+            gelu_mul_parallel(gate, up, out)
+        else:
+            gelu_mul(gate, up, out)
+    elif parallel:
+        silu_mul_parallel(gate, up, out)
+    else:
+        silu_mul(gate, up, out)
+
+
 @njit(nogil=True, cache=True)
 def gated_quantize(
     gate_up: np.ndarray,
     intermediate: int,
-    relu2: bool,
+    activation: int,
     sub_norm: np.ndarray | None,
     eps: float,
     kp: int | None,
@@ -139,20 +198,14 @@ def gated_quantize(
     parallel: bool,
 ) -> tuple:
     """gate_up f32 [T, 2 I] (gate columns, then up) -> int8 activations of act(gate) * up [T, I]
-    (relu2 or SiLU), through the FFN sub-norm where the model has one. `parallel`: the activation over
-    tokens on numba's threads (batched steps: the scalar exp of SiLU is most of this call's time, and
-    serial it left the second core idle); the elementwise arithmetic is the same either way."""
+    (`activation`: SILU, RELU2 or GELU), through the FFN sub-norm where the model has one. `parallel`:
+    the activation over tokens on numba's threads (batched steps: the scalar exp of SiLU is most of this
+    call's time, and serial it left the second core idle); the elementwise arithmetic is the same either
+    way."""
     gate = np.ascontiguousarray(gate_up[:, :intermediate])
     up = np.ascontiguousarray(gate_up[:, intermediate:])
     act = np.empty_like(gate)
-    if relu2 and parallel:
-        relu2_mul_parallel(gate, up, act)
-    elif relu2:
-        relu2_mul(gate, up, act)
-    elif parallel:
-        silu_mul_parallel(gate, up, act)
-    else:
-        silu_mul(gate, up, act)
+    gated_mul(activation, parallel, gate, up, act)
     return sub_norm_quantize(act, sub_norm, eps, kp, padded)
 
 
@@ -172,6 +225,7 @@ def rope_attend_quantize(
     block_table: np.ndarray,
     seq_lens: np.ndarray,
     scale: float,
+    window: int,
     sub_norm: np.ndarray | None,
     eps: float,
     kp: int | None,
@@ -179,8 +233,9 @@ def rope_attend_quantize(
 ) -> tuple:
     """One decode token per sequence (row t of qkv is sequence t). qkv f32 [T, (H + 2 KV) D]: q, k, v
     columns as the stacked projection writes them; RoPE on q and k, k and v written to their cache slots
-    (pages f32 [num_blocks, block_size, KV, D]), paged attention over each sequence's seq_lens[t] keys,
-    the attention sub-norm where the model has one, and the int8 activations of the output [T, H D]."""
+    (pages f32 [num_blocks, block_size, KV, D]), paged attention over each sequence's seq_lens[t] keys
+    (window > 0: its last `window` only), the attention sub-norm where the model has one, and the int8
+    activations of the output [T, H D]."""
     num_tokens = qkv.shape[0]
     head_dim = key_pages.shape[3]
     block_size = key_pages.shape[1]
@@ -195,5 +250,5 @@ def rope_attend_quantize(
                 key_pages[block, offset, h, d] = k[t, h, d]
                 value_pages[block, offset, h, d] = qkv[t, q_cols + kv_cols + h * head_dim + d]
     out = np.empty_like(q)
-    paged_decode_attention_kernel(q, key_pages, value_pages, block_table, seq_lens, scale, out)
+    paged_decode_attention_kernel(q, key_pages, value_pages, block_table, seq_lens, scale, window, out)
     return sub_norm_quantize(out.reshape(num_tokens, q_cols), sub_norm, eps, kp, padded)

@@ -187,6 +187,50 @@ def _add_bias_norm_heads(
 
 
 @njit(nogil=True, cache=True)
+def _post_norm(out: np.ndarray, post_norms: tuple | None, which: int, layer: int, eps: float) -> None:
+    """In place: out f32 [T, hidden] (o_proj's output: which 0; down's: 1) RMSNorm'd with the layer's
+    post-norm (Gemma; rms_norm_kernel, the module forward's norm), for a model that has them."""
+    if post_norms is None:
+        return
+    rms_norm_kernel(out, post_norms[which][layer], eps, out)
+
+
+@njit(nogil=True, cache=True)
+def _attend_quantize(qkv: np.ndarray, model: tuple, step: tuple, layer: int) -> tuple:
+    """qkv f32 [T, (H + 2 KVH) D] of one layer -> the int8 activations of its attention output [T, H D]:
+    biases and q/k head norms, the layer's RoPE table (Gemma's sliding layers have their own), the KV
+    write, attention over each sequence's keys (its last windows[layer] only, where > 0), the sub-norm
+    (model and step as _decode_layers')."""
+    sub_norms, qkv_extras, windows = model[5], model[6], model[8]
+    positions, rope, kv_pool, slot_mapping, block_table, seq_lens, shape, eps = step[:8]
+    cos, sin, rope_dim, is_neox, rope_of_layer = rope
+    num_heads, num_kv_heads, attn_scale, kp_attn, padded = shape[0], shape[1], shape[3], shape[5], shape[7]
+    _add_bias_norm_heads(qkv, qkv_extras, layer, num_heads, num_kv_heads, eps)
+    table = rope_of_layer[layer]
+    return rope_attend_quantize(
+        qkv,
+        num_heads,
+        num_kv_heads,
+        positions,
+        cos[table],
+        sin[table],
+        rope_dim,
+        is_neox,
+        kv_pool[layer, 0],
+        kv_pool[layer, 1],
+        slot_mapping,
+        block_table,
+        seq_lens,
+        attn_scale,
+        windows[layer],
+        _layer_vector(sub_norms, 0, layer),
+        eps,
+        kp_attn,
+        padded,
+    )
+
+
+@njit(nogil=True, cache=True)
 def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, step: tuple) -> None:
     """Every layer of one decode step (one token per sequence), x f32 [T, hidden] updated in place to the
     last layer's output (before the final norm). _project runs a projection (_project_ternary or
@@ -197,14 +241,17 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
     their f32 [L, M]; out_scales: their `.scale` products f32 [L, M], or None. Blocks: the records of
     each projection, one array a layer; the projections' row counts; None, None. Both then: norms: attn,
     ffn f32 [L, hidden]; sub_norms: attn f32 [L, H D], ffn f32 [L, I], or None; qkv_extras: (q|k|v
-    biases f32 [L, (H + 2 KVH) D] or None, (q, k head norms f32 [L, D]) or None). step: positions int64
-    [T]; rope: (cos, sin, rope_dim, is_neox); kv_pool f32 [L, 2, blocks, block_size, KV, D]; slot_mapping,
-    block_table, seq_lens; shape: (heads, kv_heads, intermediate, attention scale, the glue's kp of the
-    hidden, attention and intermediate widths, padded rows); eps; relu2 (else SiLU); parallel_gate."""
-    norms, sub_norms, qkv_extras = model[4], model[5], model[6]
-    positions, rope, kv_pool, slot_mapping, block_table, seq_lens, shape, eps, relu2, parallel_gate = step
-    cos, sin, rope_dim, is_neox = rope
-    num_heads, num_kv_heads, intermediate, attn_scale, kp_hidden, kp_attn, kp_inter, padded = shape
+    biases f32 [L, (H + 2 KVH) D] or None, (q, k head norms f32 [L, D]) or None); post_norms: attn, ffn
+    f32 [L, hidden] (Gemma: RMSNorm of o_proj's / down's output before its residual add) or None;
+    windows: int64 [L], each layer's sliding window (0: none). step: positions int64 [T]; rope: (cos,
+    sin: the model's R RoPE tables, f32 [max_positions, rope_dim / 2] each, rope_dim, is_neox, int64 [L]
+    each layer's table); kv_pool f32 [L, 2, blocks, block_size, KV, D]; slot_mapping, block_table,
+    seq_lens; shape: (heads, kv_heads, intermediate, attention scale, the glue's kp of the hidden,
+    attention and intermediate widths, padded rows); eps; the activation (decode_glue.SILU, RELU2,
+    GELU); parallel_gate."""
+    norms, sub_norms, post_norms = model[4], model[5], model[7]
+    kv_pool, shape, eps, activation, parallel_gate = step[2], step[6], step[7], step[8], step[9]
+    intermediate, kp_hidden, kp_inter, padded = shape[2], shape[4], shape[6], shape[7]
     attn_norms, ffn_norms = norms
     num_tokens = x.shape[0]
     delta = np.zeros_like(x)  # the last projection's output, added to x by the next glue call
@@ -214,36 +261,17 @@ def _decode_layers(gemv: Callable, gemm: Callable, x: np.ndarray, model: tuple, 
         else:
             acts = residual_norm_quantize(x, delta, attn_norms[layer], eps, kp_hidden, padded)
         qkv = _project(gemv, gemm, model, QKV, layer, acts, num_tokens)
-        _add_bias_norm_heads(qkv, qkv_extras, layer, num_heads, num_kv_heads, eps)
-        attn_sub_norm = _layer_vector(sub_norms, 0, layer)
-        acts = rope_attend_quantize(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            positions,
-            cos,
-            sin,
-            rope_dim,
-            is_neox,
-            kv_pool[layer, 0],
-            kv_pool[layer, 1],
-            slot_mapping,
-            block_table,
-            seq_lens,
-            attn_scale,
-            attn_sub_norm,
-            eps,
-            kp_attn,
-            padded,
-        )
+        acts = _attend_quantize(qkv, model, step, layer)
         attn_out = _project(gemv, gemm, model, O_PROJ, layer, acts, num_tokens)
+        _post_norm(attn_out, post_norms, 0, layer, eps)
         acts = residual_norm_quantize(x, attn_out, ffn_norms[layer], eps, kp_hidden, padded)
         gate_up = _project(gemv, gemm, model, GATE_UP, layer, acts, num_tokens)
         ffn_sub_norm = _layer_vector(sub_norms, 1, layer)
         acts = gated_quantize(
-            gate_up, intermediate, relu2, ffn_sub_norm, eps, kp_inter, padded, parallel_gate
+            gate_up, intermediate, activation, ffn_sub_norm, eps, kp_inter, padded, parallel_gate
         )
         delta = _project(gemv, gemm, model, DOWN, layer, acts, num_tokens)
+        _post_norm(delta, post_norms, 1, layer, eps)
     for t in range(num_tokens):
         for i in range(x.shape[1]):
             x[t, i] += delta[t, i]

@@ -12,16 +12,19 @@ stacked weights (kernels/cpu/blockdot.py or int8dot.py) and four glue calls betw
 tables it reads are stacked once at load (ternary_step.py for ternary weights, block_step.py for block
 weights). From Python, those 240 calls cost ~14 ms of a 2B step and ~1-2 ms of SmolLM2's. It computes
 what the module forward computes (the same kernels, quantization, norm, RoPE and attention arithmetic, the
-same numba SiLU / relu2 via CpuBackend, the `bitnet` arch's `.scale` products) and is used only where that
-holds: every token of the step is a decode (one per sequence), an f32 KV cache, and a model whose
-projections are int8 weights of one kind (Int8BlockLinear, or Int8BitnetLinear stacked into one a
-projection), without ggml numerics (bitnetcpp mode), and output scales only on ternary weights. Block
-formats mixed in one model (the K-quant mixes) take block_step.MixedBlockStep. Anything else (prefill,
-mixed steps, other weights, block_activations "ggml", caches that are not one pool) runs the module forward.
+same numba SiLU / relu2 / GELU via CpuBackend, the `bitnet` arch's `.scale` products; Gemma 3's post-norms,
+sliding windows and the sliding layers' own RoPE tables) and is used only where that holds: every token of
+the step is a decode (one per sequence), an f32 KV cache, and a model whose projections are int8 weights
+of one kind (Int8BlockLinear, or Int8BitnetLinear stacked into one a projection), without ggml numerics
+(bitnetcpp mode), and output scales only on ternary weights. Block formats mixed in one model (the K-quant
+mixes) take block_step.MixedBlockStep. Anything else (prefill, mixed steps, other weights,
+block_activations "ggml", caches that are not one pool, plan parts the step lacks: MiniCPM's residual
+scale) runs the module forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +39,7 @@ from bitserve.kernels.cpu.prepared import NEVER, CpuTuning, Int8BitnetLinear, In
 from bitserve.kernels.cpu.step_layers import StepLayer, pooled_layers, step_layer
 from bitserve.kernels.cpu.ternary import padded_in_features
 from bitserve.kernels.cpu.ternary_step import TernaryStep
-from bitserve.kernels.plan import DecoderPlan
+from bitserve.kernels.plan import DecoderPlan, LayerPlan, RopeTables
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +59,38 @@ _KINDS = {
 }
 
 
+def _beyond_the_step(layer: LayerPlan) -> bool:
+    """Parts of the layer the step does not run: beyond_llama less Gemma's post-norms and window (the
+    step's own), so that whatever else a plan grows (MiniCPM's residual scale) declines until it does."""
+    return dataclasses.replace(layer, attn_post_norm=None, ffn_post_norm=None, sliding_window=0).beyond_llama
+
+
+def _rope_tables(plan: DecoderPlan) -> tuple | None:
+    """The step's rope argument (decode_step._decode_layers): (cos, sin: tuples of R f32 [max_positions,
+    rope_dim / 2] tables, rope_dim, is_neox, int64 [L] each layer's table): R = 1 unless the sliding layers
+    have their own (Gemma 3). The module forward's arrays, not copies (a 128k-position model's are 64 MB
+    each); None where the tables differ in shape or rotation (the step rotates every layer alike)."""
+    tables: list[RopeTables] = [plan.rope]
+    if plan.sliding_rope is not None and any(layer.sliding_window for layer in plan.layers):
+        tables.append(plan.sliding_rope)
+    first, last = tables[0], tables[-1]
+    if (first.cos.shape, first.rope_dim, first.is_neox) != (last.cos.shape, last.rope_dim, last.is_neox):
+        return None
+    # by identity: RopeTables' == would compare its tensors
+    of_layer = np.array([int(plan.layer_rope(layer) is not first) for layer in plan.layers], dtype=np.int64)
+    # one array type for the tuple (numba indexes a tuple of one type by a runtime int)
+    cos = tuple(np.ascontiguousarray(t.cos.numpy(), dtype=np.float32) for t in tables)
+    sin = tuple(np.ascontiguousarray(t.sin.numpy(), dtype=np.float32) for t in tables)
+    return cos, sin, first.rope_dim, first.is_neox, of_layer
+
+
 class FastCpuDecode:
     """The decode step of one model (see the module docstring); build() says whether it applies."""
 
-    def __init__(self, plan: DecoderPlan, layers: list[StepLayer], relu2: bool) -> None:
+    def __init__(self, plan: DecoderPlan, layers: list[StepLayer], activation: int, rope: tuple) -> None:
         first = layers[0]
         kind = _KINDS[type(first.qkv[0])]
-        self.relu2 = relu2
+        self.activation = activation  # decode_glue.SILU, RELU2 or GELU
         self.max_tokens = kind.max_tokens(first.qkv[0].tuning)
         self.padded_tokens = kind.padded
         # decode_glue's quantizer argument for the inputs of qkv / gate_up, o_proj and down
@@ -72,9 +100,7 @@ class FastCpuDecode:
         self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
         self.intermediate = first.down[0].in_features
         self.eps = plan.rms_norm_eps
-        rope = plan.rope
-        self.cos, self.sin = rope.cos.numpy(), rope.sin.numpy()  # f32 [max_positions, rope_dim / 2]
-        self.rope_dim, self.is_neox = rope.rope_dim, rope.is_neox
+        self.rope = rope  # _rope_tables
         self.scale = plan.attn_scale
         self.num_threads = first.qkv[0].num_threads
         # the whole layer loop in one numba call (kernels/cpu/decode_step.py): ternary_step.py's tables
@@ -91,18 +117,23 @@ class FastCpuDecode:
         self._pool: np.ndarray | None = None  # their pooled_layers view, f32 [L, 2, blocks, ...]
 
     @classmethod
-    def build(cls, plan: DecoderPlan, relu2: bool) -> FastCpuDecode | None:
-        """Once, at load: the fast step when every layer qualifies, else None. relu2: the module
-        forward's activation is the glue's relu2 (False: its SiLU)."""
-        if plan.ggml_numerics or any(layer.beyond_llama for layer in plan.layers):
-            return None  # Gemma's post-norms and sliding windows: the module forward runs them
+    def build(cls, plan: DecoderPlan, activation: int) -> FastCpuDecode | None:
+        """Once, at load: the fast step when every layer qualifies, else None. activation: the module
+        forward's is the glue's (decode_glue.SILU, RELU2 or GELU)."""
+        if plan.ggml_numerics or any(_beyond_the_step(layer) for layer in plan.layers):
+            return None  # parts the step does not run: the module forward runs them
+        post_norms = {layer.attn_post_norm is None for layer in plan.layers}
+        post_norms |= {layer.ffn_post_norm is None for layer in plan.layers}
+        rope = _rope_tables(plan)
+        if len(post_norms) != 1 or rope is None:
+            return None  # the step stacks post-norms [L, hidden]: in every layer or none
         layers = [step_layer(layer) for layer in plan.layers]
         if None in layers or len({type(layer.qkv[0]) for layer in layers}) != 1:  # type: ignore[union-attr]
             return None
         first = layers[0].qkv[0]  # type: ignore[union-attr]
         if type(first) is Int8BlockLinear and first.tuning.ggml_activations:
             return None  # the glue quantizes as the "q8" mode; ggml mode is for crossval, not speed
-        fast = cls(plan, layers, relu2)  # type: ignore[arg-type]
+        fast = cls(plan, layers, activation, rope)  # type: ignore[arg-type]
         return fast if fast.step is not None else None
 
     def applies(
@@ -153,8 +184,7 @@ class FastCpuDecode:
         seq_lens = decode.seq_lens.numpy()  # type: ignore[union-attr]
         shape = (self.num_heads, self.num_kv_heads, self.intermediate, self.scale)
         shape += (self.kp_hidden, self.kp_attn, self.kp_inter, padded)
-        rope = (self.cos, self.sin, self.rope_dim, self.is_neox)
         kv_pool = self._kv_pool(kv_caches)
-        step = (positions.numpy(), rope, kv_pool, slots, block_table, seq_lens, shape, self.eps)
-        self.step.run(x.numpy(), (*step, self.relu2, parallel_gate))  # type: ignore[union-attr]
+        step = (positions.numpy(), self.rope, kv_pool, slots, block_table, seq_lens, shape, self.eps)
+        self.step.run(x.numpy(), (*step, self.activation, parallel_gate))  # type: ignore[union-attr]
         return x

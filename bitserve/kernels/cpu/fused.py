@@ -70,12 +70,14 @@ def paged_decode_attention_kernel(
     block_table: np.ndarray,
     seq_lens: np.ndarray,
     scale: float,
+    window: int,
     out: np.ndarray,
 ) -> None:
     """One query per sequence, keys read from the pages in place (no gather copy).
 
     q f32 [n, heads, D]; key_pages / value_pages f32 [num_blocks, block_size, kv_heads, D];
-    block_table int64 [n, max_blocks]; seq_lens int64 [n]; out f32 [n, heads, D].
+    block_table int64 [n, max_blocks]; seq_lens int64 [n]; out f32 [n, heads, D]. window > 0 (a sliding
+    layer, Gemma): a query at position p = seq_len - 1 reads only keys p - window + 1 .. p (0: all).
     One task per (sequence, kv head): the query heads of its group share each key and value row as it is
     read (GQA), and the output sums in a small local array, not in `out` (16 sequences x 70 keys, SmolLM2's
     9 / 3 heads: 0.31-0.34 ms of CPU a layer against 0.38-0.50 for a task per query head; most of what
@@ -86,11 +88,14 @@ def paged_decode_attention_kernel(
     for index in prange(num_seqs * num_kv_heads):
         seq, kv_head = index // num_kv_heads, index % num_kv_heads
         first = kv_head * group
-        length = seq_lens[seq]
+        # keys start .. seq_len - 1 (scores column j is key start + j)
+        start = max(0, seq_lens[seq] - window) if window > 0 else 0
+        length = seq_lens[seq] - start
         queries = q[seq, first : first + group]
         scores = np.empty((group, length), dtype=np.float32)
         for j in range(length):
-            keys = key_pages[block_table[seq, j // block_size], j % block_size, kv_head]
+            key = start + j
+            keys = key_pages[block_table[seq, key // block_size], key % block_size, kv_head]
             for g in range(group):
                 acc = np.float32(0.0)
                 for d in range(head_dim):
@@ -109,7 +114,8 @@ def paged_decode_attention_kernel(
             totals[g] = total
         summed = np.zeros((group, head_dim), dtype=np.float32)
         for j in range(length):
-            values = value_pages[block_table[seq, j // block_size], j % block_size, kv_head]
+            key = start + j
+            values = value_pages[block_table[seq, key // block_size], key % block_size, kv_head]
             for g in range(group):
                 weight = scores[g, j] / totals[g]
                 for d in range(head_dim):

@@ -36,6 +36,9 @@ class StepLayer:
     # the `bitnet` arch's `.scale` multipliers as f32 [M] per output row of qkv, o_proj, gate_up, down
     # (1.0 for a weight without one, a product that changes nothing)
     output_scales: tuple[np.ndarray, ...]
+    attn_post_norm: np.ndarray | None = None  # f32 [hidden] (Gemma): RMSNorm of o_proj's output
+    ffn_post_norm: np.ndarray | None = None  # f32 [hidden] (Gemma): RMSNorm of down's output
+    sliding_window: int = 0  # > 0: attends to the last that many positions only
 
 
 def _int8_parts(projection: Projection) -> Parts | None:
@@ -78,6 +81,9 @@ def step_layer(layer: LayerPlan) -> StepLayer | None:
         _norm_weight(layer.ffn_sub_norm),
         down,  # type: ignore[arg-type]
         output_scales,
+        _norm_weight(layer.attn_post_norm),
+        _norm_weight(layer.ffn_post_norm),
+        layer.sliding_window,
     )
 
 
@@ -117,6 +123,24 @@ def stacked_qkv_extras(layers: list[StepLayer]) -> tuple:
         return biases, None
     q_norms = stack([lay.q_norm for lay in layers])  # type: ignore[misc]
     return biases, (q_norms, stack([lay.k_norm for lay in layers]))  # type: ignore[misc]
+
+
+def stacked_post_norms(layers: list[StepLayer]) -> tuple | None:
+    """(attn, ffn) post-norm weights f32 [L, hidden] each (Gemma: RMSNorm of o_proj's and down's
+    outputs before the residual adds), or None for a model without them."""
+    if layers[0].attn_post_norm is None:
+        return None
+    attn = stack([lay.attn_post_norm for lay in layers])  # type: ignore[misc]
+    return attn, stack([lay.ffn_post_norm for lay in layers])  # type: ignore[misc]
+
+
+def shared_tables(layers: list[StepLayer]) -> tuple:
+    """What both weight kinds' step tables hold after their weights (decode_step._decode_layers'
+    model[4:]): norms, sub-norms, q|k|v extras (stacked_norms, stacked_qkv_extras), post-norms
+    (stacked_post_norms) and each layer's sliding window int64 [L] (0: none)."""
+    norms, sub_norms = stacked_norms(layers)
+    windows = np.array([lay.sliding_window for lay in layers], dtype=np.int64)
+    return norms, sub_norms, stacked_qkv_extras(layers), stacked_post_norms(layers), windows
 
 
 def pooled_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor | None:

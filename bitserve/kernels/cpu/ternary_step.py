@@ -21,13 +21,7 @@ import numpy as np
 import torch
 
 from bitserve.kernels.cpu.decode_step import DECODE_LAYERS
-from bitserve.kernels.cpu.step_layers import (
-    StepLayer,
-    projection_columns,
-    stack,
-    stacked_norms,
-    stacked_qkv_extras,
-)
+from bitserve.kernels.cpu.step_layers import StepLayer, projection_columns, shared_tables, stack
 
 logger = logging.getLogger(__name__)
 
@@ -118,17 +112,8 @@ class TernaryStep:
         out_scales = tuple(stack([lay.output_scales[i] for lay in layers]) for i in range(len(projections)))
         # a model without `.scale` tensors skips the products (all 1.0: they would change nothing)
         self.out_scales = out_scales if any((s != 1.0).any() for s in out_scales) else None
-        self.norms, self.sub_norms = stacked_norms(layers)
         self.keep_alive = weights  # the arrays `base` views
-        self.model = (
-            self.base,
-            self.offsets,
-            self.row_scales,
-            self.out_scales,
-            self.norms,
-            self.sub_norms,
-            stacked_qkv_extras(layers),
-        )
+        self.model = (self.base, self.offsets, self.row_scales, self.out_scales, *shared_tables(layers))
         self.decode_layers = DECODE_LAYERS[layers[0].qkv[0].tuning.isa]
 
     def run(self, x: np.ndarray, step: tuple) -> None:
