@@ -10,10 +10,17 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 
-from bitserve.core.scheduling_config import CacheConfig, SchedulerConfig
+from bitserve.core.scheduling_config import SPECULATIVE_CHOICES, CacheConfig, SchedulerConfig
 from bitserve.loader.catalog import DEFAULT_MODEL
 
-__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "ServerConfig"]
+__all__ = [
+    "SPECULATIVE_CHOICES",
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+]
 
 
 def _help(text: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bitserve.config import EngineConfig, ModelConfig
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from bitserve.engine.devices import resolve_engine_config
 from bitserve.engine.instance import ModelInstance
 from bitserve.frontend.admission import check_request
@@ -27,7 +27,15 @@ class LLM:
         self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **model_options: Any
     ) -> None:
         if config is None:
-            config = EngineConfig(model=ModelConfig(model=model, **model_options))
+            # options name ModelConfig or SchedulerConfig fields (LLM(speculative="ngram", max_num_seqs=8))
+            scheduler_fields = SchedulerConfig.__dataclass_fields__
+            scheduler_options = {
+                k: model_options.pop(k) for k in list(model_options) if k in scheduler_fields
+            }
+            config = EngineConfig(
+                model=ModelConfig(model=model, **model_options),
+                scheduler=SchedulerConfig(**scheduler_options),
+            )
         # `device="auto"` (or "cuda") becomes a concrete device here: one engine, no replicas
         self.instance = ModelInstance.load(resolve_engine_config(config))
         self.tokenizer = self.instance.tokenizer

@@ -185,3 +185,26 @@ def test_inspect_names_the_kernel_of_each_tensor_type(capsys, synthetic_models: 
     assert expected in kernels["projection_kernels"]["Q2_0"]
     code, text = run_cli(capsys, "inspect", str(synthetic_models["Q2_0"]))
     assert code == 0 and kernels["projection_kernels"]["Q2_0"] in text
+
+
+def test_generate_speculative_gives_the_plain_tokens(capsys, synthetic_models: dict[str, Path]) -> None:  # noqa: ANN001
+    base = ["generate", "--model", str(synthetic_models["I2_S"]), "--prompt", "a b a b a b a b", "--json"]
+    base += ["--max-tokens", "12", "--ignore-eos", "--temperature", "0", "--backend", "reference"]
+    outputs = []
+    for extra in ([], ["--speculative", "ngram", "--num-speculative-tokens", "3"]):
+        code, out = run_cli(capsys, *base, *extra)
+        assert code == 0
+        outputs.append(json.loads(out)["token_ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+    code = main([*base, "--speculative", "ngram", "--num-speculative-tokens", "0"])
+    assert code == 2 and "num_speculative_tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--speculative", "eagle"])
+
+
+def test_serve_takes_the_speculative_settings() -> None:
+    from bitserve.server.settings import build_configs, setting_fields
+
+    assert {"speculative", "num_speculative_tokens"} <= set(setting_fields())
+    engine, _ = build_configs({"speculative": "ngram", "num_speculative_tokens": 6})
+    assert (engine.scheduler.speculative, engine.scheduler.num_speculative_tokens) == ("ngram", 6)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from bitserve.cli.console import emit, emit_json
 from bitserve.cli.sampling_flags import sampling_params_from_args
-from bitserve.config import EngineConfig, ModelConfig
+from bitserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from bitserve.errors import InvalidRequest
 from bitserve.loader.catalog import resolve_model
 
 if TYPE_CHECKING:
@@ -39,7 +40,13 @@ def run_generate(args: argparse.Namespace) -> int:
     from bitserve.llm import LLM
 
     params = sampling_params_from_args(args)
-    llm = LLM(config=EngineConfig(model=model_config_from_args(args, args.model)))
+    try:
+        scheduler = SchedulerConfig(
+            speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens
+        )
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="num_speculative_tokens") from None
+    llm = LLM(config=EngineConfig(model=model_config_from_args(args, args.model), scheduler=scheduler))
     try:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

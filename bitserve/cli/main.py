@@ -15,9 +15,31 @@ from bitserve.cli.serve import add_serve_parser, run_serve
 from bitserve.errors import BitserveError
 from bitserve.loader.catalog import DEFAULT_MODEL
 
+# SchedulerConfig fields `generate` takes as flags too (serve has every setting: cli/serve.py)
+GENERATE_SCHEDULER_FLAGS = ("speculative", "num_speculative_tokens")
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+
+def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
+    from bitserve.config import SPECULATIVE_CHOICES, SchedulerConfig
+
+    fields = SchedulerConfig.__dataclass_fields__
+    choices = {"speculative": list(SPECULATIVE_CHOICES)}
+    for name in GENERATE_SCHEDULER_FLAGS:
+        field = fields[name]
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(field.default),
+            default=field.default,
+            choices=choices.get(name),
+            help=field.metadata["help"],
+        )
+
+
+def _add_model_options(parser: argparse.ArgumentParser, *, scheduler: bool = False) -> None:
     from bitserve.config import LM_HEAD_CHOICES, ModelConfig
+
+    if scheduler:
+        _add_scheduler_options(parser)
 
     fields = ModelConfig.__dataclass_fields__
     parser.add_argument(
@@ -59,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--system", default=None, help="system message (with --chat)")
     add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_model_options(generate)
+    _add_model_options(generate, scheduler=True)
 
     inspect = sub.add_parser("inspect", help="summarize a GGUF file")
     inspect.add_argument("model", help="catalog name or GGUF path")

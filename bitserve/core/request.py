@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from bitserve.core.block_hash import BlockHash
+    from bitserve.core.ngram_draft import DraftState
     from bitserve.sampling_params import SamplingParams
 
 
@@ -89,6 +90,8 @@ class Request:
     priority_key: tuple[float, float, int] = field(default=(0.0, 0.0, 0), init=False)
     # prompt + outputs, kept as one list so prefill chunks and recompute slice it without copies.
     all_token_ids: list[int] = field(init=False)
+    # The speculative drafter's state (core/ngram_draft.py), made at the first decode it may draft for.
+    draft: DraftState | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(self.prompt_token_ids)

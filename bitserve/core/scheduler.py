@@ -1,5 +1,6 @@
 """Scheduler: continuous batching under a token budget, chunked prefill, preemption by recompute,
-priorities with aging, and the integer finish checks (EOS, stop ids, lengths, deadlines).
+priorities with aging, speculative decodes (n-gram drafts), and the integer finish checks (EOS, stop
+ids, lengths, deadlines).
 
 Plain Python; imports no torch and nothing above `core/`.
 """
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from bitserve.core.kv_cache_manager import KVCacheManager
+from bitserve.core.ngram_draft import DraftState
 from bitserve.core.request import FinishReason, Request, RequestStatus, finished_status
 from bitserve.core.request_queue import RequestQueue, priority_key
 from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -34,6 +36,8 @@ class _StepPlan:
 
     budget: int
     entries: dict[str, tuple[Request, int]] = field(default_factory=dict)
+    # request id -> the drafts a speculative decode verifies (its entry counts 1 + len(drafts) tokens)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0
     num_prefix_query_tokens: int = 0
@@ -45,6 +49,7 @@ class _StepPlan:
     def drop(self, request: Request) -> None:
         """Unschedule a request preempted after it was given tokens; its tokens return to the budget."""
         entry = self.entries.pop(request.request_id, None)
+        self.drafts.pop(request.request_id, None)
         if entry is not None:
             self.budget += entry[1]
 
@@ -83,6 +88,9 @@ class Scheduler:
         self._last_plan = _StepPlan(budget=0)
         self._last_num_prefill_tokens = 0
         self._last_num_decode_tokens = 0
+        self._speculative = config.speculative == "ngram"
+        self._last_num_draft_tokens = 0  # drafts scheduled by the last schedule()
+        self._last_num_accepted_tokens = 0  # drafts accepted in the last update()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -160,11 +168,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget.
 
-        Running decodes first (one token each; the budget covers max_num_seqs of them), then
-        running prefills (a chunk each), then waiting requests in priority order while seats and
-        budget remain. A running request that cannot get blocks preempts the lowest-priority
-        running request (possibly itself). Keeps: scheduled tokens <= max_num_batched_tokens;
-        running requests <= max_num_seqs.
+        Running decodes first (one token each, plus drafts with speculative decoding; the budget
+        covers max_num_seqs of them), then running prefills (a chunk each), then waiting requests in
+        priority order while seats and budget remain. A running request that cannot get blocks
+        preempts the lowest-priority running request (possibly itself); drafts never preempt. Keeps:
+        scheduled tokens <= max_num_batched_tokens; running requests <= max_num_seqs.
         """
         self._expire_deadlines(self._clock())
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
@@ -185,16 +193,55 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
+        for index, request in enumerate(decodes + prefills):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
             if plan.budget <= 0:
                 break
+            # a decode's drafts leave one token of budget for each decode after it
+            drafts = (
+                self._drafts(request, plan.budget - (len(decodes) - index)) if index < len(decodes) else []
+            )
             num_remaining = request.num_tokens - request.num_computed_tokens
             assert num_remaining >= 1, "a running request always has a token to compute"
             num_new = self._chunk_size(num_remaining, plan.budget)
             if num_new > 0 and self._allocate_or_preempt(request, num_new, plan):
-                plan.add(request, num_new)
+                plan.add(request, num_new + len(drafts))
+                if drafts:
+                    plan.drafts[request.request_id] = drafts
+        self._allocate_drafts(plan)
+
+    def _allocate_drafts(self, plan: _StepPlan) -> None:
+        """Give the drafts their KV slots from the blocks left once every running request has its own
+        tokens' slots: drafts never preempt; a request they do not fit decodes plain (its tokens return)."""
+        for request_id, drafts in list(plan.drafts.items()):
+            request, num_new = plan.entries[request_id]
+            if self.kv.allocate_slots(request, num_new) is None:
+                del plan.drafts[request_id]
+                plan.entries[request_id] = (request, num_new - len(drafts))
+                plan.budget += len(drafts)
+
+    def _drafts(self, request: Request, max_drafts: int) -> list[int]:
+        """Draft tokens for the decode of `request`, at most `max_drafts`; [] where it decodes plain.
+
+        Eligible: every decode (outputs started) without a grammar guide. A guide's matcher advances one
+        accepted token at a time and has no way to take back rejected drafts, so guided requests decode
+        plain. The rest need nothing here: `n` choices are requests of their own; the runner samples draft
+        row i with the outputs plus drafts[:i], so penalties, min_tokens, logit_bias and logprobs see what
+        plain decoding would, and it keeps seeded generators in step (runner/speculative.py).
+        """
+        if not self._speculative or request.num_output_tokens == 0 or request.params.guide is not None:
+            return []
+        # up to 1 + k tokens come back: the last may reach max_tokens or the context, as a plain decode's does
+        limit = min(max_drafts, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        if limit < 1:
+            return []
+        if request.draft is None:
+            request.draft = DraftState(self.config.num_speculative_tokens)
+        return request.draft.propose(request.all_token_ids, limit)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> bool:
         """Allocate slots for `request`, preempting lowest-priority requests until it fits.
@@ -248,21 +295,23 @@ class Scheduler:
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         scheduled = []
-        num_prefill = num_decode = 0
+        num_prefill = num_decode = num_draft = 0
         for request, num_new in plan.entries.values():
+            drafts = plan.drafts.get(request.request_id, [])
             start = request.num_computed_tokens
-            end = start + num_new
-            # Invariant: num_computed_tokens + scheduled tokens <= num_tokens.
+            end = start + num_new - len(drafts)
+            # Invariant: num_computed_tokens + scheduled tokens (drafts aside) <= num_tokens.
             assert end <= request.num_tokens
             sample = end == request.num_tokens
-            is_decode = num_new == 1 and sample and request.num_output_tokens > 0
+            is_decode = num_new == 1 + len(drafts) and sample and request.num_output_tokens > 0
             num_decode += num_new if is_decode else 0
             num_prefill += 0 if is_decode else num_new
+            num_draft += len(drafts)
             outputs = tuple(request.all_token_ids[request.num_prompt_tokens :]) if sample else ()
             scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start:end],
+                    token_ids=request.all_token_ids[start:end] + drafts,
                     start_position=start,
                     block_ids=self.kv.block_ids(request.request_id),
                     sample=sample,
@@ -271,12 +320,14 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=outputs,
                     eos_token_ids=request.eos_token_ids,
+                    draft_token_ids=tuple(drafts),
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, []
         self._last_plan = plan
         self._last_num_prefill_tokens = num_prefill
         self._last_num_decode_tokens = num_decode
+        self._last_num_draft_tokens = num_draft
         return SchedulerOutput(
             requests=scheduled,
             num_scheduled_tokens=num_prefill + num_decode,
@@ -295,6 +346,7 @@ class Scheduler:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         now = self._clock()
+        self._last_num_accepted_tokens = 0
         for scheduled in scheduler_output.requests:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -309,23 +361,27 @@ class Scheduler:
     ) -> EngineOutput | None:
         if request.num_computed_tokens != scheduled.start_position:
             raise RuntimeError(f"update() for {request.request_id} does not match its schedule()")
-        request.num_computed_tokens += len(scheduled.token_ids)
-        assert request.num_computed_tokens <= request.num_tokens
-        self.kv.cache_full_blocks(request)
         sampled = runner_output.sampled_token_ids.get(request.request_id, [])
-        if scheduled.sample != bool(sampled):
-            raise RuntimeError(
-                f"runner returned {len(sampled)} tokens for {request.request_id} (sample={scheduled.sample})"
-            )
+        self._check_sampled(request.request_id, scheduled, sampled)
         new_token_ids: list[int] = []
         reason: FinishReason | None = None
         stop_token_id: int | None = None
-        for token_id in sampled:
+        for token_id in sampled:  # a stop ends the request at its token: what follows it is dropped
             request.append_output_token(token_id)
             new_token_ids.append(token_id)
             reason, stop_token_id = self._check_stop(request, token_id)
             if reason is not None:
                 break
+        # A speculative decode's progress is its last token plus the drafts accepted, one less than the
+        # tokens kept: the rejected drafts' KV is garbage past it, which the next step overwrites, and
+        # cache_full_blocks (after the appends, before a finish frees the blocks) sees accepted tokens only.
+        drafts = scheduled.draft_token_ids
+        request.num_computed_tokens += len(new_token_ids) if drafts else len(scheduled.token_ids)
+        assert request.num_computed_tokens <= request.num_tokens
+        self.kv.cache_full_blocks(request)
+        if drafts and request.draft is not None:
+            request.draft.record(len(drafts), len(sampled) - 1)
+            self._last_num_accepted_tokens += len(sampled) - 1
         if reason is None and request.deadline is not None and now >= request.deadline:
             reason = FinishReason.DEADLINE
         if reason is not None:
@@ -347,6 +403,20 @@ class Scheduler:
             stop_token_id,
             queue_s=queue_s,
         )
+
+    @staticmethod
+    def _check_sampled(request_id: str, scheduled: ScheduledRequest, sampled: list[int]) -> None:
+        """RuntimeError where the runner's tokens cannot be this schedule's (the engine then stops)."""
+        if scheduled.sample != bool(sampled):
+            raise RuntimeError(
+                f"runner returned {len(sampled)} tokens for {request_id} (sample={scheduled.sample})"
+            )
+        drafts = scheduled.draft_token_ids
+        # a verify returns the drafts it accepted, in order, and one token more
+        if drafts and (len(sampled) > 1 + len(drafts) or tuple(sampled[:-1]) != drafts[: len(sampled) - 1]):
+            raise RuntimeError(
+                f"runner returned {sampled} for {request_id}: not a run of its drafts {drafts}"
+            )
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
         """Finish check after appending `token_id`. Returns (reason, stop token id).
@@ -399,4 +469,6 @@ class Scheduler:
             num_decode_tokens=self._last_num_decode_tokens,
             num_prefix_hit_tokens=plan.num_prefix_hit_tokens,
             num_prefix_query_tokens=plan.num_prefix_query_tokens,
+            num_draft_tokens=self._last_num_draft_tokens,
+            num_accepted_tokens=self._last_num_accepted_tokens,
         )

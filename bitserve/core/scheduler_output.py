@@ -20,6 +20,11 @@ class ScheduledRequest:
     len(token_ids) - 1, writing slots in `block_ids` (the request's whole table; slot of position
     p = block_ids[p // block_size] * block_size + p % block_size). When `sample` is True it samples
     one token from the logits of the last position.
+
+    A speculative decode (`draft_token_ids` not empty, k drafts) has token_ids = [last token, *drafts]
+    and is sampled at all 1 + k positions: the runner returns t_0 .. t_a, the tokens up to and including
+    the first that differs from its draft (t_i == draft i + 1 for i < a), 1 to k + 1 tokens. The KV the
+    step wrote for rejected drafts is garbage past the request's progress; the next step overwrites it.
     """
 
     request_id: str
@@ -39,6 +44,8 @@ class ScheduledRequest:
     output_token_ids: tuple[int, ...] = ()
     # The model's EOS ids for this request (shared frozenset), for min_tokens masking.
     eos_token_ids: frozenset[int] = frozenset()
+    # Speculative drafts to verify (token_ids[1:]); () for every other kind of step.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +72,9 @@ class RunnerOutput:
     """What the runner sampled in one step, for `Scheduler.update()`.
 
     `sampled_token_ids[request_id]` holds the token(s) sampled for each scheduled request with
-    `sample=True` (a request without sampling may be absent or map to []). `logprobs`, when
-    requested, maps a request id to one entry per sampled token.
+    `sample=True`: one, or for a speculative decode 1 .. 1 + len(draft_token_ids) (ScheduledRequest);
+    a request without sampling may be absent or map to []. `logprobs`, when requested, maps a request
+    id to one entry per sampled token.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -8,6 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+SPECULATIVE_CHOICES = ("off", "ngram")  # --speculative: no drafts, or prompt lookup (core/ngram_draft.py)
+MAX_NUM_SPECULATIVE_TOKENS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -58,6 +61,23 @@ class SchedulerConfig:
     burst_wait_max_s: float = field(
         default=0.1, metadata={"help": "The longest an idle engine waits for a burst to finish arriving."}
     )
+    # NOTE: off by default: on the cpu backend a verify step of 1 + k tokens costs more than a plain decode
+    # step, so speculation pays only where drafts are accepted (text the answer copies from its prompt);
+    # benchmarks/bench_speculative.py measures both sides
+    speculative: str = field(
+        default="off",
+        metadata={
+            "help": "Speculative decoding: off, or ngram (draft tokens by prompt lookup, verified in one "
+            "step; exact: the same tokens and distribution as plain decoding; cpu backend only)."
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=4,
+        metadata={
+            "help": f"Most draft tokens verified per request and step with --speculative ngram "
+            f"(1..{MAX_NUM_SPECULATIVE_TOKENS}; each request shrinks its own when drafts miss)."
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -74,6 +94,14 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value}")
         if not self.aging_interval_s > 0 or math.isnan(self.aging_interval_s):
             raise ValueError(f"aging_interval_s must be > 0, got {self.aging_interval_s}")
+        if self.speculative not in SPECULATIVE_CHOICES:
+            choices = ", ".join(SPECULATIVE_CHOICES)
+            raise ValueError(f"speculative must be one of {choices}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..{MAX_NUM_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:
             return  # checked again once resolved at load
         # Every running request must be able to take its decode token in the same step.

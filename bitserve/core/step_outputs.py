@@ -65,6 +65,9 @@ class StepStats:
     step_time_s: float = 0.0  # filled by the engine (dataclasses.replace)
     schedule_time_s: float = 0.0  # of which forming the batch (Scheduler.schedule); filled by the engine
     device_memory_bytes: int | None = None  # the runner's device allocator in use (CUDA); None on CPU
+    # speculative decoding, this step: drafts verified (counted in num_decode_tokens) and drafts accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,17 @@ def kernel_tuning(model_config: ModelConfig) -> KernelTuning:
     )
 
 
+def check_speculative(scheduler_config: SchedulerConfig, device: torch.device) -> None:
+    """InvalidRequest for speculative decoding on a CUDA device: the CUDA runner's graphs and its lookahead
+    step assume one token per decode (checked before the weights load, and again by make_runner)."""
+    if scheduler_config.speculative != "off" and device.type == "cuda":
+        raise InvalidRequest(
+            "speculative decoding runs on the cpu backend only, for now",
+            param="speculative",
+            hint="serve this model with --speculative off, or on --device cpu",
+        )
+
+
 def make_runner(
     loaded: LoadResult,
     layout: CacheLayout,
@@ -92,6 +103,7 @@ def make_runner(
     """The CPU runner, or the CUDA runner (device KV pages, decode CUDA graphs) for a CUDA device."""
     if device.type != "cuda":
         return ModelRunner(loaded.model, layout)
+    check_speculative(scheduler_config, device)
     from bitserve.runner.cuda_runner import CudaModelRunner  # NOTE: deferred: Triton, CUDA only
 
     return CudaModelRunner(
@@ -249,6 +261,7 @@ class ModelInstance(ServedModelParts):
             torch.set_num_threads(model_config.num_threads)
         path = resolve_model(model_config.model)
         device = load_device(model_config.device)
+        check_speculative(config.scheduler, device)
         tuning = kernel_tuning(model_config)  # parsed once: the backend and the runner share it
         options = LoadOptions(
             backend=select_backend(

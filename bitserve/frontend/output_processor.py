@@ -110,11 +110,9 @@ class OutputProcessor:
         return deltas, abort_ids
 
     def _advance(self, state: _ChoiceState, output: EngineOutput) -> ChoiceDelta:
-        num_checked = len(state.text)
-        state.text += state.detokenizer.add_tokens(output.new_token_ids)
+        token_ids, match = self._add_text(state, output.new_token_ids)
         finish_reason = output.finish_reason.value if output.finish_reason is not None else None
         stop_reason: str | int | None = output.stop_token_id
-        match = state.matcher.find(state.text, num_checked)
         if match is not None:
             state.text = state.text[: match[0]]
             finish_reason, stop_reason = "stop", match[1]
@@ -126,8 +124,29 @@ class OutputProcessor:
             end = state.matcher.safe_length(state.text)
         text_delta = state.text[state.num_emitted_chars : end]
         state.num_emitted_chars = max(state.num_emitted_chars, end)
-        logprobs = list(output.new_logprobs) if state.wants_logprobs and output.new_logprobs else None
+        logprobs = None
+        if state.wants_logprobs and output.new_logprobs:
+            logprobs = list(output.new_logprobs[: len(token_ids)])
         completion = CompletionOutput(
-            state.index, text_delta, list(output.new_token_ids), finish_reason, stop_reason, logprobs
+            state.index, text_delta, token_ids, finish_reason, stop_reason, logprobs
         )
         return ChoiceDelta(state.parent_id, completion, output.num_cached_tokens)
+
+    @staticmethod
+    def _add_text(state: _ChoiceState, new_token_ids: list[int]) -> tuple[list[int], tuple[int, str] | None]:
+        """Detokenize the step's tokens into state.text; returns the tokens the choice keeps (those up to
+        a stop string's token) and the stop string match, if any.
+
+        NOTE: a speculative step brings several tokens: with stop strings they are added one at a time, so
+        the tokens after the one that completes a stop string are dropped, as plain decoding never makes them.
+        """
+        num_checked = len(state.text)
+        if not state.matcher.stop or len(new_token_ids) < 2:
+            state.text += state.detokenizer.add_tokens(new_token_ids)
+            return list(new_token_ids), state.matcher.find(state.text, num_checked)
+        for count, token_id in enumerate(new_token_ids, 1):
+            state.text += state.detokenizer.add_tokens([token_id])
+            match = state.matcher.find(state.text, num_checked)
+            if match is not None:
+                return list(new_token_ids[:count]), match
+        return list(new_token_ids), None

@@ -79,6 +79,12 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def row_uniform(generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """The one U[0, 1) draw [1] float64 a sampled row with a seed takes from its generator per step (the
+    speculative runner replays these to keep a seeded stream in step: runner/speculative.py)."""
+    return torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+
+
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits f32 [num_rows, vocab] -> the first index of each row's maximum (a NaN counts as the
     maximum), int64 [num_rows]. On CPU through NumPy: torch's CPU argmax reduces a row with one scalar
@@ -173,9 +179,7 @@ class Sampler:
         uniforms = torch.empty(len(rows), dtype=torch.float64, device=device)
         for i, row in enumerate(rows):
             if row.generator is not None:
-                uniforms[i : i + 1] = torch.rand(
-                    1, dtype=torch.float64, device=device, generator=row.generator
-                )
+                uniforms[i : i + 1] = row_uniform(row.generator, device)
         if unseeded_rows:
             uniforms[_index_tensor(unseeded_rows, device)] = shared
         return uniforms

@@ -158,6 +158,7 @@ class PrometheusStatsSink:
         self._http_error_reasons: set[str] = set()
         self._build_request_metrics()
         self._build_step_metrics()
+        self._build_spec_decode_metrics()
         self._build_edge_metrics()
         self._build_lifecycle_metrics()
         self._build_process_and_alias_metrics()
@@ -207,6 +208,16 @@ class PrometheusStatsSink:
             "Finished requests by finish reason.",
             [*REPLICA_LABELS, "finish_reason"],
             registry=reg,
+        )
+
+    def _build_spec_decode_metrics(self) -> None:
+        """Speculative decoding (--speculative ngram): drafts verified, and of them accepted."""
+        reg, model, prefix = self.registry, REPLICA_LABELS, "bitserve_spec_decode"
+        self.spec_drafts = Counter(
+            f"{prefix}_draft_tokens_total", "Draft tokens verified.", model, registry=reg
+        )
+        self.spec_accepted = Counter(
+            f"{prefix}_accepted_tokens_total", "Drafts accepted.", model, registry=reg
         )
 
     def _build_step_metrics(self) -> None:
@@ -376,6 +387,9 @@ class PrometheusStatsSink:
             self.prefix_queries.labels(*labels).inc(stats.num_prefix_query_tokens)
         if stats.num_prefix_hit_tokens > 0:
             self.prefix_hits.labels(*labels).inc(stats.num_prefix_hit_tokens)
+        if stats.num_draft_tokens > 0:  # the series appear with a replica's first drafts (speculative on)
+            self.spec_drafts.labels(*labels).inc(stats.num_draft_tokens)
+            self.spec_accepted.labels(*labels).inc(stats.num_accepted_tokens)
         # num_preempted_total is cumulative per engine; a drop means a fresh engine (swap, restart),
         # whose whole count is new.
         last = self._last_preempted_total.get(labels, 0)

@@ -15,7 +15,7 @@ import torch
 from bitserve.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from bitserve.layers.sampler import Sampler, SamplingRequestState, make_generator
 from bitserve.models.decoder import DecoderModel
-from bitserve.runner import embeddings
+from bitserve.runner import embeddings, speculative
 from bitserve.runner.input_batch import build_batch_inputs
 from bitserve.runner.kv_cache import CacheLayout, allocate_kv_caches
 from bitserve.structured.masks import GuidedRows
@@ -47,7 +47,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run the scheduled tokens; return one sampled token per request whose `sample` is set.
+        """Run the scheduled tokens; return one sampled token per request whose `sample` is set, or for
+        a speculative decode its accepted drafts and one token more (runner/speculative.py).
 
         Preconditions (kept by the scheduler): every position written has a slot in the request's
         block table, and cached positions below start_position already hold this request's KV.
@@ -57,22 +58,15 @@ class ModelRunner:
         requests = scheduler_output.requests
         if not requests:
             return RunnerOutput(sampled_token_ids={}, logprobs=None)
-        sampled_ids = [r.request_id for r in requests if r.sample]
-        logits = self.forward_logits(requests)  # [num_sampled, vocab], or None: nothing to sample
+        logits = self.forward_logits(requests)  # [num_rows, vocab] (1 + k rows a verify), or None
         if logits is None:
             return RunnerOutput(sampled_token_ids={}, logprobs=None)
         sampled_requests = [r for r in requests if r.sample]
         rows = self._sampling_rows(sampled_requests)
-        sampled = self.sampler(logits, rows, self._constrainer(sampled_requests))
-        token_ids = {rid: [tok] for rid, tok in zip(sampled_ids, sampled.token_ids, strict=True)}
-        logprobs = None
-        if sampled.logprobs is not None:
-            logprobs = {
-                rid: [entry]
-                for rid, entry in zip(sampled_ids, sampled.logprobs, strict=True)
-                if entry is not None
-            }
-        return RunnerOutput(sampled_token_ids=token_ids, logprobs=logprobs)
+        row_requests = [r for r in sampled_requests for _ in range(speculative.num_rows(r))]
+        saved_states = speculative.save_generators(sampled_requests, self._generators)
+        sampled = self.sampler(logits, rows, self._constrainer(row_requests))
+        return speculative.collect(sampled_requests, sampled, self._generators, saved_states)
 
     def device_memory_bytes(self) -> int | None:
         """Bytes the device allocator holds for tensors (CUDA replicas), None on the CPU (the process RSS,
@@ -92,8 +86,8 @@ class ModelRunner:
         return self._device_memory
 
     def forward_logits(self, requests: Sequence[ScheduledRequest]) -> torch.Tensor | None:
-        """One forward over the scheduled tokens -> f32 [num_sampled, vocab] logits of the requests whose
-        `sample` is set (in order), or None when none is."""
+        """One forward over the scheduled tokens -> f32 [num_rows, vocab] logits of the requests whose
+        `sample` is set (in order; a speculative decode's 1 + k rows together), or None when none is."""
         batch = build_batch_inputs(requests, self.layout.block_size)
         hidden_states = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         if not batch.sampled_request_ids:
@@ -111,15 +105,7 @@ class ModelRunner:
         for request in requests:
             if request.request_id not in self._generators:
                 self._generators[request.request_id] = make_generator(request.params.seed, self.device)
-            rows.append(
-                SamplingRequestState(
-                    params=request.params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    generator=self._generators[request.request_id],
-                    eos_token_ids=tuple(request.eos_token_ids),
-                )
-            )
+            rows.extend(speculative.sampling_rows(request, self._generators[request.request_id]))
         return rows
 
     def _constrainer(self, requests: Sequence[ScheduledRequest]) -> Callable[[torch.Tensor], None] | None:

@@ -100,17 +100,30 @@ def next_token(history: list[int], vocab_size: int) -> int:
     return value % vocab_size
 
 
+def accepted_run(row_tokens: list[int], drafts: tuple[int, ...]) -> list[int]:
+    """The speculative acceptance rule (runner/speculative.py), re-stated so these tests stay torch-free:
+    the drafts the rows confirmed, in order, and the token after them."""
+    accepted = 0
+    while accepted < len(drafts) and row_tokens[accepted] == drafts[accepted]:
+        accepted += 1
+    return row_tokens[: accepted + 1]
+
+
 @dataclass
 class SimulatedRunner:
     """Writes each scheduled token id into its KV slot and samples from what it reads back.
 
     Sampling reads positions 0..end-1 through the block table and asserts they equal the request's
     prompt + outputs, so a wrong table, a block shared while written, an evicted block still in
-    use or a bad prefix hit fails loudly. The sample is `next_token(history)`.
+    use or a bad prefix hit fails loudly. The sample is `model(history)` (default
+    `next_token(history, vocab_size)`). A speculative decode is sampled at each of its 1 + k rows, row i
+    after reading back prompt + outputs + drafts[:i] (so stale KV of rejected drafts that a later step
+    failed to overwrite fails too), and returns the accepted run.
     """
 
     block_size: int
     vocab_size: int = 64
+    model: Callable[[list[int]], int] | None = None
     slots: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -122,13 +135,18 @@ class SimulatedRunner:
         sampled = {}
         for request in output.requests:
             if not request.sample:
-                assert request.output_token_ids == ()
+                assert request.output_token_ids == () and request.draft_token_ids == ()
                 continue
-            end = request.start_position + len(request.token_ids)
-            history = [self.slots.get(self._slot(request.block_ids, p)) for p in range(end)]
+            drafts = request.draft_token_ids
+            end = request.start_position + len(request.token_ids) - len(drafts)
             expected = list(request.prompt_token_ids) + list(request.output_token_ids)
-            assert history == expected, f"KV of {request.request_id} does not match its tokens"
-            sampled[request.request_id] = [next_token(expected, self.vocab_size)]
+            row_tokens = []
+            for i in range(1 + len(drafts)):
+                row = expected + list(drafts[:i])
+                history = [self.slots.get(self._slot(request.block_ids, p)) for p in range(end + i)]
+                assert history == row, f"KV of {request.request_id} (row {i}) does not match its tokens"
+                row_tokens.append(self.model(row) if self.model else next_token(row, self.vocab_size))
+            sampled[request.request_id] = accepted_run(row_tokens, drafts)
         return RunnerOutput(sampled_token_ids=sampled)
 
     def _slot(self, block_ids: list[int], position: int) -> tuple[int, int]:

@@ -30,11 +30,16 @@ class Workload:
         self.h = helpers
         self.block_size = config.setdefault("block_size", 4)
         self.scheduler = helpers["make_scheduler"](clock=helpers["clock"], **config)
-        self.runner = helpers["make_runner"](block_size=self.block_size, vocab_size=VOCAB)
+        base = helpers["model_token"]
+        self.model = lambda history: base(history, VOCAB)
+        if config.get("speculative") == "ngram":  # a model that copies two times in three: drafts often hold
+            self.model = lambda h: h[-4] if len(h) >= 4 and base(h, 3) else base(h, VOCAB)
+        self.runner = helpers["make_runner"](block_size=self.block_size, vocab_size=VOCAB, model=self.model)
         self.live: dict[str, Any] = {}  # request id -> Request, until its finish output
         self.emitted: dict[str, list[int]] = {}
         self.num_added = 0
         self.finished: dict[str, FinishReason] = {}
+        self.num_drafted = self.num_accepted = 0
 
     def add(self, prefix: int, num_prefix: int, num_suffix: int, priority: Priority, **params: Any) -> None:
         request_id = f"q{self.num_added}"
@@ -65,6 +70,9 @@ class Workload:
         self.h["invariants"](self.scheduler, output)
         for engine_output in self.scheduler.update(output, self.runner.execute(output)):
             self._check_output(engine_output)
+        stats = self.scheduler.get_stats()
+        self.num_drafted += stats.num_draft_tokens
+        self.num_accepted += stats.num_accepted_tokens
         # Requests the runner is told to forget have finished, and reported it by now.
         for request_id in output.finished_request_ids:
             assert request_id in self.finished and request_id not in self.live
@@ -76,7 +84,7 @@ class Workload:
         for token in output.new_token_ids:
             # Each token is the model's next token for the history so far: no token was lost,
             # duplicated or computed from a wrong KV, preemptions included.
-            assert token == self.h["model_token"](list(request.prompt_token_ids) + emitted, VOCAB)
+            assert token == self.model(list(request.prompt_token_ids) + emitted)
             emitted.append(token)
         params = request.params
         assert len(emitted) <= params.max_tokens
@@ -117,8 +125,10 @@ def helpers(make_scheduler, make_request, make_runner, invariants, no_leak, mode
     )
 
 
-def _config(chunked: bool, caching: bool, num_blocks: int) -> dict[str, Any]:
+def _config(chunked: bool, caching: bool, num_blocks: int, num_drafts: int = 0) -> dict[str, Any]:
     return dict(
+        speculative="ngram" if num_drafts else "off",
+        num_speculative_tokens=max(1, num_drafts),
         num_blocks=num_blocks,
         max_model_len=48,
         max_num_seqs=4,
@@ -144,9 +154,14 @@ def test_random_operations_never_leak_blocks(helpers) -> None:
 
 def _machine(helpers: dict) -> type[RuleBasedStateMachine]:
     class SchedulerMachine(RuleBasedStateMachine):
-        @initialize(chunked=st.booleans(), caching=st.booleans(), num_blocks=st.integers(6, 20))
-        def start(self, chunked: bool, caching: bool, num_blocks: int) -> None:
-            self.work = Workload(helpers, **_config(chunked, caching, num_blocks))
+        @initialize(
+            chunked=st.booleans(),
+            caching=st.booleans(),
+            num_blocks=st.integers(6, 20),
+            num_drafts=st.sampled_from([0, 0, 1, 3, 6]),
+        )
+        def start(self, chunked: bool, caching: bool, num_blocks: int, num_drafts: int) -> None:
+            self.work = Workload(helpers, **_config(chunked, caching, num_blocks, num_drafts))
 
         @rule(
             prefix=st.integers(0, 1),
@@ -208,10 +223,12 @@ def _machine(helpers: dict) -> type[RuleBasedStateMachine]:
     return SchedulerMachine
 
 
+@pytest.mark.parametrize("num_drafts", [0, 4])
 @pytest.mark.parametrize("seed", range(6))
-def test_long_random_workloads_under_memory_pressure(helpers, seed: int) -> None:
+def test_long_random_workloads_under_memory_pressure(helpers, seed: int, num_drafts: int) -> None:
     rng = random.Random(seed)
-    work = Workload(helpers, **_config(chunked=seed % 3 != 0, caching=seed % 2 == 0, num_blocks=13))
+    config = _config(chunked=seed % 3 != 0, caching=seed % 2 == 0, num_blocks=13, num_drafts=num_drafts)
+    work = Workload(helpers, **config)
     for _ in range(400):
         op = rng.random()
         if op < 0.3:
@@ -234,3 +251,5 @@ def test_long_random_workloads_under_memory_pressure(helpers, seed: int) -> None
     assert work.scheduler.get_stats().num_preempted_total > 0  # the pool really was under pressure
     work.finish(abort_rest=False)
     assert {FinishReason.STOP, FinishReason.LENGTH} <= set(work.finished.values())
+    if num_drafts:  # speculative decodes ran; drafts held and missed
+        assert 0 < work.num_accepted < work.num_drafted

@@ -192,6 +192,17 @@ def test_registries_are_independent_and_forget_model_drops_gauges() -> None:
     assert value(values, "bitserve_prefix_cache_hits_total", model="a", device="cpu") == 16
 
 
+def test_speculative_drafts_and_accepted_tokens_are_counters() -> None:
+    sink = PrometheusStatsSink()
+    sink.record_step("m", "cpu", FORMAT, step())  # speculation off: no series
+    assert not [key for key in samples(sink) if key[0].startswith("bitserve_spec_decode")]
+    sink.record_step("m", "cpu", FORMAT, step(num_draft_tokens=8, num_accepted_tokens=5))
+    sink.record_step("m", "cpu", FORMAT, step(num_draft_tokens=4, num_accepted_tokens=0))
+    values = samples(sink)
+    assert value(values, "bitserve_spec_decode_draft_tokens_total", model="m", device="cpu") == 12
+    assert value(values, "bitserve_spec_decode_accepted_tokens_total", model="m", device="cpu") == 5
+
+
 def test_a_swap_to_another_format_drops_the_old_gauges() -> None:
     sink = PrometheusStatsSink()
     sink.record_step("m", "cpu", "Q4_1", step(num_running=4))
