@@ -35,11 +35,8 @@ def _add_scheduler_options(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _add_model_options(parser: argparse.ArgumentParser, *, scheduler: bool = False) -> None:
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
     from bitserve.config import LM_HEAD_CHOICES, ModelConfig
-
-    if scheduler:
-        _add_scheduler_options(parser)
 
     fields = ModelConfig.__dataclass_fields__
     parser.add_argument(
@@ -81,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--system", default=None, help="system message (with --chat)")
     add_sampling_arguments(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_model_options(generate, scheduler=True)
+    _add_scheduler_options(generate)
+    _add_model_options(generate)
 
     inspect = sub.add_parser("inspect", help="summarize a GGUF file")
     inspect.add_argument("model", help="catalog name or GGUF path")
