@@ -168,6 +168,11 @@ class ModelConfig:
 # (core/block_pool.py), so resident memory follows the load a server has seen.
 KV_CACHE_TOKENS_PER_SEQ = 256
 KV_CACHE_DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+# A CUDA replica's default KV cache takes at most this share of its device's usable memory (after its
+# weights and activation reserve): a swap loads the next version beside the serving one
+# (runner/cuda_memory.py).
+CUDA_KV_REPLICA_SHARE = 0.5
+GPU_MEMORY_UTILIZATION_DEFAULT = 0.9  # vLLM's default share of the device
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,16 +185,32 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = field(
         default=None,
         metadata=_help(
-            f"memory for the paged KV cache (default: sized at load to max_num_seqs x "
-            f"{KV_CACHE_TOKENS_PER_SEQ} tokens of the model's KV, at most {KV_CACHE_DEFAULT_MAX_BYTES >> 20} "
-            "MiB, at least one max_model_len sequence)"
+            f"memory for the paged KV cache (default on CPU: max_num_seqs x {KV_CACHE_TOKENS_PER_SEQ} tokens "
+            f"of the model's KV, at most {KV_CACHE_DEFAULT_MAX_BYTES >> 20} MiB, at least one max_model_len "
+            "sequence; on CUDA: from the device's free memory, see gpu_memory_utilization)"
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=GPU_MEMORY_UTILIZATION_DEFAULT,
+        metadata=_help(
+            "share of a GPU's memory the server may use; a CUDA replica's default KV cache takes what "
+            f"is left after weights and activations, at most a {CUDA_KV_REPLICA_SHARE:g} share of it so "
+            "a swap can load the next version beside it"
         ),
     )
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1 when set, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+
+# Admission defaults scale with the replica (frontend/admission.py): a running batch and one more waiting,
+# and the prompt tokens its KV cache holds; the floors are the limits of a small CPU replica.
+ADMISSION_BATCHES = 2
+MIN_NUM_WAITING = 256
+MIN_NUM_QUEUED_TOKENS = 262_144
 
 LOG_FORMATS = ("json", "text")
 HTTP_PARSERS = ("auto", "httptools", "h11")
@@ -235,11 +256,19 @@ class ServerConfig:
             "seconds an idle keep-alive connection stays open (keep above your proxy's idle timeout)"
         ),
     )
-    max_num_waiting: int = field(
-        default=256, metadata=_help("unfinished requests admitted at once; more get 429 with Retry-After")
+    max_num_waiting: int | None = field(
+        default=None,
+        metadata=_help(
+            "unfinished requests a replica admits at once; more get 429 with Retry-After (default: "
+            f"{ADMISSION_BATCHES} x the replica's max_num_seqs, at least {MIN_NUM_WAITING})"
+        ),
     )
-    max_num_queued_tokens: int = field(
-        default=262_144, metadata=_help("prompt tokens of unfinished requests admitted at once; more get 429")
+    max_num_queued_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "prompt tokens of unfinished requests a replica admits at once; more get 429 (default: the "
+            f"replica's KV cache tokens, at least {MIN_NUM_QUEUED_TOKENS:,})"
+        ),
     )
     high_priority_reserve: float = field(
         default=0.2,
@@ -400,13 +429,16 @@ class ServerConfig:
         for name in ("swap_drain_timeout_s", "swap_probation_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_models_memory_bytes", "probation_max_itl_s"):
+        for name in (
+            "max_models_memory_bytes",
+            "probation_max_itl_s",
+            "max_num_waiting",
+            "max_num_queued_tokens",
+        ):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 when set, got {getattr(self, name)}")
         for name in (
             "keep_alive_timeout_s",
-            "max_num_waiting",
-            "max_num_queued_tokens",
             "probation_min_requests",
             "ws_max_requests",
         ):

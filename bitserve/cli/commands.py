@@ -111,6 +111,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         summary = summarize(gguf, spec)
         summary["cpu_kernels"] = cpu_kernel_choices(summary["tensor_types"])  # this machine's, not the file's
         summary["kv_cache"] = _default_kv_cache(gguf, spec)
+    summary["device_auto"] = _device_auto(resolve_model(args.model, fetch=False))
     if args.json:
         emit_json(summary)
     else:
@@ -131,6 +132,22 @@ def _default_kv_cache(gguf: GGUFFile, spec: ModelSpec | str) -> dict[str, Any]:
     limits = serving_limits(config, spec, gguf, device)
     layout = plan_kv_cache(config, spec, limits, device)
     return {"max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len, **layout.describe()}
+
+
+def _device_auto(path: Path) -> dict[str, str]:
+    """Where `--device auto` would put this file on this machine now, why, and how its KV cache is
+    sized there (the same resolution `bitserve serve` runs: engine/devices.py)."""
+    from bitserve.engine.devices import CPU, TorchDeviceProbe, estimated_device_bytes, resolve_device
+
+    config = EngineConfig()
+    placement = resolve_device("auto", TorchDeviceProbe(), needed_bytes=estimated_device_bytes(path, config))
+    kv_cache = (
+        "kv cache as above (cpu default)"
+        if placement.device == CPU
+        else f"kv cache sized at load from the GPU's free memory: --gpu-memory-utilization "
+        f"{config.gpu_memory_utilization} of it, after weights and activations (runner/cuda_memory.py)"
+    )
+    return {"device": placement.device, "reason": placement.reason, "kv_cache": kv_cache}
 
 
 def run_verify(args: argparse.Namespace) -> int:

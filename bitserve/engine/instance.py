@@ -26,8 +26,15 @@ from bitserve.loader.catalog import resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model, release_freed_heap
 from bitserve.models.spec import ModelSpec
+from bitserve.runner.cuda_memory import (
+    DeviceBaseline,
+    DeviceMemoryPlan,
+    log_memory_after_load,
+    plan_device_kv,
+)
 from bitserve.runner.embeddings import pooling_from_metadata
 from bitserve.runner.kv_cache import (
+    KV_DTYPES,
     CacheLayout,
     kv_bytes_per_token,
     num_blocks_for_tokens,
@@ -145,16 +152,22 @@ def kv_cache_is_set(config: EngineConfig) -> bool:
 
 
 def plan_kv_cache(
-    config: EngineConfig, spec: ModelSpec, scheduler_config: SchedulerConfig, device: torch.device
+    config: EngineConfig,
+    spec: ModelSpec,
+    scheduler_config: SchedulerConfig,
+    device: torch.device,
+    device_kv_bytes: int | None = None,
 ) -> CacheLayout:
-    """The replica's KV pool: `cache.num_blocks` or `kv_cache_memory_bytes` when set, else the default
-    sized from the model's KV bytes per token and the resolved serving limits (config.py's
-    kv_cache_default_tokens)."""
+    """The replica's KV pool: `cache.num_blocks` or `kv_cache_memory_bytes` when set; else on CUDA
+    `device_kv_bytes` (sized from the device's memory: plan_cuda_kv_bytes), on CPU the default sized from
+    the model's KV bytes per token and the resolved serving limits (config.py's kv_cache_default_tokens)."""
     dtype_name = resolve_kv_dtype(config.model.kv_cache_dtype, device)
     block_size = config.cache.block_size
     num_blocks = config.cache.num_blocks
     memory_bytes = config.kv_cache_memory_bytes
-    if not kv_cache_is_set(config):
+    if not kv_cache_is_set(config) and device_kv_bytes is not None:
+        memory_bytes = device_kv_bytes
+    elif not kv_cache_is_set(config):
         assert scheduler_config.max_num_seqs is not None, "resolve_batch_limits ran first"
         num_tokens = kv_cache_default_tokens(
             scheduler_config.max_num_seqs,
@@ -169,6 +182,50 @@ def plan_kv_cache(
         dtype_name=dtype_name,
         num_blocks=num_blocks,
     )
+
+
+def plan_cuda_kv_bytes(
+    config: EngineConfig,
+    loaded: LoadResult,
+    scheduler_config: SchedulerConfig,
+    device: torch.device,
+    baseline: DeviceBaseline,
+) -> DeviceMemoryPlan:
+    """The default KV bytes of a CUDA replica, from its device's memory (runner/cuda_memory.py), logged."""
+    from bitserve.runner.cuda_graphs import held_output_bytes  # NOTE: deferred: Triton, CUDA only
+    from bitserve.runner.cuda_runner import prepared_decoder
+
+    decoder = prepared_decoder(
+        loaded.model, use_cuda_graphs=config.model.cuda_graphs, tuning=kernel_tuning(config.model)
+    )
+    assert scheduler_config.max_num_seqs is not None and scheduler_config.max_num_batched_tokens is not None
+    kv_dtype_name = resolve_kv_dtype(config.model.kv_cache_dtype, device)
+    block_size = config.cache.block_size
+    graph_output_bytes = 0
+    if config.model.cuda_graphs:
+        graph_output_bytes = held_output_bytes(
+            decoder,
+            max_batch=scheduler_config.max_num_seqs,
+            max_blocks_per_seq=-(-scheduler_config.max_model_len // block_size),
+            block_size=block_size,
+            vocab_size=loaded.spec.vocab_size,
+        )
+    plan = plan_device_kv(
+        decoder,
+        weight_bytes=baseline.allocated_since(),
+        max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        max_num_seqs=scheduler_config.max_num_seqs,
+        max_model_len=scheduler_config.max_model_len,
+        block_size=block_size,
+        kv_dtype=KV_DTYPES[kv_dtype_name],
+        kv_bytes_per_token=kv_bytes_per_token(loaded.spec, kv_dtype_name),
+        vocab_size=loaded.spec.vocab_size,
+        graph_output_bytes=graph_output_bytes,
+        utilization=config.gpu_memory_utilization,
+        device=device,
+    )
+    logger.info("%s: %s", device, plan.describe())
+    return plan
 
 
 def text_side(
@@ -277,9 +334,10 @@ class ModelInstance(ServedModelParts):
             hidden_act=model_config.hidden_act,
             tokenizer_pre=model_config.tokenizer_pre,
         )
+        baseline = DeviceBaseline.now(device) if device.type == "cuda" else None
         loaded = load_model(path, options)
         try:
-            instance = cls._assemble(config, path, loaded, device, tuning)
+            instance = cls._assemble(config, path, loaded, device, tuning, baseline)
         except BaseException:
             loaded.close()
             raise
@@ -294,14 +352,22 @@ class ModelInstance(ServedModelParts):
         loaded: LoadResult,
         device: torch.device,
         tuning: KernelTuning,
+        baseline: DeviceBaseline | None = None,
     ) -> ModelInstance:
+        """`baseline`: the device's allocator counters before the weights loaded (CUDA only)."""
         tokenizer, chat_template = text_side(config, path, loaded.gguf.metadata, loaded.spec)
         scheduler_config = serving_limits(config, loaded.spec, loaded.gguf, device)
         max_model_len = scheduler_config.max_model_len
-        layout = plan_kv_cache(config, loaded.spec, scheduler_config, device)
+        memory_plan = None
+        if baseline is not None and not kv_cache_is_set(config):
+            memory_plan = plan_cuda_kv_bytes(config, loaded, scheduler_config, device, baseline)
+        device_kv_bytes = memory_plan.kv_bytes if memory_plan is not None else None
+        layout = plan_kv_cache(config, loaded.spec, scheduler_config, device, device_kv_bytes)
         runner = make_runner(
             loaded, layout, device, scheduler_config, max_model_len, model_config=config.model, tuning=tuning
         )
+        if memory_plan is not None and baseline is not None:
+            log_memory_after_load(memory_plan, baseline, layout.total_bytes)
         grammars = GrammarCompiler(tokenizer, loaded.spec.vocab_size)
         runner.guided = GuidedRows(grammars)
         engine = Engine.build(runner, scheduler_config, config.cache)
@@ -310,7 +376,7 @@ class ModelInstance(ServedModelParts):
             "%d bytes a token), max_num_seqs %d, max_num_batched_tokens %d",
             path.name,
             max_model_len,
-            "set" if kv_cache_is_set(config) else "default",
+            "set" if kv_cache_is_set(config) else ("from device memory" if memory_plan else "default"),
             layout.num_usable_tokens,
             layout.num_blocks,
             layout.block_size,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bitserve.config import ServerConfig
+from bitserve.config import ADMISSION_BATCHES, MIN_NUM_QUEUED_TOKENS, MIN_NUM_WAITING, ServerConfig
 from bitserve.engine.messages import Priority
 from bitserve.errors import ContextLengthExceeded, InvalidRequest
 from bitserve.sampling_params import SamplingParams
@@ -17,8 +17,8 @@ from bitserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
-    """When new requests get 429: unfinished requests, or their prompt tokens, at these counts.
-    The defaults live in ServerConfig (config.py), the one home of defaults."""
+    """When new requests get 429: unfinished requests, or their prompt tokens, at these counts. Set in
+    ServerConfig (config.py, the one home of defaults), or left to scale with the replica (`for_replica`)."""
 
     max_num_waiting: int
     max_num_queued_tokens: int
@@ -26,10 +26,13 @@ class AdmissionLimits:
     low_share: float = 1.0  # of both limits, for priority low
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> AdmissionLimits:
+    def for_replica(cls, config: ServerConfig, max_num_seqs: int, kv_cache_tokens: int) -> AdmissionLimits:
+        """The limits of one replica: those set in `config`, else ADMISSION_BATCHES x its max_num_seqs
+        unfinished requests and its KV cache's tokens of prompt, never under the floors: a burst the
+        replica can hold (a GPU's 256-sequence batch and as many waiting) is queued, not refused."""
         return cls(
-            max_num_waiting=config.max_num_waiting,
-            max_num_queued_tokens=config.max_num_queued_tokens,
+            max_num_waiting=config.max_num_waiting or max(MIN_NUM_WAITING, ADMISSION_BATCHES * max_num_seqs),
+            max_num_queued_tokens=config.max_num_queued_tokens or max(MIN_NUM_QUEUED_TOKENS, kv_cache_tokens),
             normal_share=1.0 - config.high_priority_reserve,
             low_share=config.low_priority_share,
         )

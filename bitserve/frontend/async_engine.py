@@ -52,6 +52,15 @@ class EngineSnapshot:
     kv_cache: KVCacheStats
 
 
+def replica_limits(config: ServerConfig, instance: ServedModel) -> AdmissionLimits:
+    """The admission limits of the replica serving `instance`: `config`'s, else scaled to its batch and KV
+    cache (AdmissionLimits.for_replica)."""
+    assert instance.scheduler_config.max_num_seqs is not None, "resolved at load"
+    return AdmissionLimits.for_replica(
+        config, instance.scheduler_config.max_num_seqs, int(instance.kv_cache_description["num_tokens"])
+    )
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -66,7 +75,7 @@ class AsyncEngine:
         self.name = name or instance.name  # the model label of outputs and metrics (the served alias)
         self.device = device or instance.config.model.device  # the replica's device: a metrics label
         self.quant_format = instance.quant_format  # the version's weight format: a metrics label
-        self.limits = limits or AdmissionLimits.from_config(ServerConfig())
+        self.limits = limits or replica_limits(ServerConfig(), instance)
         self.stats = stats or NullStatsSink()
         self.processor = OutputProcessor(instance.tokenizer)
         self._streams: dict[str, GenerationStream] = {}

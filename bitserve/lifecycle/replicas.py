@@ -27,7 +27,7 @@ from bitserve.engine.devices import (
 )
 from bitserve.engine.instance import ModelInstance
 from bitserve.engine.process import ServedModel, start_engine_process, uses_engine_process
-from bitserve.frontend.async_engine import AdmissionLimits, AsyncEngine
+from bitserve.frontend.async_engine import AsyncEngine, replica_limits
 from bitserve.frontend.device_router import Replica
 from bitserve.lifecycle.model_files import GoldenPrompt, ModelFile
 from bitserve.lifecycle.slot import ModelSlot
@@ -123,7 +123,7 @@ class ReplicaBuilder:
         engine process)."""
         engine = AsyncEngine(
             instance,
-            limits=AdmissionLimits.from_config(self.server_config),
+            limits=replica_limits(self.server_config, instance),
             stats=self.stats,
             name=slot.alias,
             device=device,

@@ -99,6 +99,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"kv cache      default {kv['num_tokens']:,} tokens ({kv['memory_bytes'] / 2**20:.1f} MiB "
             f"{kv['dtype']}, {kv['bytes_per_token']:,} bytes a token) for max_num_seqs {kv['max_num_seqs']}, "
-            f"max_model_len {kv['max_model_len']} (--kv-cache-memory-bytes sets it)"
+            f"max_model_len {kv['max_model_len']} on cpu (--kv-cache-memory-bytes sets it)"
         )
+    placement = summary.get("device_auto")
+    if placement:
+        lines.append(f"device auto   {placement['device']}: {placement['reason']}")
+        lines.append(f"              {placement['kv_cache']}")
     return "\n".join(lines)

@@ -72,6 +72,18 @@ def context_widths(max_blocks_per_seq: int, block_size: int) -> list[int]:
     return sorted(widths | {max_blocks_per_seq})
 
 
+def held_output_bytes(
+    decoder: CudaDecoder, *, max_batch: int, max_blocks_per_seq: int, block_size: int, vocab_size: int
+) -> int:
+    """Bytes the captured graphs' outputs hold in their pool for good: every graph's f32 logits
+    [size, vocab] and int64 token ids [size] (DecodeGraphs.logits / token_ids), one graph per bucket
+    and width, plus a greedy one where the greedy head fits. Counted in the KV sizing's reserve
+    (runner/cuda_memory.py): they stay live, so the pool cannot reuse them."""
+    widths = len(context_widths(max_blocks_per_seq, block_size))
+    rows = sum(size * (2 if decoder.greedy_head_fits(size) else 1) for size in bucket_sizes(max_batch))
+    return widths * rows * (4 * vocab_size + 8)
+
+
 class DecodeGraphs:
     def __init__(
         self,

@@ -53,11 +53,8 @@ class CudaModelRunner(ModelRunner):
     ) -> None:
         self.device = device
         super().__init__(model, layout)
-        self.decoder = _compiled_decoder(model)
+        self.decoder = prepared_decoder(model, use_cuda_graphs=use_cuda_graphs, tuning=tuning)
         self.lookahead = use_cuda_graphs and tuning.cuda_lookahead
-        # the greedy head serves only the launch ahead's graphs: no int8 copy of the head without them
-        if self.lookahead and tuning.cuda_greedy_head:
-            self.decoder.enable_greedy_head()
         self.scratch_block = layout.num_blocks  # the extra page allocate_kv_caches adds
         self.max_blocks_per_seq = -(-max_model_len // layout.block_size)
         self.max_model_len = max_model_len
@@ -195,11 +192,15 @@ class CudaModelRunner(ModelRunner):
         return cpu.pin_memory().to(self.device, non_blocking=True)
 
 
-def _compiled_decoder(model: DecoderModel) -> CudaDecoder:
-    """The CUDA backend's compiled forward of `model` (built at load, DecoderModel.compiled)."""
+def prepared_decoder(model: DecoderModel, *, use_cuda_graphs: bool, tuning: KernelTuning) -> CudaDecoder:
+    """The CUDA backend's compiled forward of `model` (built at load, DecoderModel.compiled), with what the
+    runner will add to it on the device already there (the KV sizing profiles it before the runner exists):
+    the greedy head, which serves only the launch ahead's graphs, so no int8 copy of the head without them."""
     if not isinstance(model.compiled, CudaDecoder):
         raise UnsupportedModel(
             "a CUDA replica needs a model loaded on the cuda backend",
             hint="load it with --device cuda:N (the backend follows the device)",
         )
+    if use_cuda_graphs and tuning.cuda_lookahead and tuning.cuda_greedy_head:
+        model.compiled.enable_greedy_head()
     return model.compiled

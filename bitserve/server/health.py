@@ -57,7 +57,7 @@ async def ready(request: Request) -> Response:
         "engine_alive": bool(live),
         "not_draining": not state.is_draining,
         "queue_not_saturated": any(
-            engine.num_active_requests < state.server_config.max_num_waiting for engine in live
+            engine.num_active_requests < engine.limits.max_num_waiting for engine in live
         ),
     }
     return _probe(checks, {"phase": state.phase}, state.retry_after_s())

@@ -141,7 +141,7 @@ async def stats(request: Request) -> Response:
         "phase": state.phase,
         "uptime_s": round(time.time() - state.started_at, 1),
         "memory": _memory(),
-        "admission": {
+        "admission": {  # as set; unset (None) they scale with each replica: see "admission_by_device"
             "max_num_waiting": config.max_num_waiting,
             "max_num_queued_tokens": config.max_num_queued_tokens,
         },
@@ -153,6 +153,13 @@ async def stats(request: Request) -> Response:
     if slot is None or not slot.replicas:
         return JSONResponse(payload)
     payload.update(model_stats([engine.snapshot() for engine in slot.engines]))
+    payload["admission_by_device"] = {
+        engine.device: {
+            "max_num_waiting": engine.limits.max_num_waiting,
+            "max_num_queued_tokens": engine.limits.max_num_queued_tokens,
+        }
+        for engine in slot.engines
+    }
     payload["models"] = {
         name: model_stats([engine.snapshot() for engine in alias.current.engines])
         for name, alias in sorted(state.models.aliases.items())

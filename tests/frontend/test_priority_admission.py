@@ -18,16 +18,31 @@ LONG = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "temperature"
 
 
 def test_caps_shed_low_first_and_keep_a_share_for_high() -> None:
-    limits = AdmissionLimits.from_config(
+    limits = AdmissionLimits.for_replica(
         ServerConfig(
             max_num_waiting=10, max_num_queued_tokens=1000, high_priority_reserve=0.2, low_priority_share=0.5
-        )
+        ),
+        max_num_seqs=256,
+        kv_cache_tokens=10**6,
     )
     assert limits.caps(Priority.HIGH) == (10, 1000)
     assert limits.caps(Priority.NORMAL) == (8, 800)
     assert limits.caps(Priority.LOW) == (5, 500)
     with pytest.raises(ValueError, match="low_priority_share"):
         ServerConfig(high_priority_reserve=0.5, low_priority_share=0.6)
+
+
+def test_unset_limits_scale_with_the_replica() -> None:
+    """A GPU replica (256 sequences, a million KV tokens) queues a 256-request burst at priority normal;
+    a small CPU replica keeps the floors."""
+    config = ServerConfig()
+    gpu = AdmissionLimits.for_replica(config, max_num_seqs=256, kv_cache_tokens=1_000_000)
+    assert (gpu.max_num_waiting, gpu.max_num_queued_tokens) == (512, 1_000_000)
+    assert gpu.caps(Priority.NORMAL)[0] >= 256
+    cpu = AdmissionLimits.for_replica(config, max_num_seqs=32, kv_cache_tokens=8192)
+    assert (cpu.max_num_waiting, cpu.max_num_queued_tokens) == (256, 262_144)
+    with pytest.raises(ValueError, match="max_num_waiting"):
+        ServerConfig(max_num_waiting=0)
 
 
 @pytest.fixture()

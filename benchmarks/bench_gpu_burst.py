@@ -1,0 +1,112 @@
+"""A burst at `bitserve serve --device cuda` with no tuning flags (issue 40), beside the engine offline and
+transformers in the same run, on the 2B-4T-shaped I2_S file.
+
+    python benchmarks/bench_gpu_burst.py --out results.jsonl [--concurrency 256] [--rounds 2]
+
+Rows (JSON lines, also appended to --out):
+- `offline`: LLM.generate of `concurrency` sequences x 128 tokens at the engine's defaults (the KV cache
+  sized from the device's memory): wall tok/s.
+- `transformers`: BitNetForCausalLM bf16 batched greedy generate of the same shape (bench_gpu.py's).
+- `burst`: `concurrency` streamed 128-token completions sent at once by `--client-processes` processes
+  (aiohttp, each with its share of the streams), per round: 200s / 429s / other, output tok/s from the
+  first request sent to the last token read, and each client process's CPU seconds over its wall time
+  (well under 1: the client is not the limit), then the ratios served / offline and served / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_gpu import MODEL_2B, ROOT, emit, ensure_models, timed_generate, transformers_rate  # noqa: E402
+from benchmarks.burst_client import MAX_TOKENS, burst  # noqa: E402
+from bitserve import LLM  # noqa: E402
+
+
+def start_server(port: int, log: Path) -> subprocess.Popen[bytes]:
+    """`bitserve serve --device cuda` on the 2B file, no tuning flags; returns once /health/ready is 200."""
+    import httpx
+
+    command = [sys.executable, "-m", "bitserve", "serve", "--model", str(MODEL_2B), "--device", "cuda"]
+    with log.open("wb") as handle:
+        server = subprocess.Popen(command + ["--port", str(port)], cwd=ROOT, stdout=handle, stderr=handle)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    server.terminate()
+    raise RuntimeError(f"the server did not become ready in 300 s (log: {log})")
+
+
+def offline_rate(concurrency: int) -> tuple[float, dict[str, Any]]:
+    """Wall tok/s of LLM.generate at the engine's defaults (second run: the first warms), and its KV pool."""
+    llm = LLM(str(MODEL_2B), device="cuda")
+    prompts = [[(7 * i + j) % 1000 + 10 for j in range(16)] for i in range(concurrency)]
+    timed_generate(llm, prompts, MAX_TOKENS)
+    rate = concurrency * MAX_TOKENS / timed_generate(llm, prompts, MAX_TOKENS)
+    kv = llm.engine.runner.layout.describe()
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
+    return rate, kv
+
+
+def main() -> None:
+    import httpx
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--client-processes", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8124)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    ensure_models({"formats"})
+    offline, kv = offline_rate(args.concurrency)
+    emit(
+        {"bench": "offline", "num_seqs": args.concurrency, "wall_tok_s": round(offline, 1), "kv": kv},
+        args.out,
+    )
+    theirs = None
+    if not args.skip_transformers:
+        theirs = transformers_rate(args.concurrency, MAX_TOKENS)
+        emit({"bench": "transformers", "num_seqs": args.concurrency, "tok_s": round(theirs, 1)}, args.out)
+    torch.cuda.empty_cache()
+    log = Path("/tmp/bitserve-gpu/burst-server.log")
+    server = start_server(args.port, log)
+    try:
+        url = f"http://127.0.0.1:{args.port}"
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        for round_index in range(args.rounds):
+            row = {"bench": "burst", "round": round_index, "concurrency": args.concurrency}
+            row |= burst(url, model, args.concurrency, args.client_processes)
+            row["served_over_offline"] = round(row["output_tok_s"] / offline, 3)
+            if theirs is not None:
+                row["served_over_transformers"] = round(row["output_tok_s"] / theirs, 2)
+            emit(row, args.out)
+        stats = httpx.get(f"{url}/v1/stats").json()
+        emit({"bench": "burst-server", "admission": stats.get("admission_by_device")}, args.out)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    kv_lines = [line for line in log.read_text(errors="replace").splitlines() if "KV cache" in line]
+    emit({"bench": "burst-server-log", "kv_lines": kv_lines[-3:]}, args.out)
+
+
+if __name__ == "__main__":
+    main()
