@@ -106,12 +106,13 @@ def run_inspect(args: argparse.Namespace) -> int:
     from bitserve.loader.checkpoint_file import open_model_file
     from bitserve.loader.inspect import format_summary, spec_or_problem, summarize
 
-    with open_model_file(resolve_model(args.model, fetch=False)) as gguf:
+    path = resolve_model(args.model, fetch=False)
+    with open_model_file(path) as gguf:
         spec = spec_or_problem(gguf)
         summary = summarize(gguf, spec)
         summary["cpu_kernels"] = cpu_kernel_choices(summary["tensor_types"])  # this machine's, not the file's
         summary["kv_cache"] = _default_kv_cache(gguf, spec)
-    summary["device_auto"] = _device_auto(resolve_model(args.model, fetch=False))
+    summary["device_auto"] = _device_auto(path)
     if args.json:
         emit_json(summary)
     else:

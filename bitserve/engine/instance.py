@@ -167,7 +167,7 @@ def plan_kv_cache(
     memory_bytes = config.kv_cache_memory_bytes
     if not kv_cache_is_set(config) and device_kv_bytes is not None:
         memory_bytes = device_kv_bytes
-    elif not kv_cache_is_set(config):
+    elif not kv_cache_is_set(config):  # the CPU default
         assert scheduler_config.max_num_seqs is not None, "resolve_batch_limits ran first"
         num_tokens = kv_cache_default_tokens(
             scheduler_config.max_num_seqs,
@@ -190,14 +190,13 @@ def plan_cuda_kv_bytes(
     scheduler_config: SchedulerConfig,
     device: torch.device,
     baseline: DeviceBaseline,
+    tuning: KernelTuning,
 ) -> DeviceMemoryPlan:
     """The default KV bytes of a CUDA replica, from its device's memory (runner/cuda_memory.py), logged."""
     from bitserve.runner.cuda_graphs import held_output_bytes  # NOTE: deferred: Triton, CUDA only
     from bitserve.runner.cuda_runner import prepared_decoder
 
-    decoder = prepared_decoder(
-        loaded.model, use_cuda_graphs=config.model.cuda_graphs, tuning=kernel_tuning(config.model)
-    )
+    decoder = prepared_decoder(loaded.model, use_cuda_graphs=config.model.cuda_graphs, tuning=tuning)
     assert scheduler_config.max_num_seqs is not None and scheduler_config.max_num_batched_tokens is not None
     kv_dtype_name = resolve_kv_dtype(config.model.kv_cache_dtype, device)
     block_size = config.cache.block_size
@@ -212,7 +211,7 @@ def plan_cuda_kv_bytes(
         )
     plan = plan_device_kv(
         decoder,
-        weight_bytes=baseline.allocated_since(),
+        baseline=baseline,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         max_num_seqs=scheduler_config.max_num_seqs,
         max_model_len=scheduler_config.max_model_len,
@@ -360,14 +359,14 @@ class ModelInstance(ServedModelParts):
         max_model_len = scheduler_config.max_model_len
         memory_plan = None
         if baseline is not None and not kv_cache_is_set(config):
-            memory_plan = plan_cuda_kv_bytes(config, loaded, scheduler_config, device, baseline)
+            memory_plan = plan_cuda_kv_bytes(config, loaded, scheduler_config, device, baseline, tuning)
         device_kv_bytes = memory_plan.kv_bytes if memory_plan is not None else None
         layout = plan_kv_cache(config, loaded.spec, scheduler_config, device, device_kv_bytes)
         runner = make_runner(
             loaded, layout, device, scheduler_config, max_model_len, model_config=config.model, tuning=tuning
         )
-        if memory_plan is not None and baseline is not None:
-            log_memory_after_load(memory_plan, baseline, layout.total_bytes)
+        if memory_plan is not None:
+            log_memory_after_load(memory_plan, layout.total_bytes)
         grammars = GrammarCompiler(tokenizer, loaded.spec.vocab_size)
         runner.guided = GuidedRows(grammars)
         engine = Engine.build(runner, scheduler_config, config.cache)

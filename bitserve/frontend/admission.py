@@ -30,9 +30,12 @@ class AdmissionLimits:
         """The limits of one replica: those set in `config`, else ADMISSION_BATCHES x its max_num_seqs
         unfinished requests and its KV cache's tokens of prompt, never under the floors: a burst the
         replica can hold (a GPU's 256-sequence batch and as many waiting) is queued, not refused."""
+        waiting, queued = config.max_num_waiting, config.max_num_queued_tokens
         return cls(
-            max_num_waiting=config.max_num_waiting or max(MIN_NUM_WAITING, ADMISSION_BATCHES * max_num_seqs),
-            max_num_queued_tokens=config.max_num_queued_tokens or max(MIN_NUM_QUEUED_TOKENS, kv_cache_tokens),
+            max_num_waiting=max(MIN_NUM_WAITING, ADMISSION_BATCHES * max_num_seqs)
+            if waiting is None
+            else waiting,
+            max_num_queued_tokens=max(MIN_NUM_QUEUED_TOKENS, kv_cache_tokens) if queued is None else queued,
             normal_share=1.0 - config.high_priority_reserve,
             low_share=config.low_priority_share,
         )

@@ -76,12 +76,24 @@ def held_output_bytes(
     decoder: CudaDecoder, *, max_batch: int, max_blocks_per_seq: int, block_size: int, vocab_size: int
 ) -> int:
     """Bytes the captured graphs' outputs hold in their pool for good: every graph's f32 logits
-    [size, vocab] and int64 token ids [size] (DecodeGraphs.logits / token_ids), one graph per bucket
-    and width, plus a greedy one where the greedy head fits. Counted in the KV sizing's reserve
-    (runner/cuda_memory.py): they stay live, so the pool cannot reuse them."""
-    widths = len(context_widths(max_blocks_per_seq, block_size))
-    rows = sum(size * (2 if decoder.greedy_head_fits(size) else 1) for size in bucket_sizes(max_batch))
-    return widths * rows * (4 * vocab_size + 8)
+    [size, vocab] and int64 token ids [size] (DecodeGraphs.logits / token_ids), over the graphs
+    capture_all captures (bucket_keys). Counted in the KV sizing's reserve (runner/cuda_memory.py): they
+    stay live, so the pool cannot reuse them."""
+    rows = sum(
+        key.size
+        for size in bucket_sizes(max_batch)
+        for width in context_widths(max_blocks_per_seq, block_size)
+        for key in bucket_keys(decoder, size, width)
+    )
+    return rows * (4 * vocab_size + 8)
+
+
+def bucket_keys(decoder: CudaDecoder, size: int, width: int) -> list[GraphKey]:
+    """A bucket's graphs: the full one, and a greedy one where the decoder's greedy head fits."""
+    keys = [GraphKey(size, width, False)]
+    if decoder.greedy_head_fits(size):
+        keys.append(GraphKey(size, width, True))
+    return keys
 
 
 class DecodeGraphs:
@@ -163,13 +175,6 @@ class DecodeGraphs:
         # f32 [size, vocab], int64 [size]
         return self.decoder.norm_logits_and_argmax(hidden, feed, greedy=greedy)
 
-    def _keys(self, size: int, width: int) -> list[GraphKey]:
-        """The bucket's graphs: the full one, and a greedy one where the decoder's greedy head fits."""
-        keys = [GraphKey(size, width, False)]
-        if self.decoder.greedy_head_fits(size):
-            keys.append(GraphKey(size, width, True))
-        return keys
-
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Warm up (Triton compiles each kernel specialization on first use) and capture every bucket,
@@ -177,7 +182,7 @@ class DecodeGraphs:
         started = time.perf_counter()
         for size in reversed(self.sizes):
             for width in reversed(self.widths):
-                for key in self._keys(size, width):
+                for key in bucket_keys(self.decoder, size, width):
                     self._pad(size, width)  # the buckets share memory: this one's padding, harmless rows
                     logits, _ = self._step(key)  # eager warm-up: compilation happens outside the capture
                     self._check_vocab(logits.shape[1])

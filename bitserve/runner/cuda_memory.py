@@ -8,9 +8,11 @@ At load, after the weights are on the device and before the KV pages exist:
    not share memory), the graphs' outputs that stay live in that pool, and the device sampler's work on
    max_num_seqs rows of logits;
 2. the device's free memory is read (every process's use counts, the weights just loaded included);
-3. the KV cache gets the smaller of what is left of `gpu_memory_utilization x total` after what is in
-   use and the reserve, and CUDA_KV_REPLICA_SHARE of that share after this replica's own weights and
-   reserve: a swap loads the next version beside the serving one, so one replica leaves it room.
+3. the KV cache gets the smallest of: what is left of `gpu_memory_utilization x total` after what is in
+   use and the reserve; CUDA_KV_REPLICA_SHARE of that share after this replica's own weights and reserve
+   (a swap loads the next version beside the serving one, so one replica leaves it room); and the bytes
+   of max_num_seqs sequences at max_model_len (every admitted sequence at its full context: more would
+   only ever hold prefix cache, and memory a replica cannot use is better left to the device's co-tenants).
 Torch only at import (the decoder's Triton kernels are the caller's): the CPU path imports it cheaply.
 """
 
@@ -38,8 +40,10 @@ SAMPLER_BYTES_PER_LOGIT = 16
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemoryPlan:
-    """How the default KV cache of a CUDA replica was sized (logged at load, shown by /v1/models)."""
+    """How the default KV cache of a CUDA replica was sized (logged at load; the KV pool itself is what
+    /health and /v1/models show)."""
 
+    baseline: DeviceBaseline  # this process's allocator counters before the replica loaded
     total_bytes: int  # the device's memory
     in_use_bytes: int  # by every process, after this replica's weights and the profile step
     weight_bytes: int  # this replica's weights and tables on the device
@@ -115,7 +119,7 @@ def profile_step_peak(
 def plan_device_kv(
     decoder: CudaDecoder,
     *,
-    weight_bytes: int,
+    baseline: DeviceBaseline,
     max_num_batched_tokens: int,
     max_num_seqs: int,
     max_model_len: int,
@@ -128,8 +132,10 @@ def plan_device_kv(
     device: torch.device,
 ) -> DeviceMemoryPlan:
     """Profile, read the device's memory, and size the KV cache (the module docstring's steps).
-    `weight_bytes`: what this replica's load allocated on the device (DeviceBaseline.allocated_since);
+    `baseline`: the allocator counters before this replica's weights loaded (what it allocated since is
+    its weights);
     `graph_output_bytes`: what the decode graphs' outputs will hold (cuda_graphs.held_output_bytes)."""
+    weight_bytes = baseline.allocated_since()  # before the profile allocates anything
     longest = min(max_num_batched_tokens, max_model_len, decoder.cos.shape[0])
     rows = min(max_num_seqs, longest)
     profile = dict(block_size=block_size, kv_dtype=kv_dtype, device=device)
@@ -147,7 +153,7 @@ def plan_device_kv(
         utilization=utilization,
         most_useful=max_num_seqs * max_model_len * kv_bytes_per_token,
     )
-    return DeviceMemoryPlan(total, total - free, weight_bytes, reserve, utilization, kv_bytes)
+    return DeviceMemoryPlan(baseline, total, total - free, weight_bytes, reserve, utilization, kv_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +174,11 @@ class DeviceBaseline:
         return torch.cuda.memory_allocated(self.device) - self.allocated
 
 
-def log_memory_after_load(plan: DeviceMemoryPlan, baseline: DeviceBaseline, kv_bytes: int) -> None:
+def log_memory_after_load(plan: DeviceMemoryPlan, kv_bytes: int) -> None:
     """Compare what the replica holds once its graphs are captured with the plan's reserve: a reserve
     too small is a warning (the next step's activations might not fit), never silent."""
-    device = baseline.device
-    held = torch.cuda.memory_reserved(device) - baseline.reserved - plan.weight_bytes - kv_bytes
+    device = plan.baseline.device
+    held = torch.cuda.memory_reserved(device) - plan.baseline.reserved - plan.weight_bytes - kv_bytes
     free, total = torch.cuda.mem_get_info(device)
     level = logging.WARNING if held > plan.reserve_bytes else logging.INFO
     logger.log(

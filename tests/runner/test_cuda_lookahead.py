@@ -151,14 +151,18 @@ def test_a_greedy_graph_only_where_the_decoders_greedy_head_fits() -> None:
     """Buckets the greedy head fits (kernels/cuda/greedy_head.py: the argmax alone, from an int8 copy) get
     a greedy graph beside the full one; the others keep only the full logits."""
     pytest.importorskip("triton")
-    from bitserve.runner.cuda_graphs import DecodeGraphs, GraphKey
+    from bitserve.runner.cuda_graphs import DecodeGraphs, GraphKey, bucket_keys, held_output_bytes
 
     graphs = object.__new__(DecodeGraphs)  # the unit alone: no CUDA device
     graphs.decoder = SimpleNamespace(greedy_head_fits=lambda rows: rows <= 2)
-    assert graphs._keys(2, 16) == [GraphKey(2, 16, False), GraphKey(2, 16, True)]
-    assert graphs._keys(4, 16) == [GraphKey(4, 16, False)]
+    assert bucket_keys(graphs.decoder, 2, 16) == [GraphKey(2, 16, False), GraphKey(2, 16, True)]
+    assert bucket_keys(graphs.decoder, 4, 16) == [GraphKey(4, 16, False)]
+    # the outputs the KV sizing reserves: rows 1+1, 2+2, 4 per width, 10 logits + one int64 id a row
+    assert held_output_bytes(
+        graphs.decoder, max_batch=4, max_blocks_per_seq=1, block_size=16, vocab_size=10
+    ) == (10 * (4 * 10 + 8))
     # a greedy step (run, held_graph) replays the bucket's greedy graph where it has one, else its full one
-    graphs.graphs = {key: None for size in (2, 4) for key in graphs._keys(size, 16)}
+    graphs.graphs = {key: None for size in (2, 4) for key in bucket_keys(graphs.decoder, size, 16)}
     assert graphs._key(2, 16, greedy=True) == GraphKey(2, 16, True)
     assert graphs._key(2, 16, greedy=False) == GraphKey(2, 16, False)
     assert graphs._key(4, 16, greedy=True) == GraphKey(4, 16, False)
