@@ -10,12 +10,17 @@ Rows (JSON lines, also appended to --out):
 - `burst`: `concurrency` streamed 128-token completions sent at once by `--client-processes` processes
   (aiohttp, each with its share of the streams), per round: 200s / 429s / other, output tok/s from the
   first request sent to the last token read, and each client process's CPU seconds over its wall time
-  (well under 1: the client is not the limit), then the ratios served / offline and served / transformers.
+  (well under 1: the client is not the limit), each stream's first and last token times (min / median /
+  max seconds after the burst's start: intake or decode), the CPU share of the server's API process and of
+  its engine process over the round (1.0 = one core busy throughout: which side is the limit), then the
+  ratios served / offline and served / transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,6 +55,45 @@ def start_server(port: int, log: Path) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"the server did not become ready in 300 s (log: {log})")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (the server, its engine process, multiprocessing's helpers)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue  # the process ended while we looked
+    tree, frontier = [pid], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        tree += children
+        frontier = children
+    return tree
+
+
+def start_py_spy(pids: list[int], folder: Path) -> list[subprocess.Popen[bytes]]:
+    """py-spy recording each of `pids` (raw collapsed stacks, 250 Hz, without pausing it) until SIGINT."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spies = [
+        subprocess.Popen(
+            ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--nonblocking"]
+            + ["--output", str(folder / f"py-spy-{pid}.txt")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for pid in pids
+    ]
+    time.sleep(2.0)  # attached before the burst's first request (the client waits 3 s itself)
+    return spies
+
+
 def offline_rate(concurrency: int) -> tuple[float, dict[str, Any]]:
     """Wall tok/s of LLM.generate at the engine's defaults (second run: the first warms), and its KV pool."""
     llm = LLM(str(MODEL_2B), device="cuda")
@@ -75,6 +119,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port", type=int, default=8124)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        help="record the server's processes with py-spy (raw stacks, one file a process) in the last round",
+    )
     args = parser.parse_args()
     ensure_models({"formats"})
     offline, kv = offline_rate(args.concurrency)
@@ -94,7 +144,20 @@ def main() -> None:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         for round_index in range(args.rounds):
             row = {"bench": "burst", "round": round_index, "concurrency": args.concurrency}
+            pids = process_tree(server.pid)
+            before = {pid: cpu_seconds(pid) for pid in pids}
+            spies = start_py_spy(pids, args.py_spy) if args.py_spy and round_index == args.rounds - 1 else []
             row |= burst(url, model, args.concurrency, args.client_processes)
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+            # over the burst's own time (the idle 3 s before it cost ~0 CPU)
+            row["server_cpu_share"] = {
+                ("api" if pid == server.pid else f"child-{pid}"): round(
+                    (cpu_seconds(pid) - before[pid]) / row["elapsed_s"], 3
+                )
+                for pid in pids
+            }
             row["served_over_offline"] = round(row["output_tok_s"] / offline, 3)
             if theirs is not None:
                 row["served_over_transformers"] = round(row["output_tok_s"] / theirs, 2)

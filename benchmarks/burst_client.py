@@ -15,11 +15,14 @@ MAX_TOKENS = 128
 
 async def _streams(url: str, model: str, indices: list[int], start_at: float) -> dict[str, Any]:
     """One client process's streams, all opened at `start_at` (time.time): status counts, output tokens
-    (the final chunk's usage), the last token's arrival."""
+    (the final chunk's usage), the last token's arrival, and each stream's first and last token times
+    (seconds after `start_at`: where a burst's time goes, intake or decode)."""
     import aiohttp
 
     counts: dict[str, int] = {}
     tokens, last = 0, 0.0
+    firsts: list[float] = []
+    ends: list[float] = []
 
     async def one(session: aiohttp.ClientSession, index: int) -> None:
         nonlocal tokens, last
@@ -34,12 +37,19 @@ async def _streams(url: str, model: str, indices: list[int], start_at: float) ->
         }
         async with session.post(f"{url}/v1/completions", json=body) as response:
             key = str(response.status)
+            first = None
             async for line in response.content:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.time()
                 if line.startswith(b"data: {") and b'"usage"' in line:
                     usage = json.loads(line[6:]).get("usage")
                     if usage:
                         tokens += usage["completion_tokens"]
-            last = max(last, time.time())
+            end = time.time()
+            last = max(last, end)
+            if first is not None:
+                firsts.append(first - start_at)
+                ends.append(end - start_at)
         counts[key] = counts.get(key, 0) + 1
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -49,7 +59,21 @@ async def _streams(url: str, model: str, indices: list[int], start_at: float) ->
         cpu, wall = time.process_time(), time.time()
         await asyncio.gather(*(one(session, index) for index in indices))
         cpu, wall = time.process_time() - cpu, time.time() - wall
-    return {"counts": counts, "tokens": tokens, "last": last, "cpu_share": cpu / max(wall, 1e-9)}
+    return {
+        "counts": counts,
+        "tokens": tokens,
+        "last": last,
+        "cpu_share": cpu / max(wall, 1e-9),
+        "firsts": firsts,
+        "ends": ends,
+    }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """min / median / max of `values` (seconds), rounded to the millisecond."""
+    ordered = sorted(values) or [0.0]
+    picks = (("min", 0), ("p50", len(ordered) // 2), ("max", -1))
+    return {key: round(ordered[index], 3) for key, index in picks}
 
 
 def burst(url: str, model: str, concurrency: int, processes: int) -> dict[str, Any]:
@@ -85,7 +109,10 @@ def burst(url: str, model: str, concurrency: int, processes: int) -> dict[str, A
         "other": counts,
         "output_tokens": tokens,
         "output_tok_s": round(tokens / elapsed, 1),
+        "elapsed_s": round(elapsed, 3),
         "client_cpu_share_max": round(max(result["cpu_share"] for result in results), 3),
+        "first_token_s": spread([value for result in results for value in result["firsts"]]),
+        "last_token_s": spread([value for result in results for value in result["ends"]]),
     }
 
 

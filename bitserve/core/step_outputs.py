@@ -48,6 +48,23 @@ class EngineOutput:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __reduce__(self) -> tuple[type[EngineOutput], tuple[object, ...]]:
+        # A step's outputs cross the engine process's pipe (engine/process.py): the dataclass's default
+        # pickling calls fields() per object on both sides (dumps 0.51 ms, loads 0.64 ms for 256
+        # outputs, against 0.12 / 0.30 ms this way), and the dumps is on the engine's step path.
+        return (
+            EngineOutput,
+            (
+                self.request_id,
+                self.new_token_ids,
+                self.new_logprobs,
+                self.finish_reason,
+                self.num_cached_tokens,
+                self.stop_token_id,
+                self.queue_s,
+            ),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class StepStats:

@@ -52,3 +52,22 @@ def test_messages_round_trip_through_pickle() -> None:
         assert pickle.loads(pickle.dumps(message)) == message
     assert dataclasses.replace(stats, step_time_s=0.25).step_time_s == 0.25
     assert FinishReason.LENGTH.value == "length" and Priority.HIGH < Priority.NORMAL < Priority.LOW
+
+
+def test_engine_output_pickles_every_field() -> None:
+    """EngineOutput's own __reduce__ (the pipe's fast path) must carry each field, defaults included."""
+    from bitserve.core.step_outputs import TokenLogprobs
+
+    values = {
+        "request_id": "r7/0",
+        "new_token_ids": [5, 6],
+        "new_logprobs": [TokenLogprobs(5, -0.5, 1, ((5, -0.5),)), TokenLogprobs(6, -1.0, 2, ())],
+        "finish_reason": FinishReason.STOP,
+        "num_cached_tokens": 16,
+        "stop_token_id": 6,
+        "queue_s": 0.125,
+    }
+    assert set(values) == {field.name for field in dataclasses.fields(EngineOutput)}
+    output = EngineOutput(**values)
+    copy = pickle.loads(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+    assert copy == output and {name: getattr(copy, name) for name in values} == values

@@ -169,7 +169,7 @@ def test_merges_apply_by_rank_and_bad_ones_are_dropped(caplog: pytest.LogCapture
 
 
 def test_decode_rejects_out_of_range_ids(smollm2_tokenizer: GGUFTokenizer) -> None:
-    for bad in (-1, 49152, 2**40):
+    for bad in (-1, 49152, 2**40, True, 3.0, "7"):
         with pytest.raises(InvalidRequest, match="out of range"):
             smollm2_tokenizer.decode([bad])
 
