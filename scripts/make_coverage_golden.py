@@ -59,6 +59,22 @@ def _margin_and_range(logits: np.ndarray) -> tuple[float, float]:
     return round(float(abs(top[1] - top[0])), 6), round(float(logits.max() - logits.min()), 6)
 
 
+def greedy_rows(llm: object, ids: list[int], num_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    """llama.cpp's (a `Llama` with logits_all) greedy continuation of `ids` and its logits at every
+    teacher-forced position (ids + continuation[:-1]): the prompt's rows from the batched prompt step,
+    the continuation's from each one-token step."""
+    llm.reset()  # type: ignore[attr-defined]
+    llm.eval(ids)  # type: ignore[attr-defined]
+    rows = [np.asarray(row, dtype=np.float32) for row in llm.scores[: len(ids) - 1]]  # type: ignore[attr-defined]
+    continuation: list[int] = []
+    for _ in range(num_tokens):
+        logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)  # type: ignore[attr-defined]
+        rows.append(logits)
+        continuation.append(int(np.argmax(logits)))
+        llm.eval([continuation[-1]])  # type: ignore[attr-defined]
+    return continuation, rows
+
+
 def llama_greedy(path: Path) -> list[dict]:
     """Per prompt: llama.cpp's ids, its greedy continuation, and for every position of the teacher-forced
     sequence (ids + continuation[:-1]) the argmax, top-2 margin and logit range: the prompt's from the
@@ -79,15 +95,7 @@ def llama_greedy(path: Path) -> list[dict]:
     try:
         for prompt in PROMPTS:
             ids = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=False)
-            llm.reset()
-            llm.eval(ids)
-            rows = [np.asarray(row, dtype=np.float32) for row in llm.scores[: len(ids) - 1]]
-            continuation: list[int] = []
-            for _ in range(NUM_TOKENS):
-                logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-                rows.append(logits)
-                continuation.append(int(np.argmax(logits)))
-                llm.eval([continuation[-1]])
+            continuation, rows = greedy_rows(llm, ids, NUM_TOKENS)
             margins, ranges = zip(*(_margin_and_range(row) for row in rows), strict=True)
             out.append(
                 {

@@ -67,6 +67,8 @@ def test_inspect_json_smollm2(capsys, smollm2_path: Path) -> None:  # noqa: ANN0
     assert summary["tensor_types"]["Q8_0"]["count"] == 1
     assert summary["tokenizer"]["vocab_size"] == 49152
     assert summary["hyperparameters"]["num_layers"] == 30
+    # the scale in effect, not the spec's "unset" 0 (SmolLM2-135M: head_dim 64)
+    assert summary["hyperparameters"]["attention_scale"] == 0.125
     assert summary["dialect"] == "upstream"
     kernels = summary["cpu_kernels"]  # this machine's choice, as the cpu backend makes it
     assert kernels["isa"] == kernels["supported_isas"][0] and kernels["supported_isas"][-1] == "generic"

@@ -54,17 +54,19 @@ def summarize(gguf: GGUFFile, spec: ModelSpec | str) -> dict[str, Any]:
             "has_chat_template": "tokenizer.chat_template" in metadata,
         },
     }
-    summary["hyperparameters"] = (
-        {"error": spec}
-        if isinstance(spec, str)
-        else {
-            field: getattr(spec, field).value
-            if hasattr(getattr(spec, field), "value")
-            else getattr(spec, field)
-            for field in spec.__dataclass_fields__
-        }
-    )
+    summary["hyperparameters"] = {"error": spec} if isinstance(spec, str) else _hyperparameters(spec)
     return summary
+
+
+def _hyperparameters(spec: ModelSpec) -> dict[str, Any]:
+    """The spec's fields as shown; the softmax scale as the value in effect (the field's 0 means
+    1 / sqrt(head_dim), which a reader should not have to know)."""
+    values = {
+        field: getattr(spec, field).value if hasattr(getattr(spec, field), "value") else getattr(spec, field)
+        for field in spec.__dataclass_fields__
+    }
+    values["attention_scale"] = spec.softmax_scale
+    return values
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ Defined beside the models that consume it; the loader derives it from GGUF metad
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from bitserve.layers.rotary import RopeStyle
@@ -40,6 +41,11 @@ class ModelSpec:
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) where > 0 (Gemma 2)
     residual_scale: float = 1.0  # each block's output x this before its residual add (MiniCPM)
     logit_scale: float = 1.0  # logits are divided by it (MiniCPM: hidden / dim_model_base)
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention softmax scale in effect: `attention_scale`, or 1 / sqrt(head_dim) where unset."""
+        return self.attention_scale or 1.0 / math.sqrt(self.head_dim)  # PagedAttention's own expression
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window > 0 and layer in self.sliding_layers

@@ -64,3 +64,25 @@ def continuation_agrees(ours: Sequence[int], golden: dict) -> bool:
             position = prompt_length - 1 + step
             return golden["margins"][position] < NEAR_TIE * golden["ranges"][position]
     return True
+
+
+def serving_path_disagreements(llm: object, golden_prompts: Sequence[dict], num_tokens: int) -> list[str]:
+    """Greedy continuations of every golden prompt, generated together (batched prefill, one-token decode
+    steps over the paged KV cache), cold and then again from the prefix cache: what does not agree with
+    llama.cpp (continuation_agrees), and a round in which fewer than two prompts match it exactly (near-ties
+    excuse a prompt, never the whole batch). Empty when the serving path answers as llama.cpp."""
+    from bitserve.sampling_params import SamplingParams
+
+    prompts = [case["ids"] for case in golden_prompts]
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    problems = []
+    for attempt in ("cold", "prefix cache"):
+        results = llm.generate(prompts, params)  # type: ignore[attr-defined]
+        outputs = [list(out.outputs[0].token_ids) for out in results]
+        for ours, golden in zip(outputs, golden_prompts, strict=True):
+            if not continuation_agrees(ours, golden):
+                problems.append(f"{attempt}: {ours} vs {golden['continuation']}")
+        exact = [ours == golden["continuation"] for ours, golden in zip(outputs, golden_prompts, strict=True)]
+        if sum(exact) < 2:
+            problems.append(f"{attempt}: fewer than two continuations are exactly llama.cpp's")
+    return problems

@@ -23,9 +23,7 @@ write every row's result to the first row's slots, so a prompt of 8+ tokens give
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from repo_scripts import load_script
 
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
@@ -46,15 +45,9 @@ MIN_COSINE = 0.9999
 TL2_BATCH_KERNEL_ROWS = 8  # bitnet.cpp's TL2 ubatches of this many rows or more take its broken kernels
 
 
-def load_script() -> ModuleType:
-    """scripts/make_bitnetcpp_golden.py as a module (registered first: its dataclasses need it)."""
-    name = "make_bitnetcpp_golden"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+def golden_script() -> ModuleType:
+    """scripts/make_bitnetcpp_golden.py as a module."""
+    return load_script("make_bitnetcpp_golden")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +58,7 @@ def bitnet_cpp() -> tuple[Path, str]:
         pytest.skip(
             "no bitnet.cpp given: set BITNET_CPP (or bitserve crossval --bitnet-cpp DIR) to its bin dir"
         )
-    script = load_script()
+    script = golden_script()
     if script.probe_binary(location) is not None:
         return Path(location), "probe"
     if script.llama_cli_binary(location) is not None:
@@ -75,7 +68,7 @@ def bitnet_cpp() -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    return load_script()
+    return golden_script()
 
 
 def relative_margin(row: np.ndarray) -> float:
@@ -83,7 +76,7 @@ def relative_margin(row: np.ndarray) -> float:
     return float((top2[1] - top2[0]) / (row.max() - row.min()))
 
 
-ALL_CASES = load_script().CASES + load_script().TL2_CASES
+ALL_CASES = golden_script().CASES + golden_script().TL2_CASES
 
 
 @pytest.mark.parametrize("case_index", range(len(ALL_CASES)), ids=[case.name for case in ALL_CASES])

@@ -17,14 +17,13 @@ probe computes it in a multi-row batch, whose F16 head emulation (tinyBLAS lanes
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
+from repo_scripts import load_script
 
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
@@ -39,21 +38,14 @@ LOGIT_STEPS = 8
 ENGINE_PROMPTS = 1  # prompts per case generated through the engine (32 tokens, ~2.5 s each)
 
 
-def load_script() -> ModuleType:
-    """scripts/make_bitnetcpp_golden.py as a module (registered first: its dataclasses need it)."""
-    name = "make_bitnetcpp_golden"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def golden_script() -> ModuleType:
+    """scripts/make_bitnetcpp_golden.py as a module."""
+    return load_script("make_bitnetcpp_golden")
 
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    return load_script()
+    return golden_script()
 
 
 @pytest.fixture(scope="module")

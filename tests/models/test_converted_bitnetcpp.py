@@ -10,15 +10,13 @@ gives no logits)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
+from repo_scripts import load_script
 
 from bitserve.llm import LLM
 from bitserve.sampling_params import SamplingParams
@@ -30,15 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = json.loads(
     (ROOT / "tests" / "fixtures" / "bitnetcpp" / "converted.json").read_text(encoding="utf-8")
 )
-
-
-def _script(name: str) -> ModuleType:
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +45,7 @@ def _assert_follows(llm: LLM, prompts: list[dict], label: str) -> int:
     """Each prompt's greedy continuation through the engine is bitnet.cpp's, or parts from it where
     bitserve's own top-2 margin (fed bitnet.cpp's tokens up to there) is a near-tie; returns how many
     prompts agreed in full."""
-    script = _script("make_bitnetcpp_golden")
+    script = load_script("make_bitnetcpp_golden")
     params = SamplingParams(max_tokens=FIXTURE["num_tokens"], temperature=0.0, ignore_eos=True)
     exact = 0
     for prompt in prompts:
@@ -103,5 +92,5 @@ def test_live_bitnetcpp_equals_the_fixture(converted: Path) -> None:
     location = os.environ.get("BITNET_CPP")
     if not location:
         pytest.skip("no bitnet.cpp given: set BITNET_CPP to its bin directory (llama-cli)")
-    live = _script("make_converted_bitnetcpp_golden").bitnetcpp_tokens(Path(location), converted)
+    live = load_script("make_converted_bitnetcpp_golden").bitnetcpp_tokens(Path(location), converted)
     assert live == FIXTURE["prompts"]

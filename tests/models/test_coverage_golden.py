@@ -12,13 +12,13 @@ range): llama.cpp runs Q1_0 / Q2_0 on Q8_0-quantized activations where bitserve'
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from repo_scripts import load_script
 
 from bitserve.kernels.packed import Layout, PackedWeight
 from bitserve.kernels.reference.dequant import dequantize
@@ -92,13 +92,6 @@ def test_teacher_forced_tokens_equal_llamacpp(hf_gguf, arch: str, weight_type: s
         llm.close()
 
 
-def _script():  # noqa: ANN202 - the scripts/make_coverage_golden.py module
-    spec = importlib.util.spec_from_file_location(
-        "make_coverage_golden", ROOT / "scripts" / "make_coverage_golden.py"
-    )
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 @pytest.mark.crossval
@@ -106,7 +99,7 @@ def test_live_llamacpp_equals_committed_coverage_fixtures(tmp_path: Path, smollm
     """Regenerate both fixtures with the installed llama.cpp: tokens, argmax and bytes must be the
     committed ones (margins are informative floats)."""
     pytest.importorskip("llama_cpp")
-    _script().main(tmp_path)
+    load_script("make_coverage_golden").main(tmp_path)
     live = json.loads((tmp_path / "coverage.json").read_text(encoding="utf-8"))
     for live_case, case in zip(live["cases"], GOLDEN["cases"], strict=True):
         assert live_case["sha256"] == case["sha256"]

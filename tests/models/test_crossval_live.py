@@ -4,23 +4,17 @@ golden tests then compare bitserve against those same fixtures, so together they
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from repo_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "golden"
 
 
-def load_script():  # noqa: ANN201 - the scripts/make_golden.py module
-    spec = importlib.util.spec_from_file_location("make_golden", ROOT / "scripts" / "make_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
 
 
 def strip_margins(value: object) -> object:
@@ -35,7 +29,7 @@ def strip_margins(value: object) -> object:
 @pytest.mark.crossval
 def test_live_llamacpp_equals_committed_fixtures(tmp_path: Path, smollm2_path: Path) -> None:
     pytest.importorskip("llama_cpp")
-    load_script().main(tmp_path)
+    load_script("make_golden").main(tmp_path)
     for name in ("smollm2.json", "synthetic.json"):
         live = json.loads((tmp_path / name).read_text(encoding="utf-8"))
         committed = json.loads((FIXTURES / name).read_text(encoding="utf-8"))

@@ -84,15 +84,9 @@ def test_live_llamacpp_equals_committed_kquant_fixtures(tmp_path: Path) -> None:
     """Regenerate the fixtures with the installed llama.cpp: the tensors it writes, its tokens and argmax
     must be the committed ones (margins are informative floats)."""
     pytest.importorskip("llama_cpp")
-    import importlib.util
+    from repo_scripts import load_script
 
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location(
-        "make_kquant_golden", root / "scripts" / "make_kquant_golden.py"
-    )
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    module.main(tmp_path)
+    load_script("make_kquant_golden").main(tmp_path)
     live = json.loads((tmp_path / "kquant.json").read_text(encoding="utf-8"))
     assert live["source_sha256"] == GOLDEN["source_sha256"]
     for mix in MIXES:

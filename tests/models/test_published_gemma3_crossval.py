@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from repo_scripts import load_script
 
 from bitserve.llm import LLM
 from bitserve.testing.teacher_forced import NEAR_TIE
@@ -41,20 +42,6 @@ def published_gemma3() -> Path:
     return Path(location)
 
 
-def _llamacpp_rows(llm: object, ids: list[int]) -> tuple[list[int], np.ndarray]:
-    """llama.cpp's greedy continuation of ids and its logits at every teacher-forced position."""
-    llm.reset()  # type: ignore[attr-defined]
-    llm.eval(ids)  # type: ignore[attr-defined]
-    rows = [np.asarray(row, dtype=np.float32) for row in llm.scores[: len(ids) - 1]]  # type: ignore[attr-defined]
-    continuation: list[int] = []
-    for _ in range(NUM_TOKENS):
-        logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)  # type: ignore[attr-defined]
-        rows.append(logits)
-        continuation.append(int(logits.argmax()))
-        llm.eval([continuation[-1]])  # type: ignore[attr-defined]
-    return continuation, np.stack(rows)
-
-
 def test_published_gemma3_equals_llamacpp(published_gemma3: Path) -> None:
     from llama_cpp import Llama
 
@@ -74,7 +61,8 @@ def test_published_gemma3_equals_llamacpp(published_gemma3: Path) -> None:
         for text in PROMPTS:
             ids = reference.tokenize(text.encode("utf-8"), add_bos=True, special=False)
             assert ours.encode(text) == ids, f"{text!r}: token ids differ from llama.cpp's"
-            continuation, expected = _llamacpp_rows(reference, ids)
+            continuation, rows = load_script("make_coverage_golden").greedy_rows(reference, ids, NUM_TOKENS)
+            expected = np.stack(rows)
             sequence = ids + continuation[:-1]
             with torch.inference_mode():
                 actual = model.compute_logits(

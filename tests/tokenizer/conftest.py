@@ -3,7 +3,6 @@ vocabularies of scripts/make_tokenizer_fixtures.py, rebuilt here from the same b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +10,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from repo_scripts import load_script
 
 from bitserve.loader.gguf_reader import read_gguf
 from bitserve.tokenizer.gguf_vocab import GGUFTokenizer, tokenizer_from_gguf
@@ -21,12 +21,7 @@ FIXTURE_DIR = REPO_ROOT / "tests" / "fixtures" / "tokenizer"
 
 def load_fixture_script() -> ModuleType:
     """scripts/make_tokenizer_fixtures.py as a module (it imports neither llama_cpp nor gguf)."""
-    path = REPO_ROOT / "scripts" / "make_tokenizer_fixtures.py"
-    spec = importlib.util.spec_from_file_location("make_tokenizer_fixtures", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_tokenizer_fixtures")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
