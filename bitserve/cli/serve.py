@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from bitserve import heap
 from bitserve.log import configure_logging
 from bitserve.server.settings import PROFILES, Settings, load_settings, setting_fields
 
@@ -151,6 +152,7 @@ def serve(settings: Settings) -> int:
         server_header=False,  # no `Server: uvicorn`: the stack's name helps only an attacker
     )
     server = DrainingServer(uvicorn_config, app.state.bitserve)
+    heap.manage_heap()
     server.run()
     logger.info("server stopped (exit code %d)", exit_code)
     return exit_code

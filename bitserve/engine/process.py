@@ -30,6 +30,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from bitserve import heap
 from bitserve.config import EngineConfig, SchedulerConfig
 from bitserve.core.step_outputs import KVCacheStats
 from bitserve.engine.devices import CPU
@@ -149,6 +150,7 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str, l
     except BaseException as exc:  # noqa: BLE001 - every load failure is reported to the server
         conn.send(LoadFailed(sendable(exc)))
         return
+    heap.freeze(f"engine process {os.getpid()}")  # this process serves this one model for its life
     try:
         died = serve_engine(instance, conn)
     finally:

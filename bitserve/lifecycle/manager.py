@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bitserve import heap
 from bitserve.config import EngineConfig, ServerConfig
 from bitserve.engine.devices import CPU, DeviceProbe
 from bitserve.engine.instance import ModelInstance
@@ -185,6 +186,7 @@ class ModelManager:
                 if source is not None
                 else await runner(operation, **options)
             )
+            heap.refreeze(f"after {operation.action} {operation.alias}")
             operation.succeed(**result)
         except BitserveError as exc:
             operation.fail(exc)
@@ -366,6 +368,7 @@ class ModelManager:
             await slot.wait_idle(self.config.swap_drain_timeout_s)
         await self._free(slot)
         logger.info("unloaded %s", slot.slot_id)
+        heap.refreeze(f"after unloading {slot.slot_id}")
 
     async def _free(self, slot: ModelSlot) -> None:
         for replica in slot.replicas:
