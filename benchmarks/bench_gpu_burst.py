@@ -78,6 +78,17 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def gc_pauses(metrics: str) -> dict[str, list[float]]:
+    """The API process's collection pauses over its life, from /metrics: generation -> [count, seconds]."""
+    pauses: dict[str, list[float]] = {}
+    for line in metrics.splitlines():
+        for suffix, slot in (("_count", 0), ("_sum", 1)):
+            if line.startswith(f"bitserve_gc_pause_seconds{suffix}{{"):
+                generation = line.split('generation="', 1)[1].split('"', 1)[0]
+                pauses.setdefault(generation, [0.0, 0.0])[slot] = round(float(line.rsplit(" ", 1)[1]), 4)
+    return pauses
+
+
 def start_py_spy(pids: list[int], folder: Path) -> list[subprocess.Popen[bytes]]:
     """py-spy recording each of `pids` (raw collapsed stacks, 250 Hz, without pausing it) until SIGINT."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -163,7 +174,8 @@ def main() -> None:
                 row["served_over_transformers"] = round(row["output_tok_s"] / theirs, 2)
             emit(row, args.out)
         stats = httpx.get(f"{url}/v1/stats").json()
-        emit({"bench": "burst-server", "admission": stats.get("admission_by_device")}, args.out)
+        pauses = gc_pauses(httpx.get(f"{url}/metrics").text)
+        emit({"bench": "burst-server", "admission": stats.get("admission_by_device"), "gc": pauses}, args.out)
     finally:
         server.terminate()
         server.wait(timeout=60)

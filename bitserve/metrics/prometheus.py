@@ -27,6 +27,7 @@ from bitserve.metrics.buckets import (
     TTFT_BUCKETS_S,
 )
 from bitserve.metrics.energy import EnergyCollector
+from bitserve.metrics.gc_pauses import GCPauseCollector
 from bitserve.metrics.memory_limit import CGROUP_MEMORY_LIMIT_FILES, read_memory_limit_bytes
 from bitserve.metrics.stats import (
     BatchStats,
@@ -340,6 +341,7 @@ class PrometheusStatsSink:
         reg = self.registry
         ProcessCollector(registry=reg)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         reg.register(MemoryLimitCollector())
+        reg.register(GCPauseCollector())
         self.energy = EnergyCollector()
         reg.register(self.energy)
         # The names ecosystem tools read (vLLM's; the Gateway API Inference Extension routes on them):
