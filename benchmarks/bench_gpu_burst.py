@@ -55,9 +55,15 @@ def start_server(port: int, log: Path) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"the server did not become ready in 300 s (log: {log})")
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name (which may hold spaces): state, ppid, ... as proc(5) numbers
+    them from 3."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User + system CPU seconds of process `pid` so far."""
+    fields = _stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -67,7 +73,7 @@ def process_tree(pid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(entry.name)] = int(_stat_fields(int(entry.name))[1])
             except (OSError, ValueError):
                 continue  # the process ended while we looked
     tree, frontier = [pid], [pid]
@@ -80,12 +86,16 @@ def process_tree(pid: int) -> list[int]:
 
 def gc_pauses(metrics: str) -> dict[str, list[float]]:
     """The API process's collection pauses over its life, from /metrics: generation -> [count, seconds]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     pauses: dict[str, list[float]] = {}
-    for line in metrics.splitlines():
-        for suffix, slot in (("_count", 0), ("_sum", 1)):
-            if line.startswith(f"bitserve_gc_pause_seconds{suffix}{{"):
-                generation = line.split('generation="', 1)[1].split('"', 1)[0]
-                pauses.setdefault(generation, [0.0, 0.0])[slot] = round(float(line.rsplit(" ", 1)[1]), 4)
+    for family in text_string_to_metric_families(metrics):
+        if family.name != "bitserve_gc_pause_seconds":
+            continue
+        for sample in family.samples:
+            slot = {"bitserve_gc_pause_seconds_count": 0, "bitserve_gc_pause_seconds_sum": 1}.get(sample.name)
+            if slot is not None:
+                pauses.setdefault(sample.labels["generation"], [0.0, 0.0])[slot] = round(sample.value, 4)
     return pauses
 
 

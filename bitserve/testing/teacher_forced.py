@@ -78,11 +78,12 @@ def serving_path_disagreements(llm: object, golden_prompts: Sequence[dict], num_
     problems = []
     for attempt in ("cold", "prefix cache"):
         results = llm.generate(prompts, params)  # type: ignore[attr-defined]
-        outputs = [list(out.outputs[0].token_ids) for out in results]
-        for ours, golden in zip(outputs, golden_prompts, strict=True):
+        num_exact = 0
+        for result, golden in zip(results, golden_prompts, strict=True):
+            ours = list(result.outputs[0].token_ids)
+            num_exact += ours == golden["continuation"]
             if not continuation_agrees(ours, golden):
                 problems.append(f"{attempt}: {ours} vs {golden['continuation']}")
-        exact = [ours == golden["continuation"] for ours, golden in zip(outputs, golden_prompts, strict=True)]
-        if sum(exact) < 2:
+        if num_exact < 2:
             problems.append(f"{attempt}: fewer than two continuations are exactly llama.cpp's")
     return problems

@@ -45,11 +45,6 @@ MIN_COSINE = 0.9999
 TL2_BATCH_KERNEL_ROWS = 8  # bitnet.cpp's TL2 ubatches of this many rows or more take its broken kernels
 
 
-def golden_script() -> ModuleType:
-    """scripts/make_bitnetcpp_golden.py as a module."""
-    return load_script("make_bitnetcpp_golden")
-
-
 @pytest.fixture(scope="module")
 def bitnet_cpp() -> tuple[Path, str]:
     """(bin dir, mode): mode "probe" (tokens and logits) or "llama-cli" (tokens only)."""
@@ -58,7 +53,7 @@ def bitnet_cpp() -> tuple[Path, str]:
         pytest.skip(
             "no bitnet.cpp given: set BITNET_CPP (or bitserve crossval --bitnet-cpp DIR) to its bin dir"
         )
-    script = golden_script()
+    script = load_script("make_bitnetcpp_golden")
     if script.probe_binary(location) is not None:
         return Path(location), "probe"
     if script.llama_cli_binary(location) is not None:
@@ -68,7 +63,7 @@ def bitnet_cpp() -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    return golden_script()
+    return load_script("make_bitnetcpp_golden")
 
 
 def relative_margin(row: np.ndarray) -> float:
@@ -76,7 +71,7 @@ def relative_margin(row: np.ndarray) -> float:
     return float((top2[1] - top2[0]) / (row.max() - row.min()))
 
 
-ALL_CASES = golden_script().CASES + golden_script().TL2_CASES
+ALL_CASES = load_script("make_bitnetcpp_golden").CASES + load_script("make_bitnetcpp_golden").TL2_CASES
 
 
 @pytest.mark.parametrize("case_index", range(len(ALL_CASES)), ids=[case.name for case in ALL_CASES])

@@ -38,14 +38,9 @@ LOGIT_STEPS = 8
 ENGINE_PROMPTS = 1  # prompts per case generated through the engine (32 tokens, ~2.5 s each)
 
 
-def golden_script() -> ModuleType:
-    """scripts/make_bitnetcpp_golden.py as a module."""
-    return load_script("make_bitnetcpp_golden")
-
-
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    return golden_script()
+    return load_script("make_bitnetcpp_golden")
 
 
 @pytest.fixture(scope="module")

@@ -92,8 +92,6 @@ def test_teacher_forced_tokens_equal_llamacpp(hf_gguf, arch: str, weight_type: s
         llm.close()
 
 
-
-
 @pytest.mark.crossval
 def test_live_llamacpp_equals_committed_coverage_fixtures(tmp_path: Path, smollm2_path: Path) -> None:
     """Regenerate both fixtures with the installed llama.cpp: tokens, argmax and bytes must be the

@@ -15,8 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "golden"
 
 
-
-
 def strip_margins(value: object) -> object:
     """Greedy margins are informative floats; tokens, ids and argmax must be identical."""
     if isinstance(value, dict):
