@@ -35,7 +35,7 @@ else:  # collected but skipped
     ISAS, SUPPORTED = [], []
 
 SHAPES = [(1, 128), (13, 300), (37, 1000), (70, 2560), (9, 6912), (5, 2200)]  # K % 128 != 0 for 300 etc.
-NUM_TOKENS = [1, 2, 7, 64]
+NUM_TOKENS = [1, 2, 5, 7, 33, 64]  # GEMM chunks: 2; 5 (one 4 x 5 tile); 4 + 3; a 1-token block (T = 33)
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import literally, njit, prange
 
-from bitserve.kernels.cpu.int8dot import ISA_CODES
+from bitserve.kernels.cpu.int8_tile import ISA_CODES
 from bitserve.kernels.cpu.interleaved import (
     GROUP_ROWS,
     KIND_Q1_0,

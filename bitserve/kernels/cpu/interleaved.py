@@ -48,7 +48,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bitserve.kernels.cpu import k_quant_tile
-from bitserve.kernels.cpu.int8dot import ISA_CODES, PREFETCH_BYTES, _declare, _is_c_matrix, _splat
+from bitserve.kernels.cpu.int8_tile import ISA_CODES, PREFETCH_BYTES, _declare, _is_c_matrix, _splat
 from bitserve.kernels.cpu.isa import Isa
 
 QK = 32  # values per activation block

@@ -12,7 +12,7 @@ from typing import Any
 
 from llvmlite import ir
 
-from bitserve.kernels.cpu.int8dot import _declare
+from bitserve.kernels.cpu.int8_tile import _declare
 
 Q4_K_SCALES_AT, Q4_K_MINS_AT = 512, 544  # sub-block s's 6-bit scales of the 4 rows at + 4 s, mins likewise
 Q5_K_HIGH_AT = 592  # Q5_K: a Q4_K record, then 4 high-bit planes (plane g: sub-blocks 2g, 2g + 1)
