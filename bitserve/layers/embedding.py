@@ -56,7 +56,7 @@ class LMHead(nn.Module):
         # llamafile's tinyBLAS takes two or more rows as f32 (FMA lanes, slow to emulate: ~1.5 s per
         # row on a 49152 x 512 head, so only batches that need it pay it)
         self.ggml_f16 = ggml_f16 and not isinstance(weight, PreparedLinear)
-        # a half head's single-token logits by the backend's kernel where it has one (same bits as torch's)
+        # a half head's logits by the backend's kernel where it has one (same bits as torch's)
         self.gemv: Callable[[torch.Tensor], torch.Tensor] | None = None
         if isinstance(weight, PreparedLinear):
             backend.check_owner(weight)
@@ -77,7 +77,7 @@ class LMHead(nn.Module):
             if rows == 1:
                 return ggml_ops.f16_head_one_row(hidden_states, self.weight)
             return ggml_ops.f16_head_tinyblas(hidden_states, self.weight)
-        if self.gemv is not None and hidden_states.shape[0] == 1:
+        if self.gemv is not None:
             return self.gemv(hidden_states)
         return self.kernel(hidden_states)
 

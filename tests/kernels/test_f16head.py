@@ -1,4 +1,5 @@
-"""The cpu backend's single-token F16 LM head (kernels/cpu/f16head.py) gives torch's logits to the bit."""
+"""The cpu backend's F16 LM head (kernels/cpu/f16head.py) gives torch's logits to the bit, for one row or
+several, where torch runs its AVX2 or its AVX-512 kernels."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import pytest
 import torch
 
 from bitserve.kernels.cpu.backend import CpuBackend
-from bitserve.kernels.cpu.f16head import f16_head_gemv, supports
+from bitserve.kernels.cpu.f16head import TORCH_CAPABILITIES, f16_head_gemv, f16_head_rows, supports
 from bitserve.kernels.reference.backend import ReferenceBackend
 from bitserve.layers.embedding import LMHead
 
-# the kernel repeats torch's AVX2 summation order; torch's AVX-512 build sums in another (and the backend
-# then keeps torch's head)
-TORCH_AVX2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
-needs_torch_avx2 = pytest.mark.skipif(not TORCH_AVX2, reason="torch does not run its AVX2 kernels here")
+# the kernel repeats the summation order of torch's F16 GEMV, which its AVX2 and AVX-512 builds share; the
+# parity tests run on the capability torch runs here (ATEN_CPU_CAPABILITY=avx2 tries the other)
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+needs_torch_vectors = pytest.mark.skipif(
+    CAPABILITY not in TORCH_CAPABILITIES,
+    reason=f"torch runs its {CAPABILITY} kernels here: the head stays torch's",
+)
 
 
 def torch_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -33,7 +37,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@needs_torch_avx2
+@needs_torch_vectors
 @pytest.mark.parametrize(("vocab", "width"), [(1000, 2560), (333, 576), (17, 64), (4099, 128)])
 def test_gemv_equals_torch_bit_for_bit(vocab: int, width: int) -> None:
     weight, hidden = random_head(vocab, width, seed=vocab)
@@ -43,7 +47,21 @@ def test_gemv_equals_torch_bit_for_bit(vocab: int, width: int) -> None:
     assert same_bits(torch.from_numpy(out)[None], torch_logits(hidden, weight))
 
 
-@needs_torch_avx2
+@needs_torch_vectors
+@pytest.mark.parametrize(("vocab", "width"), [(1000, 2560), (333, 640), (4099, 128)])
+def test_rows_equal_torch_bit_for_bit_on_its_lanes(vocab: int, width: int) -> None:
+    """Every row count (a 5-row verify among them) gives torch's bits, on the lanes torch runs here."""
+    weight, _ = random_head(vocab, width, seed=vocab + 1)
+    generator = torch.Generator().manual_seed(width)
+    for num_rows in (1, 2, 5, 9):
+        hidden = torch.randn(num_rows, width, generator=generator) * 3
+        x = hidden.to(torch.float16).to(torch.float32).numpy()
+        out = np.empty((num_rows, vocab), dtype=np.float32)
+        f16_head_rows(weight.view(torch.int16).numpy().view(np.uint16), x, out)
+        assert same_bits(torch.from_numpy(out), torch_logits(hidden, weight)), num_rows
+
+
+@needs_torch_vectors
 def test_overflow_and_f16_rounding_match_torch() -> None:
     """Sums past the F16 range store as inf; tiny ones round to F16 subnormals or zero, as torch's do."""
     weight, hidden = random_head(256, 128, seed=7)
@@ -56,14 +74,16 @@ def test_overflow_and_f16_rounding_match_torch() -> None:
     assert same_bits(logits, torch_logits(hidden, weight))
 
 
-@needs_torch_avx2
-def test_lm_head_uses_it_for_one_token_only() -> None:
-    weight, _ = random_head(520, 192, seed=3)
+@needs_torch_vectors
+def test_lm_head_uses_it_for_every_row_count() -> None:
+    weight, _ = random_head(520, 256, seed=3)
     cpu_head, reference_head = LMHead(weight, CpuBackend(num_threads=2)), LMHead(weight, ReferenceBackend())
     assert cpu_head.gemv is not None and reference_head.gemv is None
-    hidden = torch.randn(3, 192, generator=torch.Generator().manual_seed(5))
-    for rows in (hidden[:1], hidden):  # one token: the numba kernel; three: torch's GEMM, both heads
+    hidden = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
+    for rows in (hidden[:1], hidden[:3], hidden):  # the numba kernel; torch's GEMV / GEMM
         assert same_bits(cpu_head(rows), reference_head(rows))
+    # and a row's logits do not depend on the rows beside it (a verify equals the plain steps)
+    assert same_bits(cpu_head(hidden)[4:], cpu_head(hidden[4:]))
 
 
 def test_widths_outside_whole_blocks_stay_on_torch() -> None:
@@ -80,8 +100,11 @@ def test_generic_isa_keeps_torch() -> None:
     assert LMHead(weight, CpuBackend(num_threads=2, isa="generic")).gemv is None
 
 
-def test_torch_without_avx2_kernels_keeps_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where torch runs its AVX-512 kernels the sums' order differs: the head stays torch's."""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+def test_torch_without_vector_kernels_keeps_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch runs neither its AVX2 nor its AVX-512 kernels the sums' order may differ: torch keeps
+    the head."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     weight, _ = random_head(64, 128, seed=17)
     assert LMHead(weight, CpuBackend(num_threads=2)).gemv is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert LMHead(weight, CpuBackend(num_threads=2)).gemv is not None

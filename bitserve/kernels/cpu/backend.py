@@ -373,13 +373,15 @@ class CpuBackend(KernelBackend):
         return self
 
     def half_head_gemv(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """An F16 head whose width is whole f16head blocks: one token's logits by f16head.f16_head_gemv
-        (torch's sums in torch's order, at ~1.2x its speed: benchmarks/RESULTS.md); else None. Only on the
-        avx2 / vnni variants: their CPUs convert F16 in hardware (F16C), which the kernel's IR relies on.
-        And only where torch itself runs its AVX2 kernels: the kernel repeats that code's summation order
-        (8-lane reductions); torch's AVX-512 build sums in another, so there torch keeps the head and the
-        logits stay torch's bits."""
-        if self._isa is Isa.GENERIC or torch.backends.cpu.get_cpu_capability() != "AVX2":
+        """An F16 head whose width is whole f16head blocks: its logits for any number of rows by
+        f16head.f16_head_rows (torch's sums in torch's order, each weight row read once for all rows:
+        one token at ~1.2x torch's speed, a 5-row verify at one pass over the head instead of five;
+        benchmarks/RESULTS.md); else None. Only on the avx2 / vnni variants: their CPUs convert F16 in
+        hardware (F16C), which the kernel's IR relies on. And only where torch itself runs its AVX2 or
+        AVX-512 kernels (f16head.TORCH_CAPABILITIES): the kernel repeats that code's summation order, so
+        the logits stay torch's bits."""
+        capability = torch.backends.cpu.get_cpu_capability()
+        if self._isa is Isa.GENERIC or capability not in f16head.TORCH_CAPABILITIES:
             return None
         if weight.dtype != torch.float16 or weight.dim() != 2 or not weight.is_contiguous():
             return None
