@@ -374,8 +374,7 @@ class CpuBackend(KernelBackend):
 
     def half_head_gemv(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """An F16 head whose width is whole f16head blocks: its logits for any number of rows by
-        f16head.f16_head_rows (torch's sums in torch's order, each weight row read once for all rows:
-        one token at ~1.2x torch's speed, a 5-row verify at one pass over the head instead of five;
+        f16head.f16_head_rows (torch's sums in torch's order, each weight row read once for all rows;
         benchmarks/RESULTS.md); else None. Only on the avx2 / vnni variants: their CPUs convert F16 in
         hardware (F16C), which the kernel's IR relies on. And only where torch itself runs its AVX2 or
         AVX-512 kernels (f16head.TORCH_CAPABILITIES): the kernel repeats that code's summation order, so
