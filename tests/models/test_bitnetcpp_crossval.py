@@ -71,7 +71,8 @@ def relative_margin(row: np.ndarray) -> float:
     return float((top2[1] - top2[0]) / (row.max() - row.min()))
 
 
-ALL_CASES = load_script("make_bitnetcpp_golden").CASES + load_script("make_bitnetcpp_golden").TL2_CASES
+_GOLDEN = load_script("make_bitnetcpp_golden")
+ALL_CASES = _GOLDEN.CASES + _GOLDEN.TL2_CASES
 
 
 @pytest.mark.parametrize("case_index", range(len(ALL_CASES)), ids=[case.name for case in ALL_CASES])

@@ -37,11 +37,14 @@ LANES = 8  # f32 lanes of each accumulator
 TORCH_CAPABILITIES = ("AVX2", "AVX512")
 ROWS_PER_TASK = 64  # rows per prange task
 
+BLOCK = ACCUMULATORS * LANES  # elements per step of torch's loop
+
 _I16, _I32 = ir.IntType(16), ir.IntType(32)
 _F32 = ir.FloatType()
-
-
-BLOCK = ACCUMULATORS * LANES  # elements per step of torch's loop
+_V8xF32 = ir.VectorType(_F32, LANES)
+_V16xF32 = ir.VectorType(_F32, 2 * LANES)
+_V16xI16 = ir.VectorType(_I16, 2 * LANES)
+_V16xHalf = ir.VectorType(ir.HalfType(), 2 * LANES)
 
 
 def supports(width: int) -> bool:
@@ -49,54 +52,45 @@ def supports(width: int) -> bool:
     return width > 0 and width % BLOCK == 0
 
 
-def _lanes(builder: ir.IRBuilder, vector: ir.Value, first: int, lanes: int) -> ir.Value:
-    """<lanes x float> of vector's lanes first .. first + lanes - 1."""
-    mask = ir.Constant(ir.VectorType(_I32, lanes), [ir.Constant(_I32, first + i) for i in range(lanes)])
+def _lanes(builder: ir.IRBuilder, vector: ir.Value, first: int) -> ir.Value:
+    """<8 x float> of vector's lanes first .. first + 7."""
+    mask = ir.Constant(ir.VectorType(_I32, LANES), [ir.Constant(_I32, first + i) for i in range(LANES)])
     return builder.shuffle_vector(vector, vector, mask)
 
 
 def _swap(builder: ir.IRBuilder, vector: ir.Value, partner: int) -> ir.Value:
     """vector + its lanes permuted (lane i takes lane i ^ partner): one step of vec_reduce_all."""
-    lanes = vector.type.count
-    mask = ir.Constant(ir.VectorType(_I32, lanes), [ir.Constant(_I32, i ^ partner) for i in range(lanes)])
+    mask = ir.Constant(ir.VectorType(_I32, LANES), [ir.Constant(_I32, i ^ partner) for i in range(LANES)])
     return builder.fadd(vector, builder.shuffle_vector(vector, vector, mask))
 
 
 def _accumulate_block(
     builder: ir.IRBuilder, fma: ir.Function, w_row: ir.Value, x: ir.Value, start: ir.Value, slots: list
 ) -> None:
-    """One block of elements from `start` into the accumulators: 2 x lanes F16 weights at a time (one
-    Vectorized<Half>), widened, the low half FMA'd into accumulator 2 p and the high into 2 p + 1
-    (torch's register pairs)."""
-    lanes = slots[0].type.pointee.count
-    wide_half = ir.VectorType(ir.HalfType(), 2 * lanes)
+    """Elements start .. start + 63 into the accumulators: 16 F16 weights at a time, widened, the low 8
+    FMA'd into accumulator 2 p and the high 8 into 2 p + 1 (torch's register pairs)."""
     for pair in range(ACCUMULATORS // 2):
-        offset = builder.add(start, ir.Constant(start.type, 2 * lanes * pair))
-        w_ptr = builder.bitcast(builder.gep(w_row, [offset]), ir.VectorType(_I16, 2 * lanes).as_pointer())
-        widened = builder.fpext(
-            builder.bitcast(builder.load(w_ptr, align=2), wide_half), ir.VectorType(_F32, 2 * lanes)
-        )
+        offset = builder.add(start, ir.Constant(start.type, 2 * LANES * pair))
+        w_ptr = builder.bitcast(builder.gep(w_row, [offset]), _V16xI16.as_pointer())
+        widened = builder.fpext(builder.bitcast(builder.load(w_ptr, align=2), _V16xHalf), _V16xF32)
         for part in range(2):
-            x_ptr = builder.gep(x, [builder.add(offset, ir.Constant(start.type, lanes * part))])
-            x_vec = builder.load(builder.bitcast(x_ptr, ir.VectorType(_F32, lanes).as_pointer()), align=4)
+            x_ptr = builder.gep(x, [builder.add(offset, ir.Constant(start.type, LANES * part))])
+            x_vec = builder.load(builder.bitcast(x_ptr, _V8xF32.as_pointer()), align=4)
             slot = slots[2 * pair + part]
-            w_vec = _lanes(builder, widened, lanes * part, lanes)
+            w_vec = _lanes(builder, widened, LANES * part)
             builder.store(builder.call(fma, [x_vec, w_vec, builder.load(slot)]), slot)
 
 
 def _reduce(builder: ir.IRBuilder, slots: list) -> ir.Value:
     """The accumulators summed as torch does: a tree over them (x[i] += x[i + half], halving), then the
-    lanes as vec_reduce_all does on AVX2 (128-, 64-, 32-bit swaps: lane i takes lane i ^ partner, the
-    partner halving from 4 to 1) -> f32."""
+    lanes as vec_reduce_all on AVX2 (128-bit, 64-bit, 32-bit swaps) -> f32."""
     accs = [builder.load(slot) for slot in slots]
     while len(accs) > 1:
         half = len(accs) // 2
         accs = [builder.fadd(accs[i], accs[i + half]) for i in range(half)]
     total = accs[0]
-    partner = total.type.count // 2
-    while partner >= 1:
+    for partner in (4, 2, 1):
         total = _swap(builder, total, partner)
-        partner //= 2
     return builder.extract_element(total, ir.Constant(_I32, 0))
 
 
@@ -108,7 +102,6 @@ def _row_dot(typingctx: object, w: types.Type, row: types.Type, x: types.Type) -
         return None
     if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1 and x.layout == "C"):
         return None
-    width_lanes = LANES
     sig = types.float32(w, row, x)
 
     def codegen(context: object, builder: ir.IRBuilder, signature: object, llargs: tuple) -> ir.Value:
@@ -116,10 +109,9 @@ def _row_dot(typingctx: object, w: types.Type, row: types.Type, x: types.Type) -
         x_arr = context.make_array(x)(context, builder, llargs[2])
         width = builder.extract_value(w_arr.shape, 1)
         w_row = builder.gep(w_arr.data, [builder.mul(llargs[1], width)])
-        vector = ir.VectorType(_F32, width_lanes)
-        fma_type = ir.FunctionType(vector, [vector] * 3)
-        fma = cgutils.get_or_insert_function(builder.module, fma_type, f"llvm.fma.v{width_lanes}f32")
-        zeros = ir.Constant(vector, [ir.Constant(_F32, 0.0)] * width_lanes)
+        fma_type = ir.FunctionType(_V8xF32, [_V8xF32] * 3)
+        fma = cgutils.get_or_insert_function(builder.module, fma_type, "llvm.fma.v8f32")
+        zeros = ir.Constant(_V8xF32, [ir.Constant(_F32, 0.0)] * LANES)
         slots = [cgutils.alloca_once_value(builder, zeros) for _ in range(ACCUMULATORS)]
         num_blocks = builder.udiv(width, ir.Constant(width.type, BLOCK))
         with cgutils.for_range(builder, num_blocks) as loop:
@@ -143,12 +135,6 @@ def f16_head_rows(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
         for row in range(task * ROWS_PER_TASK, min(num_rows, (task + 1) * ROWS_PER_TASK)):
             for t in range(x.shape[0]):
                 out[t, row] = _row_dot(w, row, x[t])
-
-
-@njit(nogil=True, cache=True)
-def f16_head_gemv(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """One token: x f32 [K] -> out f32 [V] (f16_head_rows of one row)."""
-    f16_head_rows(w, x.reshape(1, -1), out.reshape(1, -1))
 
 
 class F16HeadGemv:

@@ -141,21 +141,20 @@ def _bitnet_wide_body(
             t0 = t_block
             while t0 < t_end:
                 left = t_end - t0
-                if left == 5:
-                    _row_tiles(_VNNI, 4, 5, (weight, r_start, r_end, t0), operands)
-                    t0 += 5
-                elif left >= 4:
-                    _row_tiles(_VNNI, 4, 4, (weight, r_start, r_end, t0), operands)
-                    t0 += 4
-                elif left == 3:
-                    _row_tiles(_VNNI, 4, 3, (weight, r_start, r_end, t0), operands)
-                    t0 += 3
-                elif left == 2:
-                    _row_tiles(_VNNI, 4, 2, (weight, r_start, r_end, t0), operands)
-                    t0 += 2
+                width = 5 if left == 5 else min(left, 4)
+                where = (weight, r_start, r_end, t0)
+                # the tile's token count must be a literal: one call per width
+                if width == 5:
+                    _row_tiles(_VNNI, 4, 5, where, operands)
+                elif width == 4:
+                    _row_tiles(_VNNI, 4, 4, where, operands)
+                elif width == 3:
+                    _row_tiles(_VNNI, 4, 3, where, operands)
+                elif width == 2:
+                    _row_tiles(_VNNI, 4, 2, where, operands)
                 else:
-                    _row_tiles(_VNNI, 4, 1, (weight, r_start, r_end, t0), operands)
-                    t0 += 1
+                    _row_tiles(_VNNI, 4, 1, where, operands)
+                t0 += width
 
 
 @njit(nogil=True, cache=True, inline="always")
