@@ -272,7 +272,7 @@ def bench_served(out: Path | None, server_args: list[str], port: int = 8123) -> 
         bench = subprocess.run(
             [sys.executable, "-m", "bitserve", "bench", "--url", f"http://127.0.0.1:{port}"]
             + ["--concurrency", "100", "--num-requests", "300", "--max-tokens", "100", "--ignore-eos"]
-            + ["--num-warmup", "20", "--json"],
+            + ["--num-warmup", "20", "--endpoint", "completions", "--json"],  # as in the earlier rows
             cwd=ROOT,
             capture_output=True,
             text=True,

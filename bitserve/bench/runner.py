@@ -36,7 +36,7 @@ class BenchConfig:
     """Everything one bench run needs; built from CLI flags by bench_command.config_from_args."""
 
     url: str
-    endpoint: str = "completions"
+    endpoint: str = "chat"  # what users serve: the chat template applies, as in production traffic
     model: str | None = None  # None: the first id of GET /v1/models
     concurrency_levels: tuple[int, ...] = (1, 4, 16)
     num_requests: int | None = None  # per level; None: 4 x concurrency, at most MAX_DEFAULT_NUM_REQUESTS

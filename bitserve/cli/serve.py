@@ -161,6 +161,10 @@ def serve(settings: Settings) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     settings = load_settings(cli_values(args), config_path=args.config, profile=args.profile)
     configure_logging(settings.server.log_level, settings.server.log_format)
+    if settings.server.kernel_cache_seed:  # before any kernel loads: kernels/cpu/cache_seed.py
+        from bitserve.kernels.cpu.cache_seed import seed_numba_cache
+
+        seed_numba_cache(settings.server.kernel_cache_seed)
     set_values = {name: source for name, source in sorted(settings.sources.items())}
     logger.info(
         "starting bitserve on %s:%d; settings given: %s",

@@ -22,7 +22,7 @@ from bitserve.errors import InvalidModelFile, InvalidRequest
 from bitserve.kernels.backend import LinearMode
 from bitserve.kernels.select import select_backend
 from bitserve.kernels.tuning import KernelTuning, parse_decode_tile, parse_gemv_tiles
-from bitserve.loader.catalog import resolve_model
+from bitserve.loader.catalog import catalog_block_activations, resolve_model
 from bitserve.loader.gguf_reader import GGUFFile
 from bitserve.loader.model_loader import LoadOptions, LoadResult, load_model, release_freed_heap
 from bitserve.models.spec import ModelSpec
@@ -76,7 +76,7 @@ def kernel_tuning(model_config: ModelConfig) -> KernelTuning:
     """The model's kernel knobs (kernels/tuning.py), from its ModelConfig: the one place they meet."""
     return KernelTuning(
         cpu_isa=model_config.cpu_isa,
-        block_activations=model_config.block_activations,
+        block_activations=catalog_block_activations(model_config.model, model_config.block_activations),
         cuda_pdl=model_config.cuda_pdl,
         cuda_greedy_head=model_config.cuda_greedy_head,
         cuda_lookahead=model_config.cuda_lookahead,

@@ -8,10 +8,12 @@ Runs on the event loop; the ModelManager owns the slots.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from bitserve.config import EngineConfig, ServerConfig
 from bitserve.engine.devices import (
@@ -32,6 +34,7 @@ from bitserve.frontend.device_router import Replica
 from bitserve.lifecycle.model_files import GoldenPrompt, ModelFile
 from bitserve.lifecycle.slot import ModelSlot
 from bitserve.lifecycle.validation import validate_engine
+from bitserve.loader.catalog import catalog_block_activations
 from bitserve.metrics.stats import StatsSink
 from bitserve.sampling_params import SamplingParams
 
@@ -39,6 +42,31 @@ logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Hello"
 InstanceLoader = Callable[[EngineConfig], ServedModel]
+# a start-up step still running logs a line this often, so the log never goes quiet for long (a cold
+# numba cache makes the warm-up compile the CPU kernels: ~40 s on 2 cores)
+PROGRESS_LOG_INTERVAL_S = 5.0
+FIRST_GENERATION_HINT = "a first start on this machine compiles the CPU kernels; later starts use the cache"
+
+
+@contextlib.asynccontextmanager
+async def logged_step(what: str, hint: str = "") -> AsyncIterator[None]:
+    """Log `what` when it starts, every PROGRESS_LOG_INTERVAL_S while it runs, and its time when done."""
+    started = time.monotonic()
+    logger.info("%s ...%s", what, f" ({hint})" if hint else "")
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_LOG_INTERVAL_S)
+            logger.info("%s: still running, %.0f s", what, time.monotonic() - started)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        yield
+    finally:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+    logger.info("%s: done in %.1f s", what, time.monotonic() - started)
 
 
 async def warm_up(engine: AsyncEngine, request_id: str) -> None:
@@ -100,13 +128,18 @@ class ReplicaBuilder:
 
     async def load(self, slot: ModelSlot, source: ModelFile, placements: Sequence[Placement]) -> None:
         """One ModelInstance and started engine per placement, appended to `slot.replicas` in order."""
-        base = dataclasses.replace(
-            self.engine_config, model=dataclasses.replace(self.engine_config.model, model=str(source.path))
+        model_config = self.engine_config.model
+        # the file's path from here on: a catalog name's own numerics are settled while it is still a name
+        activations = catalog_block_activations(source.name, model_config.block_activations)
+        model_config = dataclasses.replace(
+            model_config, model=str(source.path), block_activations=activations
         )
+        base = dataclasses.replace(self.engine_config, model=model_config)
         for index, placement in enumerate(placements):
             slot.phase, slot.progress = "loading", 0.2 + 0.6 * index / len(placements)
             load = self.load_instance or self.loader_for(placement.device)
-            instance = await asyncio.to_thread(load, replica_config(base, placement.device))
+            async with logged_step(f"loading {source.path.name} on {placement.device}"):
+                instance = await asyncio.to_thread(load, replica_config(base, placement.device))
             self.start(slot, placement.device, instance)
 
     def loader_for(self, device: str) -> InstanceLoader:
@@ -138,8 +171,13 @@ class ReplicaBuilder:
         warm-up is on, warm each: a replica whose device is broken fails the load, not a client."""
         for replica in slot.replicas:
             request_id = f"{slot.slot_id}-{replica.device}"
-            if golden is not None:
-                await validate_engine(replica.engine, golden, f"validate-{request_id}")
+            where = f"{slot.alias} on {replica.device}"
+            if golden is not None:  # the first generations: they compile the kernels on a cold cache
+                slot.phase = "validating"
+                async with logged_step(f"validating {where}", FIRST_GENERATION_HINT):
+                    await validate_engine(replica.engine, golden, f"validate-{request_id}")
             elif self.server_config.warmup:
-                await warm_up(replica.engine, f"warmup-{request_id}")
+                slot.phase = "warming up"
+                async with logged_step(f"warming up {where}", FIRST_GENERATION_HINT):
+                    await warm_up(replica.engine, f"warmup-{request_id}")
             replica.engine.forget_step_times()  # the router measures it on real traffic

@@ -97,7 +97,7 @@ class ModelSlot:
     alias: str
     source: ModelFile
     state: SlotState = SlotState.LOADING
-    phase: str = "queued"  # finer progress inside LOADING: placing, hashing, loading, validating
+    phase: str = "queued"  # finer progress inside LOADING: placing, hashing, loading, validating, warming up
     progress: float = 0.0  # 0..1
     device_request: tuple[str, ...] = ()  # the devices as asked ("auto" unresolved): a swap repeats it
     placement: tuple[str, ...] = ()  # the resolved devices, once placed
@@ -109,12 +109,18 @@ class ModelSlot:
     num_finished: int = 0  # requests that ended on this slot, and how many of them failed (probation)
     num_failed: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    created_at: float = field(default_factory=time.monotonic)
     owns_instance: bool = True  # False for an instance the caller passed in (tests); never closed here
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._idle.set()
         self.router = DeviceRouter(self.replicas)
+
+    @property
+    def seconds_loading(self) -> float:
+        """Seconds since this slot began loading (its age)."""
+        return round(time.monotonic() - self.created_at, 1)
 
     @property
     def version(self) -> str:

@@ -33,6 +33,9 @@ class CatalogEntry:
     filename: str
     size_bytes: int
     description: str
+    # the entry's measured numerics: what `--block-activations auto` means when the model is named by
+    # this catalog name (a path to the same file keeps the format's default)
+    block_activations: str = "auto"
 
     @property
     def install_command(self) -> str:
@@ -48,9 +51,28 @@ CATALOG: dict[str, CatalogEntry] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         size_bytes=98_362_432,
         description="SmolLM2-135M-Instruct, Q4_1 (llama architecture, ChatML), Apache-2.0",
+        # f32 activations: with llama.cpp's q8 ones this 135M file answers "What is the capital of
+        # France?" with "L'Étoile, la Marseillaise, ..." at temperature 0 (L -1.949 against The -2.068, as
+        # llama.cpp does on it); f32 answers "The capital of France is Paris." and makes better haiku and
+        # translations, at about a third of q8's decode speed (benchmarks/RESULTS.md, 2026-12-07 21:40)
+        block_activations="f32",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def catalog_block_activations(model: str, requested: str) -> str:
+    """`requested` block activations, with "auto" replaced by the catalog entry's measured setting when
+    `model` is a catalog name."""
+    entry = CATALOG.get(model)
+    if requested != "auto" or entry is None or entry.block_activations == "auto":
+        return requested
+    logger.info(
+        "block activations %s: the catalog's setting for %s (--block-activations q8 decodes faster)",
+        entry.block_activations,
+        entry.name,
+    )
+    return entry.block_activations
 
 
 def default_cache_dir() -> Path:

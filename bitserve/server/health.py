@@ -60,7 +60,11 @@ async def ready(request: Request) -> Response:
             engine.num_active_requests < engine.limits.max_num_waiting for engine in live
         ),
     }
-    return _probe(checks, {"phase": state.phase}, state.retry_after_s())
+    details: dict[str, Any] = {"phase": state.phase}
+    loading = state.loading_step()
+    if loading is not None and state.phase == "loading":
+        details["loading"] = loading  # e.g. {"step": "warming up", "progress": 0.8, "seconds": 12.3}
+    return _probe(checks, details, state.retry_after_s())
 
 
 async def health(request: Request) -> Response:

@@ -22,7 +22,7 @@ from bitserve.config import EngineConfig, ServerConfig
 from bitserve.engine.process import ServedModel
 from bitserve.errors import ModelUnavailable, ServerShuttingDown
 from bitserve.lifecycle.manager import ModelManager
-from bitserve.lifecycle.slot import Lease, ModelSlot
+from bitserve.lifecycle.slot import Lease, ModelSlot, SlotState
 from bitserve.metrics.stats import BatchStats, StatsSink
 from bitserve.server.batches.service import BatchService
 from bitserve.server.response_cache.cache import ResponseCache
@@ -102,6 +102,16 @@ class AppState:
         if slot.replicas and not slot.has_live_replica:
             return "dead"
         return "draining" if self.is_draining else "ready"
+
+    def loading_step(self) -> dict[str, Any] | None:
+        """While the startup model loads: the loading slot's step (placing, hashing, loading, warming up,
+        ...), its progress and seconds so far, for /health/ready's body; None otherwise."""
+        if not self.is_starting or self.load_error is not None:
+            return None
+        slot = next((s for s in self.models.resident_slots() if s.state is SlotState.LOADING), None)
+        if slot is None:
+            return None
+        return {"step": slot.phase, "progress": round(slot.progress, 3), "seconds": slot.seconds_loading}
 
     def default_slot(self) -> ModelSlot | None:
         entry = self.models.aliases.get(self.models.default_alias) if self.models.default_alias else None

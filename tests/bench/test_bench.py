@@ -221,10 +221,23 @@ def fake_server() -> Iterator[tuple[str, FakeState]]:
 
 def bench(url: str, **overrides: Any) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
-        url=url, concurrency_levels=(1, 3), num_requests=6, max_tokens=8, num_warmup=0, timeout_s=10.0
+        url=url,
+        endpoint="completions",  # the fake server's prompts are plain; chat has its own test below
+        concurrency_levels=(1, 3),
+        num_requests=6,
+        max_tokens=8,
+        num_warmup=0,
+        timeout_s=10.0,
     )
     fields.update(overrides)
     return summarise(asyncio.run(run_bench_async(BenchConfig(**fields))))
+
+
+def test_bench_defaults_to_the_chat_endpoint_users_serve() -> None:
+    from bitserve.cli.main import build_parser
+
+    assert BenchConfig(url="http://127.0.0.1:1").endpoint == "chat"
+    assert build_parser().parse_args(["bench", "--url", "http://127.0.0.1:1"]).endpoint == "chat"
 
 
 def test_load_run_counts_tokens_and_orders_percentiles(fake_server: tuple[str, FakeState]) -> None:

@@ -79,7 +79,8 @@ class Stage:
 
 
 def read_dockerfile(path: Path) -> list[Stage]:
-    """The stages of `path`: continuation lines joined, comments dropped."""
+    """The stages of `path`: continuation lines joined, comments dropped, FROM's global ARGs at their
+    defaults."""
     logical: list[str] = []
     pending = ""
     for raw in path.read_text().splitlines():
@@ -94,10 +95,16 @@ def read_dockerfile(path: Path) -> list[Stage]:
         logical.append(pending + line)
         pending = ""
     stages: list[Stage] = []
+    global_args: dict[str, str] = {}  # ARG NAME=default lines before the first FROM (FROM may use them)
     for line in logical:
         keyword, _, text = line.partition(" ")
         keyword = keyword.upper()
-        if keyword == "FROM":
+        if keyword == "ARG" and not stages:
+            name, _, default = text.strip().partition("=")
+            global_args[name] = default
+        elif keyword == "FROM":
+            for name, default in global_args.items():
+                text = text.replace("${" + name + "}", default)
             words = text.split()
             stages.append(Stage(name=words[-1] if "AS" in (w.upper() for w in words) else "", base=words[0]))
         elif stages:

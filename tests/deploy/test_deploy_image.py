@@ -2,11 +2,11 @@
 rely on (numeric non-root user, HEALTHCHECK on /health/live, no compiler in the CPU runtime stage, every
 write under /tmp), and the image's entrypoint serves from a read-only root filesystem.
 
-No base image can be pulled here, so the image is not built: `test_entrypoint_on_read_only_root` runs
-the image's ENTRYPOINT, with the runtime stage's ENV, in a private mount namespace where every
-filesystem the process can reach is remounted read-only, /tmp is a fresh tmpfs (the pod's emptyDir),
-and the working directory is read-only; /models (the image's --model-root) is an empty folder on that
-tmpfs, since the read-only root has none."""
+The built CPU image itself is run in test_deploy_built_image.py; here, without docker,
+`test_entrypoint_on_read_only_root` runs the image's ENTRYPOINT, with the runtime stage's ENV, in a
+private mount namespace where every filesystem the process can reach is remounted read-only, /tmp is a
+fresh tmpfs (the pod's emptyDir), and the working directory is read-only; /models (the image's
+--model-root) is an empty folder on that tmpfs, since the read-only root has none."""
 
 from __future__ import annotations
 
