@@ -11,7 +11,9 @@ from bitserve.kernels.tuning import DEFAULT_TUNING, parse_decode_tile, parse_gem
 
 
 def test_the_config_defaults_are_the_tuning_defaults() -> None:
-    assert kernel_tuning(ModelConfig()) == DEFAULT_TUNING
+    # a file by path: the catalog's own numerics (the embedded model by name runs f32) are not defaults
+    assert kernel_tuning(ModelConfig(model="/models/any.gguf")) == DEFAULT_TUNING
+    assert kernel_tuning(ModelConfig()).block_activations == "f32"  # the default model, by its name
 
 
 def test_every_knob_reaches_the_tuning() -> None:
