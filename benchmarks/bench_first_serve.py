@@ -12,24 +12,16 @@ Timings only; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
+from bench_image_start import QUESTION, first_answer
+from bench_serve_rss import free_port
 
-from bitserve.loader.catalog import DEFAULT_MODEL
-
-QUESTION = "What is the capital of France?"
 READY_TIMEOUT_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_ready(url: str, process: subprocess.Popen) -> None:
@@ -46,7 +38,7 @@ def _wait_ready(url: str, process: subprocess.Popen) -> None:
 
 def one_start() -> tuple[float, float, str]:
     """(seconds to ready, longest log silence, first answer) of one fresh `bitserve serve`."""
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     command = [sys.executable, "-m", "bitserve", "serve", "--port", str(port), "--log-format", "text"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -62,10 +54,7 @@ def one_start() -> tuple[float, float, str]:
         _wait_ready(url, process)
         ready_s = time.monotonic() - started
         silence_s = max(later - earlier for earlier, later in zip(stamps, stamps[1:], strict=False))
-        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": QUESTION}]}
-        body |= {"temperature": 0, "max_tokens": 24}
-        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
-        return ready_s, silence_s, answer["choices"][0]["message"]["content"]
+        return ready_s, silence_s, first_answer(url)
     finally:
         process.terminate()
         process.wait(timeout=60)

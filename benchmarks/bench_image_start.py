@@ -19,6 +19,7 @@ import sys
 import time
 
 import httpx
+from bench_serve_rss import free_port
 
 from bitserve.loader.catalog import DEFAULT_MODEL
 from bitserve.testing.container import running_image
@@ -26,32 +27,25 @@ from bitserve.testing.container import running_image
 QUESTION = "What is the capital of France?"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _first_answer(base_url: str, api_key: str) -> str:
+def first_answer(base_url: str, api_key: str | None = None) -> str:
+    """The server's greedy answer to QUESTION (24 tokens at most)."""
     body = {
         "model": DEFAULT_MODEL,
         "messages": [{"role": "user", "content": QUESTION}],
         "temperature": 0,
         "max_tokens": 24,
     }
-    headers = {"Authorization": f"Bearer {api_key}"}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"]
 
 
 def one_run(docker: str, image: str) -> dict[str, object]:
-    with running_image(docker, image, _free_port(), secrets.token_urlsafe(24)) as container:
+    with running_image(docker, image, free_port(), secrets.token_urlsafe(24)) as container:
         ready_s = container.wait_ready()
         started = time.monotonic()
-        answer = _first_answer(container.base_url, container.api_key)
+        answer = first_answer(container.base_url, container.api_key)
         return {
             "ready_s": ready_s,
             "first_answer_s": time.monotonic() - started,
