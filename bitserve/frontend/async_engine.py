@@ -97,6 +97,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.itl_sum_s = 0.0  # cumulative over finished requests: the probation's latency signal
         self.itl_count = 0
+        self.ttft_sum_s = 0.0  # and their time to first token (a canary's comparison)
+        self.ttft_count = 0
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -226,6 +228,9 @@ class AsyncEngine:
         timing, now = stream.timing, time.monotonic()
         self.itl_sum_s += timing.itl_sum_s
         self.itl_count += timing.itl_count
+        if timing.first_token_at is not None:
+            self.ttft_sum_s += timing.first_token_at - timing.arrival
+            self.ttft_count += 1
         self.stats.record_request(
             RequestStats(
                 model=self.name,

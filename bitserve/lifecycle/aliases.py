@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bitserve.errors import InvalidRequest
+from bitserve.lifecycle.canary import Canary, RoutingHints, VersionSample
 from bitserve.lifecycle.model_files import ModelFile
 from bitserve.lifecycle.slot import ModelSlot, SlotState
+from bitserve.metrics.versions import VersionCounters
 
 MAX_ALIAS_CHARS = 128
 
@@ -22,6 +24,37 @@ class Alias:
     previous: ModelSlot | None = None  # still resident: during probation, or while it drains
     previous_source: ModelFile | None = None  # the version a later rollback reloads
     previous_devices: tuple[str, ...] = ()  # and the devices it asked for
+    canary: Canary | None = None  # a version staged beside `current`, taking a share of the requests
+
+    def serving_slot(self, alias: str, hints: RoutingHints) -> ModelSlot:
+        """The version this request goes to: the canary's share, else the current version."""
+        canary = self.canary
+        if canary is not None and canary.slot.is_routable and canary.routes_here(alias, hints):
+            return canary.slot
+        return self.current
+
+    def slots(self) -> list[ModelSlot]:
+        """Every resident version of the alias: current, previous, canary."""
+        canary = self.canary.slot if self.canary is not None else None
+        return [slot for slot in (self.current, self.previous, canary) if slot is not None]
+
+    def version_counters(self, alias: str) -> list[VersionCounters]:
+        """Each resident version's counters (metrics/versions.py), with its role and traffic share."""
+        canary_weight = self.canary.weight if self.canary is not None else 0.0
+        rows = [
+            VersionSample.of(self.current).counters(alias, self.current.version, "stable", 1 - canary_weight)
+        ]
+        if self.canary is not None:
+            rows.append(
+                VersionSample.of(self.canary.slot).counters(
+                    alias, self.canary.slot.version, "canary", canary_weight
+                )
+            )
+        if self.previous is not None and self.previous is not self.current:
+            rows.append(
+                VersionSample.of(self.previous).counters(alias, self.previous.version, "previous", 0.0)
+            )
+        return rows
 
     def flip_to(self, new: ModelSlot) -> ModelSlot:
         """Point the alias at `new`; the old slot starts draining and becomes the previous version.

@@ -37,6 +37,8 @@ from bitserve.errors import (
 )
 from bitserve.frontend.async_engine import AsyncEngine
 from bitserve.lifecycle.aliases import Alias, check_alias
+from bitserve.lifecycle.canary import NO_HINTS, RoutingHints
+from bitserve.lifecycle.canary_rollout import CanaryRollouts
 from bitserve.lifecycle.memory_budget import (
     least_recently_used_idle,
     load_bytes,
@@ -80,12 +82,13 @@ class ModelManager:
         self._busy_aliases: set[str] = set()  # aliases with an admin action running
         self._tasks: set[asyncio.Task[Any]] = set()
         self._num_slots = 0
+        self.canaries = CanaryRollouts(self)
 
     # ----------------------------------------------------------------- routing
 
-    def acquire(self, name: str | None) -> Lease:
-        """A lease on the READY slot `name` (the default alias when None). Raises ModelNotFound (404),
-        ModelUnavailable (503: loading, draining, shutting down) or EngineDead."""
+    def acquire(self, name: str | None, hints: RoutingHints = NO_HINTS) -> Lease:
+        """A lease on the READY slot `name` (the default alias when None; its canary's share by `hints`).
+        Raises ModelNotFound (404), ModelUnavailable (503: loading, draining, shutting down) or EngineDead."""
         if self.is_draining:
             raise ServerShuttingDown(
                 "the server is shutting down and accepts no new requests", hint="retry on another replica"
@@ -106,7 +109,7 @@ class ModelManager:
                 param="model",
                 hint=f"available: {available}",
             )
-        slot = entry.current
+        slot = entry.serving_slot(alias, hints)
         if slot.replicas and not slot.has_live_replica:
             raise EngineDead(
                 "the model's engine has failed", hint="roll back or reload the model; retry later"
@@ -155,9 +158,13 @@ class ModelManager:
                 param="alias",
                 hint="wait for its operation to finish and retry",
             )
-        runner = {"load": self._load, "swap": self._swap, "rollback": self._rollback, "unload": self._unload}[
-            action
-        ]
+        runner = {
+            "load": self._load,
+            "swap": self._swap,
+            "rollback": self._rollback,
+            "unload": self._unload,
+            "promote": self.canaries.promote,
+        }[action]
         if action != "load" and alias not in self.aliases:
             raise ModelNotFound(
                 f"no model is served as {alias!r}",
@@ -168,6 +175,8 @@ class ModelManager:
             raise Conflict(
                 f"{alias!r} is already served", param="alias", hint="swap it to replace the version it serves"
             )
+        if action == "swap" and self.aliases[alias].canary is not None:
+            raise Conflict(f"{alias!r} has a canary", param="alias", hint="promote it or roll it back first")
         if action in ("load", "swap"):
             entry = self.aliases.get(alias)
             default = entry.current.device_request if entry is not None else None  # a swap keeps them
@@ -214,7 +223,10 @@ class ModelManager:
         devices: tuple[str, ...],
         validate: bool = True,
         action: str = "swap",
+        canary: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        if canary is not None:  # {"weight", "window_s"}: staged beside, not flipped (canary_rollout.py)
+            return await self.canaries.stage(operation, source, devices, validate=validate, **canary)
         try:
             slot = await self._bring_up(operation, source, devices, validate=validate)
         except BitserveError:
@@ -234,6 +246,8 @@ class ModelManager:
 
     async def _rollback(self, operation: Operation) -> dict[str, Any]:
         entry = self.aliases[operation.alias]
+        if entry.canary is not None:  # rolling back a canary retires it; the stable version serves on
+            return await self.canaries.roll_back(operation)
         previous = entry.previous
         if previous is not None and previous.state is SlotState.DRAINING and previous.has_live_replica:
             current = entry.flip_back()
@@ -253,9 +267,7 @@ class ModelManager:
 
     async def _unload(self, operation: Operation) -> dict[str, Any]:
         entry = self._remove_alias(operation.alias)
-        await asyncio.gather(
-            *(self._retire(slot) for slot in (entry.current, entry.previous) if slot is not None)
-        )
+        await asyncio.gather(*(self._retire(slot) for slot in entry.slots()))
         self._record("unload", operation.alias, entry.current.version, "success")
         return {"version": entry.current.version}
 
@@ -401,9 +413,8 @@ class ModelManager:
             logger.info(
                 "evicting idle model %r (least recently used) to make room for %s", victim, source.path.name
             )
-            for slot in (entry.current, entry.previous):
-                if slot is not None:
-                    await self._free(slot)
+            for slot in entry.slots():
+                await self._free(slot)
             self._record("evict", victim, entry.current.version, "success")
 
     def _new_slot(
@@ -467,6 +478,7 @@ class ModelManager:
                     "is_default": name == self.default_alias,
                     **entry.current.describe(),
                     "previous": entry.previous.describe() if entry.previous is not None else None,
+                    "canary": entry.canary.describe(entry.current) if entry.canary is not None else None,
                     "pending": pending[0] if pending else None,
                 }
             )

@@ -23,6 +23,7 @@ from typing import Any
 from bitserve.errors import Forbidden, InvalidModelFile, InvalidRequest, ModelNotFound
 from bitserve.loader.catalog import CATALOG, resolve_model
 from bitserve.loader.checkpoint_dir import checkpoint_files, is_checkpoint_dir
+from bitserve.loader.wheel_fetch import sha256_of
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +252,4 @@ def file_sha256(path: Path) -> str:
     if path.is_dir():
         listing = "".join(f"{item.name} {file_sha256(item)}\n" for item in checkpoint_files(path))
         return hashlib.sha256(listing.encode()).hexdigest()
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):  # hashlib releases the GIL on chunks this size
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_of(path)

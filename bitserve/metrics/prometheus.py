@@ -30,6 +30,7 @@ from bitserve.metrics.energy import EnergyCollector
 from bitserve.metrics.gc_pauses import GCPauseCollector
 from bitserve.metrics.memory_limit import CGROUP_MEMORY_LIMIT_FILES, read_memory_limit_bytes
 from bitserve.metrics.stats import (
+    SWAP_ACTIONS,
     BatchStats,
     CacheTierStats,
     LifecycleEvent,
@@ -313,7 +314,7 @@ class PrometheusStatsSink:
         reg = self.registry
         self.swaps = Counter(
             "bitserve_model_swaps_total",
-            "Swaps and rollbacks of an alias, by action and result.",
+            "Swaps, rollbacks and canaries of an alias, by action and result.",
             ["action", "result"],
             registry=reg,
         )
@@ -433,10 +434,8 @@ class PrometheusStatsSink:
         self.aborted.labels(reason).inc()
 
     def record_lifecycle(self, event: LifecycleEvent) -> None:
-        if event.action in ("swap", "rollback", "auto_rollback"):
-            self.swaps.labels(event.action, event.result).inc()
-        else:
-            self.lifecycle.labels(event.action, event.result).inc()
+        counter = self.swaps if event.action in SWAP_ACTIONS else self.lifecycle
+        counter.labels(event.action, event.result).inc()
         if event.duration_s is not None and event.result == "success":
             self.load_duration.labels(event.alias).observe(event.duration_s)
 

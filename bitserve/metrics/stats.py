@@ -29,11 +29,15 @@ class RequestStats:
     queue_s: float | None = None
 
 
+# the lifecycle actions counted as bitserve_model_swaps_total (the others: ..._lifecycle_events_total)
+SWAP_ACTIONS = ("swap", "rollback", "auto_rollback", "canary", "canary_promote", "canary_rollback")
+
+
 @dataclass(frozen=True, slots=True)
 class LifecycleEvent:
     """One finished model-lifecycle action, recorded by the ModelManager."""
 
-    action: str  # load | swap | rollback | auto_rollback | unload | evict
+    action: str  # load | unload | evict, or one of SWAP_ACTIONS
     alias: str
     version: str
     result: str  # success | rejected
@@ -89,6 +93,18 @@ class BatchStats:
     num_completed: int
     num_failed: int
     num_retried: int
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerStats:
+    """One circuit breaker (server/breakers.py) for /metrics: its state (closed | open | half_open), the
+    times it entered each state, the calls it refused, and what its dependency dropped while open."""
+
+    name: str
+    state: str
+    transitions: dict[str, int]
+    num_rejected: int
+    num_dropped: int = 0  # spans the OTLP exporter dropped (the other breakers drop nothing)
 
 
 class StatsSink(Protocol):

@@ -1,6 +1,6 @@
 """build_app(): the FastAPI application. Lifespan (load the model in a worker thread, start the
-engine, warm up), middleware order (request context -> CORS -> security -> body limits -> routes),
-error handlers.
+engine, warm up), middleware order (request context -> compression -> CORS -> security -> body limits ->
+routes), error handlers.
 The only importer of metrics/prometheus.py.
 """
 
@@ -22,11 +22,17 @@ from bitserve.engine.instance import ModelInstance
 from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.model_files import ModelFiles, default_alias
 from bitserve.log import REQUEST_ID
+from bitserve.metrics.breakers import BreakerCollector
 from bitserve.metrics.prometheus import PrometheusStatsSink
+from bitserve.metrics.versions import VersionCollector
 from bitserve.server.batches.config import BatchConfig
 from bitserve.server.batches.service import BatchService
+from bitserve.server.breakers import Breakers
+from bitserve.server.compression import CompressionMiddleware
 from bitserve.server.errors import INTERNAL_ERROR, install_error_handlers, send_error
 from bitserve.server.limits import BodyLimitMiddleware
+from bitserve.server.plugins.config import PluginConfig
+from bitserve.server.plugins.registry import load_plugins
 from bitserve.server.response_cache.cache import ResponseCache
 from bitserve.server.response_fields import valid_request_id
 from bitserve.server.routes import batch_endpoints, register_routes
@@ -79,7 +85,7 @@ class RequestContextMiddleware:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             self.on_error(INTERNAL_ERROR.status, INTERNAL_ERROR.code)
             if not is_started:
-                await send_error(send_with_id, exc)
+                await send_error(send_with_id, exc, path=scope.get("path", ""))
 
 
 def served_model_id(reference: str, served_model_name: str | None) -> str:
@@ -117,14 +123,28 @@ def build_state(server_config: ServerConfig, engine_config: EngineConfig) -> App
     response_cache = ResponseCache.from_config(server_config)
     if response_cache is not None:
         stats.watch_response_cache(response_cache.stats)
+    breakers = Breakers(server_config.breaker_failure_threshold, server_config.breaker_cooldown_s)
+    stats.registry.register(BreakerCollector(breakers.stats))
+    stats.registry.register(
+        VersionCollector(
+            lambda: [row for alias, entry in models.aliases.items() for row in entry.version_counters(alias)]
+        )
+    )
     return AppState(
-        server_config, engine_config, stats, read_build_info(), models, response_cache=response_cache
+        server_config,
+        engine_config,
+        stats,
+        read_build_info(),
+        models,
+        response_cache=response_cache,
+        breakers=breakers,
     )
 
 
 def _batch_service(state: AppState, batch: BatchConfig | None) -> BatchService:
     """The app's Batch API (off without `batch`), its counts exported to /metrics when on."""
-    service = BatchService(batch, batch_endpoints(), state.server_config.max_body_bytes)
+    breaker = state.breakers.get("batch_db") if batch is not None else None
+    service = BatchService(batch, batch_endpoints(), state.server_config.max_body_bytes, breaker)
     if batch is not None:
         state.stats.watch_batches(service.stats)
     return service
@@ -139,6 +159,7 @@ def build_app(
     security: SecurityConfig | None = None,
     tracer_provider: Any | None = None,
     batch: BatchConfig | None = None,
+    plugins: PluginConfig | None = None,
 ) -> FastAPI:
     """The bitserve ASGI app. With `instance` (tests), serve that already-loaded model (the caller
     closes it), or a mapping of device -> instance as the replicas of one model; otherwise load
@@ -148,11 +169,13 @@ def build_app(
     and the audit log (default: none, which serves only on a loopback address). `tracer_provider`: an
     OpenTelemetry TracerProvider (tests); by default one is built when an OTLP endpoint is configured.
     `batch`: the Batch API's database and worker settings (default: the Batch API is off, its routes
-    answer 503; `bitserve serve` always passes one)."""
+    answer 503; `bitserve serve` always passes one). `plugins`: which server plugins run (default: none);
+    one that is not installed or cannot start raises InvalidRequest here, failing the start."""
     server_config = server_config or ServerConfig()
     state = build_state(server_config, engine_config or EngineConfig())
     tracer_provider = _start_tracing(state, tracer_provider)
     state.batches = _batch_service(state, batch)
+    state.plugins = load_plugins(plugins or PluginConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -193,7 +216,7 @@ def _start_tracing(state: AppState, tracer_provider: Any | None) -> Any | None:
     (None: tracing is off); its tracer goes on `state`."""
     endpoint = state.server_config.otel_endpoint
     if tracer_provider is None and endpoint is not None:
-        tracer_provider = build_tracer_provider(endpoint)
+        tracer_provider = build_tracer_provider(endpoint, state.breakers.get("otlp"))
         logger.info("OpenTelemetry tracing to %s", endpoint)
     if tracer_provider is not None:
         state.tracer = tracer_provider.get_tracer(TRACER_NAME)
@@ -221,7 +244,10 @@ def _install_middleware(
         server_config.host,
         on_error=state.stats.record_http_error,
         on_limiter_error=state.stats.record_limiter_error,
+        limiter_breaker=state.breakers.get("redis") if security and security.rate_limit_url else None,
     )
+    if server_config.compression:  # around the limits and security: their JSON errors are bodies too
+        app.add_middleware(CompressionMiddleware, min_bytes=server_config.compression_min_bytes)
     if state.tracer is not None:  # inside the request context: the request id is known to the span
         app.add_middleware(TracingMiddleware, tracer=state.tracer)
     app.add_middleware(RequestContextMiddleware, on_error=state.stats.record_http_error)

@@ -20,6 +20,7 @@ from starlette.types import Send
 
 from bitserve.errors import (
     BitserveError,
+    CircuitOpen,
     Conflict,
     ContextLengthExceeded,
     DeadlineExceeded,
@@ -33,9 +34,11 @@ from bitserve.errors import (
     ModelUnavailable,
     NotFound,
     PayloadTooLarge,
+    PluginFailed,
     QueueFull,
     RateLimited,
     RequestFailed,
+    RequestRefused,
     ServerShuttingDown,
     ServiceUnavailable,
     Unauthenticated,
@@ -79,6 +82,7 @@ class ErrorSpec:
 ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     (ContextLengthExceeded, ErrorSpec(400, "invalid_request_error", "context_length_exceeded")),
     (UnsupportedParameter, ErrorSpec(400, "invalid_request_error", "unsupported_parameter")),
+    (RequestRefused, ErrorSpec(400, "invalid_request_error", "request_refused")),
     (InvalidRequest, ErrorSpec(400, "invalid_request_error", "invalid_value")),
     (RequestTimeout, ErrorSpec(408, "invalid_request_error", "request_timeout")),
     (PayloadTooLarge, ErrorSpec(413, "invalid_request_error", "payload_too_large")),
@@ -99,9 +103,11 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     ),
     (ServerShuttingDown, ErrorSpec(503, "service_unavailable", "server_shutting_down", has_retry_after=True)),
     (ModelUnavailable, ErrorSpec(503, "service_unavailable", "model_unavailable", has_retry_after=True)),
+    (CircuitOpen, ErrorSpec(503, "service_unavailable", "dependency_unavailable", has_retry_after=True)),
     (ServiceUnavailable, ErrorSpec(503, "service_unavailable", "service_unavailable")),
     (EngineDead, ErrorSpec(503, "server_error", "engine_dead", has_retry_after=True)),
     (RequestFailed, ErrorSpec(500, "server_error", "request_failed")),
+    (PluginFailed, ErrorSpec(500, "server_error", "plugin_error")),
     # the client's own deadline passed (request `timeout` / X-Request-Timeout): a gateway timeout
     (DeadlineExceeded, ErrorSpec(504, "timeout_error", "deadline_exceeded")),
     # A model an admin asked for was rejected (bad file, failed validation): the old one serves on.
@@ -114,6 +120,25 @@ HTTP_STATUS_SPECS: dict[int, ErrorSpec] = {
     404: ErrorSpec(404, "invalid_request_error", "not_found"),
     405: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
 }
+
+
+# The Anthropic Messages API's routes answer errors in Anthropic's shape (its SDKs read `error.type`
+# and pick their exception class by status); every other route in OpenAI's.
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 def lookup(exc: BaseException) -> ErrorSpec:
@@ -133,6 +158,18 @@ def error_payload(exc: BaseException, spec: ErrorSpec | None = None) -> dict[str
     return {"error": {"message": message, "type": spec.type, "param": param, "code": spec.code, "hint": hint}}
 
 
+def error_body(exc: BaseException, spec: ErrorSpec | None = None, path: str = "") -> dict[str, Any]:
+    """The error body for a request to `path`: OpenAI's (error_payload), or on the Anthropic routes
+    `{"type": "error", "error": {type, message, ...}}` with Anthropic's type for the status."""
+    spec = spec or lookup(exc)
+    payload = error_payload(exc, spec)
+    if not speaks_anthropic(path):
+        return payload
+    fallback = "api_error" if spec.status >= 500 else "invalid_request_error"
+    detail = {**payload["error"], "type": ANTHROPIC_ERROR_TYPES.get(spec.status, fallback)}
+    return {"type": "error", "error": detail}
+
+
 def retry_after_value(seconds: float | None) -> str:
     """Integer seconds, at least 1 (RFC 9110 delay-seconds)."""
     if seconds is None or not math.isfinite(seconds):
@@ -143,7 +180,9 @@ def retry_after_value(seconds: float | None) -> str:
 def error_headers(exc: BaseException, spec: ErrorSpec, retry_after_s: float | None) -> dict[str, str]:
     headers: dict[str, str] = {}
     if spec.has_retry_after:
-        hinted = exc.retry_after_s if isinstance(exc, QueueFull | RateLimited) else retry_after_s
+        hinted = (
+            exc.retry_after_s if isinstance(exc, QueueFull | RateLimited | CircuitOpen) else retry_after_s
+        )
         headers["Retry-After"] = retry_after_value(hinted)
     if spec.has_www_authenticate:
         headers["WWW-Authenticate"] = "Bearer"
@@ -169,11 +208,17 @@ def socket_error_message(
 
 
 async def send_error(
-    send: Send, exc: BaseException, *, close: bool = False, retry_after_s: float | None = None
+    send: Send,
+    exc: BaseException,
+    *,
+    close: bool = False,
+    retry_after_s: float | None = None,
+    path: str = "",
 ) -> None:
-    """Answer with a JSON error from raw ASGI (middleware, before any response started)."""
+    """Answer with a JSON error from raw ASGI (middleware, before any response started); `path`: the
+    request's, which picks the body's dialect."""
     spec = lookup(exc)
-    body = json.dumps(error_payload(exc, spec)).encode()
+    body = json.dumps(error_body(exc, spec, path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc, spec, retry_after_s).items()]
     if close:
@@ -221,7 +266,9 @@ def install_error_handlers(
 ) -> None:
     """Route every handled exception through the table. `on_error(status, type)` counts it."""
 
-    def respond(exc: BaseException, spec: ErrorSpec, headers: dict[str, str] | None = None) -> JSONResponse:
+    def respond(
+        request: Request, exc: BaseException, spec: ErrorSpec, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
         on_error(spec.status, spec.code)
         if spec.status >= 500:  # 503s (loading, draining, overload) are expected; other 5xx are failures
             logger.log(
@@ -231,18 +278,18 @@ def install_error_handlers(
                 exc,
             )
         return JSONResponse(
-            error_payload(exc, spec),
+            error_body(exc, spec, request.url.path),
             status_code=spec.status,
             headers={**error_headers(exc, spec, retry_after_s()), **(headers or {})},
         )
 
     async def on_bitserve_error(request: Request, exc: Exception) -> JSONResponse:
-        return respond(exc, lookup(exc))
+        return respond(request, exc, lookup(exc))
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         errors = exc.errors() if isinstance(exc, RequestValidationError) else []
         error = invalid_request_from_errors(errors) if errors else InvalidRequest("invalid request")
-        return respond(error, lookup(error))
+        return respond(request, error, lookup(error))
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
@@ -255,7 +302,7 @@ def install_error_handlers(
         headers = exc.headers if isinstance(exc, StarletteHTTPException) else None
         if status == 405:
             headers = {**(headers or {}), "Allow": allowed_methods(request)}
-        return respond(BitserveError(message, hint="see GET /docs for the routes"), spec, headers)
+        return respond(request, BitserveError(message, hint="see GET /docs for the routes"), spec, headers)
 
     app.add_exception_handler(BitserveError, on_bitserve_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -79,6 +79,8 @@ async def health(request: Request) -> Response:
         "replicas": [],
         "http": {"is_draining": state.is_draining, "num_live_streams": state.num_live_streams},
         "energy": state.stats.energy_status(),  # why bitserve_energy_joules_total is absent, if it is
+        # each configured dependency's circuit breaker: {"redis": {"state", "failures", "opened_seconds_ago"}}
+        "breakers": state.breakers.describe(),
     }
     if state.load_error is not None:
         components["model"] = {"error": state.load_error}

@@ -55,7 +55,10 @@ class BodyLimitMiddleware:
             if self.on_error is not None:
                 spec = lookup(exc)
                 self.on_error(spec.status, spec.code)
-            await send_error(send, exc, close=True)
+            # NOTE: `Connection: close` exists in HTTP/1.x only: on an HTTP/2 stream the header is a protocol
+            # error that would reset the whole connection (every stream multiplexed on it), not this request
+            is_http1 = scope.get("http_version", "1.1").startswith("1")
+            await send_error(send, exc, close=is_http1, path=scope.get("path", ""))
             return
         if disconnected:
             return  # the client left while sending; nobody to answer

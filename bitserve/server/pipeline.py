@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,9 +22,12 @@ from fastapi.responses import JSONResponse, Response
 
 from bitserve.frontend.batch_stream import BatchStream
 from bitserve.frontend.device_router import RoutedStream
+from bitserve.lifecycle.canary import CANARY_HEADER, SESSION_HEADER, routing_hints
 from bitserve.lifecycle.slot import Lease
 from bitserve.server.body import parse_request, with_model_defaults
 from bitserve.server.deadlines import TIMEOUT_HEADER, request_deadline
+from bitserve.server.plugins.base import RequestContext
+from bitserve.server.plugins.stream import PluginStream, with_output_plugins
 from bitserve.server.prompts import encode_prompt
 from bitserve.server.protocol import GenerationRequest, PromptInput, new_request_id, usage_payload
 from bitserve.server.request_log import log_if_slow
@@ -35,6 +39,7 @@ from bitserve.server.security.request_context import charge_tokens, request_secu
 from bitserve.server.state import AppState, get_state
 from bitserve.server.streaming import (
     CLIENT_CLOSED_STATUS,
+    AnyStream,
     ClientDisconnected,
     SSEResponse,
     sse_events,
@@ -46,6 +51,8 @@ from bitserve.tokenizer.base import Tokenizer
 
 BodyT = TypeVar("BodyT", bound=GenerationRequest)
 OutputStreamLike = RoutedStream | BatchStream | ReplayStream
+# (stream, keepalive_s, format) -> the SSE body's frames (streaming.sse_events is OpenAI's framing)
+FrameSource = Callable[[AnyStream, float, ResponseFormat], AsyncIterator[bytes]]
 
 
 @dataclass(slots=True)
@@ -55,7 +62,7 @@ class Generation:
     state: AppState
     body: Any  # the endpoint's GenerationRequest subclass
     lease: Lease
-    stream: RoutedStream | BatchStream | ReplayStream | RecordingStream
+    stream: RoutedStream | BatchStream | ReplayStream | RecordingStream | PluginStream
     started: float  # time.monotonic() when the request arrived
     prompt_token_ids: list[list[int]]  # each prompt's (one, unless a batched completions request)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -80,30 +87,53 @@ class Caller:
 
     security: RequestSecurity | None  # the caller's principal and budgets (None: an app without security)
     timeout_header: str | None = None  # X-Request-Timeout, where the transport has headers
+    session_header: str | None = None  # X-Session-Id: keeps a conversation on one version in a canary
+    canary_header: str | None = None  # X-Canary: a tester's "always" / "never"
+
+    @classmethod
+    def of_request(cls, request: Request) -> Caller:
+        headers = request.headers
+        return cls(
+            request_security(request),
+            headers.get(TIMEOUT_HEADER),
+            headers.get(SESSION_HEADER),
+            headers.get(CANARY_HEADER),
+        )
 
 
 async def prepare(request: Request, body_cls: type[BodyT], id_prefix: str) -> Generation:
     """Parse and admit one HTTP generation request (raises before any header)."""
     started = time.monotonic()
     body = parse_request(await request.body(), body_cls)
-    caller = Caller(request_security(request), request.headers.get(TIMEOUT_HEADER))
-    return await admit(get_state(request), body, id_prefix, caller, started)
+    return await admit(get_state(request), body, id_prefix, Caller.of_request(request), started)
 
 
 async def admit(state: AppState, body: BodyT, id_prefix: str, caller: Caller, started: float) -> Generation:
     """Lease, default, encode and admit one validated generation request (`started`: its arrival,
     time.monotonic()). A batched completions request admits one stream per prompt, seen as one
     BatchStream. With the response cache on, a deterministic request's stored answer is replayed
-    instead of admitted, and a generated one is stored once it completes."""
-    lease = state.acquire(body.model)
+    instead of admitted, and a generated one is stored once it completes. With plugins enabled, their
+    pre-inference hooks see (and may rewrite or refuse) the body first, and their output hooks wrap the
+    stream, replayed or generated (server/plugins)."""
+    hints = routing_hints(body.user, caller.session_header, caller.canary_header)
+    lease = state.acquire(body.model, hints)
     with lease.released_on_error():
         body = with_model_defaults(body, lease.slot.source.default_params)  # may set `timeout` too
+        plugin_context: RequestContext | None = None
+        if state.plugins.plugins:
+            principal = caller.security.principal.name if caller.security is not None else None
+            context = RequestContext(id_prefix, lease.info.id, body, lease.instance.tokenizer, principal)
+            plugin_context = await state.plugins.pre_inference(context)
+            body = plugin_context.body
         deadline = request_deadline(started, body.timeout, caller.timeout_header)
         lookup = await look_up(state.response_cache, id_prefix, body, lease.info)
         if lookup is not None and lookup.entry is not None:
             replay = ReplayStream(new_request_id(id_prefix), lookup.entry)
             _close_with_lease(state, lease, replay, started)
-            return Generation(state, body, lease, replay, started, lookup.entry.prompt_token_ids, cache="hit")
+            replayed = with_output_plugins(replay, state.plugins, plugin_context)
+            return Generation(
+                state, body, lease, replayed, started, lookup.entry.prompt_token_ids, cache="hit"
+            )
         request_id = new_request_id(id_prefix)
         prompts = body.prompt_inputs()
         streams: list[RoutedStream] = []
@@ -124,6 +154,7 @@ async def admit(state: AppState, body: BodyT, id_prefix: str, caller: Caller, st
     if lookup is not None:
         generation.stream = lookup.recording(stream, prompt_ids)
         generation.cache = "miss"
+    generation.stream = with_output_plugins(generation.stream, state.plugins, plugin_context)
     return generation
 
 
@@ -184,15 +215,21 @@ async def _admit(
 
 
 async def respond(
-    request: Request, generation: Generation, response_format: ResponseFormat, *, stream: bool
+    request: Request,
+    generation: Generation,
+    response_format: ResponseFormat,
+    *,
+    stream: bool,
+    frames: FrameSource = sse_events,
 ) -> Response:
-    """SSE frames when `stream`, else run to the end: one JSON body (499 if the client leaves first)."""
+    """SSE `frames` when `stream` (OpenAI's `data:` frames and [DONE] unless the endpoint frames its
+    own), else run to the end: one JSON body (499 if the client leaves first)."""
     headers = version_header(generation.version)
     if generation.cache is not None:
         headers[CACHE_HEADER] = generation.cache
     if stream:
         keepalive_s = generation.state.server_config.sse_keepalive_s
-        return SSEResponse(sse_events(generation.stream, keepalive_s, response_format), headers=headers)
+        return SSEResponse(frames(generation.stream, keepalive_s, response_format), headers=headers)
     try:
         result = await until_disconnect(request.receive, generation.stream.collect())
     except ClientDisconnected:

@@ -23,9 +23,11 @@ from bitserve.server import (
     serving_chat,
     serving_completions,
     serving_embeddings,
+    serving_messages,
     serving_native,
     websocket,
 )
+from bitserve.server.anthropic_protocol import MessagesInput, MessagesRequest
 from bitserve.server.batches.executor import Endpoint
 from bitserve.server.protocol import (
     ChatCompletionRequest,
@@ -63,6 +65,15 @@ ROUTES: tuple[Route, ...] = (
         ChatCompletionRequest,
     ),
     Route("POST", "/v1/completions", serving_completions.create_completion, "inference", CompletionRequest),
+    # The Anthropic Messages API (serving_messages.py): its own body and error shapes, the same pipeline.
+    Route("POST", "/v1/messages", serving_messages.create_message, "inference", MessagesRequest),
+    Route(
+        "POST",
+        "/v1/messages/count_tokens",
+        serving_messages.count_message_tokens,
+        "inference",
+        MessagesInput,
+    ),
     Route(
         "POST",
         "/v1/embeddings",
@@ -107,6 +118,14 @@ ROUTES: tuple[Route, ...] = (
         "models:admin",
         serving_admin.SwapModelRequest,
         model_param="alias",
+    ),
+    Route(
+        "POST",
+        "/v1/models/{alias:path}/canary/promote",
+        serving_admin.promote_canary,
+        "models:admin",
+        None,
+        "alias",
     ),
     Route(
         "POST",
@@ -208,6 +227,7 @@ TEXT_BODIES = {
     "/metrics": "text/plain",
     "/v1/chat/completions": "text/event-stream",
     "/v1/completions": "text/event-stream",
+    "/v1/messages": "text/event-stream",
     "/v1/inference/stream": "text/event-stream",
     "/v1/files/{file_id}/content": serving_batches.JSONL_MEDIA_TYPE,
 }

@@ -1,5 +1,6 @@
 """/v1/models: the served models as OpenAI model objects (inference scope), and the admin actions
-(admin scope): load beside, swap, rollback, unload, operation status. Actions run in the background
+(admin scope): load beside, swap (or stage a canary, then promote it), rollback, unload, operation
+status. Actions run in the background
 (202 + status URL) unless `wait` is true (the final result: 200, or the error's status and body).
 Model references are resolved only by the ModelFiles (names, or paths inside the model roots).
 Load and swap take `device` ("auto", "cpu", "cuda", "cuda:N") or `devices` (a list: one replica each).
@@ -23,6 +24,7 @@ from bitserve.server.state import AppState, get_state
 
 MAX_MODEL_REFERENCE_CHARS = 4096
 OPERATIONS_PATH = "/v1/models/operations"
+MAX_CANARY_WINDOW_S = 7 * 24 * 3600.0
 
 
 class AdminRequest(StrictModel):
@@ -59,9 +61,24 @@ class LoadModelRequest(PlacementRequest):
     should_validate: bool = Field(True, alias="validate")
 
 
+class CanaryRequest(AdminRequest):
+    """A swap's canary: the new version takes `percent` of the alias's requests beside the stable one
+    for `window_s` (default --canary-window-s), then is promoted or rolled back (lifecycle/canary.py)."""
+
+    percent: float = Field(gt=0.0, lt=100.0)
+    window_s: float | None = Field(None, gt=0.0, le=MAX_CANARY_WINDOW_S)
+
+
 class SwapModelRequest(PlacementRequest):
     model: str = Field(min_length=1, max_length=MAX_MODEL_REFERENCE_CHARS)
     should_validate: bool = Field(True, alias="validate")
+    canary: CanaryRequest | None = None
+
+    @property
+    def canary_options(self) -> dict[str, Any]:
+        if self.canary is None:
+            return {}
+        return {"canary": {"weight": self.canary.percent / 100.0, "window_s": self.canary.window_s}}
 
 
 class AliasActionRequest(AdminRequest):
@@ -146,9 +163,20 @@ async def load_model(request: Request) -> Response:
 async def swap_model(request: Request, alias: str) -> Response:
     body = parse_request(await request.body(), SwapModelRequest)
     operation = get_state(request).models.submit(
-        "swap", alias, body.model, devices=body.device_request, validate=body.should_validate
+        "swap",
+        alias,
+        body.model,
+        devices=body.device_request,
+        validate=body.should_validate,
+        **body.canary_options,
     )
     return await _answer(operation, body.wait)
+
+
+async def promote_canary(request: Request, alias: str) -> Response:
+    """Promote the alias's canary now (the swap's flip); rollback retires it instead."""
+    body = await _optional_body(request)
+    return await _answer(get_state(request).models.submit("promote", alias), body.wait)
 
 
 async def rollback_model(request: Request, alias: str) -> Response:

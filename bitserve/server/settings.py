@@ -29,6 +29,7 @@ from bitserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from bitserve.engine.devices import parse_devices
 from bitserve.errors import InvalidRequest
 from bitserve.server.batches.config import BatchConfig
+from bitserve.server.plugins.config import PluginConfig
 from bitserve.server.security.config import SecurityConfig
 
 if typing.TYPE_CHECKING:
@@ -51,6 +52,7 @@ SECTIONS: tuple[tuple[str, type[Any]], ...] = (
     ("server", ServerConfig),
     ("security", SecurityConfig),
     ("batch", BatchConfig),
+    ("plugins", PluginConfig),
 )
 _NESTED_ENGINE_FIELDS = ("model", "cache", "scheduler")
 
@@ -70,6 +72,7 @@ class Settings:
     sources: dict[str, str]  # setting name -> "cli" | "env" | "toml" for every value that was set
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     batch: BatchConfig = dataclasses.field(default_factory=BatchConfig)
+    plugins: PluginConfig = dataclasses.field(default_factory=PluginConfig)
 
 
 def _scalar_type(annotation: Any) -> type[Any]:
@@ -199,7 +202,11 @@ def load_settings(
         merged.update(values)
         sources.update(dict.fromkeys(values, source))
     return Settings(
-        *build_configs(merged), sources=sources, security=build_security(merged), batch=build_batch(merged)
+        *build_configs(merged),
+        sources=sources,
+        security=build_security(merged),
+        batch=build_batch(merged),
+        plugins=build_plugins(merged),
     )
 
 
@@ -230,6 +237,10 @@ def build_security(values: Mapping[str, Any]) -> SecurityConfig:
 
 def build_batch(values: Mapping[str, Any]) -> BatchConfig:
     return typing.cast(BatchConfig, _build_section(values, "batch"))
+
+
+def build_plugins(values: Mapping[str, Any]) -> PluginConfig:
+    return typing.cast(PluginConfig, _build_section(values, "plugins"))
 
 
 def build_configs(values: Mapping[str, Any]) -> tuple[EngineConfig, ServerConfig]:

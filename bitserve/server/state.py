@@ -21,10 +21,13 @@ import bitserve
 from bitserve.config import EngineConfig, ServerConfig
 from bitserve.engine.process import ServedModel
 from bitserve.errors import ModelUnavailable, ServerShuttingDown
+from bitserve.lifecycle.canary import NO_HINTS, RoutingHints
 from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.slot import Lease, ModelSlot, SlotState
 from bitserve.metrics.stats import BatchStats, StatsSink
 from bitserve.server.batches.service import BatchService
+from bitserve.server.breakers import Breakers
+from bitserve.server.plugins.chain import PluginChain
 from bitserve.server.response_cache.cache import ResponseCache
 from bitserve.server.security.principal import check_model_access
 
@@ -90,6 +93,8 @@ class AppState:
     tracer: Any = None  # an OpenTelemetry tracer when tracing is on (server/tracing.py)
     batches: BatchService = field(default_factory=lambda: BatchService(None, {}, 0))  # the Batch API
     response_cache: ResponseCache | None = None  # --response-cache (server/response_cache)
+    plugins: PluginChain = field(default_factory=PluginChain)  # --plugin (server/plugins); none by default
+    breakers: Breakers = field(default_factory=Breakers)  # of the dependencies in use (server/breakers.py)
 
     @property
     def phase(self) -> str:
@@ -117,7 +122,7 @@ class AppState:
         entry = self.models.aliases.get(self.models.default_alias) if self.models.default_alias else None
         return entry.current if entry is not None else None
 
-    def acquire(self, model: str | None) -> Lease:
+    def acquire(self, model: str | None, hints: RoutingHints = NO_HINTS) -> Lease:
         """A lease on the model a request names (the default one when None); see ModelManager.acquire.
         Forbidden when the request's credential may not use that model."""
         check_model_access(model if model is not None else self.models.default_alias)
@@ -129,7 +134,7 @@ class AppState:
             raise ModelUnavailable(
                 "the model is still loading", hint="retry after the number of seconds in Retry-After"
             )
-        return self.models.acquire(model)
+        return self.models.acquire(model, hints)
 
     def require_instance(self, model: str | None) -> ServedModel:
         """The model a request names, for work that needs no engine step (tokenize), draining or not."""

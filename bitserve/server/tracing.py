@@ -2,8 +2,10 @@
 BITSERVE_OTEL_ENDPOINT, or the standard OTEL_EXPORTER_OTLP_ENDPOINT: server/settings.py reads both): one
 SERVER span per HTTP request (a W3C `traceparent` from the client is its parent; a WebSocket request gets
 one of its own), with child spans for a generation's queue wait, prefill and decode. The span's trace id
-is on every JSON log line of the request (`trace_id`). Spans go to an OTLP/HTTP collector in batches. The
-SDK is an optional dependency: `pip install 'bitserve[otel]'`."""
+is on every JSON log line of the request (`trace_id`). Spans go to an OTLP/HTTP collector in batches,
+through a circuit breaker: a collector that failed N exports in a row is not called for a cool-down (its
+spans are dropped and counted), so a dead one does not hold the export thread in retries or a shutdown in
+its flush. The SDK is an optional dependency: `pip install 'bitserve[otel]'`."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bitserve.frontend.generation_stream import StreamTiming
 from bitserve.log import TRACE_ID
+from bitserve.server.breakers import CircuitBreaker
 
 TRACER_NAME = "bitserve"
 
 
-def build_tracer_provider(endpoint: str) -> Any:
-    """An SDK TracerProvider exporting to `endpoint` (an OTLP/HTTP base URL; /v1/traces is appended)."""
+def build_tracer_provider(endpoint: str, breaker: CircuitBreaker | None = None) -> Any:
+    """An SDK TracerProvider exporting to `endpoint` (an OTLP/HTTP base URL; /v1/traces is appended),
+    through `breaker` when given."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
@@ -34,8 +38,40 @@ def build_tracer_provider(endpoint: str) -> Any:
         ) from exc
     provider = TracerProvider(resource=Resource.create({"service.name": "bitserve"}))
     url = endpoint.rstrip("/") + "/v1/traces"
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+    exporter: Any = OTLPSpanExporter(endpoint=url)
+    if breaker is not None:
+        exporter = BreakerSpanExporter(exporter, breaker)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
+
+
+class BreakerSpanExporter:
+    """A SpanExporter calling `exporter` while `breaker` allows: a failed export counts against it; while
+    it is open, batches are dropped (counted on the breaker) without a call. Runs on the SDK's export
+    thread; the breaker is thread-safe."""
+
+    def __init__(self, exporter: Any, breaker: CircuitBreaker) -> None:
+        self.exporter = exporter
+        self.breaker = breaker
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        if not self.breaker.allow():
+            self.breaker.record_dropped(len(spans))
+            return SpanExportResult.FAILURE
+        result = self.exporter.export(spans)
+        if result == SpanExportResult.SUCCESS:
+            self.breaker.record_success()
+        else:
+            self.breaker.record_failure()
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return bool(self.exporter.force_flush(timeout_millis))
 
 
 class TracingMiddleware:

@@ -17,6 +17,7 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180.0
+SMOLLM2_ALIAS = "smollm2-135m-instruct"  # the embedded default model's id on /v1/models
 
 
 def free_port() -> int:
@@ -102,6 +103,17 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait(timeout=10)
         self._log.close()
+
+
+def chat_body(max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A streamed chat request to the embedded SmolLM2 (`extra` adds or overrides fields)."""
+    return {
+        "model": SMOLLM2_ALIAS,
+        "messages": [{"role": "user", "content": "Tell me about rivers."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        **extra,
+    }
 
 
 def sse_data(lines: list[str]) -> list[str]:

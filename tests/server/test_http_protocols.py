@@ -117,7 +117,7 @@ def test_auto_picks_httptools_when_installed() -> None:
 
 
 def test_settings_refuse_unknown_and_missing_implementations(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bitserve import config
+    from bitserve import server_config as config
 
     with pytest.raises(ValueError, match="http_parser must be one of"):
         config.ServerConfig(http_parser="picohttp")

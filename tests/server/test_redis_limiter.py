@@ -6,9 +6,6 @@ as configured, and counts it. Skips when redis-server is not installed, except u
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,75 +16,17 @@ import security_testing as st
 from conftest import IN_PROCESS_SERVER
 from fastapi.testclient import TestClient
 from http_testing import free_port
+from redis_testing import REDIS_SERVER, ExternalRedis, RedisProcess, shared_redis
 
 from bitserve.errors import LimiterUnavailable, RateLimited
 from bitserve.server.security.config import SecurityConfig
 from bitserve.server.security.principal import Limits, Principal
 from bitserve.server.security.redis_limiter import RedisRateLimiter
 
-REDIS_SERVER = shutil.which("redis-server")
-START_TIMEOUT_S = 10.0
-
-
-class RedisProcess:
-    def __init__(self, folder: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            [
-                REDIS_SERVER or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(folder),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=0.5).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-
-
-class ExternalRedis:
-    """The redis-server .ci/run started (REDIS_TEST_URL); left running for .ci/run to stop."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess | ExternalRedis]:
-    if os.environ.get("REDIS_TEST_URL"):
-        yield ExternalRedis(os.environ["REDIS_TEST_URL"])
-        return
-    if REDIS_SERVER is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is missing under CI: .ci/run should have installed it")
-        pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
-    server = RedisProcess(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+    yield from shared_redis(tmp_path_factory)
 
 
 def principal(name: str, **limits: int) -> Principal:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -324,3 +325,22 @@ def test_models_cli_sends_its_api_key(server: ServerProcess, capsys: pytest.Capt
     assert main(["models", "--url", server.url, "list"]) == 2  # no key: 401, reported, exit 2
     assert main(["models", "--url", server.url, "--api-key", st.key_of("reader"), "--json", "list"]) == 0
     assert SERVED in capsys.readouterr().out
+
+
+def test_the_anthropic_sdk_authenticates_with_x_api_key(server: ServerProcess) -> None:
+    """Anthropic clients send `x-api-key`; refusals come back in Anthropic's error shape."""
+    question = [{"role": "user", "content": "hi"}]
+
+    def claude(key: str | None) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=server.url, api_key=key or "", max_retries=0, timeout=30.0)
+
+    with pytest.raises(anthropic.AuthenticationError) as unauthenticated:
+        claude("bsk_not_a_key").messages.count_tokens(model=SERVED, messages=question)
+    assert unauthenticated.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.PermissionDeniedError) as forbidden:
+        claude(st.key_of("reader")).messages.create(model=SERVED, max_tokens=4, messages=question)
+    assert forbidden.value.body["error"]["type"] == "permission_error"
+    # the inference key passes; the synthetic model has no chat template, which is the 400 it gets
+    with pytest.raises(anthropic.BadRequestError) as past_auth:
+        claude(st.key_of("infer")).messages.count_tokens(model=SERVED, messages=question)
+    assert "template" in past_auth.value.body["error"]["message"]

@@ -14,22 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-from http_testing import ServerProcess, parse_stream
+from http_testing import ServerProcess, chat_body, parse_stream
 
-MODEL = "smollm2-135m-instruct"
 MAX_NUM_WAITING = 3
 NUM_BURST = 10
 EXIT_TIMEOUT_S = 60.0
-
-
-def chat_body(max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Tell me about rivers."}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        **extra,
-    }
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,8 @@ class Database(Protocol):
     skip_locked: str
     # appended to a SELECT of one batch row: hold it until commit (finalize, a request's result)
     lock_row: str
+    # errors meaning the database cannot be used (unreachable, broken): counted by the store's breaker
+    failure_errors: tuple[type[BaseException], ...]
 
     def transaction(self) -> AbstractContextManager[Session]:
         """A read-write transaction: committed on exit, rolled back on an exception."""

@@ -60,6 +60,8 @@ class PostgresDatabase:
     name = "postgresql"
     skip_locked = " FOR UPDATE OF r SKIP LOCKED"
     lock_row = " FOR UPDATE"
+    # the server cannot be reached or the connection broke: what trips the breaker (not SQL errors)
+    failure_errors: tuple[type[BaseException], ...] = (psycopg.OperationalError,)
 
     def __init__(self, url: str) -> None:
         self.url = url

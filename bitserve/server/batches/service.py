@@ -21,6 +21,7 @@ from bitserve.server.batches.executor import Endpoint, InProcessExecutor
 from bitserve.server.batches.input_file import InputLimits
 from bitserve.server.batches.store import BatchStore
 from bitserve.server.batches.worker import BatchWorker
+from bitserve.server.breakers import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +30,14 @@ NOT_CONFIGURED = "the Batch API is off in this app (no batch configuration was g
 
 class BatchService:
     def __init__(
-        self, config: BatchConfig | None, endpoints: Mapping[str, Endpoint], max_body_bytes: int
+        self,
+        config: BatchConfig | None,
+        endpoints: Mapping[str, Endpoint],
+        max_body_bytes: int,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         self.config = config
+        self.breaker = breaker  # the database's (server/breakers.py); None: the store makes its own
         self.endpoints = dict(endpoints)
         self.body_models = {url: endpoint.body_model for url, endpoint in endpoints.items()}
         self.limits = InputLimits(
@@ -50,7 +56,7 @@ class BatchService:
             return
         location = self.config.database
         try:
-            self.store = await asyncio.to_thread(BatchStore, location)
+            self.store = await asyncio.to_thread(BatchStore, location, self.breaker)
         except (DatabaseUnavailable, OSError, sqlite3.Error, ValueError) as exc:
             self.unavailable = f"the Batch API is off: {exc}"
             logger.error("%s", self.unavailable)

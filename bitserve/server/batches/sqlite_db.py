@@ -41,6 +41,8 @@ class SQLiteDatabase:
     name = "sqlite"
     skip_locked = ""  # BEGIN IMMEDIATE already serializes every writer of the file
     lock_row = ""
+    # the file cannot be used (locked past the busy timeout, disk I/O, gone): what trips the breaker
+    failure_errors: tuple[type[BaseException], ...] = (sqlite3.OperationalError,)
 
     def __init__(self, path: Path) -> None:
         self.path = path

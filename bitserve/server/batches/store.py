@@ -7,14 +7,17 @@ once however often processes die. Claims skip rows another worker is claiming (P
 SKIP LOCKED`), and the requests of a dead worker go back to pending (SQLite: at open; PostgreSQL: at
 any worker's next claim). Lock order, batch row then its request rows, so finalizing and finishing
 never deadlock. Methods are synchronous and thread-safe: call them through asyncio.to_thread from
-the event loop.
+the event loop. Every database access goes through a circuit breaker: after N failures in a row (the
+backend's `failure_errors`) calls raise CircuitOpen (503 + Retry-After) at once for a cool-down instead
+of each waiting on a dead database.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from bitserve.server.batches.records import (
     from_row,
 )
 from bitserve.server.batches.results import render_files, usage_of
+from bitserve.server.breakers import CircuitBreaker
 
 __all__ = ["BatchStore", "new_id"]
 
@@ -47,20 +51,38 @@ def _marks(values: Sequence[Any]) -> str:
 
 
 class BatchStore:
-    def __init__(self, target: DatabaseLocation | Path | str) -> None:
-        """`target`: a DatabaseLocation, a SQLite path, or a --batch-db value (path or URL)."""
+    def __init__(self, target: DatabaseLocation | Path | str, breaker: CircuitBreaker | None = None) -> None:
+        """`target`: a DatabaseLocation, a SQLite path, or a --batch-db value (path or URL); `breaker`:
+        the app's batch database breaker (default: one of this store's own)."""
         if isinstance(target, Path):
             target = DatabaseLocation(path=target)
         elif isinstance(target, str):
             target = database_location(target)
         self.database: Database = open_database(target)
         self.schema_version = self.database.schema_version
+        self.breaker = breaker or CircuitBreaker("batch_db")
 
     def close(self) -> None:
         self.database.close()
 
+    @contextlib.contextmanager
+    def _guarded(self, open_session: Callable[[], Any]) -> Iterator[Session]:
+        """A session of `open_session` through the breaker: CircuitOpen without touching the database
+        while it is open; the database's own failures count against it, the store's errors do not."""
+        self.breaker.check()
+        try:
+            with open_session() as db:
+                yield db
+        except self.database.failure_errors:
+            self.breaker.record_failure()
+            raise
+        self.breaker.record_success()
+
     def _transaction(self) -> Any:
-        return self.database.transaction()
+        return self._guarded(self.database.transaction)
+
+    def _reading(self) -> Any:
+        return self._guarded(self.database.reading)
 
     # ------------------------------------------------------------------ files
 
@@ -81,7 +103,7 @@ class BatchStore:
             return self._insert_file(db, owner, purpose, filename, content, now)
 
     def get_file(self, file_id: str, owner: str) -> FileRecord | None:
-        with self.database.reading() as db:
+        with self._reading() as db:
             row = db.execute("SELECT * FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
         return from_row(FileRecord, row) if row is not None else None
 
@@ -100,12 +122,13 @@ class BatchStore:
             )
             args += [after, owner]
         query += f" ORDER BY created_at {order}, id {order} LIMIT ?"
-        with self.database.reading() as db:
+        with self._reading() as db:
             rows = db.execute(query, [*args, limit + 1]).fetchall()
         return [from_row(FileRecord, row) for row in rows[:limit]], len(rows) > limit
 
     def read_file(self, file_id: str) -> bytes:
-        return self.database.read_content(file_id)
+        with self._guarded(contextlib.nullcontext):
+            return self.database.read_content(file_id)
 
     def delete_file(self, file_id: str, owner: str) -> bool:
         """Delete the owner's file; False when there is none, Conflict while an open batch reads it."""
@@ -161,7 +184,7 @@ class BatchStore:
         query, args = "SELECT * FROM batches WHERE id = ?", [batch_id]
         if owner is not None:
             query, args = query + " AND owner = ?", [batch_id, owner]
-        with self.database.reading() as db:
+        with self._reading() as db:
             row = db.execute(query, args).fetchone()
         return from_row(BatchRecord, row) if row is not None else None
 
@@ -172,12 +195,12 @@ class BatchStore:
         if after is not None:
             query += " AND seq < coalesce((SELECT seq FROM batches WHERE id = ? AND owner = ?), -1)"
             args += [after, owner]
-        with self.database.reading() as db:
+        with self._reading() as db:
             rows = db.execute(query + " ORDER BY seq DESC LIMIT ?", [*args, limit + 1]).fetchall()
         return [from_row(BatchRecord, row) for row in rows[:limit]], len(rows) > limit
 
     def open_batches(self) -> list[BatchRecord]:
-        with self.database.reading() as db:
+        with self._reading() as db:
             rows = db.execute(
                 f"SELECT * FROM batches WHERE status IN ({_marks(OPEN_STATUSES)}) ORDER BY seq", OPEN_STATUSES
             ).fetchall()
@@ -253,7 +276,7 @@ class BatchStore:
 
     def overview(self) -> tuple[dict[str, int], BatchProgress]:
         """Batches of every owner by status, and the requests of the open ones: how many, and where."""
-        with self.database.reading() as db:
+        with self._reading() as db:
             rows = db.execute("SELECT status, count(*) AS n FROM batches GROUP BY status").fetchall()
             batches = db.execute(
                 "SELECT count(*) AS n, coalesce(sum(num_total), 0) AS total, "

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from bitserve.errors import BitserveError
+from bitserve.errors import BitserveError, CircuitOpen
 from bitserve.server.batches.config import BatchConfig
 from bitserve.server.batches.executor import Outcome
 from bitserve.server.batches.input_file import InputLimits, parse_input_file
@@ -86,6 +86,10 @@ class BatchWorker:
             self._wake.clear()
             try:
                 await self.step()
+            except CircuitOpen as exc:
+                # the database's breaker is open: back off until its probe may go, not every POLL_S
+                await asyncio.sleep(max(POLL_S, exc.retry_after_s))
+                continue
             except Exception:  # noqa: BLE001 - a failed pass (disk full, a locked database) is retried
                 logger.exception("batch worker pass failed; retrying in %g s", POLL_S)
             await self._wait_for_wake()

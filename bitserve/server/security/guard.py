@@ -15,6 +15,7 @@ from typing import Any
 from starlette.types import Scope
 
 from bitserve.errors import Unauthenticated
+from bitserve.server.breakers import CircuitBreaker
 from bitserve.server.security.audit import AuditLog
 from bitserve.server.security.config import SecurityConfig, split_list
 from bitserve.server.security.jwt_auth import JwtVerifier, looks_like_jwt
@@ -86,7 +87,12 @@ class RequestSecurity:
 
 
 class Guard:
-    def __init__(self, config: SecurityConfig, on_limiter_error: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: SecurityConfig,
+        on_limiter_error: Callable[[str], None] | None = None,
+        limiter_breaker: CircuitBreaker | None = None,
+    ) -> None:
         self.config = config
         self.has_auth = config.has_auth
         auth = load_auth_file(config.auth_file) if config.auth_file else AuthFile((), ())
@@ -100,7 +106,10 @@ class Guard:
             from bitserve.server.security.redis_limiter import RedisRateLimiter
 
             self.limiter = RedisRateLimiter(
-                config.rate_limit_url, on_error=config.rate_limit_on_error, on_backend_error=on_limiter_error
+                config.rate_limit_url,
+                on_error=config.rate_limit_on_error,
+                on_backend_error=on_limiter_error,
+                breaker=limiter_breaker,
             )
         self.audit = AuditLog(config.audit_log, config.audit_log_max_bytes) if config.audit_log else None
         self._tasks: set[asyncio.Task[Any]] = set()  # refunds in flight, referenced until done

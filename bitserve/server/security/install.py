@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from bitserve.errors import InvalidRequest
+from bitserve.server.breakers import CircuitBreaker
 from bitserve.server.routes import route_rules
 from bitserve.server.security.config import SecurityConfig, split_list
 from bitserve.server.security.guard import Guard, check_bind, is_loopback_host
@@ -40,12 +41,13 @@ def install_security(
     *,
     on_error: Callable[[int, str], None] | None = None,
     on_limiter_error: Callable[[str], None] | None = None,
+    limiter_breaker: CircuitBreaker | None = None,
 ) -> Guard:
     """Add the security middleware (call after the routes are registered and the inner middleware is
     added: it wraps what exists). Raises InvalidRequest for a configuration that must not serve."""
     try:
         check_bind(config, host)
-        guard = Guard(config, on_limiter_error)
+        guard = Guard(config, on_limiter_error, limiter_breaker)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     if not config.has_auth and is_loopback_host(host):

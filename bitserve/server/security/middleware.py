@@ -200,7 +200,7 @@ class SecurityMiddleware:
                 message = {**message, "headers": self._headers(message.get("headers", []), None)}
             await send(message)
 
-        await send_error(send_secured, exc, retry_after_s=retry_after)
+        await send_error(send_secured, exc, retry_after_s=retry_after, path=scope.get("path", ""))
 
     def _audit_response(
         self, scope: Scope, status: int, client: str, principal: Principal, rule: Any

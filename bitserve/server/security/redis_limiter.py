@@ -3,7 +3,9 @@ Lua script reads, refills, checks and takes all of a principal's buckets atomica
 script alone), timed by Redis's own clock so replicas with skewed clocks agree.
 
 When Redis fails (down, slow, refusing), `on_error` decides: "closed" refuses the request with 503
-(LimiterUnavailable), "open" serves it unlimited; each failure is counted (`on_backend_error`).
+(LimiterUnavailable), "open" serves it unlimited; each failure is counted (`on_backend_error`). A circuit
+breaker (server/breakers.py) stops asking a Redis that failed N times in a row: while it is open the
+`on_error` path is taken at once, so a hanging Redis no longer costs each request its socket timeout.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from bitserve.errors import LimiterUnavailable
+from bitserve.errors import CircuitOpen, LimiterUnavailable
+from bitserve.server.breakers import CircuitBreaker
 from bitserve.server.security.principal import Principal
 from bitserve.server.security.rate_limits import (
     BucketSpec,
@@ -79,15 +82,31 @@ class RedisRateLimiter:
         on_error: str = "closed",
         on_backend_error: Callable[[str], None] | None = None,
         client: Any = None,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         self.on_error = on_error
         self.on_backend_error = on_backend_error
+        self.breaker = breaker or CircuitBreaker("redis")
         self.client = client or aioredis.from_url(
             url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S
         )
         self._script = self.client.register_script(BUCKET_SCRIPT)
 
     async def _run(
+        self, principal: Principal, specs: list[BucketSpec], cost: int
+    ) -> tuple[bool, float, list[float]]:
+        """One script call through the breaker: CircuitOpen without touching Redis while it is open. (A
+        call cancelled with its request reports nothing; a lost probe is given up after a cool-down.)"""
+        self.breaker.check()
+        try:
+            result = await self._call(principal, specs, cost)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            self.breaker.record_failure()
+            raise
+        self.breaker.record_success()
+        return result
+
+    async def _call(
         self, principal: Principal, specs: list[BucketSpec], cost: int
     ) -> tuple[bool, float, list[float]]:
         keys = [f"{KEY_PREFIX}{spec.kind}:{principal.name}" for spec in specs]
@@ -100,7 +119,8 @@ class RedisRateLimiter:
 
     def _failed(self, exc: BaseException) -> None:
         """Count the failure; raise LimiterUnavailable when failing closed."""
-        logger.warning("rate limiter backend failed (%s): failing %s", type(exc).__name__, self.on_error)
+        if not isinstance(exc, CircuitOpen):  # an open breaker logged its opening once, not every call
+            logger.warning("rate limiter backend failed (%s): failing %s", type(exc).__name__, self.on_error)
         if self.on_backend_error is not None:
             self.on_backend_error(self.on_error)
         if self.on_error == "closed":
@@ -113,7 +133,7 @@ class RedisRateLimiter:
     ) -> list[float] | None:
         try:
             allowed, wait_s, levels = await self._run(principal, specs, cost)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (RedisError, OSError, asyncio.TimeoutError, CircuitOpen) as exc:
             self._failed(exc)
             return None  # failing open: no limit, no headers
         if not allowed:
@@ -151,9 +171,10 @@ class RedisRateLimiter:
             return
         try:
             await self._run(principal, specs, -num_tokens)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (RedisError, OSError, asyncio.TimeoutError, CircuitOpen) as exc:
             # A lost refund only under-serves the principal until its bucket refills; never refuse.
-            logger.warning("rate limiter refund failed (%s)", type(exc).__name__)
+            if not isinstance(exc, CircuitOpen):
+                logger.warning("rate limiter refund failed (%s)", type(exc).__name__)
             if self.on_backend_error is not None:
                 self.on_backend_error(self.on_error)
 
