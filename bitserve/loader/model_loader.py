@@ -165,7 +165,9 @@ class GGUFWeightSource:
         if weight.layout in TERNARY_FILE_LAYOUTS:
             in_place = self.backend.prepare_ternary_file(weight, mode=self.linear_mode)
             if in_place is not None:
-                return in_place  # reads the file's bytes: their pages stay mapped
+                if weight.layout is not Layout.I2_S:  # transcoded into the backend's own rows
+                    self.gguf.release_pages(name)
+                return in_place  # I2_S reads the file's bytes: their pages stay mapped
             prepared = self.backend.prepare_ternary(unpack_ternary(weight), mode=self.linear_mode)
             # the backend holds its own runtime copy: the file's bytes need not stay resident
             self.gguf.release_pages(name)

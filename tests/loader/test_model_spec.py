@@ -91,7 +91,9 @@ def test_catalog_resolves_the_default_and_explains_missing_models(
     assert resolve_model("smollm2-135m-instruct") == smollm2_path
     with pytest.raises(ModelNotFound, match="smollm2-135m-instruct"):
         resolve_model("no-such-model")
-    missing = CatalogEntry("missing", "some-package", "1.0", "no_such_module_xyz", "x.gguf", 1, "test entry")
+    missing = CatalogEntry(
+        "missing", "some-package", "1.0", "no_such_module_xyz", "x.gguf", 1, "test entry", sha256="0" * 64
+    )
     monkeypatch.setitem(CATALOG, "missing", missing)
     with pytest.raises(ModelUnavailable) as info:
         resolve_model("missing", cache_dir=tmp_path, fetch=False)

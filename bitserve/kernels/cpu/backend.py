@@ -210,13 +210,11 @@ class CpuBackend(KernelBackend):
     def prepare_ternary_file(self, weight: PackedWeight, *, mode: LinearMode) -> PreparedLinear | None:
         """I2_S variant A in bitnet / bitnetcpp / float mode: its rows, a view of the file's bytes, are
         the runtime layout, so the weight is read in place (checked once, never copied: the mapping's
-        pages stay file-backed). None for any other ternary weight (see kernels/cpu/mapped.py for why
-        each needs a repack): the loader then unpacks it for prepare_ternary."""
+        pages stay file-backed); a one-d TQ2_0 weight is transcoded to it at the speed of a copy. None for
+        any other (kernels/cpu/mapped.py): the loader then unpacks it for prepare_ternary."""
         mode = mode.kernel_mode
-        if not mapped.is_in_kernel_layout(weight) or mode is LinearMode.LLAMACPP_TQ:
-            return None
-        rows, scale = mapped.i2s_rows(weight)
-        return self._ternary(*weight.shape, mode, rows, scale, {})
+        found = None if mode is LinearMode.LLAMACPP_TQ else mapped.kernel_rows(weight)
+        return None if found is None else self._ternary(*weight.shape, mode, *found, {})
 
     def _ternary(
         self, m: int, k: int, mode: LinearMode, packed: torch.Tensor, scale: torch.Tensor, extras: dict
