@@ -23,6 +23,7 @@ from bitserve.lifecycle.manager import ModelManager
 from bitserve.lifecycle.model_files import ModelFiles, default_alias
 from bitserve.log import REQUEST_ID
 from bitserve.metrics.breakers import BreakerCollector
+from bitserve.metrics.plugins import PluginCollector
 from bitserve.metrics.prometheus import PrometheusStatsSink
 from bitserve.metrics.versions import VersionCollector
 from bitserve.server.batches.config import BatchConfig
@@ -176,6 +177,7 @@ def build_app(
     tracer_provider = _start_tracing(state, tracer_provider)
     state.batches = _batch_service(state, batch)
     state.plugins = load_plugins(plugins or PluginConfig())
+    state.stats.registry.register(PluginCollector(lambda: dict(state.plugins.num_events)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -142,6 +142,9 @@ def test_a_plugin_that_raises_fails_only_its_request(client: openai.OpenAI, serv
         assert "'exploding'" in failed.value.body["message"] and what in failed.value.body["message"]
         assert chat(client, max_tokens=4).choices[0].message.content  # the next request is served
     assert "plugin exploding failed in pre_inference" in server.log_tail(20000)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30.0).text
+    for outcome in ("error", "timeout"):
+        assert f'bitserve_plugin_events_total{{outcome="{outcome}",plugin="exploding"}}' in metrics
 
 
 def test_a_stream_hook_that_raises_ends_that_stream_with_an_error_event(server: ServerProcess) -> None:
