@@ -41,20 +41,14 @@ class Alias:
     def version_counters(self, alias: str) -> list[VersionCounters]:
         """Each resident version's counters (metrics/versions.py), with its role and traffic share."""
         canary_weight = self.canary.weight if self.canary is not None else 0.0
-        rows = [
-            VersionSample.of(self.current).counters(alias, self.current.version, "stable", 1 - canary_weight)
-        ]
+        roles = [(self.current, "stable", 1.0 - canary_weight)]
         if self.canary is not None:
-            rows.append(
-                VersionSample.of(self.canary.slot).counters(
-                    alias, self.canary.slot.version, "canary", canary_weight
-                )
-            )
+            roles.append((self.canary.slot, "canary", canary_weight))
         if self.previous is not None and self.previous is not self.current:
-            rows.append(
-                VersionSample.of(self.previous).counters(alias, self.previous.version, "previous", 0.0)
-            )
-        return rows
+            roles.append((self.previous, "previous", 0.0))
+        return [
+            VersionSample.of(slot).counters(alias, slot.version, role, weight) for slot, role, weight in roles
+        ]
 
     def flip_to(self, new: ModelSlot) -> ModelSlot:
         """Point the alias at `new`; the old slot starts draining and becomes the previous version.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 from bitserve.config import ServerConfig
@@ -94,14 +94,7 @@ class VersionSample:
         )
 
     def since(self, base: VersionSample) -> VersionSample:
-        return VersionSample(
-            self.finished - base.finished,
-            self.failed - base.failed,
-            self.ttft_sum_s - base.ttft_sum_s,
-            self.ttft_count - base.ttft_count,
-            self.itl_sum_s - base.itl_sum_s,
-            self.itl_count - base.itl_count,
-        )
+        return VersionSample(*(now - then for now, then in zip(astuple(self), astuple(base), strict=True)))
 
     @property
     def error_rate(self) -> float:
@@ -116,18 +109,7 @@ class VersionSample:
         return self.itl_sum_s / self.itl_count if self.itl_count else None
 
     def counters(self, alias: str, version: str, role: str, weight: float) -> VersionCounters:
-        return VersionCounters(
-            alias,
-            version,
-            role,
-            weight,
-            self.finished,
-            self.failed,
-            self.ttft_sum_s,
-            self.ttft_count,
-            self.itl_sum_s,
-            self.itl_count,
-        )
+        return VersionCounters(alias, version, role, weight, *astuple(self))  # the same fields, in order
 
     def describe(self) -> dict[str, Any]:
         ttft, itl = self.mean_ttft_s, self.mean_itl_s

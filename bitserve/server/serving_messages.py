@@ -15,7 +15,6 @@ with an `error` event when it fails after it began.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from bitserve.errors import BitserveError
 from bitserve.outputs import RequestOutput
 from bitserve.server.anthropic_protocol import MessagesInput, MessagesRequest
 from bitserve.server.body import parse_request
@@ -33,9 +31,7 @@ from bitserve.server.prompts import encode_prompt
 from bitserve.server.response_format import ResponseFormat
 from bitserve.server.serving_chat import ChatFormat
 from bitserve.server.state import get_state
-from bitserve.server.streaming import AnyStream, stream_payloads
-
-logger = logging.getLogger(__name__)
+from bitserve.server.streaming import AnyStream, Framing, framed_events, sse_frame
 
 # chat finish_reason -> Anthropic stop_reason ("stop" is end_turn or stop_sequence, by its stop_reason)
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "deadline": "max_tokens"}
@@ -43,8 +39,13 @@ PING_EVENT = {"type": "ping"}
 
 
 def event_frame(payload: dict[str, Any]) -> bytes:
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return f"event: {payload['type']}\ndata: {data}\n\n".encode()
+    """`event: <type>` then the payload's `data:` line (streaming.sse_frame's JSON)."""
+    return f"event: {payload['type']}\n".encode() + sse_frame(payload)
+
+
+ANTHROPIC_FRAMING = Framing(
+    event_frame, event_frame(PING_EVENT), lambda exc: event_frame(error_body(exc, path=ANTHROPIC_PATH))
+)
 
 
 class ContentBlocks:
@@ -179,20 +180,11 @@ class MessagesFormat:
         return {**self._message(content_blocks(choice["message"]), stop), "usage": self._usage(usage)}
 
 
-async def event_frames(
+def event_frames(
     stream: AnyStream, keepalive_s: float, response_format: ResponseFormat
 ) -> AsyncIterator[bytes]:
-    """The stream's event frames; a ping when idle; an `error` event if it fails after it began."""
-    payloads = stream_payloads(stream, keepalive_s, response_format)
-    try:
-        async for payload in payloads:
-            yield event_frame(PING_EVENT if payload is None else payload)
-    except Exception as exc:  # noqa: BLE001 - headers are out: the error goes in an event
-        if not isinstance(exc, BitserveError):
-            logger.exception("stream failed")
-        yield event_frame(error_body(exc, path=ANTHROPIC_PATH))
-    finally:
-        await payloads.aclose()  # closes the stream (an abort) also when this iterator is closed early
+    """The stream's event frames; a ping event when idle; an `error` event if it fails after it began."""
+    return framed_events(stream, keepalive_s, response_format, ANTHROPIC_FRAMING)
 
 
 async def create_message(request: Request) -> Response:

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.responses import Response
@@ -165,21 +166,44 @@ async def stream_payloads(
         stream.close()
 
 
-async def sse_events(
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How an API writes its stream: each payload's frame, the idle ping, the error after the headers,
+    and the last frame (OpenAI's [DONE]; none for Anthropic's, which ends with its message_stop)."""
+
+    frame: Callable[[dict[str, Any]], bytes]
+    ping: bytes
+    error: Callable[[BaseException], bytes]
+    end: bytes = b""
+
+
+OPENAI_FRAMING = Framing(sse_frame, PING_FRAME, sse_error_event, DONE_FRAME)
+
+
+async def framed_events(
     stream: AnyStream,
     keepalive_s: float,
     response_format: ResponseFormat,
+    framing: Framing = OPENAI_FRAMING,
 ) -> AsyncIterator[bytes]:
-    """SSE frames of one admitted stream (stream_payloads), a ping comment when idle, [DONE]. Any error
-    after the first frame becomes an error event followed by [DONE]."""
+    """Frames of one admitted stream (stream_payloads) in `framing`, a ping when idle, then its end.
+    Any error after the first frame becomes its error frame, then the end."""
     payloads = stream_payloads(stream, keepalive_s, response_format)
     try:
         async for payload in payloads:
-            yield PING_FRAME if payload is None else sse_frame(payload)
+            yield framing.ping if payload is None else framing.frame(payload)
     except Exception as exc:  # noqa: BLE001 - headers are out: the table's body goes in an error event
         if not isinstance(exc, BitserveError):
             logger.exception("stream failed")
-        yield sse_error_event(exc)
+        yield framing.error(exc)
     finally:
         await payloads.aclose()  # closes the stream (an abort) also when this iterator is closed early
-    yield DONE_FRAME
+    if framing.end:
+        yield framing.end
+
+
+def sse_events(
+    stream: AnyStream, keepalive_s: float, response_format: ResponseFormat
+) -> AsyncIterator[bytes]:
+    """OpenAI's SSE: `data:` frames, a `: ping` comment when idle, [DONE] at the end (also after an error)."""
+    return framed_events(stream, keepalive_s, response_format, OPENAI_FRAMING)
